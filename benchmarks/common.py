@@ -1,0 +1,111 @@
+"""Shared benchmark plumbing: machine facts, best-of-N timing, and RESULTS.md upkeep.
+
+Every benchmark measures its baseline in the same run and reports the ratio; results are kept per
+benchmark in results.json so running one benchmark refreshes its own section of RESULTS.md only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+HERE = Path(__file__).resolve().parent
+RESULTS_JSON = HERE / "results.json"
+RESULTS_MD = HERE / "RESULTS.md"
+
+
+@dataclass
+class Row:
+    metric: str
+    value: float
+    baseline: float | None = None
+    unit: str = ""
+    higher_is_better: bool = True
+    target: str = ""  # e.g. ">= 0.8x baseline"
+    passed: bool | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline in (None, 0):
+            return None
+        return self.value / self.baseline
+
+
+@dataclass
+class BenchResult:
+    name: str
+    description: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    machine: dict[str, str] = field(default_factory=dict)
+    when: str = ""
+
+
+def machine_info() -> dict[str, str]:
+    import torch
+
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem, "python": platform.python_version(),
+        "torch": torch.__version__, "torch_threads": str(torch.get_num_threads()),
+    }
+
+
+def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Best wall time of `repeat` runs: the least disturbed by the shared machine."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def record(result: BenchResult) -> None:
+    result.machine = result.machine or machine_info()
+    result.when = result.when or time.strftime("%Y-%m-%d %H:%M:%S")
+    data = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+    data[result.name] = asdict(result)
+    RESULTS_JSON.write_text(json.dumps(data, indent=1, sort_keys=True))
+    RESULTS_MD.write_text(render(data))
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def render(data: dict) -> str:
+    out = ["# Benchmark results", "",
+           "Written by `make bench` (`python -m benchmarks.run`). Each baseline is measured in the same run "
+           "as the figure it is compared with; ratio = measured / baseline.", ""]
+    for name in sorted(data):
+        r = data[name]
+        m = r["machine"]
+        out += [f"## {name}", "", r["description"], "",
+                f"Machine: {m.get('cpu')} · {m.get('cores')} cores · {m.get('memory')} · Python {m.get('python')} · "
+                f"torch {m.get('torch')} ({m.get('torch_threads')} threads) · measured {r['when']}", "",
+                "| metric | measured | baseline | ratio | target | met |", "|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            ratio = None if row["baseline"] in (None, 0) else row["value"] / row["baseline"]
+            met = {True: "yes", False: "**no**", None: ""}[row["passed"]]
+            out.append(f"| {row['metric']} ({row['unit']}) | {_fmt(row['value'])} | {_fmt(row['baseline'])} | "
+                       f"{'' if ratio is None else f'{ratio:.2f}×'} | {row['target']} | {met} |")
+        out += [""] + [f"- {n}" for n in r["notes"]] + [""]
+    return "\n".join(out)

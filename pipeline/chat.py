@@ -1,0 +1,234 @@
+"""The chat and tool-call format (Qwen/Hermes, SAAR.md §2), on token ids.
+
+Text-level helpers parse and render tool calls and tool responses; `ChatFormat` binds them to a
+tokenizer and works on token ids: the running sequence is never re-rendered and re-tokenized,
+because BPE is not a bijection and chat templates drop text.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from pipeline.trajectory import CallStatus
+
+IM_START, IM_END, EOS = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+SPECIAL_TOKENS = [EOS, IM_START, IM_END, CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE]
+TOOL_NAME = "code_interpreter"
+TRUNCATION_MARK = "...(truncated)..."
+RETRY_NOTE = (
+    "This approach has been attempted {n} times with the same type of error. Consider trying a "
+    "different algorithm, method, or approach to solve this problem."
+)
+
+CODE_TOOL_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": "Run Python code and return its stdout and stderr.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+            "required": ["code"],
+        },
+    },
+}
+
+DEFAULT_SYSTEM = "Solve the problem with the Python tool. Put the final answer in \\boxed{}."
+
+# Qwen-style template: system (+ tool list), user, assistant, and tool turns rendered exactly like
+# the token-level turns the agent loop appends, so SFT transcripts and rollouts agree token for token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message.role == 'system' %}"
+    "<|im_start|>system\n{{ message.content }}"
+    # Newlines after a block tag are emitted as expressions: transformers renders with trim_blocks.
+    "{% if tools %}{{ '\\n# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>' }}{% endif %}"
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    status: CallStatus
+    code: str | None = None
+    problem: str | None = None  # why a call could not be executed (shown to the model as a failure)
+
+
+def parse_tool_call(text: str) -> ParsedCall:
+    """The FIRST `<tool_call>` of an assistant turn's text; later ones are ignored (max_parallel_calls=1)."""
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return ParsedCall("no_call")
+    end = text.find(CALL_CLOSE, start)
+    if end < 0:
+        return ParsedCall("unclosed", problem="the <tool_call> block was never closed")
+    payload = text[start + len(CALL_OPEN) : end].strip()
+    try:
+        call = json.loads(payload)
+        if not isinstance(call, dict):
+            raise ValueError("not a JSON object")
+        args = call.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args)
+        if not isinstance(args, dict):
+            raise ValueError("arguments is not an object")
+    except (ValueError, TypeError) as e:
+        return ParsedCall("bad_json", problem=f"invalid tool call JSON: {e}")
+    name = call.get("name")
+    if name != TOOL_NAME:
+        return ParsedCall("unknown_tool", problem=f"unknown tool {name!r}; the only tool is {TOOL_NAME!r}")
+    code = args.get("code")
+    if not isinstance(code, str):
+        return ParsedCall("bad_json", problem="arguments.code must be a string")
+    return ParsedCall("ok", code=code)
+
+
+def render_tool_call(code: str) -> str:
+    payload = json.dumps({"name": TOOL_NAME, "arguments": {"code": code}})
+    return f"{CALL_OPEN}\n{payload}\n{CALL_CLOSE}"
+
+
+def middle_truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return text[:half] + TRUNCATION_MARK + text[len(text) - half :]
+
+
+def format_tool_response(
+    success: bool, stdout: str = "", stderr: str = "", reason: str = "", limit: int = 256
+) -> str:
+    """The reference response text: success/failure header, then the non-empty fields."""
+    lines = ["Tool call success" if success else "Tool call failure"]
+    if not success and reason:
+        lines.append(f"reason: {reason}")
+    if stdout:
+        lines.append(f"stdout: {stdout}")
+    if stderr:
+        lines.append(f"stderr: {stderr}")
+    return middle_truncate("\n".join(lines), limit)
+
+
+def tool_response_turn(text: str) -> str:
+    """The tool turn appended after an assistant turn (whose sampled ids end at <|im_end|>)."""
+    return f"\n{IM_START}user\n{RESPONSE_OPEN}\n{text}\n{RESPONSE_CLOSE}{IM_END}\n{IM_START}assistant\n"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def token_byte_table(tokenizer: Any) -> list[bytes]:
+    """The bytes each token id stands for, read from the vocabulary (not by encoding text)."""
+    size = len(tokenizer)
+    special = {tokenizer.convert_tokens_to_ids(t): t for t in tokenizer.all_special_tokens}
+    for added_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        special[added_id] = added.content
+    table: list[bytes] = []
+    for i in range(size):
+        if i in special:
+            table.append(special[i].encode())
+            continue
+        piece = tokenizer.convert_ids_to_tokens(i)
+        if piece is not None and all(c in _BYTE_DECODER for c in piece):
+            table.append(bytes(_BYTE_DECODER[c] for c in piece))
+        else:
+            table.append(tokenizer.decode([i]).encode("utf-8", "surrogatepass"))
+    return table
+
+
+def find_call_start(turn_ids: list[int], marker_ids: list[int], token_bytes: list[bytes]) -> int:
+    """Index of the token where the call segment starts, or -1 (no call, or no token boundary there).
+
+    A single-token marker is found by id. A marker that the tokenizer splits is found through the
+    bytes of each token id: it must begin exactly at a token boundary, otherwise the split fails
+    (and the splice falls back to deep).
+    """
+    if len(marker_ids) == 1:
+        try:
+            return turn_ids.index(marker_ids[0])
+        except ValueError:
+            return -1
+    marker = b"".join(token_bytes[i] for i in marker_ids)
+    offsets, pos = [], 0
+    for t in turn_ids:
+        offsets.append(pos)
+        pos += len(token_bytes[t])
+    joined = b"".join(token_bytes[t] for t in turn_ids)
+    at = joined.find(marker)
+    if at < 0:
+        return -1
+    lo, hi = 0, len(offsets)
+    while lo < hi:  # first token starting at or after the marker's byte offset
+        mid = (lo + hi) // 2
+        if offsets[mid] < at:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo if lo < len(offsets) and offsets[lo] == at else -1
+
+
+class ChatFormat:
+    """The chat format bound to one tokenizer: everything the agent loop needs on token ids."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+        self.eos_id = tokenizer.convert_tokens_to_ids(EOS)
+        self.stop_ids = {i for i in (self.im_end_id, self.eos_id) if i is not None and i >= 0}
+        self.marker_ids = tokenizer.encode(CALL_OPEN, add_special_tokens=False)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes]:
+        return token_byte_table(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def feedback_ids(self, response_text: str) -> list[int]:
+        return self.encode(tool_response_turn(response_text))
+
+    def call_start(self, turn_ids: list[int]) -> int:
+        return find_call_start(turn_ids, self.marker_ids, self.token_bytes)
+
+    def parse_turn(self, turn_ids: list[int]) -> tuple[int, ParsedCall]:
+        """(call_start, parsed call) of one sampled assistant turn."""
+        text = self.decode([t for t in turn_ids if t not in self.stop_ids])
+        return self.call_start(turn_ids), parse_tool_call(text)

@@ -1,0 +1,183 @@
+"""One pydantic config tree for every stage, loadable from YAML and overridable with dotted keys.
+
+`cleaner train rollout.samples_per_prompt=8 purify.gammas=[0.3,0.7]` edits the tree before it is
+validated, so a misspelt key fails with the path that was wrong instead of being ignored.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "tiny-tool-policy"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(Section):
+    root: Path = Path("workspace")
+    catalog: str = "catalog.duckdb"
+    rows_per_part: int = Field(50_000, gt=0)
+    compression: str = "zstd"
+
+
+class WorldConfig(Section):
+    """The arithmetic tool-use world (tasks the tiny policy solves with Python)."""
+
+    digits_min: int = Field(2, ge=1)
+    digits_max: int = Field(3, ge=1)
+    operands_min: int = Field(2, ge=2)
+    operands_max: int = Field(3, ge=2)
+    ops: list[Literal["+", "-", "*", "//", "%"]] = ["+", "-", "*"]
+    two_step_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    eval_size: int = Field(200, gt=0)
+    eval_seed: int = 1234
+
+
+class SandboxConfig(Section):
+    workers: int = Field(2, ge=1)
+    timeout_s: float = Field(4.0, gt=0)
+    memory_mb: int = Field(256, ge=32)
+    max_processes: int = Field(16, ge=1)
+    max_file_mb: int = Field(16, ge=1)
+    output_chars: int = Field(1000, ge=16)
+    response_chars: int = Field(256, ge=16)
+    infra_retries: int = Field(2, ge=0)
+
+
+class SaarConfig(Section):
+    gate_p: float = Field(1.0, ge=0.0, le=1.0)
+    max_retries: int = Field(3, ge=0, description="K: retries per position")
+    gamma_live: float = Field(0.5, ge=0.0)
+    live_mode: Literal["purified", "raw"] = "purified"
+    safety_cap: int = Field(30, ge=1, description="SAAR off after this many tool executions")
+
+
+class RolloutConfig(Section):
+    policy: Path = DEFAULT_POLICY
+    engine: Literal["cpu", "sglang"] = "cpu"
+    sglang_url: str = "http://127.0.0.1:30000"
+    tasks: str = "world"  # "world" or a path to a task parquet file
+    tasks_per_iteration: int = Field(16, gt=0)
+    samples_per_prompt: int = Field(4, gt=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_turns: int = Field(16, gt=0)
+    max_tool_turns: int = Field(16, gt=0)
+    max_turn_tokens: int = Field(160, gt=0)
+    max_response_tokens: int = Field(1024, gt=0)
+    max_prompt_tokens: int = Field(256, gt=0)
+    seed: int = 0
+    saar: SaarConfig = SaarConfig()
+    sandbox: SandboxConfig = SandboxConfig()
+
+
+class PurifyConfig(Section):
+    modes: list[Literal["saar", "raw", "void_turn"]] = ["saar", "raw"]
+    gammas: list[float] = [0.5]
+    advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
+    dynamic_filter: bool = False
+    recompute: Literal["cpu", "sglang"] = "cpu"
+    runner: str = "FnApiRunner"
+    beam_options: list[str] = []
+    max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0)
+
+
+class TrainConfig(Section):
+    mode: Literal["saar", "raw", "void_turn"] = "saar"
+    gamma: float = 0.5
+    strategy: Literal["local", "deepspeed"] = "local"
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(2, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.28
+    dual_clip: float | None = 10.0
+    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
+    epochs: int = Field(1, ge=1)
+    mini_batches: int = Field(2, ge=1)
+    micro_batch_tokens: int = Field(8192, gt=0)
+    seed: int = 0
+
+
+class FlowConfig(Section):
+    run_id: str = "demo"
+    iterations: int = Field(3, ge=1)
+    task_retries: int = Field(1, ge=0)
+    replay_gammas: list[float] = [0.3, 0.5, 0.7]
+
+
+class CleanerConfig(Section):
+    storage: StorageConfig = StorageConfig()
+    world: WorldConfig = WorldConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    purify: PurifyConfig = PurifyConfig()
+    train: TrainConfig = TrainConfig()
+    flow: FlowConfig = FlowConfig()
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections: what a stage's manifest records as its config."""
+        data = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the tree; the message names the key."""
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_known_keys(ann, prefix + name + "."))
+    return keys
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
+    dotted, raw = assignment.split("=", 1)
+    path = dotted.strip().split(".")
+    known = _known_keys(CleanerConfig)
+    if dotted.strip() not in known:
+        close = difflib.get_close_matches(dotted.strip(), known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown config key {dotted.strip()!r}{hint}")
+    node = data
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CleanerConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return CleanerConfig.model_validate(data)
+    except ValidationError as e:
+        where = f" in {path}" if path else ""
+        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
+
+
+def dump_config(cfg: CleanerConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

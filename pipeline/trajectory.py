@@ -1,0 +1,213 @@
+"""The domain data model: a raw trajectory with its attempt tree, and its purified variants.
+
+Plain dataclasses with lossless conversion to and from Arrow rows (python dicts shaped like the
+storage/ schemas). Log-probs are kept as float32-representable floats so a row survives Parquet.
+
+Vocabulary (one name per concept, everywhere):
+- attempt: one sampled assistant turn at a position (0 = original, 1..K = retries)
+- position: an assistant turn that made a tool call; retries at it share one counter
+- splice: replacing a failed turn's call (shallow) or whole turn (deep) by a retry's
+- lived sequence: the token ids exactly as the model saw them when the rollout ended
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+import numpy as np
+
+ErrorClass = Literal["model", "infra"]
+CallStatus = Literal["ok", "no_call", "bad_json", "unknown_tool", "unclosed"]
+PositionOutcome = Literal[
+    "success",  # attempt 0 succeeded
+    "recovered",  # a retry succeeded
+    "exhausted",  # K retries failed; last spliced attempt + error + note stay
+    "gave_up",  # a retry had no tool call: no purification here, SAAR off afterwards
+    "not_retried",  # failed but SAAR was off (gate, cap, earlier give-up) or no retries left to try
+    "infra",  # the executor could not run the code; never purified
+    "truncated",  # a limit was hit before the retry could be sampled
+]
+
+
+def fingerprint(ids: list[int] | np.ndarray) -> str:
+    """Identity of a context: the attempt's sampled log-probs are valid only after exactly it."""
+    arr = np.asarray(ids, dtype=np.int32)
+    return hashlib.blake2b(arr.tobytes(), digest_size=12).hexdigest()
+
+
+@dataclass
+class ToolResult:
+    status: Literal["success", "failure"]
+    text: str  # the tool-response text the model is shown (already formatted and truncated)
+    error_label: str | None = None  # SAAR.md §3 label, None on success
+    error_class: ErrorClass | None = None
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    timed_out: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failure"
+
+
+@dataclass
+class Attempt:
+    attempt_idx: int
+    turn_ids: list[int]  # the whole assistant turn as sampled, stop token included
+    logprobs: list[float]  # sampled log-probs, one per turn id
+    call_start: int  # index in turn_ids where the call segment starts; -1 when not found
+    call_status: CallStatus
+    context_len: int  # length of the context the turn was sampled after
+    context_fingerprint: str  # fingerprint() of that context
+    code: str | None = None
+    result: ToolResult | None = None  # None when no call was executed
+    feedback_ids: list[int] = field(default_factory=list)  # the tool-response turn after it (mask 0)
+    finish_reason: str = "stop"
+
+    @property
+    def has_call(self) -> bool:
+        return self.call_status != "no_call"
+
+    @property
+    def failed(self) -> bool:
+        return self.result is not None and self.result.failed
+
+
+@dataclass
+class Position:
+    position_idx: int
+    attempts: list[Attempt]
+    outcome: PositionOutcome
+
+
+@dataclass
+class TrajectoryStats:
+    turns: int = 0
+    tool_calls: int = 0
+    first_attempt_failures: int = 0  # positions whose attempt 0 failed (the tool-error rate)
+    model_failures: int = 0
+    infra_failures: int = 0
+    retries: int = 0
+    recovered: int = 0
+    exhausted: int = 0
+    gave_up: int = 0
+    live_shallow: int = 0
+    live_deep: int = 0
+    response_tokens: int = 0
+    generated_tokens: int = 0  # every sampled token, including attempts no longer in the lived sequence
+
+
+@dataclass
+class Trajectory:
+    """One sampled trajectory (a raw shard row): identity, task, SAAR settings, tokens, outcome."""
+
+    run_id: str
+    iteration: int
+    prompt_id: str
+    sample_idx: int
+    policy_version: str
+    seed: int
+    task_source: str
+    question: str
+    ground_truth: str
+    saar_gate: bool  # the coin: was SAAR active for this trajectory
+    gate_p: float
+    live_mode: str
+    gamma_live: float
+    max_retries: int
+    prompt_ids: list[int]
+    lived_ids: list[int]  # prompt excluded: the response as the model lived it
+    lived_mask: list[int]
+    lived_logprobs: list[float]
+    positions: list[Position]
+    final_turn: Attempt | None  # the last assistant turn when it made no call
+    final_answer: str | None
+    reward: float
+    finish_reason: str
+    stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+
+    @property
+    def key(self) -> str:
+        return f"{self.run_id}/{self.iteration}/{self.prompt_id}/{self.sample_idx}"
+
+
+@dataclass
+class Splice:
+    position_idx: int
+    attempt_idx: int  # the retry spliced in
+    kind: Literal["shallow", "deep"]
+    similarity: float
+    tokens_removed: int  # failed turns + error feedback dropped by this splice
+    first_recomputed: int  # index in the purified response of the first token needing recompute
+    split_failed: bool = False
+
+
+@dataclass
+class PurifiedTrajectory:
+    """A purified shard row: all training needs, plus where it came from."""
+
+    run_id: str
+    iteration: int
+    prompt_id: str
+    sample_idx: int
+    mode: str
+    gamma: float
+    raw_key: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]  # per response token; valid where loss_mask == 1
+    logprob_valid: list[int]  # 1 = sampled under exactly this context, 0 = needs/was recomputed
+    reward: float
+    advantage: float
+    splices: list[Splice]
+    recompute_from: int  # first response index forwarded by the recompute (-1 = none needed)
+    tokens_forwarded: int
+    gate: bool
+
+
+# ---- Arrow row conversion -------------------------------------------------------------------
+
+def _result_from_row(row: dict[str, Any] | None) -> ToolResult | None:
+    return None if row is None else ToolResult(**row)
+
+
+def attempt_to_row(a: Attempt) -> dict[str, Any]:
+    row = asdict(a)
+    return row
+
+
+def attempt_from_row(row: dict[str, Any]) -> Attempt:
+    data = dict(row)
+    data["result"] = _result_from_row(data.get("result"))
+    return Attempt(**data)
+
+
+def trajectory_to_row(t: Trajectory) -> dict[str, Any]:
+    return asdict(t)
+
+
+def trajectory_from_row(row: dict[str, Any]) -> Trajectory:
+    data = {f.name: row[f.name] for f in fields(Trajectory)}
+    data["positions"] = [
+        Position(
+            position_idx=p["position_idx"],
+            attempts=[attempt_from_row(a) for a in p["attempts"]],
+            outcome=p["outcome"],
+        )
+        for p in data["positions"]
+    ]
+    data["final_turn"] = None if data["final_turn"] is None else attempt_from_row(data["final_turn"])
+    data["stats"] = TrajectoryStats(**data["stats"])
+    return Trajectory(**data)
+
+
+def purified_to_row(p: PurifiedTrajectory) -> dict[str, Any]:
+    return asdict(p)
+
+
+def purified_from_row(row: dict[str, Any]) -> PurifiedTrajectory:
+    data = {f.name: row[f.name] for f in fields(PurifiedTrajectory)}
+    data["splices"] = [Splice(**s) for s in data["splices"]]
+    return PurifiedTrajectory(**data)

@@ -1,0 +1,63 @@
+"""`cleaner inspect`: the catalog's numbers as tables, or the user's own SQL."""
+from __future__ import annotations
+
+import pyarrow as pa
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.config import CleanerConfig
+from storage.catalog import Catalog
+
+EXAMPLE_QUERIES = {
+    "tool-error rate per iteration": (
+        "SELECT run_id, iteration, avg(stats.first_attempt_failures) AS first_failures_per_traj, "
+        "avg(reward) AS mean_reward FROM raw_trajectories GROUP BY ALL ORDER BY ALL"
+    ),
+    "failures by label and class": (
+        "SELECT error_label, error_class, count(*) AS n FROM raw_attempts WHERE status = 'failure' "
+        "GROUP BY ALL ORDER BY n DESC"
+    ),
+    "raw vs purified per γ": "SELECT * FROM purify_compare",
+    "similarity of splices": (
+        "SELECT mode, gamma, kind, count(*) AS n, avg(similarity) AS mean_similarity FROM splices GROUP BY ALL ORDER BY ALL"
+    ),
+}
+
+SUMMARY_SQL = {
+    "raw trajectories": (
+        "SELECT run_id, iteration, count(*) AS trajectories, avg(reward) AS mean_reward, "
+        "avg(stats.tool_calls) AS tool_calls, avg(stats.first_attempt_failures) AS first_failures, "
+        "sum(stats.recovered) AS recovered, avg(len(lived_ids)) AS response_tokens "
+        "FROM raw_trajectories {where} GROUP BY ALL ORDER BY ALL"
+    ),
+    "purified shards": "SELECT * FROM purify_compare {where} ORDER BY ALL",
+}
+
+
+def print_table(console: Console, title: str, table: pa.Table) -> None:
+    out = Table(title=title)
+    for name in table.column_names:
+        out.add_column(name)
+    for row in table.to_pylist():
+        out.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+    console.print(out)
+
+
+def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False) -> int:
+    console = Console()
+    db = cfg.storage.root / cfg.storage.catalog
+    if print_queries:
+        console.print(f"duckdb {db}")
+        for title, q in EXAMPLE_QUERIES.items():
+            console.print(f"-- {title}\n{q};\n")
+        return 0
+    cfg.storage.root.mkdir(parents=True, exist_ok=True)
+    with Catalog(cfg.storage.root, db) as cat:
+        if sql:
+            print_table(console, sql, cat.query(sql))
+            return 0
+        where = "WHERE run_id = '{}'".format(run_id.replace("'", "''")) if run_id else ""
+        for title, q in SUMMARY_SQL.items():
+            print_table(console, title, cat.query(q.format(where=where)))
+    console.print(f"catalog: {db}  (views: raw_trajectories, raw_attempts, purified, splices, purify_compare)")
+    return 0

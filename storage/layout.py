@@ -1,0 +1,53 @@
+"""Where every shard of a run lives (hive-style paths under one project root)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def format_gamma(gamma: float) -> str:
+    """0.5 -> '0.50', 1.01 -> '1.01', 0.125 -> '0.125': stable partition names for γ."""
+    two = f"{gamma:.2f}"
+    return two if float(two) == gamma else repr(float(gamma))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    root: Path
+    run_id: str
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
+            raise ValueError(f"run id {self.run_id!r} must be a plain folder name")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.root) / "runs" / self.run_id
+
+    @property
+    def run_json(self) -> Path:
+        return self.run_dir / "run.json"
+
+    def iteration_dir(self, iteration: int) -> Path:
+        return self.run_dir / f"iteration={iteration:04d}"
+
+    def raw_dir(self, iteration: int) -> Path:
+        return self.iteration_dir(iteration) / "raw"
+
+    def purified_dir(self, iteration: int, mode: str, gamma: float) -> Path:
+        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / f"gamma={format_gamma(gamma)}"
+
+    def dead_letter_dir(self, iteration: int, mode: str, gamma: float) -> Path:
+        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / f"gamma={format_gamma(gamma)}"
+
+    def metrics_dir(self, iteration: int, stage: str) -> Path:
+        return self.iteration_dir(iteration) / "metrics" / f"stage={stage}"
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        """The policy that rollout of `iteration` samples from (iteration 0 = the initial policy)."""
+        return self.run_dir / "checkpoints" / f"iteration={iteration:04d}"
+
+    def iterations(self) -> list[int]:
+        if not self.run_dir.is_dir():
+            return []
+        return sorted(int(p.name.split("=")[1]) for p in self.run_dir.glob("iteration=*") if p.is_dir())

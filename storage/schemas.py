@@ -1,0 +1,134 @@
+"""Versioned Arrow schemas of every shard kind. Bump the version when a field changes meaning.
+
+The version is stored twice: in the Parquet schema metadata of every part and in the manifest,
+so a reader can refuse a file written by an incompatible cleaner before it reads a row.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_META_KEY = b"cleaner.schema"
+
+ids = pa.list_(pa.int32())
+mask = pa.list_(pa.int8())
+logprobs = pa.list_(pa.float32())
+
+TOOL_RESULT = pa.struct([
+    ("status", pa.string()),
+    ("text", pa.string()),
+    ("error_label", pa.string()),
+    ("error_class", pa.string()),
+    ("exit_code", pa.int32()),
+    ("duration_s", pa.float64()),
+    ("timed_out", pa.bool_()),
+])
+
+ATTEMPT = pa.struct([
+    ("attempt_idx", pa.int32()),
+    ("turn_ids", ids),
+    ("logprobs", logprobs),
+    ("call_start", pa.int32()),
+    ("call_status", pa.string()),
+    ("context_len", pa.int32()),
+    ("context_fingerprint", pa.string()),
+    ("code", pa.string()),
+    ("result", TOOL_RESULT),
+    ("feedback_ids", ids),
+    ("finish_reason", pa.string()),
+])
+
+POSITION = pa.struct([
+    ("position_idx", pa.int32()),
+    ("attempts", pa.list_(ATTEMPT)),
+    ("outcome", pa.string()),
+])
+
+STATS = pa.struct([(name, pa.int32()) for name in (
+    "turns", "tool_calls", "first_attempt_failures", "model_failures", "infra_failures", "retries",
+    "recovered", "exhausted", "gave_up", "live_shallow", "live_deep", "response_tokens",
+    "generated_tokens",
+)])
+
+SPLICE = pa.struct([
+    ("position_idx", pa.int32()),
+    ("attempt_idx", pa.int32()),
+    ("kind", pa.string()),
+    ("similarity", pa.float64()),
+    ("tokens_removed", pa.int32()),
+    ("first_recomputed", pa.int32()),
+    ("split_failed", pa.bool_()),
+])
+
+
+def _versioned(name: str, version: int, fields: list[tuple[str, pa.DataType]]) -> pa.Schema:
+    return pa.schema(fields, metadata={SCHEMA_META_KEY: f"{name}/{version}".encode()})
+
+
+RAW = _versioned("raw", 1, [
+    ("run_id", pa.string()),
+    ("iteration", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_idx", pa.int32()),
+    ("policy_version", pa.string()),
+    ("seed", pa.int64()),
+    ("task_source", pa.string()),
+    ("question", pa.string()),
+    ("ground_truth", pa.string()),
+    ("saar_gate", pa.bool_()),
+    ("gate_p", pa.float64()),
+    ("live_mode", pa.string()),
+    ("gamma_live", pa.float64()),
+    ("max_retries", pa.int32()),
+    ("prompt_ids", ids),
+    ("lived_ids", ids),
+    ("lived_mask", mask),
+    ("lived_logprobs", logprobs),
+    ("positions", pa.list_(POSITION)),
+    ("final_turn", ATTEMPT),
+    ("final_answer", pa.string()),
+    ("reward", pa.float64()),
+    ("finish_reason", pa.string()),
+    ("stats", STATS),
+])
+
+PURIFIED = _versioned("purified", 1, [
+    ("run_id", pa.string()),
+    ("iteration", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_idx", pa.int32()),
+    ("mode", pa.string()),
+    ("gamma", pa.float64()),
+    ("raw_key", pa.string()),
+    ("prompt_ids", ids),
+    ("response_ids", ids),
+    ("loss_mask", mask),
+    ("old_logprobs", logprobs),
+    ("logprob_valid", mask),
+    ("reward", pa.float64()),
+    ("advantage", pa.float64()),
+    ("splices", pa.list_(SPLICE)),
+    ("recompute_from", pa.int32()),
+    ("tokens_forwarded", pa.int32()),
+    ("gate", pa.bool_()),
+])
+
+DEAD_LETTER = _versioned("dead_letter", 1, [
+    ("raw_key", pa.string()),
+    ("source_file", pa.string()),
+    ("reason", pa.string()),
+])
+
+METRICS = _versioned("metrics", 1, [
+    ("run_id", pa.string()),
+    ("iteration", pa.int32()),
+    ("stage", pa.string()),
+    ("step", pa.int32()),
+    ("name", pa.string()),
+    ("value", pa.float64()),
+])
+
+SCHEMAS: dict[str, pa.Schema] = {"raw": RAW, "purified": PURIFIED, "dead_letter": DEAD_LETTER, "metrics": METRICS}
+
+
+def schema_id(schema: pa.Schema) -> str:
+    return schema.metadata[SCHEMA_META_KEY].decode()

@@ -1,0 +1,269 @@
+"""Atomic shard writer and validating reader.
+
+A shard is a folder of `part-NNNNN.parquet` files plus `_MANIFEST.json`, written last. Parts are
+written under temporary names and renamed, then the manifest is renamed into place: a stage that
+crashed leaves no manifest, so readers treat it as absent and a rerun rewrites it from scratch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.schemas import SCHEMA_META_KEY, schema_id
+
+MANIFEST = "_MANIFEST.json"
+PART_GLOB = "part-*.parquet"
+
+
+class ShardError(RuntimeError):
+    """A shard that cannot be trusted; the message names the file and what is wrong with it."""
+
+
+class ShardMissing(ShardError):
+    """The stage that writes this shard has not committed it (absent or crashed mid-way)."""
+
+
+@dataclass
+class PartInfo:
+    name: str
+    rows: int
+    bytes: int
+    crc32: str
+
+
+@dataclass
+class Manifest:
+    schema: str
+    rows: int
+    parts: list[PartInfo]
+    config_hash: str
+    inputs: list[str] = field(default_factory=list)
+    created_at: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> "Manifest":
+        try:
+            data = json.loads(path.read_text())
+            data["parts"] = [PartInfo(**p) for p in data["parts"]]
+            return cls(**data)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ShardError(f"{path}: unreadable manifest ({e})") from None
+
+
+def _crc32(data: bytes | memoryview) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    path = Path(directory) / MANIFEST
+    return Manifest.load(path) if path.is_file() else None
+
+
+def is_committed(directory: Path, config_hash: str | None = None) -> bool:
+    """True when the shard was committed (and, if given, with this config hash)."""
+    m = read_manifest(directory)
+    return m is not None and (config_hash is None or m.config_hash == config_hash)
+
+
+class ShardWriter:
+    """Writes one shard atomically. Use as a context manager, or call commit() yourself.
+
+    Refuses to touch a committed shard with a different config hash: nothing already written is
+    overwritten. Orphan parts of a crashed earlier attempt are removed first.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        schema: pa.Schema,
+        config_hash: str,
+        inputs: Iterable[str] = (),
+        rows_per_part: int = 50_000,
+        compression: str = "zstd",
+    ) -> None:
+        self.directory = Path(directory)
+        self.schema = schema
+        self.config_hash = config_hash
+        self.inputs = list(inputs)
+        self.rows_per_part = rows_per_part
+        self.compression = compression
+        self._parts: list[PartInfo] = []
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self._committed = False
+        existing = read_manifest(self.directory)
+        if existing is not None:
+            raise ShardError(
+                f"{self.directory / MANIFEST}: shard already committed (config {existing.config_hash}); "
+                "refusing to overwrite it"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in list(self.directory.glob(PART_GLOB)) + list(self.directory.glob(".part-*")):
+            stale.unlink()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self._committed:
+            self.commit()
+        elif exc_type is not None:
+            self.abort()
+
+    def write(self, data: pa.Table | pa.RecordBatch | list[dict[str, Any]]) -> None:
+        if isinstance(data, list):
+            table = pa.Table.from_pylist(data, schema=self.schema)
+        elif isinstance(data, pa.RecordBatch):
+            table = pa.Table.from_batches([data])
+        else:
+            table = data
+        if not table.schema.equals(self.schema, check_metadata=False):
+            table = table.cast(self.schema)
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        while self._pending_rows >= self.rows_per_part:
+            self._flush(self.rows_per_part)
+
+    def _flush(self, rows: int) -> None:
+        table = pa.concat_tables(self._pending)
+        head, tail = table.slice(0, rows), table.slice(rows)
+        self._pending = [tail] if tail.num_rows else []
+        self._pending_rows = tail.num_rows
+        name = f"part-{len(self._parts):05d}.parquet"
+        final = self.directory / name
+        tmp = self.directory / f".{name}.tmp-{os.getpid()}"
+        sink = pa.BufferOutputStream()
+        pq.write_table(head.replace_schema_metadata(self.schema.metadata), sink, compression=self.compression)
+        buf = sink.getvalue()
+        with open(tmp, "wb") as f:
+            f.write(buf)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=buf.size, crc32=_crc32(buf)))
+
+    def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
+        if self._pending_rows or not self._parts:
+            self._flush(self._pending_rows)  # an empty shard still gets one (empty) part
+        manifest = Manifest(
+            schema=schema_id(self.schema),
+            rows=sum(p.rows for p in self._parts),
+            parts=self._parts,
+            config_hash=self.config_hash,
+            inputs=self.inputs,
+            created_at=time.time(),
+            extra=extra or {},
+        )
+        _fsync_dir(self.directory)
+        _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
+        _fsync_dir(self.directory)
+        self._committed = True
+        return manifest
+
+    def abort(self) -> None:
+        for p in list(self.directory.glob(PART_GLOB)) + list(self.directory.glob(".part-*")):
+            p.unlink(missing_ok=True)
+        self._parts, self._pending, self._pending_rows = [], [], 0
+
+
+def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash: str, **kw: Any) -> Manifest:
+    extra = kw.pop("extra", None)
+    with ShardWriter(directory, schema, config_hash, **kw) as w:
+        w.write(table)
+        return w.commit(extra)
+
+
+def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
+    meta = (got.metadata or {}).get(SCHEMA_META_KEY)
+    if meta is None or meta != want.metadata[SCHEMA_META_KEY]:
+        found = meta.decode() if meta else "none"
+        raise ShardError(f"{path}: schema version {found}, expected {schema_id(want)}")
+    for f in want:
+        idx = got.get_field_index(f.name)
+        if idx < 0:
+            raise ShardError(f"{path}: missing column {f.name!r}")
+        if not got.field(idx).type.equals(f.type):
+            raise ShardError(f"{path}: column {f.name!r} has type {got.field(idx).type}, expected {f.type}")
+
+
+def iter_parts(
+    directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
+) -> Iterator[tuple[Path, pa.Table]]:
+    """Validated (path, table) per part of a committed shard, in part order."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        raise ShardMissing(f"{directory}: no {MANIFEST} (stage not run, or crashed before committing)")
+    if manifest.schema != schema_id(schema):
+        raise ShardError(f"{directory / MANIFEST}: schema version {manifest.schema}, expected {schema_id(schema)}")
+    listed = {p.name for p in manifest.parts}
+    for part in manifest.parts:
+        path = directory / part.name
+        if not path.is_file():
+            raise ShardError(f"{path}: listed in the manifest but missing")
+        data = path.read_bytes()
+        if len(data) != part.bytes:
+            raise ShardError(f"{path}: {len(data)} bytes, manifest says {part.bytes}")
+        if verify_checksums and _crc32(data) != part.crc32:
+            raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+        try:
+            pf = pq.ParquetFile(pa.BufferReader(data))
+            _check_schema(path, pf.schema_arrow, schema)
+            table = pf.read(columns=columns)
+        except ShardError:
+            raise
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{path}: corrupt Parquet ({e})") from None
+        if table.num_rows != part.rows:
+            raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
+        yield path, table
+    extra = {p.name for p in directory.glob(PART_GLOB)} - listed
+    if extra:
+        raise ShardError(f"{directory}: parts not in the manifest: {sorted(extra)}")
+
+
+def read_shard(
+    directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
+) -> pa.Table:
+    tables = [t for _, t in iter_parts(directory, schema, verify_checksums, columns)]
+    want = schema if columns is None else pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+    if not tables:
+        return want.empty_table()
+    return pa.concat_tables(tables).cast(want) if columns is None else pa.concat_tables(tables)
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The committed parts of a shard (empty when not committed): what the DuckDB views read."""
+    m = read_manifest(directory)
+    return [] if m is None else [Path(directory) / p.name for p in m.parts]
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=True, default=str).encode())

@@ -1,0 +1,67 @@
+"""pipeline/config.py and the `cleaner` CLI skeleton."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.cli import PLANNED, build_parser, main
+from pipeline.config import CleanerConfig, ConfigError, load_config
+
+
+def test_yaml_then_overrides(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout:\n  samples_per_prompt: 6\n  saar:\n    gamma_live: 0.3\nflow:\n  iterations: 2\n")
+    cfg = load_config(cfg_file, ["rollout.samples_per_prompt=8", "purify.gammas=[0.3, 0.7]", "rollout.saar.live_mode=raw"])
+    assert cfg.rollout.samples_per_prompt == 8
+    assert cfg.rollout.saar.gamma_live == 0.3
+    assert cfg.purify.gammas == [0.3, 0.7]
+    assert cfg.rollout.saar.live_mode == "raw"
+    assert cfg.flow.iterations == 2
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.sample_per_prompt' \(did you mean 'rollout\.samples_per_prompt'\?\)"):
+        load_config(None, ["rollout.sample_per_prompt=8"])
+
+
+def test_bad_values_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.saar\.gate_p"):
+        load_config(None, ["rollout.saar.gate_p=1.5"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  learning_rate: 1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml[\s\S]*train\.learning_rate"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not of the form"):
+        load_config(None, ["flow.iterations"])
+
+
+def test_section_hash_tracks_only_its_sections():
+    a, b = CleanerConfig(), load_config(None, ["train.lr=0.5"])
+    assert a.section_hash("rollout") == b.section_hash("rollout")
+    assert a.section_hash("train") != b.section_hash("train")
+
+
+@pytest.mark.parametrize("command", ["config", "inspect", "demo", *PLANNED])
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([command, "--help"])
+    assert e.value.code == 0
+    assert "KEY=VALUE" in capsys.readouterr().out
+
+
+def test_console_script_runs_and_reports_bad_keys():
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "flow.iterations=4"], capture_output=True, text=True)
+    assert out.returncode == 0 and "iterations: 4" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "flow.iteration=4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown config key 'flow.iteration'" in bad.stderr
+
+
+def test_inspect_on_an_empty_root(tmp_path, capsys):
+    assert main(["inspect", f"storage.root={tmp_path}"]) == 0
+    assert "raw trajectories" in capsys.readouterr().out
+    assert main(["inspect", f"storage.root={tmp_path}", "--sql", "SELECT 41 + 1 AS answer"]) == 0
+    assert "42" in capsys.readouterr().out

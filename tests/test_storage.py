@@ -1,0 +1,217 @@
+"""storage/: round trips, atomic commits under SIGKILL, and validation errors that name the file."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.synthetic import synthetic_trajectories
+from pipeline.trajectory import trajectory_from_row, trajectory_to_row
+from storage.catalog import Catalog
+from storage.layout import RunLayout, format_gamma
+from storage.schemas import RAW
+from storage.shards import (
+    MANIFEST,
+    ShardError,
+    ShardMissing,
+    ShardWriter,
+    is_committed,
+    read_manifest,
+    read_shard,
+    write_shard,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def raw_table(n: int, seed: int = 0, **kw) -> pa.Table:
+    return pa.Table.from_pylist([trajectory_to_row(t) for t in synthetic_trajectories(n, seed, **kw)], schema=RAW)
+
+
+def test_round_trip_through_parquet_and_duckdb_views(tmp_path):
+    trajectories = synthetic_trajectories(12, seed=3, run_id="rt")
+    assert any(len(p.attempts) > 2 for t in trajectories for p in t.positions), "fixture needs retries"
+    layout = RunLayout(tmp_path, "rt")
+    table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
+    write_shard(layout.raw_dir(0), table, RAW, config_hash="abc", rows_per_part=5)
+
+    back = [trajectory_from_row(r) for r in read_shard(layout.raw_dir(0), RAW).to_pylist()]
+    assert back == trajectories
+
+    with Catalog(tmp_path) as cat:
+        rows = cat.query("SELECT * FROM raw_trajectories ORDER BY prompt_id, sample_idx").to_pylist()
+        assert [trajectory_from_row(r) for r in rows] == trajectories
+        attempts = cat.query("SELECT count(*) AS n FROM raw_attempts").to_pylist()[0]["n"]
+        assert attempts == sum(len(p.attempts) for t in trajectories for p in t.positions)
+        failures = cat.query("SELECT count(*) AS n FROM raw_attempts WHERE status = 'failure'").to_pylist()[0]["n"]
+        assert failures == sum(a.failed for t in trajectories for p in t.positions for a in p.attempts)
+
+
+def test_manifest_records_counts_and_parts(tmp_path):
+    m = write_shard(tmp_path / "s", raw_table(11), RAW, config_hash="h1", inputs=["x/_MANIFEST.json"], rows_per_part=4)
+    assert m.rows == 11 and [p.rows for p in m.parts] == [4, 4, 3]
+    assert read_manifest(tmp_path / "s") == m
+    assert is_committed(tmp_path / "s", "h1") and not is_committed(tmp_path / "s", "other")
+
+
+def test_committed_shard_is_never_overwritten(tmp_path):
+    write_shard(tmp_path / "s", raw_table(3), RAW, config_hash="h1")
+    before = (tmp_path / "s" / "part-00000.parquet").read_bytes()
+    with pytest.raises(ShardError, match="already committed"):
+        write_shard(tmp_path / "s", raw_table(5, seed=9), RAW, config_hash="h2")
+    assert (tmp_path / "s" / "part-00000.parquet").read_bytes() == before
+
+
+def test_failed_write_leaves_nothing_committed(tmp_path):
+    with pytest.raises(RuntimeError):
+        with ShardWriter(tmp_path / "s", RAW, "h", rows_per_part=2) as w:
+            w.write(raw_table(5))
+            raise RuntimeError("stage crashed")
+    assert not (tmp_path / "s" / MANIFEST).exists()
+    assert not list((tmp_path / "s").glob("part-*"))
+    with pytest.raises(ShardMissing):
+        read_shard(tmp_path / "s", RAW)
+
+
+SLOW_WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import pyarrow as pa
+from pipeline.synthetic import synthetic_trajectories
+from pipeline.trajectory import trajectory_to_row
+from storage.schemas import RAW
+from storage.shards import ShardWriter
+rows = [trajectory_to_row(t) for t in synthetic_trajectories(40, seed=5)]
+with ShardWriter({out!r}, RAW, "cfg", rows_per_part=10) as w:
+    for i in range(0, 40, 10):
+        w.write(pa.Table.from_pylist(rows[i:i + 10], schema=RAW))
+        print("part", i // 10, flush=True)
+        time.sleep({pause})
+"""
+
+
+def test_sigkill_mid_shard_leaves_no_manifest_and_rerun_is_identical(tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=30)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout.readline().strip() == "part 0"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert list(out.glob("part-*.parquet")), "the writer should have flushed a part before it was killed"
+    assert not (out / MANIFEST).exists()
+    assert not is_committed(out)
+    with pytest.raises(ShardMissing, match="no _MANIFEST.json"):
+        read_shard(out, RAW)
+
+    # Rerun the same stage to completion; compare with an uninterrupted run of the same input.
+    subprocess.run([sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=0)], check=True,
+                   stdout=subprocess.DEVNULL)
+    reference = tmp_path / "reference"
+    subprocess.run([sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(reference), pause=0)],
+                   check=True, stdout=subprocess.DEVNULL)
+    assert read_shard(out, RAW).equals(read_shard(reference, RAW))
+    got, want = read_manifest(out), read_manifest(reference)
+    assert [(p.name, p.rows, p.crc32) for p in got.parts] == [(p.name, p.rows, p.crc32) for p in want.parts]
+
+
+@pytest.fixture
+def committed(tmp_path) -> Path:
+    d = tmp_path / "shard"
+    write_shard(d, raw_table(6), RAW, config_hash="h", rows_per_part=3)
+    return d
+
+
+def test_corrupt_parquet_is_named(committed):
+    part = committed / "part-00001.parquet"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\x00" * 64
+    part.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=r"part-00001\.parquet: checksum mismatch"):
+        read_shard(committed, RAW)
+    with pytest.raises(ShardError, match=r"part-00001\.parquet: corrupt Parquet"):
+        read_shard(committed, RAW, verify_checksums=False)
+
+
+def _rewrite_part(committed: Path, table: pa.Table) -> None:
+    """Replace part 0 and patch the manifest so only the content check can catch the problem."""
+    part = committed / "part-00000.parquet"
+    pq.write_table(table, part)
+    manifest = json.loads((committed / MANIFEST).read_text())
+    import zlib
+
+    data = part.read_bytes()
+    manifest["parts"][0].update(bytes=len(data), crc32=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}")
+    (committed / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_missing_column_is_named(committed):
+    table = pq.read_table(committed / "part-00000.parquet")
+    _rewrite_part(committed, table.drop_columns(["positions"]))
+    with pytest.raises(ShardError, match=r"part-00000\.parquet: missing column 'positions'"):
+        read_shard(committed, RAW)
+
+
+def test_wrong_schema_version_is_named(committed):
+    table = pq.read_table(committed / "part-00000.parquet")
+    _rewrite_part(committed, table.replace_schema_metadata({b"cleaner.schema": b"raw/0"}))
+    with pytest.raises(ShardError, match=r"part-00000\.parquet: schema version raw/0, expected raw/1"):
+        read_shard(committed, RAW)
+    manifest = json.loads((committed / MANIFEST).read_text())
+    manifest["schema"] = "raw/9"
+    (committed / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=r"_MANIFEST\.json: schema version raw/9, expected raw/1"):
+        read_shard(committed, RAW)
+
+
+def test_manifest_count_disagreement_is_named(committed):
+    manifest = json.loads((committed / MANIFEST).read_text())
+    manifest["parts"][1]["rows"] = 7
+    (committed / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=r"part-00001\.parquet: 3 rows, manifest says 7"):
+        read_shard(committed, RAW)
+
+
+def test_unreadable_manifest_and_unlisted_part(committed):
+    (committed / "part-00009.parquet").write_bytes(b"stray")
+    with pytest.raises(ShardError, match="parts not in the manifest"):
+        read_shard(committed, RAW)
+    (committed / MANIFEST).write_text("{not json")
+    with pytest.raises(ShardError, match="unreadable manifest"):
+        read_shard(committed, RAW)
+
+
+def test_catalog_ignores_uncommitted_parts_and_serves_empty_views(tmp_path):
+    layout = RunLayout(tmp_path, "r1")
+    with Catalog(tmp_path) as cat:
+        assert cat.query("SELECT count(*) AS n FROM raw_trajectories").to_pylist()[0]["n"] == 0
+        assert cat.query("SELECT count(*) AS n FROM purify_compare").to_pylist()[0]["n"] == 0
+    write_shard(layout.raw_dir(0), raw_table(4, run_id="r1"), RAW, config_hash="h")
+    crashed = layout.raw_dir(1)
+    crashed.mkdir(parents=True)
+    pq.write_table(raw_table(3, run_id="r1"), crashed / "part-00000.parquet")  # no manifest
+    with Catalog(tmp_path, tmp_path / "catalog.duckdb") as cat:
+        assert cat.query("SELECT count(*) AS n FROM raw_trajectories").to_pylist()[0]["n"] == 4
+    # The views persist in the DuckDB file for users' own sessions.
+    import duckdb
+
+    con = duckdb.connect(str(tmp_path / "catalog.duckdb"), read_only=True)
+    assert con.sql("SELECT count(*) FROM raw_attempts").fetchall()[0][0] > 0
+    con.close()
+
+
+def test_layout_paths():
+    layout = RunLayout(Path("/r"), "run")
+    assert str(layout.purified_dir(7, "saar", 0.5)) == "/r/runs/run/iteration=0007/purified/mode=saar/gamma=0.50"
+    assert format_gamma(1.01) == "1.01" and format_gamma(0.125) == "0.125" and format_gamma(0) == "0.00"
+    with pytest.raises(ValueError):
+        RunLayout(Path("/r"), "../escape")
