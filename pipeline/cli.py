@@ -20,13 +20,10 @@ EPILOG_OVERRIDES = (
 PLANNED: dict[str, tuple[str, str]] = {
     # subcommand -> (help, the issue that delivers it)
     "train": ("run the training flow: N iterations of rollout -> purify -> update (Prefect)", "#7"),
-    "rollout": ("phase 1 alone: sample trajectories with retries and write raw shards", "#4"),
     "purify": ("phase 2 alone: purify one iteration's raw shards into purified shards (Beam)", "#5"),
     "replay": ("re-purify stored raw shards under other γ / modes without regenerating", "#5"),
     "update": ("phase 3 alone: one GRPO update over an iteration's purified shards (OpenRLHF)", "#6"),
-    "eval": ("measure a policy on a held-out task set with the real agent loop", "#3"),
     "report": ("write PNG plots and an HTML page for a run", "#7"),
-    "bootstrap": ("build the tool-use world's tokenizer, SFT corpus and tiny policy", "#3"),
     "schedule": ("serve the flows as Prefect deployments (interval or cron)", "#7"),
 }
 
@@ -62,6 +59,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from storage.inspect import run_inspect
 
     return run_inspect(cfg)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from rollout_gen.world.bootstrap import BootstrapConfig, bootstrap
+    from trainer.sft import SFTConfig
+
+    cfg = _config(args)
+    out = args.out or cfg.rollout.policy
+    if (out / "model.safetensors").exists() and not args.force:
+        print(f"cleaner bootstrap: {out} already holds a policy; pass --force to rebuild it", file=sys.stderr)
+        return 2
+    boot = BootstrapConfig(corpus_size=args.corpus_size, seed=args.seed, world=cfg.world,
+                           sft=SFTConfig(steps=args.steps, seed=args.seed, threads=args.threads))
+    bootstrap(out, boot)
+    print(f"next: cleaner eval --world rollout.policy={out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rollout_gen.eval_cmd import METRICS_FILE, evaluate_world, write_metrics
+
+    cfg = _config(args)
+    if not args.world:
+        print("cleaner eval: only --world is available yet (eval sets from files arrive with issue #7)",
+              file=sys.stderr)
+        return 2
+    policy = cfg.rollout.policy
+    metrics = evaluate_world(cfg, policy, limit=args.limit)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "settings"}, indent=1))
+    if args.write:
+        write_metrics(metrics, policy / METRICS_FILE)
+        print(f"wrote {policy / METRICS_FILE}")
+    return 0
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from rollout_gen.stage import run_rollout_stage
+
+    cfg = _config(args)
+    checkpoint = args.checkpoint or cfg.rollout.policy
+    manifest = run_rollout_stage(cfg, args.run or cfg.flow.run_id, args.iteration, checkpoint)
+    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}")
+    return 0
 
 
 def _planned(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
@@ -104,6 +146,47 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser(
+        "bootstrap", help="build the tool-use world's tokenizer, SFT corpus and tiny policy",
+        description="Generate the SFT corpus (tool outputs from the real sandbox), train the byte-level BPE "
+        "tokenizer and a tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.",
+        epilog="Example:\n  cleaner bootstrap --out /tmp/policy --steps 200 --corpus-size 500   # a quick one\n\n"
+        + EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, help="output folder (default: rollout.policy)")
+    p.add_argument("--steps", type=int, default=3500, help="SFT optimizer steps (batch 8)")
+    p.add_argument("--corpus-size", type=int, default=12_000, help="number of transcripts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing policy")
+    p.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser(
+        "eval", help="measure a policy on held-out tasks with the real agent loop",
+        description="Roll out the policy (rollout.policy) once per held-out task of the tool-use world, with "
+        "SAAR retries as configured, and print well-formed call rate, first-call failures by label, retry "
+        "success, accuracy and generated tokens/s.",
+        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
+        "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
+    p.add_argument("--limit", type=int, help="only the first N held-out tasks")
+    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "rollout", help="phase 1 alone: sample trajectories with retries and write a raw shard",
+        description="Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
+        "checkpoint and commit them as the iteration's raw shard (skipped if already committed).",
+        epilog="Example:\n  cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, help="policy checkpoint (default: rollout.policy)")
+    p.set_defaults(func=cmd_rollout)
 
     for name, (help_text, issue) in PLANNED.items():
         p = sub.add_parser(name, help=help_text, description=f"{help_text}. (Arrives with issue {issue}.)",

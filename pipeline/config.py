@@ -32,7 +32,7 @@ class WorldConfig(Section):
     """The arithmetic tool-use world (tasks the tiny policy solves with Python)."""
 
     digits_min: int = Field(2, ge=1)
-    digits_max: int = Field(3, ge=1)
+    digits_max: int = Field(4, ge=1)
     operands_min: int = Field(2, ge=2)
     operands_max: int = Field(3, ge=2)
     ops: list[Literal["+", "-", "*", "//", "%"]] = ["+", "-", "*"]

@@ -18,7 +18,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, single_token_ma
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     specials = SPECIAL_TOKENS if single_token_markers else [EOS, IM_END, "<|im_start|>"]

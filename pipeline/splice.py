@@ -1,0 +1,61 @@
+"""The SAAR splice (SAAR.md §5) on token ids: one primitive shared by the live rollout (γ_live)
+and offline purification (any γ).
+
+A turn is split at its call boundary: `prefix` = reasoning before the `<tool_call>` marker,
+`call` = marker to end of turn. similarity(failed call, retry call) ≥ γ → SHALLOW (keep the failed
+turn's reasoning byte-identical, take the retry's call); otherwise, or when either split fails,
+DEEP (take the whole retry turn).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from rapidfuzz import fuzz
+
+
+@dataclass(frozen=True)
+class TurnPiece:
+    """A (possibly already spliced) assistant turn with where each token was sampled."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    call_start: int  # -1 when the turn has no call boundary on token ids
+    sources: tuple[tuple[int, int], ...]  # per token: (attempt_idx, index in that attempt's turn)
+
+
+@dataclass(frozen=True)
+class SpliceDecision:
+    kind: Literal["shallow", "deep"]
+    similarity: float
+    split_failed: bool
+
+
+def similarity(a: str, b: str) -> float:
+    """rapidfuzz Indel normalized similarity: difflib's ratio without its autojunk distortion."""
+    return fuzz.ratio(a, b) / 100.0
+
+
+def piece_from_attempt(attempt_idx: int, ids: list[int], logprobs: list[float], call_start: int) -> TurnPiece:
+    return TurnPiece(tuple(ids), tuple(logprobs), call_start, tuple((attempt_idx, i) for i in range(len(ids))))
+
+
+def decide(failed: TurnPiece, retry: TurnPiece, gamma: float, decode: Callable[[list[int]], str]) -> SpliceDecision:
+    split_failed = failed.call_start < 0 or retry.call_start < 0
+    if split_failed:
+        sim = similarity(decode(list(failed.ids)), decode(list(retry.ids)))
+        return SpliceDecision("deep", sim, True)
+    sim = similarity(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
+    return SpliceDecision("shallow" if sim >= gamma else "deep", sim, False)
+
+
+def splice(failed: TurnPiece, retry: TurnPiece, decision: SpliceDecision) -> TurnPiece:
+    if decision.kind == "deep":
+        return retry
+    cut, rcut = failed.call_start, retry.call_start
+    return TurnPiece(
+        ids=failed.ids[:cut] + retry.ids[rcut:],
+        logprobs=failed.logprobs[:cut] + retry.logprobs[rcut:],
+        call_start=cut,
+        sources=failed.sources[:cut] + retry.sources[rcut:],
+    )

@@ -1,0 +1,166 @@
+"""SAAR purification as pure functions on raw trajectories (SAAR.md §4–§6).
+
+`purify(raw, gamma, mode, decode)` rebuilds one training sequence from the attempt tree in the raw
+row, whatever live mode produced it:
+
+- `saar`: at every position, retries are spliced over the failed turn (shallow if the call
+  segments' similarity ≥ γ, else deep); failed attempts and their error feedback disappear.
+  A retry without a call leaves the position unpurified (failed turn, error, answer all stay);
+  after K failed retries the last spliced attempt stays with its error and the note. Either
+  ends SAAR for the rest of the trajectory. Infrastructure failures are never purified.
+- `raw`: every attempt and every error kept: the no-purification baseline.
+- `void_turn`: the raw sequence with its loss zeroed if any turn has neither a complete call nor
+  a final answer (SimpleTIR's filter).
+
+Each emitted token remembers which attempt sampled it; its sampled log-prob is kept only if the
+purified sequence before it equals the context it was sampled under (fingerprint in the raw row).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
+from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
+from rollout_gen.rewards import last_boxed
+
+MODES = ("saar", "raw", "void_turn")
+
+
+class PurifyError(ValueError):
+    """A raw row that cannot be purified (goes to the dead-letter output with this reason)."""
+
+
+@dataclass
+class _Builder:
+    prompt: list[int]
+    attempts: dict[int, Attempt]  # key: id(position) * 64 + attempt_idx -> attempt (see _key)
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    valid: list[int] = field(default_factory=list)
+
+    def feedback(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.valid += [1] * len(ids)
+
+    def turn(self, piece: TurnPiece, position: int) -> int:
+        """Append an assistant turn; returns the response index of its first invalid token (or -1)."""
+        first_invalid = -1
+        run_start = 0
+        for k in range(1, len(piece.ids) + 1):
+            if k < len(piece.ids) and piece.sources[k][0] == piece.sources[k - 1][0] and \
+                    piece.sources[k][1] == piece.sources[k - 1][1] + 1:
+                continue
+            at = len(self.ids)
+            attempt = self.attempts[_key(position, piece.sources[run_start][0])]
+            j0 = piece.sources[run_start][1]
+            run = list(piece.ids[run_start:k])
+            ok = self._context_matches(attempt, j0)
+            self.ids += run
+            self.mask += [1] * len(run)
+            self.logprobs += list(piece.logprobs[run_start:k]) if ok else [0.0] * len(run)
+            self.valid += [int(ok)] * len(run)
+            if not ok and first_invalid < 0:
+                first_invalid = at
+            run_start = k
+        return first_invalid
+
+    def _context_matches(self, attempt: Attempt, j0: int) -> bool:
+        full = self.prompt + self.ids
+        start = len(full) - j0
+        if start != attempt.context_len or full[start:] != attempt.turn_ids[:j0]:
+            return False
+        return fingerprint(full[:start]) == attempt.context_fingerprint
+
+
+def _key(position: int, attempt_idx: int) -> int:
+    return position * 1024 + attempt_idx
+
+
+def validate_raw(raw: Trajectory) -> None:
+    """Structural checks on a raw row; raises PurifyError naming the field."""
+    if len(raw.lived_mask) != len(raw.lived_ids) or len(raw.lived_logprobs) != len(raw.lived_ids):
+        raise PurifyError("lived_mask/lived_logprobs length differs from lived_ids")
+    for p in raw.positions:
+        if not p.attempts:
+            raise PurifyError(f"position {p.position_idx}: no attempts")
+        for a in p.attempts:
+            where = f"position {p.position_idx} attempt {a.attempt_idx}"
+            if len(a.logprobs) != len(a.turn_ids):
+                raise PurifyError(f"{where}: logprobs length {len(a.logprobs)} != turn_ids length {len(a.turn_ids)}")
+            if not (a.call_start == -1 or 0 <= a.call_start < len(a.turn_ids)):
+                raise PurifyError(f"{where}: call_start {a.call_start} out of range 0..{len(a.turn_ids) - 1}")
+            if a.context_len is None or a.context_fingerprint is None:
+                raise PurifyError(f"{where}: missing context_len/context_fingerprint")
+            if a.has_call and a.result is None and p.outcome != "truncated":
+                raise PurifyError(f"{where}: a call without a tool result")
+
+
+def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
+    if a.call_status in ("unclosed", "bad_json"):
+        return True
+    return a.call_status == "no_call" and last_boxed(decode(a.turn_ids), window=10**9) is None
+
+
+def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str]) -> PurifiedTrajectory:
+    if mode not in MODES:
+        raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
+    validate_raw(raw)
+    attempts = {_key(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
+    if raw.final_turn is not None:
+        attempts[_key(len(raw.positions), 0)] = raw.final_turn
+    b = _Builder(list(raw.prompt_ids), attempts)
+    splices: list[Splice] = []
+    saar_on = mode == "saar" and raw.saar_gate
+    void = False
+
+    def whole(pos_idx: int, a: Attempt) -> TurnPiece:
+        return piece_from_attempt(a.attempt_idx, a.turn_ids, a.logprobs, a.call_start)
+
+    for p in raw.positions:
+        void |= any(_is_void(a, decode) for a in p.attempts)
+        retries = p.attempts[1:]
+        if not saar_on or not retries or p.outcome == "infra":
+            for a in p.attempts:  # kept exactly as sampled, every error included
+                b.turn(whole(p.position_idx, a), p.position_idx)
+                b.feedback(a.feedback_ids)
+            continue
+        current = whole(p.position_idx, p.attempts[0])
+        previous = p.attempts[0]
+        gave_up = None
+        for r in retries:
+            if not r.has_call:
+                gave_up = r
+                break
+            decision = decide(current, whole(p.position_idx, r), gamma, decode)
+            new = splice(current, whole(p.position_idx, r), decision)
+            removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
+            splices.append(Splice(p.position_idx, r.attempt_idx, decision.kind, decision.similarity, removed, -1,
+                                  decision.split_failed))
+            current, previous = new, r
+        start = len(b.ids)
+        first_invalid = b.turn(current, p.position_idx)
+        for s in splices:
+            if s.position_idx == p.position_idx:
+                s.first_recomputed = first_invalid if first_invalid >= 0 else start
+        b.feedback(previous.feedback_ids)
+        if gave_up is not None:  # no purification beyond what was spliced before the give-up
+            b.turn(whole(p.position_idx, gave_up), p.position_idx)
+            saar_on = False
+        elif p.outcome in ("exhausted",):
+            saar_on = False
+    if raw.final_turn is not None:
+        void |= _is_void(raw.final_turn, decode)
+        b.turn(whole(len(raw.positions), raw.final_turn), len(raw.positions))
+    loss_mask = [0] * len(b.mask) if (mode == "void_turn" and void) else b.mask
+    invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]
+    return PurifiedTrajectory(
+        run_id=raw.run_id, iteration=raw.iteration, prompt_id=raw.prompt_id, sample_idx=raw.sample_idx,
+        mode=mode, gamma=float(gamma), raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
+        loss_mask=loss_mask, old_logprobs=b.logprobs, logprob_valid=b.valid, reward=raw.reward, advantage=math.nan,
+        splices=splices, recompute_from=invalid[0] if invalid else -1, tokens_forwarded=0, gate=raw.saar_gate,
+    )

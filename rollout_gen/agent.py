@@ -1,0 +1,250 @@
+"""The multi-turn agent loop on token ids, with SAAR's online retries (SAAR.md §2–§4).
+
+All trajectories of a batch advance together: one engine call samples the next assistant turn of
+every active trajectory, then every tool call of that round runs in the sandbox pool at once.
+The running sequence is kept as token ids: sampled tokens are appended as sampled (mask 1), tool
+turns are tokenized alone and appended (mask 0); nothing is ever re-rendered and re-tokenized.
+Every attempt is recorded with the fingerprint of the context it was sampled under, so the
+purifier can rebuild any variant offline.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.chat import RETRY_NOTE, ChatFormat, format_tool_response
+from pipeline.config import RolloutConfig
+from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
+from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
+from rollout_gen.engines.base import Engine, Generation, SamplingParams
+from rollout_gen.rewards import last_boxed, reward
+from rollout_gen.tasks import Task
+
+
+def unit_hash(*parts: object) -> float:
+    """A reproducible number in [0, 1) from ids: the SAAR gate coin and sampling seeds."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+@dataclass
+class RolloutIdentity:
+    run_id: str
+    iteration: int
+    policy_version: str
+    seed: int = 0
+
+
+@dataclass
+class _Live:
+    """Mutable state of one trajectory while it is being rolled out."""
+
+    task: Task
+    sample_idx: int
+    seed: int
+    gate: bool
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    positions: list[Position] = field(default_factory=list)
+    final_turn: Attempt | None = None
+    saar_on: bool = True
+    turns: int = 0
+    tool_turns: int = 0
+    executions: int = 0
+    open_pos: Position | None = None
+    open_start: int = 0  # where the open position's (current, maybe spliced) turn starts in `ids`
+    current: TurnPiece | None = None
+    retry_pending: bool = False
+    done: bool = False
+    finish_reason: str = ""
+    stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+
+    def append(self, ids: list[int] | tuple[int, ...], trained: bool, logprobs=None) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([int(trained)] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+    def finish(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason
+        self.open_pos, self.current, self.retry_pending = None, None, False
+
+
+class AgentLoop:
+    def __init__(self, engine: Engine, sandbox, chat: ChatFormat, cfg: RolloutConfig) -> None:
+        self.engine, self.sandbox, self.chat, self.cfg = engine, sandbox, chat, cfg
+        self.saar = cfg.saar
+
+    # ---- one round ------------------------------------------------------------------------
+    def _check_limits(self, lv: _Live) -> None:
+        reason = None
+        if lv.turns >= self.cfg.max_turns:
+            reason = "max_turns"
+        elif len(lv.ids) >= self.cfg.max_response_tokens:
+            reason = "length"
+        if reason:
+            if lv.retry_pending and lv.open_pos is not None:
+                lv.open_pos.outcome = "truncated"  # the state before the retry is kept as is
+            lv.finish(reason)
+
+    def _on_turn(self, lv: _Live, gen: Generation) -> Attempt | None:
+        """Record a sampled turn; return the attempt whose call must run, if any."""
+        lv.turns += 1
+        context = lv.prompt + lv.ids
+        call_start, parsed = self.chat.parse_turn(gen.output_ids)
+        retry = lv.retry_pending and lv.open_pos is not None
+        att = Attempt(
+            attempt_idx=len(lv.open_pos.attempts) if retry else 0, turn_ids=list(gen.output_ids),
+            logprobs=list(gen.logprobs), call_start=call_start, call_status=parsed.status,
+            context_len=len(context), context_fingerprint=fingerprint(context), code=parsed.code,
+            finish_reason=gen.finish_reason,
+        )
+        lv.stats.generated_tokens += len(att.turn_ids)
+        if retry:
+            pos = lv.open_pos
+            pos.attempts.append(att)
+            lv.stats.retries += 1
+            lv.retry_pending = False
+            if not att.has_call:  # the model answered or gave up: nothing is purified here
+                pos.outcome = "gave_up"
+                lv.stats.gave_up += 1
+                lv.saar_on = False
+                lv.append(att.turn_ids, True, att.logprobs)
+                lv.finish(gen.finish_reason)
+                return None
+            piece = piece_from_attempt(att.attempt_idx, att.turn_ids, att.logprobs, call_start)
+            if self.saar.live_mode == "purified":
+                decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode)
+                lv.current = splice(lv.current, piece, decision)
+                del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
+                lv.append(lv.current.ids, True, list(lv.current.logprobs))
+                if decision.kind == "shallow":
+                    lv.stats.live_shallow += 1
+                else:
+                    lv.stats.live_deep += 1
+            else:
+                lv.append(att.turn_ids, True, att.logprobs)
+            return att
+        if not att.has_call:
+            lv.final_turn = att
+            lv.append(att.turn_ids, True, att.logprobs)
+            lv.finish(gen.finish_reason)
+            return None
+        pos = Position(position_idx=len(lv.positions), attempts=[att], outcome="success")
+        lv.positions.append(pos)
+        lv.open_pos, lv.open_start = pos, len(lv.ids)
+        lv.current = piece_from_attempt(0, att.turn_ids, att.logprobs, call_start)
+        lv.append(att.turn_ids, True, att.logprobs)
+        if lv.tool_turns >= self.cfg.max_tool_turns:
+            pos.outcome = "truncated"
+            lv.finish("max_tool_turns")
+            return None
+        return att
+
+    def _on_result(self, lv: _Live, att: Attempt, result: ToolResult) -> None:
+        att.result = result
+        pos = lv.open_pos
+        first = len(pos.attempts) == 1
+        lv.tool_turns += 1
+        lv.executions += 1
+        if lv.executions >= self.saar.safety_cap:
+            lv.saar_on = False
+        text = result.text
+        if result.failed:
+            lv.stats.first_attempt_failures += int(first)
+            if result.error_class == "infra":
+                lv.stats.infra_failures += 1
+            else:
+                lv.stats.model_failures += 1
+        close = True
+        if not result.failed:
+            pos.outcome = "success" if first else "recovered"
+            lv.stats.recovered += int(not first)
+        elif result.error_class == "infra":
+            pos.outcome = "infra"  # never retried as if the model erred, never purified
+        elif lv.gate and lv.saar_on and self.saar.max_retries > 0:
+            if len(pos.attempts) - 1 < self.saar.max_retries:
+                lv.retry_pending, close = True, False
+            else:
+                text = f"{text}\n{RETRY_NOTE.format(n=len(pos.attempts))}"
+                pos.outcome = "exhausted"
+                lv.stats.exhausted += 1
+                lv.saar_on = False
+        else:
+            pos.outcome = "not_retried"
+        att.feedback_ids = self.chat.feedback_ids(text)
+        lv.append(att.feedback_ids, False)
+        if close:
+            lv.open_pos, lv.current = None, None
+
+    def _execute(self, attempts: list[Attempt]) -> list[ToolResult]:
+        runnable = [a.code for a in attempts if a.call_status == "ok"]
+        ran = iter(self.sandbox.run_many(runnable)) if runnable else iter(())
+        results = []
+        for a in attempts:
+            if a.call_status == "ok":
+                results.append(next(ran))
+            else:  # agent-side failure: the call could not even be made
+                _, parsed = self.chat.parse_turn(a.turn_ids)
+                text = format_tool_response(False, reason=parsed.problem or a.call_status,
+                                            limit=self.cfg.sandbox.response_chars)
+                results.append(ToolResult("failure", text, "unknown_error", "model", None, 0.0, False))
+        return results
+
+    # ---- the whole batch --------------------------------------------------------------------
+    def run(self, tasks: list[Task], identity: RolloutIdentity,
+            progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+        g = self.cfg.samples_per_prompt
+        lives: list[_Live] = []
+        for task in tasks:
+            prompt = self.chat.prompt_ids(task.question)
+            for s in range(g):
+                coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, s, identity.seed)
+                lv = _Live(task, s, identity.seed, coin < self.saar.gate_p, prompt)
+                if len(prompt) > self.cfg.max_prompt_tokens:
+                    lv.finish("prompt_too_long")
+                lives.append(lv)
+        params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
+                                tuple(sorted(self.chat.stop_ids)))
+        while True:
+            for lv in lives:
+                if not lv.done:
+                    self._check_limits(lv)
+            active = [lv for lv in lives if not lv.done]
+            if progress:
+                progress(len(lives) - len(active), len(lives))
+            if not active:
+                break
+            seeds = [int(unit_hash("sample", identity.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
+                     for lv in active]
+            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params, seeds,
+                                        shared_prefix=[len(lv.prompt) for lv in active])
+            pending: list[tuple[_Live, Attempt]] = []
+            for lv, gen in zip(active, gens):
+                budget = self.cfg.max_response_tokens - len(lv.ids)
+                if len(gen.output_ids) > budget:
+                    gen = Generation(gen.output_ids[:budget], gen.logprobs[:budget], "length")
+                att = self._on_turn(lv, gen)
+                if att is not None:
+                    pending.append((lv, att))
+            for (lv, att), result in zip(pending, self._execute([a for _, a in pending])):
+                self._on_result(lv, att, result)
+        return [self._trajectory(lv, identity) for lv in lives]
+
+    def _trajectory(self, lv: _Live, identity: RolloutIdentity) -> Trajectory:
+        text = self.chat.decode(lv.ids)
+        lv.stats.turns = lv.turns
+        lv.stats.tool_calls = sum(a.has_call for p in lv.positions for a in p.attempts)
+        lv.stats.response_tokens = len(lv.ids)
+        return Trajectory(
+            run_id=identity.run_id, iteration=identity.iteration, prompt_id=lv.task.prompt_id,
+            sample_idx=lv.sample_idx, policy_version=identity.policy_version, seed=lv.seed,
+            task_source=lv.task.source, question=lv.task.question, ground_truth=lv.task.ground_truth,
+            saar_gate=lv.gate, gate_p=self.saar.gate_p, live_mode=self.saar.live_mode,
+            gamma_live=self.saar.gamma_live, max_retries=self.saar.max_retries, prompt_ids=lv.prompt,
+            lived_ids=lv.ids, lived_mask=lv.mask, lived_logprobs=lv.logprobs, positions=lv.positions,
+            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=reward(lv.task, text, self.sandbox),
+            finish_reason=lv.finish_reason, stats=lv.stats,
+        )

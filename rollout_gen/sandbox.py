@@ -1,0 +1,190 @@
+"""The Python tool: a pool of warm sandbox workers, and the classification of what a call did.
+
+Model-written code never runs in this process: each call is forked from a warm worker process
+(`sandbox_worker.py`) inside its own limits. Failures are classified as the model's (its code
+raised or ran out of time) or as infrastructure (a worker died, hung, or could not build the
+sandbox); infrastructure failures are retried here and never blamed on the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.chat import format_tool_response
+from pipeline.config import SandboxConfig
+from pipeline.trajectory import ToolResult
+
+WORKER = Path(__file__).resolve().parent / "sandbox_worker.py"
+ERROR_LABELS = (  # SAAR.md §3: the first that occurs in the error text names the failure
+    "ImportError", "ModuleNotFoundError", "SyntaxError", "IndexError", "IndentationError", "NameError",
+    "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
+)
+INFRA_LABEL = "sandbox_error"
+
+
+@dataclass
+class Execution:
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    timed_out: bool = False
+    duration_s: float = 0.0
+    infra_error: str | None = None
+
+
+def error_label(text: str) -> str:
+    return next((label for label in ERROR_LABELS if label in text), "unknown_error")
+
+
+def _reason(stderr: str, exit_code: int | None) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    if lines:
+        return lines[-1].strip()
+    return f"the process ended with exit code {exit_code}"
+
+
+def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
+    """What the model is shown, and how the failure is counted (SAAR.md §2–§3)."""
+    limit = cfg.response_chars
+    if ex.infra_error is not None:
+        text = format_tool_response(False, reason="the sandbox could not run the code (internal error)", limit=limit)
+        return ToolResult("failure", text, INFRA_LABEL, "infra", ex.exit_code, ex.duration_s, False)
+    if ex.timed_out:
+        text = format_tool_response(False, ex.stdout, ex.stderr,
+                                    reason=f"worker_timeout: the code ran longer than {cfg.timeout_s:g} s", limit=limit)
+        return ToolResult("failure", text, "worker_timeout", "model", ex.exit_code, ex.duration_s, True)
+    if ex.exit_code == 0:
+        return ToolResult("success", format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
+                          None, None, 0, ex.duration_s, False)
+    text = format_tool_response(False, ex.stdout, ex.stderr, reason=_reason(ex.stderr, ex.exit_code), limit=limit)
+    return ToolResult("failure", text, error_label(ex.stderr), "model", ex.exit_code, ex.duration_s, False)
+
+
+class _Worker:
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets of ours reach the worker
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", str(WORKER), str(idx)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+            bufsize=1, start_new_session=True,
+        )
+        hello = self._readline(60.0)
+        if hello is None:
+            self.kill()
+            raise RuntimeError(f"sandbox worker {idx} did not start")
+        self.info = json.loads(hello)
+
+    def _readline(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return line or None
+
+    def call(self, request: dict, timeout: float) -> dict | None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        line = self._readline(timeout)
+        return json.loads(line) if line else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+class SandboxPool:
+    """A fixed number of warm workers; `run_many` spreads calls over them in parallel."""
+
+    def __init__(self, cfg: SandboxConfig | None = None) -> None:
+        self.cfg = cfg or SandboxConfig()
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self.replaced = 0
+        for i in range(self.cfg.workers):
+            w = _Worker(i)
+            self._workers.append(w)
+            self._idle.put(w)
+        self._threads = ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="sandbox")
+
+    @property
+    def isolation(self) -> dict:
+        return dict(self._workers[0].info) if self._workers else {}
+
+    def _replace(self, dead: _Worker) -> _Worker:
+        dead.kill()
+        fresh = _Worker(dead.idx)
+        with self._lock:
+            self._workers[self._workers.index(dead)] = fresh
+            self.replaced += 1
+        return fresh
+
+    def execute(self, code: str) -> Execution:
+        """One call, retried on a fresh worker when the infrastructure fails."""
+        request = {
+            "code": code, "timeout_s": self.cfg.timeout_s, "memory_mb": self.cfg.memory_mb,
+            "max_processes": self.cfg.max_processes, "max_file_mb": self.cfg.max_file_mb,
+            "output_chars": self.cfg.output_chars,
+        }
+        problem = "no attempt made"
+        for _ in range(self.cfg.infra_retries + 1):
+            worker = self._idle.get()
+            try:
+                reply = worker.call(request, timeout=self.cfg.timeout_s + 30)
+                if reply is None or not worker.alive():
+                    problem = f"worker {worker.idx} died or hung during the call"
+                    worker = self._replace(worker)
+                    continue
+                if "internal_error" in reply or reply.get("setup_failed"):
+                    problem = reply.get("internal_error") or "the sandbox could not be set up"
+                    continue
+                return Execution(reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
+                                 reply["duration_s"])
+            finally:
+                self._idle.put(worker)
+        return Execution(infra_error=problem)
+
+    def run(self, code: str) -> ToolResult:
+        return classify(self.execute(code), self.cfg)
+
+    def run_many(self, codes: list[str]) -> list[ToolResult]:
+        return list(self._threads.map(self.run, codes))
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        for w in self._workers:
+            try:
+                w.proc.stdin.close()
+            except OSError:
+                pass
+            w.kill()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_fresh_process(code: str, timeout_s: float = 4.0) -> subprocess.CompletedProcess:
+    """The naive baseline the pool is measured against: one new `python -c` process per call."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})

@@ -1,0 +1,107 @@
+"""Phase 1 as a stage: one iteration's rollouts from a checkpoint into a committed raw shard."""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pyarrow as pa
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipeline.chat import ChatFormat
+from pipeline.config import CleanerConfig
+from pipeline.trajectory import Trajectory, trajectory_to_row
+from rollout_gen.agent import AgentLoop, RolloutIdentity
+from rollout_gen.engines import Engine
+from rollout_gen.sandbox import SandboxPool
+from rollout_gen.tasks import Task, load_task_parquet
+from rollout_gen.world.tasks import training_tasks
+from storage.layout import RunLayout
+from storage.schemas import RAW
+from storage.shards import Manifest, ShardWriter, read_manifest
+
+
+def policy_version(checkpoint: Path) -> str:
+    """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
+    weights = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"no *.safetensors weights in checkpoint {checkpoint}")
+    h = hashlib.blake2b(digest_size=8)
+    for w in weights:
+        with open(w, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
+    n = cfg.rollout.tasks_per_iteration
+    if cfg.rollout.tasks == "world":
+        return training_tasks(cfg.world, n, seed=cfg.rollout.seed * 100_003 + iteration)
+    pool = load_task_parquet(cfg.rollout.tasks)
+    if not pool:
+        raise ValueError(f"{cfg.rollout.tasks}: no tasks")
+    start = iteration * n
+    return [pool[(start + i) % len(pool)] for i in range(n)]
+
+
+def load_chat(checkpoint: Path) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    if not (Path(checkpoint) / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer in checkpoint {checkpoint}")
+    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint))
+
+
+def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engine:
+    if cfg.rollout.engine == "sglang":
+        from rollout_gen.engines.sglang import SGLangEngine
+
+        return SGLangEngine(cfg.rollout.sglang_url, checkpoint)
+    from rollout_gen.engines.cpu import CPUEngine
+
+    return CPUEngine(checkpoint, pad_id=chat.tokenizer.pad_token_id)
+
+
+def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,
+             show_progress: bool = True) -> list[Trajectory]:
+    with SandboxPool(cfg.rollout.sandbox) as sandbox, Progress(
+        TextColumn("[bold]rollout[/] it {task.fields[it]}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("trajectories"), TimeElapsedColumn(), disable=not show_progress, transient=False,
+    ) as bar:
+        job = bar.add_task("rollout", total=len(tasks) * cfg.rollout.samples_per_prompt, it=identity.iteration)
+        loop = AgentLoop(engine, sandbox, chat, cfg.rollout)
+        return loop.run(tasks, identity, progress=lambda done, total: bar.update(job, completed=done))
+
+
+def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
+    return hashlib.blake2b(f"{cfg.section_hash('rollout', 'world')}/{version}".encode(), digest_size=8).hexdigest()
+
+
+def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path,
+                      show_progress: bool = True) -> Manifest:
+    """Write `iteration`'s raw shard; a shard already committed with the same inputs is kept."""
+    layout = RunLayout(cfg.storage.root, run_id)
+    out = layout.raw_dir(iteration)
+    version = policy_version(checkpoint)
+    config_hash = rollout_config_hash(cfg, version)
+    done = read_manifest(out)
+    if done is not None:
+        if done.config_hash != config_hash:
+            raise RuntimeError(f"{out}: committed with config {done.config_hash}, now {config_hash}; "
+                               "use a new run id (raw shards are never overwritten)")
+        return done
+    chat = load_chat(checkpoint)
+    engine = make_engine(cfg, checkpoint, chat)
+    identity = RolloutIdentity(run_id, iteration, version, cfg.rollout.seed)
+    t0 = time.perf_counter()
+    trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress)
+    wall = time.perf_counter() - t0
+    engine.close()
+    table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
+    with ShardWriter(out, RAW, config_hash, inputs=[str(checkpoint)], rows_per_part=cfg.storage.rows_per_part,
+                     compression=cfg.storage.compression) as w:
+        w.write(table)
+        generated = sum(t.stats.generated_tokens for t in trajectories)
+        return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": version,
+                         "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories))})
