@@ -6,7 +6,7 @@ import sys
 
 from benchmarks.common import RESULTS_MD, record
 
-BENCHMARKS = ["storage"]
+BENCHMARKS = ["storage", "world", "rollout"]
 
 
 def main(argv: list[str]) -> int:

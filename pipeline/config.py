@@ -63,6 +63,7 @@ class SaarConfig(Section):
 class RolloutConfig(Section):
     policy: Path = DEFAULT_POLICY
     engine: Literal["cpu", "sglang"] = "cpu"
+    threads: int = Field(1, ge=1, description="torch threads of the CPU engine (fixed for reproducible sampling)")
     sglang_url: str = "http://127.0.0.1:30000"
     tasks: str = "world"  # "world" or a path to a task parquet file
     tasks_per_iteration: int = Field(16, gt=0)

@@ -60,7 +60,7 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
         return SGLangEngine(cfg.rollout.sglang_url, checkpoint)
     from rollout_gen.engines.cpu import CPUEngine
 
-    return CPUEngine(checkpoint, pad_id=chat.tokenizer.pad_token_id)
+    return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id)
 
 
 def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,

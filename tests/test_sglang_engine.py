@@ -1,0 +1,71 @@
+"""The SGLang client against a contract double of its HTTP API (see sglang_contract_double.py)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pipeline.config import DEFAULT_POLICY, load_config
+from rollout_gen.agent import AgentLoop, RolloutIdentity
+from rollout_gen.engines.base import SamplingParams
+from rollout_gen.engines.cpu import CPUEngine
+from rollout_gen.engines.sglang import SGLangEngine, SGLangUnavailable
+from rollout_gen.sandbox import SandboxPool
+from rollout_gen.stage import load_chat
+from rollout_gen.world.tasks import eval_tasks
+from tests.sglang_contract_double import SGLangContractDouble
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = SGLangContractDouble(DEFAULT_POLICY)
+    yield s
+    s.close()
+
+
+def test_generate_matches_the_cpu_engine(server):
+    chat = load_chat(DEFAULT_POLICY)
+    client = SGLangEngine(server.url)
+    contexts = [chat.prompt_ids("What is 12 + 30?"), chat.prompt_ids("Compute 7 * 8.")]
+    params = SamplingParams(40, 1.0, 1.0, tuple(sorted(chat.stop_ids)))
+    got = client.generate(contexts, params, seeds=[5, 6])
+    want = CPUEngine(DEFAULT_POLICY).generate(contexts, params, seeds=[5, 6])
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert [g.finish_reason for g in got] == [w.finish_reason for w in want]
+    req = server.requests[-1]
+    assert req["return_logprob"] is True and req["input_ids"] == contexts
+    assert req["sampling_params"][0]["stop_token_ids"] == sorted(chat.stop_ids)
+
+
+def test_score_uses_logprob_start_len(server):
+    chat = load_chat(DEFAULT_POLICY)
+    client = SGLangEngine(server.url)
+    seq = chat.prompt_ids("What is 1 + 2?") + chat.encode("Let me compute.")
+    start = len(seq) - 4
+    (scores,) = client.score([seq], [start])
+    assert len(scores) == 4
+    assert server.requests[-1]["logprob_start_len"] == [start - 1]
+    assert server.requests[-1]["sampling_params"][0]["max_new_tokens"] == 0
+
+
+def test_agent_loop_runs_on_sglang(server):
+    cfg = load_config(None, ["rollout.samples_per_prompt=2"])
+    chat = load_chat(DEFAULT_POLICY)
+    with SandboxPool(cfg.rollout.sandbox) as sandbox:
+        trajs = AgentLoop(SGLangEngine(server.url), sandbox, chat, cfg.rollout).run(
+            eval_tasks(cfg.world)[:3], RolloutIdentity("s", 0, "v"))
+    assert len(trajs) == 6 and all(t.finish_reason for t in trajs)
+
+
+def test_update_weights_from_disk(server):
+    client = SGLangEngine(server.url)
+    client.update_weights(DEFAULT_POLICY)
+    assert server.requests[-1] == {"path": "/update_weights_from_disk", "model_path": str(DEFAULT_POLICY)}
+
+
+def test_unreachable_server_is_one_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(SGLangUnavailable, match=r"unreachable.*sglang\.launch_server"):
+        SGLangEngine(f"http://127.0.0.1:{port}")
