@@ -20,8 +20,6 @@ EPILOG_OVERRIDES = (
 PLANNED: dict[str, tuple[str, str]] = {
     # subcommand -> (help, the issue that delivers it)
     "train": ("run the training flow: N iterations of rollout -> purify -> update (Prefect)", "#7"),
-    "purify": ("phase 2 alone: purify one iteration's raw shards into purified shards (Beam)", "#5"),
-    "replay": ("re-purify stored raw shards under other γ / modes without regenerating", "#5"),
     "update": ("phase 3 alone: one GRPO update over an iteration's purified shards (OpenRLHF)", "#6"),
     "report": ("write PNG plots and an HTML page for a run", "#7"),
     "schedule": ("serve the flows as Prefect deployments (interval or cron)", "#7"),
@@ -106,6 +104,48 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_purify(args: argparse.Namespace) -> int:
+    from purifier.stage import run_purify_stage
+
+    cfg = _config(args)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma)
+    for r in results:
+        state = "kept (already committed)" if r.skipped else "written"
+        print(f"mode={r.mode} gamma={r.gamma:g}: {r.rows} rows, {r.dead} dead letters — {state}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.trajectory import trajectory_from_row
+    from purifier.replay import replay_stats
+    from purifier.stage import run_purify_stage
+    from rollout_gen.stage import load_chat
+    from storage.layout import RunLayout
+    from storage.schemas import RAW
+    from storage.shards import read_manifest, read_shard
+
+    cfg = _config(args)
+    run_id = args.run or cfg.flow.run_id
+    gammas = args.gamma or cfg.flow.replay_gammas
+    modes = args.mode or ["saar"]
+    run_purify_stage(cfg, run_id, args.iteration, modes, gammas)
+    raw_dir = RunLayout(cfg.storage.root, run_id).raw_dir(args.iteration)
+    raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
+    chat = load_chat(read_manifest(raw_dir).inputs[0])
+    table = Table(title=f"replay of {run_id} iteration {args.iteration} ({len(raws)} raw trajectories)")
+    for col in ("γ", "positions", "shallow", "deep", "tokens removed", "tokens recomputed", "≠ γ_live", "≠ difflib"):
+        table.add_column(col)
+    for g in gammas:
+        s = replay_stats(raws, g, chat.decode)
+        table.add_row(f"{g:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed, s.tokens_recomputed,
+                                           s.differ_from_live, s.differ_from_difflib)))
+    Console().print(table)
+    return 0
+
+
 def _planned(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"cleaner {name}: not available yet (tracked in issue {issue}).", file=sys.stderr)
@@ -187,6 +227,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=0)
     p.add_argument("--checkpoint", type=Path, help="policy checkpoint (default: rollout.policy)")
     p.set_defaults(func=cmd_rollout)
+
+    for name, help_text, example in (
+        ("purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
+         "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5"),
+        ("replay", "re-purify stored raw shards under other γ / modes, never touching them, and compare",
+         "cleaner replay --run demo --iteration 0 --gamma 0.3 0.5 0.7"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text + ". One partition per (mode, γ) is "
+                           "written beside the others; committed partitions are kept. Beam runner: purify.runner "
+                           "and purify.beam_options.",
+                           epilog=f"Example:\n  {example}\n\n" + EPILOG_OVERRIDES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_config_args(p)
+        p.add_argument("--run", help="run id (default: flow.run_id)")
+        p.add_argument("--iteration", type=int, default=0)
+        p.add_argument("--gamma", type=float, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
+        p.add_argument("--mode", nargs="+", choices=["saar", "raw", "void_turn"], help="modes (default: config)")
+        p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
 
     for name, (help_text, issue) in PLANNED.items():
         p = sub.add_parser(name, help=help_text, description=f"{help_text}. (Arrives with issue {issue}.)",

@@ -40,12 +40,20 @@ def piece_from_attempt(attempt_idx: int, ids: list[int], logprobs: list[float], 
     return TurnPiece(tuple(ids), tuple(logprobs), call_start, tuple((attempt_idx, i) for i in range(len(ids))))
 
 
-def decide(failed: TurnPiece, retry: TurnPiece, gamma: float, decode: Callable[[list[int]], str]) -> SpliceDecision:
+def difflib_similarity(a: str, b: str) -> float:
+    """The reference implementation's measure (difflib ratio, default autojunk): for agreement reports."""
+    import difflib
+
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def decide(failed: TurnPiece, retry: TurnPiece, gamma: float, decode: Callable[[list[int]], str],
+           measure: Callable[[str, str], float] = similarity) -> SpliceDecision:
     split_failed = failed.call_start < 0 or retry.call_start < 0
     if split_failed:
-        sim = similarity(decode(list(failed.ids)), decode(list(retry.ids)))
+        sim = measure(decode(list(failed.ids)), decode(list(retry.ids)))
         return SpliceDecision("deep", sim, True)
-    sim = similarity(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
+    sim = measure(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
     return SpliceDecision("shallow" if sim >= gamma else "deep", sim, False)
 
 

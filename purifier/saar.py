@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
+from pipeline.splice import TurnPiece, decide, piece_from_attempt, similarity, splice
 from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
 from rollout_gen.rewards import last_boxed
 
@@ -106,7 +106,13 @@ def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
     return a.call_status == "no_call" and last_boxed(decode(a.turn_ids), window=10**9) is None
 
 
-def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str]) -> PurifiedTrajectory:
+def partition_gamma(mode: str, gamma: float) -> float:
+    """γ only matters for `saar`; the other modes live under gamma=0.00 whatever γ was asked."""
+    return float(gamma) if mode == "saar" else 0.0
+
+
+def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],
+           measure: Callable[[str, str], float] = similarity) -> PurifiedTrajectory:
     if mode not in MODES:
         raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
     validate_raw(raw)
@@ -136,7 +142,7 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
             if not r.has_call:
                 gave_up = r
                 break
-            decision = decide(current, whole(p.position_idx, r), gamma, decode)
+            decision = decide(current, whole(p.position_idx, r), gamma, decode, measure)
             new = splice(current, whole(p.position_idx, r), decision)
             removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
             splices.append(Splice(p.position_idx, r.attempt_idx, decision.kind, decision.similarity, removed, -1,
@@ -160,7 +166,7 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
     invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]
     return PurifiedTrajectory(
         run_id=raw.run_id, iteration=raw.iteration, prompt_id=raw.prompt_id, sample_idx=raw.sample_idx,
-        mode=mode, gamma=float(gamma), raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
+        mode=mode, gamma=partition_gamma(mode, gamma), raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
         loss_mask=loss_mask, old_logprobs=b.logprobs, logprob_valid=b.valid, reward=raw.reward, advantage=math.nan,
         splices=splices, recompute_from=invalid[0] if invalid else -1, tokens_forwarded=0, gate=raw.saar_gate,
     )
