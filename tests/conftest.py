@@ -5,3 +5,19 @@ from pathlib import Path
 # Tests import the packages from the checkout, whatever the working directory.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def world_rollout(tmp_path_factory):
+    """One real rollout of the committed tiny policy (16 tasks × 4 samples), shared by stage tests."""
+    from pipeline.config import DEFAULT_POLICY, load_config
+    from rollout_gen.stage import run_rollout_stage
+
+    root = tmp_path_factory.mktemp("world-rollout")
+    cfg = load_config(None, [f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
+                             "rollout.seed=3"])
+    run_rollout_stage(cfg, "w", 0, DEFAULT_POLICY, show_progress=False)
+    return cfg
