@@ -6,7 +6,7 @@ import sys
 
 from benchmarks.common import RESULTS_MD, record
 
-BENCHMARKS = ["storage", "world", "rollout"]
+BENCHMARKS = ["storage", "world", "rollout", "purify"]
 
 
 def main(argv: list[str]) -> int:

@@ -211,6 +211,9 @@ class ChatFormat:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: same text, no wrapper cost
+        if backend is not None:
+            return backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def prompt_ids(self, question: str) -> list[int]:

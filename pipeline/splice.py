@@ -21,7 +21,8 @@ class TurnPiece:
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     call_start: int  # -1 when the turn has no call boundary on token ids
-    sources: tuple[tuple[int, int], ...]  # per token: (attempt_idx, index in that attempt's turn)
+    # where the tokens were sampled, as runs in order: (attempt_idx, start, end) of that attempt's turn
+    sources: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,19 @@ def similarity(a: str, b: str) -> float:
 
 
 def piece_from_attempt(attempt_idx: int, ids: list[int], logprobs: list[float], call_start: int) -> TurnPiece:
-    return TurnPiece(tuple(ids), tuple(logprobs), call_start, tuple((attempt_idx, i) for i in range(len(ids))))
+    return TurnPiece(tuple(ids), tuple(logprobs), call_start, ((attempt_idx, 0, len(ids)),))
+
+
+def _cut_sources(sources: tuple[tuple[int, int, int], ...], lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """The runs covering piece positions [lo, hi)."""
+    out, at = [], 0
+    for a, s, e in sources:
+        n = e - s
+        a_lo, a_hi = max(lo, at), min(hi, at + n)
+        if a_lo < a_hi:
+            out.append((a, s + a_lo - at, s + a_hi - at))
+        at += n
+    return tuple(out)
 
 
 def difflib_similarity(a: str, b: str) -> float:
@@ -65,5 +78,5 @@ def splice(failed: TurnPiece, retry: TurnPiece, decision: SpliceDecision) -> Tur
         ids=failed.ids[:cut] + retry.ids[rcut:],
         logprobs=failed.logprobs[:cut] + retry.logprobs[rcut:],
         call_start=cut,
-        sources=failed.sources[:cut] + retry.sources[rcut:],
+        sources=_cut_sources(failed.sources, 0, cut) + _cut_sources(retry.sources, rcut, len(retry.ids)),
     )

@@ -12,7 +12,7 @@ Vocabulary (one name per concept, everywhere):
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -117,9 +117,9 @@ class Trajectory:
     gamma_live: float
     max_retries: int
     prompt_ids: list[int]
-    lived_ids: list[int]  # prompt excluded: the response as the model lived it
-    lived_mask: list[int]
-    lived_logprobs: list[float]
+    lived_ids: list[int] | None  # prompt excluded: the response as the model lived it (None: not read)
+    lived_mask: list[int] | None
+    lived_logprobs: list[float] | None
     positions: list[Position]
     final_turn: Attempt | None  # the last assistant turn when it made no call
     final_answer: str | None
@@ -173,8 +173,14 @@ def _result_from_row(row: dict[str, Any] | None) -> ToolResult | None:
     return None if row is None else ToolResult(**row)
 
 
+def _flat(obj: Any) -> dict[str, Any]:
+    # dataclasses.asdict deep-copies every list; rows are written once, so a shallow view suffices.
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
 def attempt_to_row(a: Attempt) -> dict[str, Any]:
-    row = asdict(a)
+    row = _flat(a)
+    row["result"] = None if a.result is None else _flat(a.result)
     return row
 
 
@@ -185,11 +191,16 @@ def attempt_from_row(row: dict[str, Any]) -> Attempt:
 
 
 def trajectory_to_row(t: Trajectory) -> dict[str, Any]:
-    return asdict(t)
+    row = _flat(t)
+    row["positions"] = [{"position_idx": p.position_idx, "outcome": p.outcome,
+                         "attempts": [attempt_to_row(a) for a in p.attempts]} for p in t.positions]
+    row["final_turn"] = None if t.final_turn is None else attempt_to_row(t.final_turn)
+    row["stats"] = _flat(t.stats)
+    return row
 
 
 def trajectory_from_row(row: dict[str, Any]) -> Trajectory:
-    data = {f.name: row[f.name] for f in fields(Trajectory)}
+    data = {f.name: row.get(f.name) for f in fields(Trajectory)}  # lived_* may be left unread (None)
     data["positions"] = [
         Position(
             position_idx=p["position_idx"],
@@ -204,7 +215,9 @@ def trajectory_from_row(row: dict[str, Any]) -> Trajectory:
 
 
 def purified_to_row(p: PurifiedTrajectory) -> dict[str, Any]:
-    return asdict(p)
+    row = _flat(p)
+    row["splices"] = [_flat(s) for s in p.splices]
+    return row
 
 
 def purified_from_row(row: dict[str, Any]) -> PurifiedTrajectory:

@@ -18,7 +18,7 @@ from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
-from storage.schemas import DEAD_LETTER, PURIFIED
+from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 
 Variant = tuple[str, float]
 
@@ -52,10 +52,10 @@ class PurifyVariants(beam.DoFn):
         self.tokenizer_dir = tokenizer_dir
 
     def setup(self) -> None:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers import per worker
 
-        tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=False)
+        tok = Tokenizer.from_file(str(Path(self.tokenizer_dir) / "tokenizer.json"))
+        self.decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
     def process(self, raw):
         from purifier.saar import PurifyError, purify
@@ -67,7 +67,7 @@ class PurifyVariants(beam.DoFn):
                 yield beam.pvalue.TaggedOutput("dead", ((mode, gamma), {
                     "raw_key": raw.key, "source_file": "", "reason": str(e)}))
                 continue
-            yield (mode, gamma, raw.prompt_id), p
+            yield (mode, gamma, raw.prompt_id), purified_to_row(p)  # plain rows: Beam's fast coder, not pickle
 
 
 class GroupStage(beam.DoFn):
@@ -95,7 +95,7 @@ class GroupStage(beam.DoFn):
         from purifier.advantages import apply_group
 
         (mode, gamma, _), group = element
-        kept = apply_group(list(group), self.estimator, self.dynamic_filter)
+        kept = apply_group([purified_from_row(r) for r in group], self.estimator, self.dynamic_filter)
         if not kept:
             self.filtered.inc()
             Metrics.counter("purify", f"filtered_groups/{variant_name(mode, gamma)}").inc()
@@ -110,7 +110,11 @@ class GroupStage(beam.DoFn):
 def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str,
           estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
           sglang_url: str = "") -> None:
-    rows = p | "RawFiles" >> beam.Create(raw_files) | "ReadRaw" >> beam.io.ReadAllFromParquet(with_filename=True)
+    from purifier.saar import LIVED_COLUMNS
+
+    columns = [n for n in RAW.names if n not in LIVED_COLUMNS]
+    rows = (p | "RawFiles" >> beam.Create(raw_files)
+            | "ReadRaw" >> beam.io.ReadAllFromParquet(with_filename=True, columns=columns))
     parsed = rows | "Parse" >> beam.ParDo(ParseRaw(variants)).with_outputs("dead", main="ok")
     purified = parsed.ok | "Purify" >> beam.ParDo(PurifyVariants(variants, tokenizer_dir)).with_outputs("dead", main="ok")
     staged = (

@@ -26,6 +26,9 @@ from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory,
 from rollout_gen.rewards import last_boxed
 
 MODES = ("saar", "raw", "void_turn")
+# Purification rebuilds every sequence from the attempt tree: it never needs the lived sequence,
+# which is about half of a raw row's values, so the stage does not read it.
+LIVED_COLUMNS = ("lived_ids", "lived_mask", "lived_logprobs")
 
 
 class PurifyError(ValueError):
@@ -50,23 +53,18 @@ class _Builder:
     def turn(self, piece: TurnPiece, position: int) -> int:
         """Append an assistant turn; returns the response index of its first invalid token (or -1)."""
         first_invalid = -1
-        run_start = 0
-        for k in range(1, len(piece.ids) + 1):
-            if k < len(piece.ids) and piece.sources[k][0] == piece.sources[k - 1][0] and \
-                    piece.sources[k][1] == piece.sources[k - 1][1] + 1:
-                continue
+        at_piece = 0
+        for attempt_idx, j0, j1 in piece.sources:
+            n = j1 - j0
             at = len(self.ids)
-            attempt = self.attempts[_key(position, piece.sources[run_start][0])]
-            j0 = piece.sources[run_start][1]
-            run = list(piece.ids[run_start:k])
-            ok = self._context_matches(attempt, j0)
-            self.ids += run
-            self.mask += [1] * len(run)
-            self.logprobs += list(piece.logprobs[run_start:k]) if ok else [0.0] * len(run)
-            self.valid += [int(ok)] * len(run)
+            ok = self._context_matches(self.attempts[_key(position, attempt_idx)], j0)
+            self.ids += piece.ids[at_piece: at_piece + n]
+            self.mask += [1] * n
+            self.logprobs += piece.logprobs[at_piece: at_piece + n] if ok else [0.0] * n
+            self.valid += [int(ok)] * n
             if not ok and first_invalid < 0:
                 first_invalid = at
-            run_start = k
+            at_piece += n
         return first_invalid
 
     def _context_matches(self, attempt: Attempt, j0: int) -> bool:
@@ -83,7 +81,8 @@ def _key(position: int, attempt_idx: int) -> int:
 
 def validate_raw(raw: Trajectory) -> None:
     """Structural checks on a raw row; raises PurifyError naming the field."""
-    if len(raw.lived_mask) != len(raw.lived_ids) or len(raw.lived_logprobs) != len(raw.lived_ids):
+    if raw.lived_ids is not None and (len(raw.lived_mask) != len(raw.lived_ids)
+                                      or len(raw.lived_logprobs) != len(raw.lived_ids)):
         raise PurifyError("lived_mask/lived_logprobs length differs from lived_ids")
     for p in raw.positions:
         if not p.attempts:
@@ -128,7 +127,8 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         return piece_from_attempt(a.attempt_idx, a.turn_ids, a.logprobs, a.call_start)
 
     for p in raw.positions:
-        void |= any(_is_void(a, decode) for a in p.attempts)
+        if mode == "void_turn":
+            void |= any(_is_void(a, decode) for a in p.attempts)
         retries = p.attempts[1:]
         if not saar_on or not retries or p.outcome == "infra":
             for a in p.attempts:  # kept exactly as sampled, every error included
@@ -160,7 +160,7 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         elif p.outcome in ("exhausted",):
             saar_on = False
     if raw.final_turn is not None:
-        void |= _is_void(raw.final_turn, decode)
+        void |= mode == "void_turn" and _is_void(raw.final_turn, decode)
         b.turn(whole(len(raw.positions), raw.final_turn), len(raw.positions))
     loss_mask = [0] * len(b.mask) if (mode == "void_turn" and void) else b.mask
     invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]

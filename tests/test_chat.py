@@ -27,7 +27,7 @@ CORPUS = [t for t in TURNS for _ in range(20)] + [tool_response_turn(format_tool
 
 @pytest.fixture(scope="module", params=[True, False], ids=["single-token-marker", "split-marker"])
 def chat(request) -> ChatFormat:
-    return ChatFormat(train_tokenizer(CORPUS, vocab_size=400, single_token_markers=request.param))
+    return ChatFormat(train_tokenizer(CORPUS, vocab_size=400, single_token_markers=request.param, merge_across_words=False))
 
 
 def test_parse_tool_call_variants():
@@ -80,7 +80,8 @@ def test_split_marker_inside_a_token_fails_cleanly():
     # Punctuation right before the marker lets BPE merge ".<" into one token: the call then starts
     # mid-token, there is no boundary on token ids, and the splice must fall back to deep.
     turn = "Compute it.<tool_call>" + render_tool_call("print(1)")[len(CALL_OPEN):] + IM_END
-    chat = ChatFormat(train_tokenizer(CORPUS + [turn] * 50, vocab_size=400, single_token_markers=False))
+    chat = ChatFormat(train_tokenizer(CORPUS + [turn] * 50, vocab_size=400, single_token_markers=False,
+                                      merge_across_words=False))
     ids = chat.encode(turn)
     assert any(chat.token_bytes[i] == b".<" for i in ids), "fixture: the tokenizer should merge '.<'"
     assert chat.call_start(ids) == -1
