@@ -1,0 +1,77 @@
+"""Purified rows → OpenRLHF-shaped training tensors, micro-batched by a token budget, groups whole.
+
+For a row: sequences = prompt + response; `action_mask[t] = 1` iff sequences[t+1] is a trained
+token (OpenRLHF's T−1, shifted-by-one convention); `action_log_probs[t]` is the old policy's
+log-prob of sequences[t+1]; the group advantage is broadcast over the action tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.trajectory import PurifiedTrajectory
+
+
+@dataclass
+class MicroBatch:
+    sequences: torch.Tensor  # (B, T) long
+    attention_mask: torch.Tensor  # (B, T) long
+    action_mask: torch.Tensor  # (B, T-1) float
+    old_log_probs: torch.Tensor  # (B, T-1) float
+    advantages: torch.Tensor  # (B, T-1) float
+    rows: list[str]
+
+    @property
+    def num_actions(self) -> int:
+        return int(self.action_mask.sum())
+
+
+def collate(rows: list[PurifiedTrajectory], pad_id: int) -> MicroBatch:
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+    b = len(rows)
+    seq = torch.full((b, width), pad_id, dtype=torch.long)
+    att = torch.zeros((b, width), dtype=torch.long)
+    act = torch.zeros((b, width - 1))
+    old = torch.zeros((b, width - 1))
+    adv = torch.zeros((b, width - 1))
+    for i, r in enumerate(rows):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        seq[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        att[i, : p + n] = 1
+        act[i, p - 1: p - 1 + n] = torch.tensor(r.loss_mask, dtype=torch.float)
+        old[i, p - 1: p - 1 + n] = torch.tensor(r.old_logprobs, dtype=torch.float)
+        adv[i, p - 1: p - 1 + n] = float(r.advantage)
+    return MicroBatch(seq, att, act, old * act, adv * act, [r.raw_key for r in rows])
+
+
+def groups_of(rows: list[PurifiedTrajectory]) -> list[list[PurifiedTrajectory]]:
+    groups: dict[str, list[PurifiedTrajectory]] = {}
+    for r in sorted(rows, key=lambda r: (r.prompt_id, r.sample_idx)):
+        groups.setdefault(r.prompt_id, []).append(r)
+    return list(groups.values())
+
+
+def mini_batches(rows: list[PurifiedTrajectory], n: int) -> list[list[list[PurifiedTrajectory]]]:
+    """Split whole groups into n mini-batches (fewer when there are fewer groups)."""
+    groups = groups_of(rows)
+    n = max(1, min(n, len(groups)))
+    size = -(-len(groups) // n)
+    return [groups[i: i + size] for i in range(0, len(groups), size)]
+
+
+def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int) -> list[MicroBatch]:
+    """Pack whole groups into micro-batches whose padded size stays within the budget (a group larger
+    than the budget gets a micro-batch of its own)."""
+    out, current, width = [], [], 0
+    for g in groups:
+        g_width = max(len(r.prompt_ids) + len(r.response_ids) for r in g)
+        new_width = max(width, g_width)
+        if current and new_width * (len(current) + len(g)) > token_budget:
+            out.append(collate(current, pad_id))
+            current, new_width = [], g_width
+        current += g
+        width = new_width
+    if current:
+        out.append(collate(current, pad_id))
+    return out

@@ -1,0 +1,150 @@
+"""The GRPO/DAPO update on OpenRLHF's `Actor` and `PolicyLoss` (SAAR.md §7), one process, CPU or one GPU.
+
+Per mini-batch (whole prompt groups): gradients are accumulated over micro-batches with the loss
+normalised by the mini-batch's token count (OpenRLHF's `batch_num_tokens`), so accumulation equals
+one big token-mean batch; then grad-clip, AdamW step, warmup schedule step. Progress is saved after
+every mini-batch, so an interrupted update resumes to exactly the weights of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.trajectory import PurifiedTrajectory
+from trainer.batches import micro_batches, mini_batches
+from trainer.openrlhf_compat import openrlhf_models
+
+
+class UpdateError(RuntimeError):
+    """An update that cannot run on its input; nothing is written."""
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    clip_ratio: float
+    approx_kl: float
+    grad_norm: float
+    entropy: float
+    tokens: int
+    lr: float
+    seconds: float
+
+
+@dataclass
+class UpdateProgress:
+    minibatches_done: int = 0
+    metrics: list[StepMetrics] = field(default_factory=list)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.999))
+    warm = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    return opt, sched
+
+
+class GRPOUpdate:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0) -> None:
+        models = openrlhf_models()
+        self.cfg = cfg
+        self.model = model
+        self.actor = models.Actor(model, attn_implementation="eager")
+        self.actor.packing_samples = False  # not set when Actor wraps a model object
+        self.actor.temperature = temperature
+        self.loss_fn = models.PolicyLoss(
+            clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+            token_level_loss=True, policy_loss_type=cfg.policy_loss_type,
+        )
+        self.optimizer, self.scheduler = build_optimizer(model, cfg)
+        self.global_step = 0
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = state["global_step"]
+
+    def minibatch(self, groups: list[list[PurifiedTrajectory]], pad_id: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        self.model.train()
+        micros = micro_batches(groups, self.cfg.micro_batch_tokens, pad_id)
+        tokens = sum(m.num_actions for m in micros)
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
+        for m in micros:
+            logp, out = self.actor(m.sequences, m.action_mask, attention_mask=m.attention_mask, return_output=True,
+                                   return_entropy=True)
+            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages,
+                                                          action_mask=m.action_mask, batch_num_tokens=max(1, tokens))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
+                                         f"(rows {m.rows[:3]}...); no checkpoint written")
+            loss.backward()
+            share = m.num_actions / max(1, tokens)
+            totals["loss"] += loss.item()
+            totals["clip"] += clip_ratio.item() * share
+            totals["kl"] += ppo_kl.item() * share
+            ent = out.entropy.detach()
+            totals["ent"] += float((ent * m.action_mask).sum() / max(1, m.num_actions)) * share
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        self.model.eval()
+        return StepMetrics(self.global_step, totals["loss"], totals["clip"], totals["kl"], grad_norm, totals["ent"],
+                           tokens, lr, time.perf_counter() - t0)
+
+    def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
+            after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:
+        torch.manual_seed(self.cfg.seed)
+        schedule = [mb for _ in range(self.cfg.epochs) for mb in mini_batches(rows, self.cfg.mini_batches)]
+        for k, groups in enumerate(schedule):
+            if k < progress.minibatches_done:
+                continue  # done before an interruption
+            if stop_after is not None and k >= stop_after:
+                break
+            progress.metrics.append(self.minibatch(groups, pad_id))
+            progress.minibatches_done = k + 1
+            if after_minibatch:
+                after_minibatch(progress)
+        return progress
+
+
+def total_minibatches(rows: list[PurifiedTrajectory], cfg: TrainConfig) -> int:
+    return cfg.epochs * len(mini_batches(rows, cfg.mini_batches))
+
+
+def save_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, progress: UpdateProgress, key: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "update": update.state_dict(), "progress": progress, "key": key}, tmp)
+    tmp.replace(path)
+
+
+def load_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, key: str) -> UpdateProgress | None:
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=False)
+    if state.get("key") != key:
+        return None  # a partial update of other inputs/settings: start over
+    model.load_state_dict(state["model"])
+    update.load_state_dict(state["update"])
+    return state["progress"]

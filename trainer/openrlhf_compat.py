@@ -1,0 +1,49 @@
+"""Import OpenRLHF's models on a CPU-only machine.
+
+`openrlhf.models` imports `flash_attn`, whose interface module imports the compiled
+`flash_attn_2_cuda` at import time; on CPU that extension does not exist. When (and only when) the
+real module is absent, a stand-in with a proper ModuleSpec is registered whose every attribute
+access raises and is counted: cleaner never calls flash-attn kernels (eager/SDPA attention,
+packing off), and `SHIM.touched` lets a test prove it.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import types
+
+log = logging.getLogger("cleaner.trainer")
+
+
+class _KernelShim(types.ModuleType):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+        self.__dict__["touched"] = []
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self.__dict__["touched"].append(attr)
+        raise RuntimeError(f"{self.__name__}.{attr}: CUDA flash-attention kernels are not available on CPU")
+
+
+SHIM: _KernelShim | None = None
+
+
+def install_shims() -> None:
+    global SHIM
+    if "flash_attn_2_cuda" in sys.modules or importlib.util.find_spec("flash_attn_2_cuda") is not None:
+        return
+    SHIM = _KernelShim("flash_attn_2_cuda")
+    sys.modules["flash_attn_2_cuda"] = SHIM
+    log.info("flash_attn_2_cuda is absent (CPU): registered an import shim that refuses every kernel call")
+
+
+def openrlhf_models():
+    install_shims()
+    import openrlhf.models as models
+
+    return models

@@ -1,0 +1,135 @@
+"""Phase 3 as a stage: iteration I's purified partition + checkpoint I → checkpoint I+1.
+
+Checkpoint I is the policy that sampled iteration I (for I = 0, rollout.policy when the run has no
+copy of its own). The new checkpoint is written to a temporary folder and renamed into place: it
+appears whole or not at all, and an existing one is never overwritten.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.config import CleanerConfig
+from pipeline.trajectory import purified_from_row
+from purifier.saar import partition_gamma
+from rollout_gen.stage import policy_version
+from storage.layout import RunLayout
+from storage.schemas import METRICS, PURIFIED
+from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
+from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, load_partial, save_partial
+
+TRAINER_STATE = "trainer_state.pt"
+DONE_MARKER = "_CHECKPOINT.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def checkpoint_for(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
+    ckpt = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration)
+    if (ckpt / DONE_MARKER).is_file():
+        return ckpt
+    if iteration == 0:
+        return Path(cfg.rollout.policy)
+    raise FileNotFoundError(f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})")
+
+
+def _load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
+    layout = RunLayout(cfg.storage.root, run_id)
+    part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma))
+    manifest = read_manifest(part)
+    if manifest is None:
+        raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
+                           f"(run `cleaner purify --iteration {iteration}` first)")
+    rows = [purified_from_row(r) for r in read_shard(part, PURIFIED).to_pylist()]
+    return part, manifest, rows
+
+
+def _check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifest) -> None:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = max((max(r.prompt_ids + r.response_ids) for r in rows), default=0)
+    if top >= vocab:
+        raise UpdateError(f"{checkpoint}: token id {top} in the purified shard is outside the model's vocabulary "
+                          f"({vocab}); the shard was tokenized for another tokenizer")
+    sampled_by = (raw_manifest.extra or {}).get("policy_version") if raw_manifest else None
+    if sampled_by and sampled_by != policy_version(checkpoint):
+        raise UpdateError(f"{checkpoint}: weights {policy_version(checkpoint)} are not the policy that sampled this "
+                          f"iteration ({sampled_by}); GRPO's old log-probs would not match")
+
+
+def _write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, state: dict) -> None:
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if model is None:
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(DONE_MARKER, TRAINER_STATE))
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+    torch.save(state["trainer"], tmp / TRAINER_STATE)
+    (tmp / DONE_MARKER).write_text(json.dumps({k: v for k, v in state.items() if k != "trainer"}, indent=1))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(target)  # atomic: the checkpoint appears whole
+
+
+def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None,
+                     log=print) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    layout = RunLayout(cfg.storage.root, run_id)
+    target = layout.checkpoint_dir(iteration + 1)
+    if (target / DONE_MARKER).is_file():
+        return target  # done before; never overwritten
+    src = checkpoint_for(cfg, run_id, iteration)
+    part, manifest, rows = _load_rows(cfg, run_id, iteration)
+    raw_manifest = read_manifest(layout.raw_dir(iteration))
+    metrics_dir = layout.metrics_dir(iteration, "update")
+    prev_state = torch.load(src / TRAINER_STATE, weights_only=False) if (src / TRAINER_STATE).is_file() else None
+    if not rows:
+        if manifest.extra.get("filtered_groups", 0) > 0:
+            # documented skip: every group had one reward, so GRPO has no signal; the policy carries over
+            log(f"[update] {part}: all {manifest.extra['filtered_groups']} groups were filtered; policy carried over")
+            _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "source": str(src),
+                                                  "trainer": prev_state})
+            if not is_committed(metrics_dir):
+                write_shard(metrics_dir, pa.Table.from_pylist([{"run_id": run_id, "iteration": iteration, "stage": "update",
+                            "step": 0, "name": "skipped", "value": 1.0}], schema=METRICS), METRICS, "skip")
+            return target
+        raise UpdateError(f"{part}: the purified shard has no rows; nothing to train on")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    _check_compatible(src, model, rows, raw_manifest)
+    torch.set_num_threads(max(1, cfg.rollout.threads))
+    update = GRPOUpdate(model, cfg.train, cfg.rollout.temperature)
+    if prev_state is not None:
+        update.load_state_dict(prev_state)  # AdamW moments and the schedule continue across iterations
+    key = hashlib.blake2b(json.dumps([manifest.config_hash, cfg.train.model_dump(mode="json"), str(src)],
+                                     sort_keys=True).encode(), digest_size=8).hexdigest()
+    partial = target.with_name(target.name + ".partial.pt")
+    progress = load_partial(partial, model, update, key) or UpdateProgress()
+    if progress.minibatches_done:
+        log(f"[update] resuming after mini-batch {progress.minibatches_done}")
+    pad = model.config.pad_token_id or 0
+    t0 = time.perf_counter()
+    update.run(rows, pad, progress, after_minibatch=lambda p: save_partial(partial, model, update, p, key),
+               stop_after=stop_after)
+    for m in progress.metrics:
+        log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
+            f"grad {m.grad_norm:.3f} entropy {m.entropy:.3f} tokens {m.tokens}")
+    if stop_after is not None:
+        return partial  # interrupted on purpose (tests): resume by calling again
+    _write_checkpoint(target, src, model, {"source": str(src), "rows": len(rows), "purified": str(part),
+                                           "wall_s": time.perf_counter() - t0, "trainer": update.state_dict()})
+    records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
+                "value": float(getattr(m, name))}
+               for m in progress.metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
+                                                      "tokens", "lr", "seconds")]
+    if not is_committed(metrics_dir):
+        write_shard(metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+    partial.unlink(missing_ok=True)
+    return target
