@@ -20,7 +20,6 @@ EPILOG_OVERRIDES = (
 PLANNED: dict[str, tuple[str, str]] = {
     # subcommand -> (help, the issue that delivers it)
     "train": ("run the training flow: N iterations of rollout -> purify -> update (Prefect)", "#7"),
-    "update": ("phase 3 alone: one GRPO update over an iteration's purified shards (OpenRLHF)", "#6"),
     "report": ("write PNG plots and an HTML page for a run", "#7"),
     "schedule": ("serve the flows as Prefect deployments (interval or cron)", "#7"),
 }
@@ -146,6 +145,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_update(args: argparse.Namespace) -> int:
+    from trainer.stage import run_update_stage
+
+    cfg = _config(args)
+    target = run_update_stage(cfg, args.run or cfg.flow.run_id, args.iteration)
+    print(f"checkpoint: {target}")
+    return 0
+
+
 def _planned(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"cleaner {name}: not available yet (tracked in issue {issue}).", file=sys.stderr)
@@ -245,6 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gamma", type=float, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
         p.add_argument("--mode", nargs="+", choices=["saar", "raw", "void_turn"], help="modes (default: config)")
         p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
+
+    p = sub.add_parser(
+        "update", help="phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
+        description="Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
+        "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). An "
+        "interrupted update resumes from its last finished mini-batch.",
+        epilog="Example:\n  cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4\n\n"
+        + EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iteration", type=int, default=0)
+    p.set_defaults(func=cmd_update)
 
     for name, (help_text, issue) in PLANNED.items():
         p = sub.add_parser(name, help=help_text, description=f"{help_text}. (Arrives with issue {issue}.)",

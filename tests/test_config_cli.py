@@ -45,7 +45,7 @@ def test_section_hash_tracks_only_its_sections():
     assert a.section_hash("train") != b.section_hash("train")
 
 
-@pytest.mark.parametrize("command", ["config", "inspect", "demo", "bootstrap", "eval", "rollout", "purify", "replay", *PLANNED])
+@pytest.mark.parametrize("command", ["config", "inspect", "demo", "bootstrap", "eval", "rollout", "purify", "replay", "update", *PLANNED])
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([command, "--help"])
