@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable
 
 from pipeline.config import CleanerConfig, ConfigError, dump_config, load_config
 
@@ -17,12 +16,11 @@ EPILOG_OVERRIDES = (
     "  cleaner train rollout.samples_per_prompt=8 'purify.gammas=[0.3,0.7]' flow.iterations=5"
 )
 
-PLANNED: dict[str, tuple[str, str]] = {
-    # subcommand -> (help, the issue that delivers it)
-    "train": ("run the training flow: N iterations of rollout -> purify -> update (Prefect)", "#7"),
-    "report": ("write PNG plots and an HTML page for a run", "#7"),
-    "schedule": ("serve the flows as Prefect deployments (interval or cron)", "#7"),
-}
+
+
+# Failures that are the input's or the environment's, not a bug: reported as one line.
+USER_ERRORS = {"ShardError", "ShardMissing", "SGLangUnavailable", "UpdateError", "RunConfigMismatch",
+               "DeadLetterOverflow", "TaskFileError", "PurifyError"}
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -44,18 +42,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    # Until the training flow lands (issue #7) the demo runs what exists: the config tree and the
-    # DuckDB catalog over the project root.
-    cfg = _config(args)
-    print("cleaner demo: the multi-iteration training flow arrives with issue #7; running what exists now.")
-    print(f"resolved config (storage root {cfg.storage.root}):")
-    print(dump_config(cfg), end="")
-    from storage.inspect import run_inspect
-
-    return run_inspect(cfg)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -154,14 +140,6 @@ def cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
-def _planned(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"cleaner {name}: not available yet (tracked in issue {issue}).", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cleaner",
@@ -190,10 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries", action="store_true", help="print example queries to try")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("demo", help="the main job: a multi-iteration training flow on the embedded defaults",
-                       epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_args(p)
-    p.set_defaults(func=cmd_demo)
+    from flows.cli import add_flow_commands  # prefect is imported only when a flow command runs
+
+    add_flow_commands(sub, _add_config_args, EPILOG_OVERRIDES)
 
     p = sub.add_parser(
         "bootstrap", help="build the tool-use world's tokenizer, SFT corpus and tiny policy",
@@ -266,11 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=0)
     p.set_defaults(func=cmd_update)
 
-    for name, (help_text, issue) in PLANNED.items():
-        p = sub.add_parser(name, help=help_text, description=f"{help_text}. (Arrives with issue {issue}.)",
-                           epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
-        _add_config_args(p)
-        p.set_defaults(func=_planned(name, issue))
     return parser
 
 
@@ -285,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"cleaner {args.command}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - known user-facing failures get one line, the rest a traceback
+        if type(e).__name__ in USER_ERRORS or isinstance(e, (FileNotFoundError, ValueError)):
+            print(f"cleaner {args.command}: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.schemas import DEAD_LETTER, PURIFIED, RAW
+from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
 from storage.shards import shard_files
 
 
@@ -92,6 +92,7 @@ class Catalog:
             "raw_trajectories": ("runs/*/iteration=*/raw", RAW),
             "purified": ("runs/*/iteration=*/purified/mode=*/gamma=*", PURIFIED),
             "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/gamma=*", DEAD_LETTER),
+            "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
         }
         for view, (pattern, schema) in sources.items():
             files = _committed(self.root, pattern) or [_empty_parquet(self.root, view, schema)]

@@ -1,0 +1,125 @@
+"""The `cleaner` subcommands that run Prefect flows: demo, train, report, schedule (and eval --flow)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+QUERIES = """\
+  cleaner inspect --sql "SELECT iteration, avg(reward) AS reward, avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"
+  cleaner inspect --sql "SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' GROUP BY 1 ORDER BY 2 DESC"
+  cleaner inspect --sql "SELECT * FROM purify_compare"
+  duckdb {db}    # the same views from the duckdb CLI"""
+
+
+def _load(args: argparse.Namespace):
+    cfg = load_config(args.config, args.overrides)
+    from flows.env import configure_prefect
+
+    configure_prefect(cfg.storage.root)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    _load(args)
+    from flows.training import training_flow
+
+    ckpt = training_flow(str(args.config) if args.config else None, list(args.overrides))
+    print(f"final checkpoint: {ckpt}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from storage.report import iteration_table, markdown_table, write_report
+
+    cfg = load_config(args.config, args.overrides)
+    run_id = args.run or cfg.flow.run_id
+    page = write_report(cfg.storage.root, run_id, gamma=cfg.train.gamma)
+    print(markdown_table(iteration_table(cfg.storage.root, run_id)))
+    print(f"report: {page}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    config = args.config or DEMO_CONFIG
+    cfg = load_config(config, args.overrides)
+    from flows.env import configure_prefect
+
+    configure_prefect(cfg.storage.root)
+    if not (cfg.rollout.policy / "model.safetensors").exists():
+        from rollout_gen.world.bootstrap import BootstrapConfig, bootstrap
+
+        print(f"[demo] no policy at {cfg.rollout.policy}: bootstrapping one (about 20 minutes) ...")
+        bootstrap(cfg.rollout.policy, BootstrapConfig(world=cfg.world))
+    from flows.training import replay_flow, training_flow
+    from storage.report import iteration_table, markdown_table, write_report
+
+    print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
+          f"update (Prefect, temporary local server; a rerun resumes)")
+    training_flow(str(config), list(args.overrides))
+    print(f"[demo] replaying iteration 0 under γ = {cfg.flow.replay_gammas}")
+    replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
+    page = write_report(cfg.storage.root, cfg.flow.run_id, gamma=cfg.train.gamma)
+    run_dir = cfg.storage.root / "runs" / cfg.flow.run_id
+    print("\n" + markdown_table(iteration_table(cfg.storage.root, cfg.flow.run_id)) + "\n")
+    print(f"""Where to look:
+  report      {page}
+  shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
+  checkpoints {run_dir}/checkpoints/
+  replay      cleaner replay --run {cfg.flow.run_id} --iteration 0 --gamma {' '.join(map(str, cfg.flow.replay_gammas))} -c {config}
+Try these queries:
+{QUERIES.format(db=cfg.storage.root / cfg.storage.catalog)}""")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    _load(args)
+    from flows.training import training_flow
+
+    if not args.interval and not args.cron:
+        print("cleaner schedule: give --interval SECONDS or --cron 'EXPR'", file=sys.stderr)
+        return 2
+    training_flow.serve(
+        name=args.name, interval=args.interval, cron=args.cron,
+        parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides)},
+    )
+    return 0
+
+
+def add_flow_commands(sub, add_config_args, epilog: str) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("demo", help="the main job: a multi-iteration training flow on the embedded defaults",
+                       description="Build the tiny policy if absent, run the training flow of configs/demo.yaml, "
+                       "replay iteration 0 under three γ, write the report and print where to look.",
+                       epilog="Example:\n  cleaner demo flow.iterations=2\n\n" + epilog, formatter_class=fmt)
+    add_config_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="run the training flow: N iterations of rollout -> purify -> update (Prefect)",
+                       description="Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points "
+                       "at `prefect server start`). Stages whose output is committed are skipped: rerun to resume.",
+                       epilog="Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10\n\n"
+                       + epilog, formatter_class=fmt)
+    add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("report", help="write PNG plots and an HTML page for a run",
+                       epilog="Example:\n  cleaner report --run demo -c configs/demo.yaml\n\n" + epilog,
+                       formatter_class=fmt)
+    add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("schedule", help="serve the training flow as a Prefect deployment (interval or cron)",
+                       description="Blocks and serves the deployment; point PREFECT_API_URL at a Prefect server "
+                       "(`prefect server start`) to see and trigger it in the UI.",
+                       epilog="Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml\n\n" + epilog,
+                       formatter_class=fmt)
+    add_config_args(p)
+    p.add_argument("--name", default="cleaner-training")
+    p.add_argument("--interval", type=float, help="seconds between runs")
+    p.add_argument("--cron", help="cron expression")
+    p.set_defaults(func=cmd_schedule)

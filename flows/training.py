@@ -1,0 +1,108 @@
+"""Prefect flows: the training loop, γ replay and evaluation. Tasks are thin wrappers of the stages;
+every stage skips work whose committed output already exists, so rerunning a flow resumes it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+
+from flows.run_config import freeze_run_config
+from pipeline.config import CleanerConfig, load_config
+
+
+def _cfg(config_file: str | None, overrides: list[str] | None) -> CleanerConfig:
+    return load_config(config_file, overrides or [])
+
+
+@task(name="rollout", cache_policy=NONE)
+def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
+    from rollout_gen.stage import run_rollout_stage
+    from trainer.stage import checkpoint_for
+
+    return run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration), show_progress=False).rows
+
+
+@task(name="purify", cache_policy=NONE)
+def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str], gammas: list[float]) -> list:
+    from purifier.stage import run_purify_stage
+
+    return [(r.mode, r.gamma, r.rows, r.dead) for r in run_purify_stage(cfg, run_id, iteration, modes, gammas)]
+
+
+@task(name="update", cache_policy=NONE)
+def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
+    from trainer.stage import run_update_stage
+
+    return str(run_update_stage(cfg, run_id, iteration, log=get_run_logger().info))
+
+
+def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
+    from storage.report import iteration_table, markdown_table
+
+    rows = [r for r in iteration_table(cfg.storage.root, run_id) if r["iteration"] == iteration]
+    create_markdown_artifact(key=f"{run_id}-iteration-{iteration}".lower().replace("_", "-"),
+                             markdown=f"# {run_id} iteration {iteration}\n\n" + markdown_table(rows),
+                             description=f"cleaner metrics of iteration {iteration}")
+
+
+@flow(name="cleaner-training")
+def training_flow(config_file: str | None = None, overrides: list[str] | None = None) -> str:
+    """N iterations of rollout → purify → update; resumes where a previous attempt stopped."""
+    cfg = _cfg(config_file, overrides)
+    run_id = cfg.flow.run_id
+    freeze_run_config(cfg, run_id)
+    log = get_run_logger()
+    retries = cfg.flow.task_retries
+    modes = list(dict.fromkeys([*cfg.purify.modes, cfg.train.mode]))
+    gammas = list(dict.fromkeys([*cfg.purify.gammas, cfg.train.gamma]))
+    checkpoint = ""
+    for i in range(cfg.flow.iterations):
+        n = rollout_task.with_options(retries=retries)(cfg, run_id, i)
+        purified = purify_task.with_options(retries=retries)(cfg, run_id, i, modes, gammas)
+        checkpoint = update_task.with_options(retries=retries)(cfg, run_id, i)
+        log.info(f"iteration {i}: {n} trajectories, purified {purified}, checkpoint {checkpoint}")
+        _artifact(cfg, run_id, i)
+    return checkpoint
+
+
+@flow(name="cleaner-replay")
+def replay_flow(config_file: str | None = None, overrides: list[str] | None = None,
+                iterations: list[int] | None = None, gammas: list[float] | None = None,
+                modes: list[str] | None = None) -> list:
+    """Purify stored raw shards under several (mode, γ) without regenerating anything."""
+    cfg = _cfg(config_file, overrides)
+    out = []
+    for i in iterations if iterations is not None else [0]:
+        out += purify_task(cfg, cfg.flow.run_id, i, modes or ["saar"], gammas or cfg.flow.replay_gammas)
+    return out
+
+
+@task(name="evaluate", cache_policy=NONE)
+def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool) -> dict:
+    from rollout_gen.eval_cmd import evaluate_world
+
+    c = cfg.model_copy(deep=True)
+    if not saar:
+        c.rollout.saar.gate_p = 0.0
+    return evaluate_world(c, Path(checkpoint), show_progress=False)
+
+
+@flow(name="cleaner-eval")
+def eval_flow(config_file: str | None = None, overrides: list[str] | None = None, checkpoint: str | None = None) -> dict:
+    """pass@1, tool-error rate and latency of a checkpoint, with SAAR at test time on and off."""
+    cfg = _cfg(config_file, overrides)
+    ckpt = checkpoint or str(cfg.rollout.policy)
+    result = {}
+    for saar in (True, False):
+        m = eval_task(cfg, ckpt, saar)
+        result["saar_on" if saar else "saar_off"] = {
+            "pass@1": m["accuracy"], "first_call_failure_rate": m["first_call_failure_rate"], "wall_s": m["wall_s"]}
+    on, off = result["saar_on"], result["saar_off"]
+    result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
+    create_markdown_artifact(key="cleaner-eval", markdown="| setting | pass@1 | first-call failure rate | wall s |\n"
+                             "|---|---|---|---|\n" + "\n".join(
+                                 f"| {k} | {v['pass@1']:.3f} | {v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
+                                 for k, v in result.items() if isinstance(v, dict)))
+    return result
