@@ -23,6 +23,8 @@ from storage.shards import Manifest, ShardWriter, read_manifest
 
 def policy_version(checkpoint: Path) -> str:
     """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
+    if not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     weights = sorted(Path(checkpoint).glob("*.safetensors"))
     if not weights:
         raise FileNotFoundError(f"no *.safetensors weights in checkpoint {checkpoint}")

@@ -1,0 +1,130 @@
+"""The training flow end to end: real Prefect temporary server, real Beam, real OpenRLHF update, real
+sandbox; each flow runs as `cleaner train` in its own process, like a user's."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.catalog import Catalog
+from storage.layout import RunLayout
+from pipeline.trajectory import trajectory_from_row
+from storage.schemas import RAW
+from storage.shards import read_manifest, read_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = """\
+storage: {{root: {root}}}
+flow: {{run_id: tiny, iterations: 2}}
+rollout: {{tasks_per_iteration: 4, samples_per_prompt: 4}}
+purify: {{modes: [saar, raw], gammas: [0.5]}}
+train: {{mini_batches: 2, lr: 1.0e-4}}
+"""
+
+
+def cleaner(args: list[str], root: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def train(root: Path, timeout: float = 600) -> str:
+    cfg = root / "tiny.yaml"
+    cfg.write_text(TINY.format(root=root))
+    p = cleaner(["train", "-c", str(cfg)], root)
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, out[-3000:]
+    return out
+
+
+def fingerprint(root: Path) -> dict:
+    """Every committed output of the run: manifests' parts and the checkpoints' weights."""
+    layout = RunLayout(root, "tiny")
+    out = {}
+    for manifest in sorted(layout.run_dir.glob("iteration=*/**/_MANIFEST.json")):
+        if "metrics" in str(manifest):
+            continue  # wall times differ between runs
+        m = read_manifest(manifest.parent)
+        key = str(manifest.parent.relative_to(root))
+        if manifest.parent.name == "raw":  # tool-call durations are wall-clock: compare everything else
+            trajs = [trajectory_from_row(r) for r in read_shard(manifest.parent, RAW).to_pylist()]
+            for t in trajs:
+                for a in [a for p in t.positions for a in p.attempts]:
+                    if a.result is not None:
+                        a.result.duration_s = 0.0
+            out[key] = trajs
+        else:
+            out[key] = [(p.name, p.rows, p.crc32) for p in m.parts]
+    for ckpt in sorted(layout.run_dir.glob("checkpoints/iteration=*")):
+        out[str(ckpt.relative_to(root))] = (ckpt / "model.safetensors").read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("flow-a")
+    train(root)
+    return root
+
+
+def test_flow_outputs_exist_and_add_up(uninterrupted):
+    root = uninterrupted
+    layout = RunLayout(root, "tiny")
+    assert layout.run_json.is_file()
+    for i in (0, 1):
+        raw = read_manifest(layout.raw_dir(i))
+        assert raw.rows == 16
+        for mode, gamma in (("saar", 0.5), ("raw", 0.0)):
+            pur = read_manifest(layout.purified_dir(i, mode, gamma))
+            dead = read_manifest(layout.dead_letter_dir(i, mode, gamma))
+            assert pur.rows + dead.rows + 4 * pur.extra.get("filtered_groups", 0) == raw.rows
+        assert read_manifest(layout.metrics_dir(i, "update")).rows > 0
+        assert (layout.checkpoint_dir(i + 1) / "model.safetensors").is_file()
+    with Catalog(root) as cat:
+        counts = cat.query("SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY 1 ORDER BY 1").to_pylist()
+        assert counts == [{"iteration": 0, "n": 16}, {"iteration": 1, "n": 16}]
+        versions = cat.query("SELECT iteration, any_value(policy_version) AS v FROM raw_trajectories GROUP BY 1 "
+                             "ORDER BY 1").to_pylist()
+        assert versions[0]["v"] != versions[1]["v"]  # iteration 1 sampled from the updated policy
+    p = cleaner(["report", "--run", "tiny", f"storage.root={root}"], root)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert (layout.run_dir / "report" / "index.html").is_file()
+    assert len(list((layout.run_dir / "report").glob("*.png"))) == 6
+
+
+def test_sigkill_during_purification_then_rerun_is_identical(uninterrupted, tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.format(root=tmp_path))
+    p = cleaner(["train", "-c", str(cfg)], tmp_path)
+    raw1 = RunLayout(tmp_path, "tiny").raw_dir(1) / "_MANIFEST.json"
+    deadline = time.time() + 600
+    while not raw1.exists():  # iteration 1's rollout is committed: purification starts now
+        assert p.poll() is None and time.time() < deadline, "flow ended before iteration 1 was purified"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    assert read_manifest(RunLayout(tmp_path, "tiny").purified_dir(1, "saar", 0.5)) is None, "killed too late"
+    train(tmp_path)
+    assert fingerprint(tmp_path) == fingerprint(uninterrupted)
+
+
+def test_wrong_key_missing_checkpoint_and_unreachable_sglang_each_say_one_thing(tmp_path):
+    cases = [
+        (["train", "flow.iteratons=2"], "unknown config key 'flow.iteratons' (did you mean 'flow.iterations'?)"),
+        (["rollout", "rollout.policy=/nonexistent/ckpt", f"storage.root={tmp_path}"],
+         "checkpoint /nonexistent/ckpt does not exist"),
+        (["rollout", "rollout.engine=sglang", "rollout.sglang_url=http://127.0.0.1:9", f"storage.root={tmp_path}"],
+         "SGLang server at http://127.0.0.1:9 is unreachable"),
+    ]
+    for args, message in cases:
+        p = cleaner(args, tmp_path)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode != 0 and message in out, out[-2000:]
+        assert "Traceback" not in out
