@@ -6,7 +6,7 @@ import sys
 
 from benchmarks.common import RESULTS_MD, record
 
-BENCHMARKS = ["storage", "world", "rollout", "purify"]
+BENCHMARKS = ["storage", "world", "rollout", "purify", "trainer", "e2e"]
 
 
 def main(argv: list[str]) -> int:
