@@ -2,6 +2,7 @@
 every stage skips work whose committed output already exists, so rerunning a flow resumes it."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -42,7 +43,8 @@ def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
     from storage.report import iteration_table, markdown_table
 
     rows = [r for r in iteration_table(cfg.storage.root, run_id) if r["iteration"] == iteration]
-    create_markdown_artifact(key=f"{run_id}-iteration-{iteration}".lower().replace("_", "-"),
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-iteration-{iteration}".lower())  # Prefect's key alphabet
+    create_markdown_artifact(key=key,
                              markdown=f"# {run_id} iteration {iteration}\n\n" + markdown_table(rows),
                              description=f"cleaner metrics of iteration {iteration}")
 

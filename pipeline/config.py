@@ -106,6 +106,7 @@ class TrainConfig(Section):
     epochs: int = Field(1, ge=1)
     mini_batches: int = Field(2, ge=1)
     micro_batch_tokens: int = Field(8192, gt=0)
+    log_entropy: bool = Field(False, description="log the policy entropy per step (one more pass over the vocabulary)")
     seed: int = 0
 
 

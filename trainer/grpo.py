@@ -88,7 +88,7 @@ class GRPOUpdate:
         totals = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
         for m in micros:
             logp, out = self.actor(m.sequences, m.action_mask, attention_mask=m.attention_mask, return_output=True,
-                                   return_entropy=True)
+                                   return_entropy=self.cfg.log_entropy)
             loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages,
                                                           action_mask=m.action_mask, batch_num_tokens=max(1, tokens))
             if not torch.isfinite(loss):
@@ -99,8 +99,9 @@ class GRPOUpdate:
             totals["loss"] += loss.item()
             totals["clip"] += clip_ratio.item() * share
             totals["kl"] += ppo_kl.item() * share
-            ent = out.entropy.detach()
-            totals["ent"] += float((ent * m.action_mask).sum() / max(1, m.num_actions)) * share
+            if self.cfg.log_entropy:
+                ent = out.entropy.detach()
+                totals["ent"] += float((ent * m.action_mask).sum() / max(1, m.num_actions)) * share
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")

@@ -1,0 +1,98 @@
+"""Does purification help? Train every arm of an experiment file from the same bootstrap policy and
+the same seeds, evaluate every checkpoint on the held-out world tasks (SAAR at test time off and on),
+and write a table, plots and the raw numbers under docs/results/.
+
+    python -m benchmarks.experiment configs/experiments/cleaner_vs_raw.yaml [--only ARM ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "results"
+
+
+def _env(root: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(root / ".prefect"),
+            "PREFECT_LOGGING_LEVEL": "WARNING"}
+
+
+def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
+    run_id = f"{name}-s{seed}"
+    overrides = [*exp["base"], *spec["overrides"], f"flow.run_id={run_id}", f"rollout.seed={seed}", f"train.seed={seed}"]
+    root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "train", *overrides], cwd=REPO, env=_env(root), check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    train_s = time.perf_counter() - t0
+    evals = json.loads(subprocess.run(
+        [sys.executable, "-m", "benchmarks.experiment", "--eval-run", run_id, str(exp["eval_tasks"]), *overrides], cwd=REPO, env=_env(root), check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    return {"arm": name, "seed": seed, "run_id": run_id, "train_s": train_s, "evals": evals}
+
+
+def eval_run(run_id: str, n_tasks: int, overrides: list[str]) -> list[dict]:
+    """Every checkpoint of a run (iteration 0 = the bootstrap policy) on the held-out tasks."""
+    from pipeline.config import load_config
+    from rollout_gen.eval_cmd import evaluate_world
+    from storage.layout import RunLayout
+    from trainer.stage import checkpoint_for
+
+    cfg = load_config(None, overrides)
+    cfg.world.eval_size = n_tasks
+    layout = RunLayout(cfg.storage.root, run_id)
+    rows = []
+    for i in range(cfg.flow.iterations + 1):
+        ckpt = checkpoint_for(cfg, run_id, i) if i else cfg.rollout.policy
+        for saar in (False, True):
+            c = cfg.model_copy(deep=True)
+            c.rollout.saar.gate_p = 1.0 if saar else 0.0
+            c.rollout.saar.live_mode = "purified"
+            m = evaluate_world(c, Path(ckpt), show_progress=False)
+            rows.append({"iteration": i, "saar_at_test": saar, "accuracy": m["accuracy"],
+                         "first_call_failure_rate": m["first_call_failure_rate"],
+                         "tool_calls_per_traj": m["tool_calls"] / m["trajectories"],
+                         "response_tokens": m["mean_response_tokens"], "wall_s": m["wall_s"]})
+    assert layout.run_dir.is_dir()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--eval-run"]:  # internal: evaluate one run's checkpoints in a fresh process
+        print(json.dumps(eval_run(argv[1], int(argv[2]), argv[3:])))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", nargs="?", type=Path)
+    ap.add_argument("--only", nargs="+", help="run only these arms")
+    args = ap.parse_args(argv)
+    exp = yaml.safe_load(args.experiment.read_text())
+    jobs = [(name, seed, spec) for name, spec in exp["arms"].items() if not args.only or name in args.only
+            for seed in spec["seeds"]]
+    OUT.mkdir(parents=True, exist_ok=True)
+    results_file = OUT / f"{args.experiment.stem}.json"
+    done = json.loads(results_file.read_text()) if results_file.exists() else []
+    finished = {(r["arm"], r["seed"]) for r in done}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=exp.get("parallel", 1)) as pool:
+        futures = [pool.submit(run_arm, n, s, spec, exp) for n, s, spec in jobs if (n, s) not in finished]
+        for f in futures:
+            done.append(f.result())
+            results_file.write_text(json.dumps(done, indent=1))
+            print(f"[experiment] {done[-1]['run_id']} done after {time.perf_counter() - t0:.0f} s", flush=True)
+    from benchmarks.experiment_report import write
+
+    print(f"[experiment] wrote {write(done, exp, args.experiment.stem, time.perf_counter() - t0)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
