@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pyarrow as pa

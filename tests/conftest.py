@@ -21,3 +21,21 @@ def world_rollout(tmp_path_factory):
                              "rollout.seed=3"])
     run_rollout_stage(cfg, "w", 0, DEFAULT_POLICY, show_progress=False)
     return cfg
+
+
+@pytest.fixture(scope="session")
+def chat():
+    """The committed tiny policy's chat format (its real tokenizer)."""
+    from pipeline.config import DEFAULT_POLICY
+    from rollout_gen.stage import load_chat
+
+    return load_chat(DEFAULT_POLICY)
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    """One real sandbox pool shared by the tests that run tool calls."""
+    from rollout_gen.sandbox import SandboxPool
+
+    with SandboxPool() as pool:
+        yield pool

@@ -5,26 +5,13 @@ from __future__ import annotations
 import pytest
 
 from pipeline.chat import RETRY_NOTE
-from pipeline.config import DEFAULT_POLICY, RolloutConfig, SaarConfig
+from pipeline.config import RolloutConfig, SaarConfig
 from purifier.saar import purify
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.sandbox import SandboxPool
-from rollout_gen.stage import load_chat
 from rollout_gen.tasks import Task
 from tests.doubles import ANSWER, ScriptedEngineDouble, call
 
 TASK = Task("t1", "world", "What is 6 * 7?", "42")
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return load_chat(DEFAULT_POLICY)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with SandboxPool() as pool:
-        yield pool
 
 
 def run(chat, sandbox, turns, **saar) -> "Trajectory":  # noqa: F821

@@ -7,12 +7,10 @@ import copy
 import pytest
 
 from pipeline.chat import RETRY_NOTE
-from pipeline.config import DEFAULT_POLICY, RolloutConfig, SaarConfig
+from pipeline.config import RolloutConfig, SaarConfig
 from pipeline.splice import decide, piece_from_attempt
 from purifier.saar import PurifyError, purify
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.sandbox import SandboxPool
-from rollout_gen.stage import load_chat
 from rollout_gen.tasks import Task
 from tests.doubles import ANSWER, ScriptedEngineDouble, call
 
@@ -20,17 +18,6 @@ TASK = Task("g1", "world", "What is 6 * 7?", "42")
 FIX = call("print(6 * 7)", reasoning="Fixing the typo now.")
 LONG_REWRITE = call("first_factor = 6\nsecond_factor = 7\nproduct_value = first_factor * second_factor\n"
                     "print(product_value)", reasoning="A different approach.")
-
-
-@pytest.fixture(scope="module")
-def chat():
-    return load_chat(DEFAULT_POLICY)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with SandboxPool() as pool:
-        yield pool
 
 
 def raw(chat, sandbox, turns, task=TASK, **saar):
