@@ -75,6 +75,7 @@ class RolloutConfig(Section):
     max_turn_tokens: int = Field(160, gt=0)
     max_response_tokens: int = Field(1024, gt=0)
     max_prompt_tokens: int = Field(256, gt=0)
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)")
     seed: int = 0
     saar: SaarConfig = SaarConfig()
     sandbox: SandboxConfig = SandboxConfig()

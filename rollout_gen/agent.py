@@ -18,7 +18,7 @@ from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
 from rollout_gen.engines.base import Engine, Generation, SamplingParams
-from rollout_gen.rewards import last_boxed, reward
+from rollout_gen.rewards import last_boxed, overlong_penalty, reward
 from rollout_gen.tasks import Task
 
 
@@ -245,6 +245,8 @@ class AgentLoop:
             saar_gate=lv.gate, gate_p=self.saar.gate_p, live_mode=self.saar.live_mode,
             gamma_live=self.saar.gamma_live, max_retries=self.saar.max_retries, prompt_ids=lv.prompt,
             lived_ids=lv.ids, lived_mask=lv.mask, lived_logprobs=lv.logprobs, positions=lv.positions,
-            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=reward(lv.task, text, self.sandbox),
+            final_turn=lv.final_turn, final_answer=last_boxed(text),
+            reward=reward(lv.task, text, self.sandbox)
+            + overlong_penalty(len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer),
             finish_reason=lv.finish_reason, stats=lv.stats,
         )
