@@ -43,6 +43,10 @@ def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
     from storage.report import iteration_table, markdown_table
 
     rows = [r for r in iteration_table(cfg.storage.root, run_id) if r["iteration"] == iteration]
+    if rows:
+        from flows.trackers import log_iteration
+
+        log_iteration(cfg, run_id, rows[0])
     key = re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-iteration-{iteration}".lower())  # Prefect's key alphabet
     create_markdown_artifact(key=key,
                              markdown=f"# {run_id} iteration {iteration}\n\n" + markdown_table(rows),

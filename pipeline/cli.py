@@ -71,6 +71,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     policy = cfg.rollout.policy
+    if args.flow:  # as a Prefect flow, SAAR at test time on and off
+        from flows.env import configure_prefect
+
+        configure_prefect(cfg.storage.root)
+        from flows.training import eval_flow
+
+        print(json.dumps(eval_flow(str(args.config) if args.config else None, list(args.overrides)), indent=1))
+        return 0
     metrics = evaluate_world(cfg, policy, limit=args.limit)
     print(json.dumps({k: v for k, v in metrics.items() if k != "settings"}, indent=1))
     if args.write:
@@ -199,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
     p.add_argument("--limit", type=int, help="only the first N held-out tasks")
     p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
+    p.add_argument("--flow", action="store_true",
+                   help="run as the Prefect eval flow: pass@1, tool-error rate and latency with SAAR on and off")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(

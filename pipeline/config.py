@@ -116,6 +116,8 @@ class FlowConfig(Section):
     iterations: int = Field(3, ge=1)
     task_retries: int = Field(1, ge=0)
     replay_gammas: list[float] = [0.3, 0.5, 0.7]
+    tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
+    wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
 
 
 class CleanerConfig(Section):

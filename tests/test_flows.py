@@ -20,7 +20,7 @@ from storage.shards import read_manifest, read_shard
 ROOT = Path(__file__).resolve().parent.parent
 TINY = """\
 storage: {{root: {root}}}
-flow: {{run_id: tiny, iterations: 2}}
+flow: {{run_id: tiny, iterations: 2, tensorboard: true}}
 rollout: {{tasks_per_iteration: 4, samples_per_prompt: 4}}
 purify: {{modes: [saar, raw], gammas: [0.5]}}
 train: {{mini_batches: 2, lr: 1.0e-4}}
@@ -96,6 +96,7 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     assert p.returncode == 0, out
     assert (layout.run_dir / "report" / "index.html").is_file()
     assert len(list((layout.run_dir / "report").glob("*.png"))) == 6
+    assert list((layout.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_sigkill_during_purification_then_rerun_is_identical(uninterrupted, tmp_path):
@@ -128,3 +129,29 @@ def test_wrong_key_missing_checkpoint_and_unreachable_sglang_each_say_one_thing(
         out, _ = p.communicate(timeout=300)
         assert p.returncode != 0 and message in out, out[-2000:]
         assert "Traceback" not in out
+
+
+def test_eval_flow_compares_saar_on_and_off(tmp_path):
+    p = cleaner(["eval", "--world", "--flow", f"storage.root={tmp_path}", "world.eval_size=12"], tmp_path)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    import json
+
+    result, _ = json.JSONDecoder().raw_decode(out[out.index('{\n "saar_on"'):])
+    assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead"}
+    assert 0.0 <= result["saar_on"]["pass@1"] <= 1.0
+
+
+def test_schedule_serves_a_deployment(tmp_path):
+    p = cleaner(["schedule", "--interval", "3600", f"storage.root={tmp_path}"], tmp_path)
+    deadline, seen = time.time() + 240, ""
+    try:
+        while time.time() < deadline and "being served" not in seen:
+            line = p.stdout.readline()
+            if not line:
+                break
+            seen += line
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert "being served" in seen and "cleaner-training" in seen, seen[-2000:]
