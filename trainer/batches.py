@@ -62,9 +62,10 @@ def mini_batches(rows: list[PurifiedTrajectory], n: int) -> list[list[list[Purif
 
 def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int) -> list[MicroBatch]:
     """Pack whole groups into micro-batches whose padded size stays within the budget (a group larger
-    than the budget gets a micro-batch of its own)."""
+    than the budget gets a micro-batch of its own). Groups go in length order, so similar lengths share
+    a micro-batch and little is padded; the token-mean loss over the mini-batch does not depend on it."""
     out, current, width = [], [], 0
-    for g in groups:
+    for g in sorted(groups, key=lambda g: max(len(r.prompt_ids) + len(r.response_ids) for r in g)):
         g_width = max(len(r.prompt_ids) + len(r.response_ids) for r in g)
         new_width = max(width, g_width)
         if current and new_width * (len(current) + len(g)) > token_budget:
