@@ -49,7 +49,9 @@ def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
         log_iteration(cfg, run_id, rows[0])
     key = re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-iteration-{iteration}".lower())  # Prefect's key alphabet
     create_markdown_artifact(key=key,
-                             markdown=f"# {run_id} iteration {iteration}\n\n" + markdown_table(rows),
+                             markdown=f"# {run_id} iteration {iteration}\n\n" + markdown_table(rows)
+                             + f"\n\nPlots: `cleaner report --run {run_id}` writes "
+                             f"[runs/{run_id}/report/index.html]({(cfg.storage.root / 'runs' / run_id / 'report' / 'index.html').resolve().as_uri()})",
                              description=f"cleaner metrics of iteration {iteration}")
 
 

@@ -44,7 +44,9 @@ def print_table(console: Console, title: str, table: pa.Table) -> None:
 
 
 def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False) -> int:
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     db = cfg.storage.root / cfg.storage.catalog
     if print_queries:
         console.print(f"duckdb {db}")
@@ -59,5 +61,12 @@ def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None =
         where = "WHERE run_id = '{}'".format(run_id.replace("'", "''")) if run_id else ""
         for title, q in SUMMARY_SQL.items():
             print_table(console, title, cat.query(q.format(where=where)))
+        from storage.report import ITERATIONS_SQL
+
+        runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
+            "SELECT DISTINCT run_id FROM raw_trajectories ORDER BY 1").to_pylist()]
+        for run in runs:  # the numbers `cleaner report` plots
+            print_table(console, f"per iteration: {run}",
+                        cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table())
     console.print(f"catalog: {db}  (views: raw_trajectories, raw_attempts, purified, splices, purify_compare)")
     return 0
