@@ -16,8 +16,6 @@ EPILOG_OVERRIDES = (
     "  cleaner train rollout.samples_per_prompt=8 'purify.gammas=[0.3,0.7]' flow.iterations=5"
 )
 
-
-
 # Failures that are the input's or the environment's, not a bug: reported as one line.
 USER_ERRORS = {"ShardError", "ShardMissing", "SGLangUnavailable", "UpdateError", "RunConfigMismatch",
                "DeadLetterOverflow", "TaskFileError", "PurifyError"}
@@ -63,14 +61,20 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from rollout_gen.eval_cmd import METRICS_FILE, evaluate_world, write_metrics
+    from rollout_gen.eval_cmd import METRICS_FILE, evaluate, evaluate_world, write_metrics
 
     cfg = _config(args)
-    if not args.world:
-        print("cleaner eval: only --world is available yet (eval sets from files arrive with issue #7)",
-              file=sys.stderr)
+    if not args.world and not args.tasks:
+        print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
         return 2
     policy = cfg.rollout.policy
+    if args.tasks:
+        from rollout_gen.tasks import load_task_parquet
+
+        tasks = load_task_parquet(args.tasks)[: args.limit]
+        metrics = evaluate(cfg, policy, tasks)
+        print(json.dumps({k: v for k, v in metrics.items() if k != "settings"}, indent=1))
+        return 0
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
         from flows.env import configure_prefect
 
@@ -205,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
     p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
+    p.add_argument("--tasks", type=Path, help="evaluate on a task parquet (Open-AgentRL, AIME, GPQA, LiveCodeBench layouts)")
     p.add_argument("--limit", type=int, help="only the first N held-out tasks")
     p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
     p.add_argument("--flow", action="store_true",

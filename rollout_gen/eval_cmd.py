@@ -9,6 +9,7 @@ from pipeline.config import CleanerConfig
 from rollout_gen.agent import RolloutIdentity
 from rollout_gen.evaluate import world_metrics
 from rollout_gen.stage import load_chat, make_engine, policy_version, roll_out
+from rollout_gen.tasks import Task
 from rollout_gen.world.tasks import eval_tasks
 
 METRICS_FILE = "metrics.json"
@@ -17,9 +18,13 @@ TIMING_FIELDS = ("generated_tokens_per_s", "wall_s")
 
 
 def evaluate_world(cfg: CleanerConfig, checkpoint: Path, limit: int | None = None, show_progress: bool = True) -> dict:
+    return evaluate(cfg, checkpoint, eval_tasks(cfg.world)[:limit], show_progress)
+
+
+def evaluate(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], show_progress: bool = True) -> dict:
+    """pass@1 and tool metrics of one sample per task with the real agent loop."""
     cfg = cfg.model_copy(deep=True)
     cfg.rollout.samples_per_prompt = 1
-    tasks = eval_tasks(cfg.world)[:limit]
     chat = load_chat(checkpoint)
     engine = make_engine(cfg, checkpoint, chat)
     identity = RolloutIdentity("eval", 0, policy_version(checkpoint), cfg.rollout.seed)

@@ -55,3 +55,15 @@ def test_code_reward_runs_tests_in_the_sandbox(sandbox):
     assert code_reward(good, tests, sandbox) == pytest.approx(2 / 3)
     assert code_reward("no code here", tests, sandbox) == -1.0
     assert code_reward("```python\nprint(\n```", tests, sandbox) == 0.0
+
+
+def test_cli_evaluates_a_task_file(tmp_path, capsys):
+    from pipeline.cli import main
+
+    path = tmp_path / "aime_like.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "What is 12 + 30?", "answer": "42"},
+                                         {"problem": "What is 7 * 6?", "answer": "42"}]), path)
+    assert main(["eval", "--tasks", str(path)]) == 0
+    out = capsys.readouterr().out
+    metrics, _ = json.JSONDecoder().raw_decode(out[out.index('{\n "trajectories"'):])
+    assert metrics["trajectories"] == 2 and 0.0 <= metrics["accuracy"] <= 1.0
