@@ -173,9 +173,20 @@ def _result_from_row(row: dict[str, Any] | None) -> ToolResult | None:
     return None if row is None else ToolResult(**row)
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    # dataclasses.fields() is slow per call and these run once per row: cache the names per class.
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
+
+
 def _flat(obj: Any) -> dict[str, Any]:
     # dataclasses.asdict deep-copies every list; rows are written once, so a shallow view suffices.
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return {n: getattr(obj, n) for n in _names(type(obj))}
 
 
 def attempt_to_row(a: Attempt) -> dict[str, Any]:
@@ -200,7 +211,7 @@ def trajectory_to_row(t: Trajectory) -> dict[str, Any]:
 
 
 def trajectory_from_row(row: dict[str, Any]) -> Trajectory:
-    data = {f.name: row.get(f.name) for f in fields(Trajectory)}  # lived_* may be left unread (None)
+    data = {n: row.get(n) for n in _names(Trajectory)}  # lived_* may be left unread (None)
     data["positions"] = [
         Position(
             position_idx=p["position_idx"],
@@ -221,6 +232,6 @@ def purified_to_row(p: PurifiedTrajectory) -> dict[str, Any]:
 
 
 def purified_from_row(row: dict[str, Any]) -> PurifiedTrajectory:
-    data = {f.name: row[f.name] for f in fields(PurifiedTrajectory)}
+    data = {n: row[n] for n in _names(PurifiedTrajectory)}
     data["splices"] = [Splice(**s) for s in data["splices"]]
     return PurifiedTrajectory(**data)

@@ -68,11 +68,12 @@ class _Builder:
         return first_invalid
 
     def _context_matches(self, attempt: Attempt, j0: int) -> bool:
-        full = self.prompt + self.ids
-        start = len(full) - j0
-        if start != attempt.context_len or full[start:] != attempt.turn_ids[:j0]:
+        start = len(self.prompt) + len(self.ids) - j0
+        if start != attempt.context_len:
             return False
-        return fingerprint(full[:start]) == attempt.context_fingerprint
+        if j0 and self.ids[len(self.ids) - j0:] != attempt.turn_ids[:j0]:
+            return False
+        return fingerprint(self.prompt + self.ids[: len(self.ids) - j0]) == attempt.context_fingerprint
 
 
 def _key(position: int, attempt_idx: int) -> int:
