@@ -21,10 +21,22 @@ def group_advantages(rewards: list[float], estimator: str) -> list[float]:
     return [(r - mean) / (std + EPS) for r in rewards]
 
 
-def apply_group(group: list[PurifiedTrajectory], estimator: str, dynamic_filter: bool) -> list[PurifiedTrajectory]:
-    """Advantages for one prompt group, ordered by sample; [] when the group is filtered out."""
-    group = sorted(group, key=lambda t: t.sample_idx)
-    rewards = [t.reward for t in group]
+def group_plan(samples: list[tuple[int, float]], estimator: str, dynamic_filter: bool) -> list[tuple[int, float]]:
+    """(position in the input, advantage) per (sample_idx, reward), in sample order; [] when filtered."""
+    order = sorted(range(len(samples)), key=lambda k: samples[k][0])
+    rewards = [samples[k][1] for k in order]
     if dynamic_filter and max(rewards) == min(rewards):
         return []  # no learning signal: every sample got the same reward
-    return [replace(t, advantage=a) for t, a in zip(group, group_advantages(rewards, estimator))]
+    return list(zip(order, group_advantages(rewards, estimator)))
+
+
+def apply_group(group: list[PurifiedTrajectory], estimator: str, dynamic_filter: bool) -> list[PurifiedTrajectory]:
+    """Advantages for one prompt group, ordered by sample; [] when the group is filtered out."""
+    plan = group_plan([(t.sample_idx, t.reward) for t in group], estimator, dynamic_filter)
+    return [replace(group[k], advantage=a) for k, a in plan]
+
+
+def apply_group_rows(rows: list[dict], estimator: str, dynamic_filter: bool) -> list[dict]:
+    """The same on purified rows (dicts), for pipelines that need no recompute: no dataclass round trip."""
+    plan = group_plan([(r["sample_idx"], r["reward"]) for r in rows], estimator, dynamic_filter)
+    return [{**rows[k], "advantage": a} for k, a in plan]

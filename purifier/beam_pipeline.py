@@ -92,19 +92,19 @@ class GroupStage(beam.DoFn):
             self.backend = SGLangRecompute(self.sglang_url, self.temperature)
 
     def process(self, element):
-        from purifier.advantages import apply_group
+        from purifier.advantages import apply_group_rows
 
         (mode, gamma, _), group = element
-        kept = apply_group([purified_from_row(r) for r in group], self.estimator, self.dynamic_filter)
+        kept = apply_group_rows(list(group), self.estimator, self.dynamic_filter)
         if not kept:
             self.filtered.inc()
             Metrics.counter("purify", f"filtered_groups/{variant_name(mode, gamma)}").inc()
             return
-        if self.backend is not None:
-            kept = self.backend.group(kept)
-        for t in kept:
-            self.forwarded.inc(t.tokens_forwarded)
-            yield (mode, gamma), purified_to_row(t)
+        if self.backend is not None:  # recompute works on the domain objects
+            kept = [purified_to_row(t) for t in self.backend.group([purified_from_row(r) for r in kept])]
+        for row in kept:
+            self.forwarded.inc(row["tokens_forwarded"])
+            yield (mode, gamma), row
 
 
 def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str,
