@@ -59,7 +59,9 @@ def bootstrap(out_dir: Path, cfg: BootstrapConfig, log=print) -> dict:
         transcripts = build_transcripts(tasks, pool, cfg.seed, cfg.bug_rate)
     t_corpus = time.perf_counter() - t_start
 
-    # The tokenizer learns from whole rendered transcripts, system prompt and tool list included.
+    # The tokenizer learns from rendered transcripts, system prompt and tool list included. The chat
+    # template needs some tokenizer to render with, hence a throwaway one; the text is the prompt up to
+    # the question (the committed policy's tokenizer was trained on exactly these texts).
     probe_tok = train_tokenizer(["x"], vocab_size=300)
     prompt_text = ChatFormat(probe_tok).decode(ChatFormat(probe_tok).prompt_ids("Q"))[:-len("Q<|im_end|>\n<|im_start|>assistant\n")]
     texts = [prompt_text + t.task.question + "".join(s for s, _ in t.segments) for t in transcripts]
