@@ -76,6 +76,15 @@ def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
     return best
 
 
+def interleaved_best(a: Callable[[], object], b: Callable[[], object], repeat: int = 5) -> tuple[float, float]:
+    """Best times of a and b, run alternately so that drift in machine speed hits both alike."""
+    ta, tb = float("inf"), float("inf")
+    for _ in range(repeat):
+        ta = min(ta, best_of(a, 1))
+        tb = min(tb, best_of(b, 1))
+    return ta, tb
+
+
 def record(result: BenchResult) -> None:
     result.machine = result.machine or machine_info()
     result.when = result.when or time.strftime("%Y-%m-%d %H:%M:%S")

@@ -158,15 +158,14 @@ class ShardWriter:
         name = f"part-{len(self._parts):05d}.parquet"
         final = self.directory / name
         tmp = self.directory / f".{name}.tmp-{os.getpid()}"
-        sink = pa.BufferOutputStream()
-        pq.write_table(head.replace_schema_metadata(self.schema.metadata), sink, compression=self.compression)
-        buf = sink.getvalue()
-        with open(tmp, "wb") as f:
-            f.write(buf)
-            f.flush()
+        # Written straight to the file (an in-memory sink would copy the part several times as it grows);
+        # the checksum then reads it back from the page cache.
+        pq.write_table(head.replace_schema_metadata(self.schema.metadata), str(tmp), compression=self.compression)
+        with open(tmp, "rb+") as f:
+            data = f.read()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=buf.size, crc32=_crc32(buf)))
+        self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
 
     def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
         if self._pending_rows or not self._parts:
