@@ -30,6 +30,8 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
     if layout.run_json.is_file():
         before = json.loads(layout.run_json.read_text())
         a, b = _frozen(before), _frozen(now)
+        for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
+            b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
         if a != b:
             diffs = [f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}" for s in FROZEN_SECTIONS
                      for k in sorted(set(a[s]) | set(b[s])) if a[s].get(k) != b[s].get(k)]

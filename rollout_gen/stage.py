@@ -18,7 +18,7 @@ from rollout_gen.tasks import Task, load_task_parquet
 from rollout_gen.world.tasks import training_tasks
 from storage.layout import RunLayout
 from storage.schemas import RAW
-from storage.shards import Manifest, ShardWriter, read_manifest
+from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
 
 
 def policy_version(checkpoint: Path) -> str:
@@ -90,8 +90,9 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
     done = read_manifest(out)
     if done is not None:
         if done.config_hash != config_hash:
-            raise RuntimeError(f"{out}: committed with config {done.config_hash}, now {config_hash}; "
-                               "use a new run id (raw shards are never overwritten)")
+            raise ShardError(f"{out}: committed with other rollout settings or another cleaner version (config "
+                             f"{done.config_hash}, now {config_hash}); use a new flow.run_id — raw shards are never "
+                             "overwritten")
         return done
     chat = load_chat(checkpoint)
     engine = make_engine(cfg, checkpoint, chat)
