@@ -152,6 +152,3 @@ def run(raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_
         counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
     return counters
 
-
-def rows_to_purified(rows: list[dict]):
-    return [purified_from_row(r) for r in rows]

@@ -38,7 +38,7 @@ class PurifyError(ValueError):
 @dataclass
 class _Builder:
     prompt: list[int]
-    attempts: dict[int, Attempt]  # key: id(position) * 64 + attempt_idx -> attempt (see _key)
+    attempts: dict[int, Attempt]  # _key(position, attempt_idx) -> attempt
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -81,7 +81,7 @@ def bootstrap(out_dir: Path, cfg: BootstrapConfig, log=print) -> dict:
     log(f"[bootstrap] model: Qwen3ForCausalLM, {params / 1e6:.2f}M parameters; SFT {cfg.sft.steps} steps ...")
     t_train = time.perf_counter()
     result = train_sft(model, data, tokenizer.pad_token_id, cfg.sft,
-                       progress=lambda s, l: log(f"[bootstrap]   step {s:5d}  loss {l:.4f}  "
+                       progress=lambda s, loss: log(f"[bootstrap]   step {s:5d}  loss {loss:.4f}  "
                                                  f"({time.perf_counter() - t_train:.0f} s)"))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

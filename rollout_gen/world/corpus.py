@@ -134,10 +134,6 @@ def build_transcripts(tasks: list[Task], pool: SandboxPool, seed: int, bug_rate:
         return list(ex.map(one, range(len(tasks))))
 
 
-def transcript_text(t: Transcript, chat: ChatFormat | None = None, prompt_text: str = "") -> str:
-    return prompt_text + "".join(s for s, _ in t.segments)
-
-
 def tokenize_transcript(t: Transcript, chat: ChatFormat) -> tuple[list[int], list[int]]:
     """Token ids and loss mask, built piecewise exactly as the agent loop appends turns."""
     ids = chat.prompt_ids(t.task.question)
