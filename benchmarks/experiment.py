@@ -36,12 +36,18 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     train_s = time.perf_counter() - t0
     evals = json.loads(subprocess.run(
-        [sys.executable, "-m", "benchmarks.experiment", "--eval-run", run_id, str(exp["eval_tasks"]), *overrides], cwd=REPO, env=_env(root), check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        [sys.executable, "-m", "benchmarks.experiment", "--eval-run", run_id, str(exp["eval_tasks"]),
+         str(exp.get("eval_every", 1)), *overrides], cwd=REPO, env=_env(root), check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     return {"arm": name, "seed": seed, "run_id": run_id, "train_s": train_s, "evals": evals}
 
 
-def eval_run(run_id: str, n_tasks: int, overrides: list[str]) -> list[dict]:
-    """Every checkpoint of a run (iteration 0 = the bootstrap policy) on the held-out tasks."""
+def eval_iterations(iterations: int, every: int) -> list[int]:
+    """Checkpoints to evaluate: every `every`-th iteration, always the bootstrap policy (0) and the last."""
+    return sorted(set(range(0, iterations + 1, every)) | {iterations})
+
+
+def eval_run(run_id: str, n_tasks: int, every: int, overrides: list[str]) -> list[dict]:
+    """The run's checkpoints (iteration 0 = the bootstrap policy) on the held-out tasks."""
     from pipeline.config import load_config
     from rollout_gen.eval_cmd import evaluate_world
     from storage.layout import RunLayout
@@ -51,7 +57,7 @@ def eval_run(run_id: str, n_tasks: int, overrides: list[str]) -> list[dict]:
     cfg.world.eval_size = n_tasks
     layout = RunLayout(cfg.storage.root, run_id)
     rows = []
-    for i in range(cfg.flow.iterations + 1):
+    for i in eval_iterations(cfg.flow.iterations, every):
         ckpt = checkpoint_for(cfg, run_id, i) if i else cfg.rollout.policy
         for saar in (False, True):
             c = cfg.model_copy(deep=True)
@@ -68,7 +74,7 @@ def eval_run(run_id: str, n_tasks: int, overrides: list[str]) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--eval-run"]:  # internal: evaluate one run's checkpoints in a fresh process
-        print(json.dumps(eval_run(argv[1], int(argv[2]), argv[3:])))
+        print(json.dumps(eval_run(argv[1], int(argv[2]), int(argv[3]), argv[4:])))
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", nargs="?", type=Path)

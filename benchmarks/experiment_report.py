@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from math import sqrt
 from statistics import mean
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
@@ -9,21 +10,28 @@ METRICS = [("accuracy", "pass@1"), ("first_call_failure_rate", "first-call failu
            ("tool_calls_per_traj", "tool calls / trajectory"), ("response_tokens", "response tokens")]
 
 
-def _series(results: list[dict], arm: str, metric: str, saar: bool) -> list[list[float]]:
+def _series(results: list[dict], arm: str, metric: str, saar: bool) -> list[list[tuple[int, float]]]:
+    """Per seed of the arm: (iteration, value) at every evaluated checkpoint."""
     runs = [r for r in results if r["arm"] == arm]
-    return [[e[metric] for e in sorted(r["evals"], key=lambda e: e["iteration"]) if e["saar_at_test"] == saar]
-            for r in runs]
+    return [[(e["iteration"], e[metric]) for e in sorted(r["evals"], key=lambda e: e["iteration"])
+             if e["saar_at_test"] == saar] for r in runs]
 
 
-def _mean_curve(series: list[list[float]]) -> list[float]:
-    return [mean(v) for v in zip(*series)] if series else []
+def _mean_curve(series: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    return [(pts[0][0], mean(v for _, v in pts)) for pts in zip(*series)] if series else []
 
 
-def steps_to_reach(curve: list[float], target: float, higher_is_better: bool = True) -> int | None:
-    for i, v in enumerate(curve):
+def steps_to_reach(curve: list[tuple[int, float]], target: float, higher_is_better: bool = True) -> int | None:
+    """First evaluated iteration whose value reaches the target."""
+    for it, v in curve:
         if (v >= target) if higher_is_better else (v <= target):
-            return i
+            return it
     return None
+
+
+def _se(p: float, n: int) -> float:
+    """Binomial standard error of a rate measured on n tasks."""
+    return sqrt(max(p * (1 - p), 0.0) / n)
 
 
 def _replay_section(results: list[dict], root_hint: str) -> str:
@@ -52,53 +60,94 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         return f"(replay statistics unavailable: {e})"
 
 
-def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
+def _plot(results: list[dict], arms: list[str], stem: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    arms = list(dict.fromkeys(r["arm"] for r in results))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (metric, label) in zip(axes.flat, METRICS):
-        for k, arm in enumerate(arms):
-            for j, s in enumerate(_series(results, arm, metric, saar=False)):
-                ax.plot(range(len(s)), s, color=f"C{k}", alpha=0.9 if j == 0 else 0.5,
-                        linestyle="-" if j == 0 else "--", label=arm if j == 0 else None)
-        ax.set_title(f"{label} (SAAR off at test time)"), ax.set_xlabel("RL iteration")
-    axes.flat[0].legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(METRICS), figsize=(4.2 * len(METRICS), 7.5))
+    for row, saar in enumerate((False, True)):
+        for ax, (metric, label) in zip(axes[row], METRICS):
+            for k, arm in enumerate(arms):
+                for j, s in enumerate(_series(results, arm, metric, saar)):
+                    ax.plot([i for i, _ in s], [v for _, v in s], color=f"C{k}", alpha=0.9 if j == 0 else 0.55,
+                            linestyle="-" if j == 0 else "--", marker=".", label=arm if j == 0 else None)
+            ax.set_title(f"{label}\n(SAAR {'on' if saar else 'off'} at test time)", fontsize=9)
+            ax.set_xlabel("RL iteration")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / f"{stem}.png", dpi=90)
     plt.close(fig)
 
+
+def _summary_table(results: list[dict], arms: list[str], saar: bool) -> list[str]:
+    lines = ["| arm | seeds | " + " | ".join(f"{label} it0 → final" for _, label in METRICS) + " |",
+             "|---|---|" + "---|" * len(METRICS)]
+    for arm in arms:
+        seeds = [r["seed"] for r in results if r["arm"] == arm]
+        cells = []
+        for metric, _ in METRICS:
+            c = _mean_curve(_series(results, arm, metric, saar))
+            cells.append(f"{c[0][1]:.3f} → {c[-1][1]:.3f}" if c else "")
+        lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool) -> list[str]:
+    """Iteration × arm (mean over seeds, each seed in brackets where there are several)."""
+    lines = ["| iteration | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
+    per_arm = {a: _series(results, a, metric, saar) for a in arms}
+    iterations = [i for i, _ in per_arm[arms[0]][0]]
+    for n, it in enumerate(iterations):
+        cells = []
+        for a in arms:
+            vals = [s[n][1] for s in per_arm[a] if n < len(s)]
+            cells.append(f"{mean(vals):.3f}" + (f" ({', '.join(f'{v:.3f}' for v in vals)})" if len(vals) > 1 else ""))
+        lines.append(f"| {it} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _comparison(results: list[dict], n_tasks: int) -> list[str]:
+    """CLEANER (a) vs no purification (b): steps-to-target and the final gap against its noise."""
+    lines = []
+    for metric, label, hib in (("accuracy", "pass@1", True), ("first_call_failure_rate", "first-call failure rate", False)):
+        for saar in (False, True):
+            a = _mean_curve(_series(results, "saar_g0.5", metric, saar))
+            b = _mean_curve(_series(results, "raw", metric, saar))
+            seeds = min(len(_series(results, "saar_g0.5", metric, saar)), len(_series(results, "raw", metric, saar)))
+            reach = steps_to_reach(a, b[-1][1], hib)
+            last = b[-1][0]
+            ratio = f"{reach}/{last} = {reach / last:.2f}" if reach is not None and last else "not reached"
+            gap = a[-1][1] - b[-1][1]
+            se = sqrt(_se(a[-1][1], n_tasks * seeds) ** 2 + _se(b[-1][1], n_tasks * seeds) ** 2)
+            tail = max(1, len(a) // 3)  # the last third of the evaluated checkpoints, to average out eval noise
+            tail_gap = mean(v for _, v in a[-tail:]) - mean(v for _, v in b[-tail:])
+            lines.append(f"- {label}, SAAR {'on' if saar else 'off'} at test: raw ends at {b[-1][1]:.3f} (iteration {last}); "
+                         f"saar_g0.5 reaches it at iteration {reach} (steps ratio {ratio}); final gap saar − raw "
+                         f"{gap:+.3f} ± {se:.3f} (1 s.e., {seeds} seeds × {n_tasks} tasks); mean gap over the last "
+                         f"{tail} checkpoints {tail_gap:+.3f}")
+    return lines
+
+
+def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    arms = list(dict.fromkeys(r["arm"] for r in results))
+    _plot(results, arms, stem)
     lines = [f"# Experiment `{stem}` — results (generated)", "",
              f"Wall time: {wall_s / 60:.0f} min on this machine (arms {exp.get('parallel', 1)} at a time). "
-             f"Every arm starts from policies/tiny-tool-policy; evaluation on {exp['eval_tasks']} held-out tasks, "
-             "T=1.0, mean over seeds. Solid/dashed lines in the plot are seeds 0/1.", "",
-             f"![curves]({stem}.png)", ""]
+             f"Every arm starts from policies/tiny-tool-policy; evaluation every {exp.get('eval_every', 1)} iterations "
+             f"on {exp['eval_tasks']} held-out tasks, T=1.0, mean over seeds. Solid/dashed lines in the plot are seeds 0/1.",
+             "", f"![curves]({stem}.png)", ""]
     for saar in (False, True):
-        lines += [f"## Per iteration, SAAR {'on' if saar else 'off'} at test time", "",
-                  "| arm | seeds | " + " | ".join(f"{label} it0 → final" for _, label in METRICS) + " |",
-                  "|---|---|" + "---|" * len(METRICS)]
-        for arm in arms:
-            seeds = [r["seed"] for r in results if r["arm"] == arm]
-            cells = []
-            for metric, _ in METRICS:
-                c = _mean_curve(_series(results, arm, metric, saar))
-                cells.append(f"{c[0]:.3f} → {c[-1]:.3f}" if c else "")
-            lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += [f"## First and last checkpoint, SAAR {'on' if saar else 'off'} at test time", "",
+                  *_summary_table(results, arms, saar), ""]
+    for metric, label in METRICS[:2]:
+        for saar in (False, True):
+            lines += [f"## {label} per iteration, SAAR {'on' if saar else 'off'} at test time", "",
+                      *_curve_table(results, arms, metric, saar), ""]
     if "saar_g0.5" in arms and "raw" in arms:
-        lines += ["## Steps to the baseline's final numbers", ""]
-        for metric, label, hib in (("accuracy", "pass@1", True), ("first_call_failure_rate", "first-call failure rate", False)):
-            a = _mean_curve(_series(results, "saar_g0.5", metric, False))
-            b = _mean_curve(_series(results, "raw", metric, False))
-            reach = steps_to_reach(a, b[-1], hib)
-            ratio = f"{reach}/{len(b) - 1} = {reach / (len(b) - 1):.2f}" if reach is not None and len(b) > 1 else "not reached"
-            lines.append(f"- {label}: raw ends at {b[-1]:.3f} after {len(b) - 1} iterations; saar_g0.5 reaches it at "
-                         f"iteration {reach} (steps ratio {ratio})")
-        lines.append("")
+        lines += ["## CLEANER (saar_g0.5) vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"]), ""]
     root = next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     lines += ["## Replay statistics", "", _replay_section(results, str(Path(__file__).resolve().parent.parent / root)), ""]
     page = OUT / f"{stem}.md"

@@ -95,7 +95,13 @@ class PurifyConfig(Section):
 class TrainConfig(Section):
     mode: Literal["saar", "raw", "void_turn"] = "saar"
     gamma: float = 0.5
-    strategy: Literal["local", "deepspeed"] = "local"
+    strategy: Literal["local", "deepspeed"] = Field("local", description=(
+        "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
+        "process under torchrun (gloo on CPU)"))
+    zero_stage: Literal[2, 3] = Field(2, description="ZeRO stage for strategy=deepspeed")
+    nproc: int = Field(1, ge=1, description="ranks torchrun starts for strategy=deepspeed (GPUs per node)")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="strategy=deepspeed training dtype (the local strategy trains in fp32)")
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(2, ge=0)
     weight_decay: float = Field(0.01, ge=0)

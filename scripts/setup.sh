@@ -34,6 +34,12 @@ fi
 $PIP -e ".[dev]"
 # triton's log-prob kernels would shadow OpenRLHF's torch fallback on CPU.
 $VENV/bin/python -m pip uninstall -y -q triton 2>/dev/null || true
+# train.strategy=deepspeed on CPU: DeepSpeed JIT-builds its shared-memory collective op on first use;
+# build it now (cached under ~/.cache/torch_extensions) so no training run or test pays for it.
+if $VENV/bin/python -c "import sys, torch; sys.exit(1 if torch.cuda.is_available() else 0)" 2>/dev/null; then
+  DS_ACCELERATOR=cpu $VENV/bin/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()" \
+    >/dev/null 2>&1 || echo "[setup] note: DeepSpeed's CPU comm op did not build; strategy=deepspeed will retry at run time"
+fi
 # PYTHONDONTWRITEBYTECODE=1 is set on these machines: compile once so imports stay fast.
 $VENV/bin/python -m compileall -q -j 0 $VENV/lib >/dev/null 2>&1 || true
 rm -f $VENV/.cleaner-setup-*

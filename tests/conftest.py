@@ -24,6 +24,22 @@ def world_rollout(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def purified_run(world_rollout, tmp_path_factory):
+    """world_rollout purified (saar, γ=0.5): iteration 0 ready for an update."""
+    import shutil
+
+    from purifier.stage import run_purify_stage
+
+    root = tmp_path_factory.mktemp("train")
+    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = root
+    cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
+    run_purify_stage(cfg, "w", 0)
+    return cfg
+
+
+@pytest.fixture(scope="session")
 def chat():
     """The committed tiny policy's chat format (its real tokenizer)."""
     from pipeline.config import DEFAULT_POLICY

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.config import DEFAULT_POLICY, TrainConfig
 from pipeline.trajectory import PurifiedTrajectory, purified_from_row
-from purifier.stage import run_purify_stage
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED
 from storage.shards import read_shard
@@ -26,17 +25,6 @@ from trainer.stage import DONE_MARKER, _check_compatible, run_update_stage
 
 def model():
     return AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
-
-
-@pytest.fixture(scope="module")
-def purified_run(world_rollout, tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
-    cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
-    run_purify_stage(cfg, "w", 0)
-    return cfg
 
 
 def rows_of(cfg) -> list[PurifiedTrajectory]:

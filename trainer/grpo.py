@@ -44,31 +44,74 @@ class UpdateProgress:
     metrics: list[StepMetrics] = field(default_factory=list)
 
 
+def warmup_schedule(optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over cfg.warmup_steps, then constant (the same under every strategy)."""
+    warm = max(1, cfg.warmup_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.999))
-    warm = max(1, cfg.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    return opt, sched
+    return opt, warmup_schedule(opt, cfg)
+
+
+def make_actor(model: torch.nn.Module, temperature: float):
+    actor = openrlhf_models().Actor(model, attn_implementation="eager")
+    actor.packing_samples = False  # not set when Actor wraps a model object
+    actor.temperature = temperature
+    return actor
+
+
+def policy_loss(cfg: TrainConfig):
+    """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean."""
+    return openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+                                        dual_clip=cfg.dual_clip, token_level_loss=True,
+                                        policy_loss_type=cfg.policy_loss_type)
 
 
 class GRPOUpdate:
+    """The local strategy: every group of a mini-batch is trained in this process.
+
+    A distributed strategy overrides the hooks below (`my_groups`, `reduce`, `backward`, `step`);
+    the loss, its token-mean over the whole mini-batch and the metrics stay the same.
+    """
+
+    world_size = 1
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0) -> None:
-        models = openrlhf_models()
         self.cfg = cfg
         self.model = model
-        self.actor = models.Actor(model, attn_implementation="eager")
-        self.actor.packing_samples = False  # not set when Actor wraps a model object
-        self.actor.temperature = temperature
-        self.loss_fn = models.PolicyLoss(
-            clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-            token_level_loss=True, policy_loss_type=cfg.policy_loss_type,
-        )
+        self.actor = make_actor(model, temperature)
+        self.loss_fn = policy_loss(cfg)
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
         self.global_step = 0
+
+    # -- strategy hooks -------------------------------------------------------------------------
+    def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
+        return groups
+
+    def reduce(self, values: list[float]) -> list[float]:
+        """Sum per-rank values over the ranks."""
+        return values
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip, step optimizer and schedule; returns the pre-clip gradient norm."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -82,36 +125,32 @@ class GRPOUpdate:
     def minibatch(self, groups: list[list[PurifiedTrajectory]], pad_id: int) -> StepMetrics:
         t0 = time.perf_counter()
         self.model.train()
-        micros = micro_batches(groups, self.cfg.micro_batch_tokens, pad_id)
-        tokens = sum(m.num_actions for m in micros)
-        self.optimizer.zero_grad(set_to_none=True)
-        totals = {"loss": 0.0, "clip": 0.0, "kl": 0.0, "ent": 0.0}
-        for m in micros:
+        micros = micro_batches(self.my_groups(groups), self.cfg.micro_batch_tokens, pad_id)
+        # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
+        tokens = int(self.reduce([float(sum(m.num_actions for m in micros))])[0])
+        self.zero_grad()
+        loss_sum = clip = kl = ent = 0.0
+        for i, m in enumerate(micros):
             logp, out = self.actor(m.sequences, m.action_mask, attention_mask=m.attention_mask, return_output=True,
                                    return_entropy=self.cfg.log_entropy)
-            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages,
-                                                          action_mask=m.action_mask, batch_num_tokens=max(1, tokens))
+            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages, action_mask=m.action_mask,
+                                                          batch_num_tokens=max(1, tokens), dp_size=self.world_size)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
                                          f"(rows {m.rows[:3]}...); no checkpoint written")
-            loss.backward()
+            self.backward(loss, last=i == len(micros) - 1)
             share = m.num_actions / max(1, tokens)
-            totals["loss"] += loss.item()
-            totals["clip"] += clip_ratio.item() * share
-            totals["kl"] += ppo_kl.item() * share
+            loss_sum += loss.item() / self.world_size  # undo dp_size: the sum over ranks is the mini-batch loss
+            clip += clip_ratio.item() * share
+            kl += ppo_kl.item() * share
             if self.cfg.log_entropy:
-                ent = out.entropy.detach()
-                totals["ent"] += float((ent * m.action_mask).sum() / max(1, m.num_actions)) * share
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+                ent += float((out.entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
+        loss_sum, clip, kl, ent = self.reduce([loss_sum, clip, kl, ent])
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        grad_norm = self.step()
         self.global_step += 1
         self.model.eval()
-        return StepMetrics(self.global_step, totals["loss"], totals["clip"], totals["kl"], grad_norm, totals["ent"],
-                           tokens, lr, time.perf_counter() - t0)
+        return StepMetrics(self.global_step, loss_sum, clip, kl, grad_norm, ent, tokens, lr, time.perf_counter() - t0)
 
     def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
             after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:

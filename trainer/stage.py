@@ -10,6 +10,7 @@ import hashlib
 import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -78,58 +79,97 @@ def _write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, st
     tmp.rename(target)  # atomic: the checkpoint appears whole
 
 
-def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None,
-                     log=print) -> Path:
+@dataclass
+class UpdateInputs:
+    """What an update of one iteration reads; the same for every strategy."""
+
+    target: Path
+    src: Path
+    part: Path
+    manifest: object
+    rows: list
+    raw_manifest: object
+    metrics_dir: Path
+
+    def key(self, cfg: CleanerConfig) -> str:
+        """Identifies a partial update: resumable only with the same inputs and settings."""
+        return hashlib.blake2b(json.dumps([self.manifest.config_hash, cfg.train.model_dump(mode="json"), str(self.src)],
+                                          sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
+    layout = RunLayout(cfg.storage.root, run_id)
+    part, manifest, rows = _load_rows(cfg, run_id, iteration)
+    return UpdateInputs(layout.checkpoint_dir(iteration + 1), checkpoint_for(cfg, run_id, iteration), part, manifest,
+                        rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
+
+
+def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(inputs.src, dtype=torch.float32, attn_implementation="eager")
+    _check_compatible(inputs.src, model, inputs.rows, inputs.raw_manifest)
+    torch.set_num_threads(max(1, cfg.rollout.threads))
+    return model
+
+
+def log_steps(metrics: list, log) -> None:
+    for m in metrics:
+        log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
+            f"grad {m.grad_norm:.3f} entropy {m.entropy:.3f} tokens {m.tokens}")
+
+
+def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
+    records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
+                "value": float(getattr(m, name))}
+               for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
+                                             "tokens", "lr", "seconds")]
+    if not is_committed(inputs.metrics_dir):
+        write_shard(inputs.metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+
+
+def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None,
+                     log=print) -> Path:
     layout = RunLayout(cfg.storage.root, run_id)
     target = layout.checkpoint_dir(iteration + 1)
     if (target / DONE_MARKER).is_file():
         return target  # done before; never overwritten
-    src = checkpoint_for(cfg, run_id, iteration)
-    part, manifest, rows = _load_rows(cfg, run_id, iteration)
-    raw_manifest = read_manifest(layout.raw_dir(iteration))
-    metrics_dir = layout.metrics_dir(iteration, "update")
+    inputs = update_inputs(cfg, run_id, iteration)
+    src, part, manifest = inputs.src, inputs.part, inputs.manifest
     prev_state = torch.load(src / TRAINER_STATE, weights_only=False) if (src / TRAINER_STATE).is_file() else None
-    if not rows:
+    if not inputs.rows:
         if manifest.extra.get("filtered_groups", 0) > 0:
             # documented skip: every group had one reward, so GRPO has no signal; the policy carries over
             log(f"[update] {part}: all {manifest.extra['filtered_groups']} groups were filtered; policy carried over")
             _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "source": str(src),
                                                   "trainer": prev_state})
-            if not is_committed(metrics_dir):
-                write_shard(metrics_dir, pa.Table.from_pylist([{"run_id": run_id, "iteration": iteration, "stage": "update",
+            if not is_committed(inputs.metrics_dir):
+                write_shard(inputs.metrics_dir, pa.Table.from_pylist([{"run_id": run_id, "iteration": iteration, "stage": "update",
                             "step": 0, "name": "skipped", "value": 1.0}], schema=METRICS), METRICS, "skip")
             return target
         raise UpdateError(f"{part}: the purified shard has no rows; nothing to train on")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
-    _check_compatible(src, model, rows, raw_manifest)
-    torch.set_num_threads(max(1, cfg.rollout.threads))
+    if cfg.train.strategy == "deepspeed":
+        from trainer.distributed import launch
+
+        return launch(cfg, run_id, iteration, stop_after, log)
+    model = load_policy(cfg, inputs)
     update = GRPOUpdate(model, cfg.train, cfg.rollout.temperature)
     if prev_state is not None:
         update.load_state_dict(prev_state)  # AdamW moments and the schedule continue across iterations
-    key = hashlib.blake2b(json.dumps([manifest.config_hash, cfg.train.model_dump(mode="json"), str(src)],
-                                     sort_keys=True).encode(), digest_size=8).hexdigest()
+    key = inputs.key(cfg)
     partial = target.with_name(target.name + ".partial.pt")
     progress = load_partial(partial, model, update, key) or UpdateProgress()
     if progress.minibatches_done:
         log(f"[update] resuming after mini-batch {progress.minibatches_done}")
     pad = model.config.pad_token_id or 0
     t0 = time.perf_counter()
-    update.run(rows, pad, progress, after_minibatch=lambda p: save_partial(partial, model, update, p, key),
+    update.run(inputs.rows, pad, progress, after_minibatch=lambda p: save_partial(partial, model, update, p, key),
                stop_after=stop_after)
-    for m in progress.metrics:
-        log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
-            f"grad {m.grad_norm:.3f} entropy {m.entropy:.3f} tokens {m.tokens}")
+    log_steps(progress.metrics, log)
     if stop_after is not None:
         return partial  # interrupted on purpose (tests): resume by calling again
-    _write_checkpoint(target, src, model, {"source": str(src), "rows": len(rows), "purified": str(part),
+    _write_checkpoint(target, src, model, {"source": str(src), "rows": len(inputs.rows), "purified": str(part),
                                            "wall_s": time.perf_counter() - t0, "trainer": update.state_dict()})
-    records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
-                "value": float(getattr(m, name))}
-               for m in progress.metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
-                                                      "tokens", "lr", "seconds")]
-    if not is_committed(metrics_dir):
-        write_shard(metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+    write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
     partial.unlink(missing_ok=True)
     return target

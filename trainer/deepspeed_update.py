@@ -1,0 +1,172 @@
+"""train.strategy=deepspeed: the same GRPO update on OpenRLHF's `DeepspeedStrategy` (ZeRO-2/3).
+
+One process per rank under torchrun (see trainer/distributed.py). Each rank trains a share of every
+mini-batch's groups; the loss is the token mean over the whole mini-batch (OpenRLHF's
+`batch_num_tokens` + `dp_size`), so the update equals the local strategy's up to float rounding.
+
+GPUs: OpenRLHF's own `setup_distributed` (NCCL, CUDA device mesh). CPU: the same strategy on gloo,
+with the three CUDA-only calls it makes replaced (device mesh on "cpu", no `torch.cuda.set_device`,
+no `cuda.synchronize` after saving) and DeepSpeed's optimizer pinned to torch's AdamW (`torch_adam`),
+so no CUDA/JIT optimizer kernel is needed. The schedule is the local strategy's warmup schedule.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from pipeline.config import TrainConfig
+from pipeline.trajectory import PurifiedTrajectory
+from storage.shards import atomic_write_json
+from trainer.grpo import GRPOUpdate, StepMetrics, UpdateError, UpdateProgress, make_actor, policy_loss, warmup_schedule
+from trainer.openrlhf_compat import openrlhf_models
+
+DS_STATE = "deepspeed"  # subfolder of a checkpoint: ZeRO-partitioned optimizer/scheduler state for exact resume
+STATE_TAG = "state"
+PROGRESS = "progress.json"
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def make_strategy(cfg: TrainConfig):
+    """OpenRLHF's DeepspeedStrategy, distributed initialised (torchrun's env: RANK, WORLD_SIZE, MASTER_*)."""
+    if on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    openrlhf_models()  # the flash_attn import shim on CPU, before OpenRLHF's strategy module imports models
+    import deepspeed
+    import torch.distributed as dist
+    import openrlhf.utils.deepspeed.deepspeed as ds_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    args = SimpleNamespace(
+        local_rank=-1, optim="adam",
+        ds=SimpleNamespace(param_dtype=cfg.param_dtype, zero_stage=cfg.zero_stage, tensor_parallel_size=1,
+                           ring_attn_size=1, adam_offload=False, zpg=1),
+        train=SimpleNamespace(dynamic_batch_enable=False))
+
+    class Strategy(ds_module.DeepspeedStrategy):
+        def get_ds_train_config(self, optim_dict=None, *, max_norm=None):
+            config = super().get_ds_train_config(optim_dict, max_norm=max_norm)
+            if on_cpu() and "optimizer" in config:
+                config["optimizer"]["params"]["torch_adam"] = True  # no fused CUDA/JIT kernel on CPU
+            return config
+
+    strategy = Strategy(seed=cfg.seed, max_norm=cfg.grad_clip, micro_train_batch_size=1, train_batch_size=world,
+                        zero_stage=cfg.zero_stage, args=args)
+    if not on_cpu():
+        strategy.setup_distributed()
+        return strategy
+    # OpenRLHF's setup_distributed on CPU, minus its CUDA calls
+    deepspeed.init_distributed(dist_backend="gloo")
+    strategy.world_size = dist.get_world_size()
+    strategy.ds_device_mesh = init_device_mesh("cpu", (strategy.world_size, 1, 1), mesh_dim_names=("dp", "sp", "tp"))
+    strategy.ring_attn_rank = 0
+    strategy.accumulated_gradient = 1
+    ds_module.torch_dist_barrier_and_cuda_sync = dist.barrier  # save_model's post-save sync, without CUDA
+    return strategy
+
+
+class TokenizerFiles:
+    """What `DeepspeedStrategy.save_model` calls `save_pretrained` on: copies the source checkpoint's
+    tokenizer files (cleaner never loads a tokenizer object to train)."""
+
+    def __init__(self, src: Path, names: tuple[str, ...]) -> None:
+        self.src, self.names = src, names
+
+    def save_pretrained(self, out: str) -> None:
+        for name in self.names:
+            if (self.src / name).is_file():
+                shutil.copy2(self.src / name, Path(out) / name)
+
+
+class DeepSpeedGRPOUpdate(GRPOUpdate):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy, temperature: float = 1.0) -> None:
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.strategy = strategy
+        self.dist = dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.loss_fn = policy_loss(cfg)
+        prep = {"optim": "adam", "adam": {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8,
+                                          "weight_decay": cfg.weight_decay},
+                "lr_scheduler": "constant", "scheduler_steps": 1, "max_norm": cfg.grad_clip}
+        self.actor, self.optimizer, _ = strategy.prepare((make_actor(model, temperature), prep))
+        self.engine = self.actor.model
+        self.model = self.engine  # train()/eval() reach the wrapped module
+        self.scheduler = warmup_schedule(self.engine.basic_optimizer, cfg)  # the torch optimizer inside ZeRO
+        self.engine.lr_scheduler = self.scheduler  # the engine steps it; same schedule as the local strategy
+        self.global_step = 0
+
+    def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
+        if len(groups) < self.world_size:
+            raise UpdateError(f"a mini-batch has {len(groups)} prompt groups for {self.world_size} ranks; use fewer "
+                              f"train.mini_batches or ranks (train.nproc) so every rank gets a whole group")
+        return groups[self.rank:: self.world_size]
+
+    def reduce(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t)
+        return t.tolist()
+
+    def zero_grad(self) -> None:
+        pass  # the engine zeroes (partitioned) gradients after each step
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        # one optimizer step per mini-batch whatever its number of micro-batches
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.engine.step()
+        grad_norm = self.strategy.get_grad_norm(self.actor)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+        return grad_norm
+
+    # -- state: ZeRO checkpoints (every rank writes its partition) ----------------------------------
+    def save_state(self, folder: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(folder), tag=tag, client_state={"global_step": self.global_step})
+
+    def load_state(self, folder: Path, tag: str | None = None) -> bool:
+        if not (folder / "latest").is_file():
+            return False
+        _, client = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        self.global_step = client["global_step"]
+        return True
+
+    def save_progress(self, folder: Path, progress: UpdateProgress, key: str) -> None:
+        """After mini-batch k: the ZeRO state under tag mb<k>, then (rank 0) progress.json names it."""
+        tag = f"mb{progress.minibatches_done:04d}"
+        self.save_state(folder, tag)
+        self.dist.barrier()
+        if self.rank == 0:
+            atomic_write_json(folder / PROGRESS, {"key": key, "tag": tag, "minibatches_done": progress.minibatches_done,
+                                                  "metrics": [asdict(m) for m in progress.metrics]})
+            for old in folder.glob("mb*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.dist.barrier()
+
+    def resume_progress(self, folder: Path, key: str) -> UpdateProgress | None:
+        """A partial update of the same inputs/settings, or None (then nothing is loaded)."""
+        meta = folder / PROGRESS
+        if not meta.is_file():
+            return None
+        p = json.loads(meta.read_text())
+        if p["key"] != key:
+            return None
+        self.load_state(folder, p["tag"])
+        return UpdateProgress(p["minibatches_done"], [StepMetrics(**m) for m in p["metrics"]])
+
+    def save_weights(self, out: Path, src: Path, tokenizer_files: tuple[str, ...]) -> None:
+        self.strategy.save_model(self.actor, TokenizerFiles(src, tokenizer_files), str(out), safe_serialization=True)

@@ -1,0 +1,126 @@
+"""train.strategy=deepspeed: the update stage as torchrun ranks.
+
+`launch` (called by the update stage in the flow/CLI process) freezes the config beside the target
+checkpoint and starts `torchrun --standalone --nproc_per_node=train.nproc -m trainer.distributed`;
+each rank runs `deepspeed_update`. On GPU clusters the same module can be started by any launcher
+that sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT):
+
+    torchrun --nnodes 2 --nproc_per_node 8 ... -m trainer.distributed CONFIG.yaml RUN ITERATION
+
+Checkpoint layout is the local strategy's (HF weights + tokenizer + `_CHECKPOINT.json`), with the
+ZeRO optimizer/scheduler state under `deepspeed/` instead of `trainer_state.pt`.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import CleanerConfig, dump_config, load_config
+from trainer.grpo import UpdateError, UpdateProgress
+
+LOG_PREFIX = "[update]"
+
+
+def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None, log=print) -> Path:
+    from storage.layout import RunLayout
+    from trainer.stage import DONE_MARKER
+
+    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
+    frozen = target.with_name(target.name + ".config.yaml")
+    frozen.parent.mkdir(parents=True, exist_ok=True)
+    frozen.write_text(dump_config(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.train.nproc}",
+           "-m", "trainer.distributed", str(frozen), run_id, str(iteration)]
+    if stop_after is not None:
+        cmd += ["--stop-after", str(stop_after)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.threads)), "PYTHONUNBUFFERED": "1"}
+    log(f"[update] strategy=deepspeed: {cfg.train.nproc} rank(s), ZeRO-{cfg.train.zero_stage}")
+    tail: collections.deque[str] = collections.deque(maxlen=300)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            if line.startswith(LOG_PREFIX):
+                log(line.rstrip())
+    if proc.returncode != 0:
+        errors = [t for t in tail if t.startswith("cleaner: ")]
+        raise UpdateError(errors[-1][len("cleaner: "):] if errors else
+                          f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}):\n"
+                          + "\n".join(tail))
+    frozen.unlink(missing_ok=True)
+    if stop_after is not None:
+        return target.with_name(target.name + ".partial")
+    if not (target / DONE_MARKER).is_file():
+        raise UpdateError(f"{target}: torchrun exited 0 but wrote no checkpoint")
+    return target
+
+
+def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None) -> Path:
+    """One rank of the update (every rank runs this; rank 0 writes the files everyone shares)."""
+    import torch.distributed as dist
+
+    from trainer.deepspeed_update import DS_STATE, STATE_TAG, DeepSpeedGRPOUpdate, make_strategy
+    from trainer.stage import DONE_MARKER, TOKENIZER_FILES, load_policy, log_steps, update_inputs, write_update_metrics
+
+    inputs = update_inputs(cfg, run_id, iteration)
+    strategy = make_strategy(cfg.train)
+    rank = dist.get_rank()
+    log = print if rank == 0 else (lambda *_: None)
+    model = load_policy(cfg, inputs)
+    update = DeepSpeedGRPOUpdate(model, cfg.train, strategy, cfg.rollout.temperature)
+    if update.load_state(inputs.src / DS_STATE, STATE_TAG):
+        log(f"[update] optimizer and schedule continue from {inputs.src / DS_STATE}")
+    key = inputs.key(cfg)
+    partial = inputs.target.with_name(inputs.target.name + ".partial")
+    progress = update.resume_progress(partial, key) or UpdateProgress()
+    if progress.minibatches_done:
+        log(f"[update] resuming after mini-batch {progress.minibatches_done}")
+    t0 = time.perf_counter()
+    update.run(inputs.rows, model.config.pad_token_id or 0, progress, stop_after=stop_after,
+               after_minibatch=lambda p: update.save_progress(partial, p, key))
+    log_steps(progress.metrics, log)
+    if stop_after is not None:
+        return partial
+    tmp = inputs.target.with_name(inputs.target.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    update.save_weights(tmp, inputs.src, TOKENIZER_FILES)  # collective under ZeRO-3 (gathers), rank 0 writes
+    update.save_state(tmp / DS_STATE, STATE_TAG)  # every rank writes its optimizer partition
+    dist.barrier()
+    if rank == 0:
+        (tmp / DONE_MARKER).write_text(json.dumps(
+            {"source": str(inputs.src), "rows": len(inputs.rows), "purified": str(inputs.part), "strategy": "deepspeed",
+             "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0},
+            indent=1))
+        tmp.rename(inputs.target)  # atomic: the checkpoint appears whole
+        write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    return inputs.target
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="one torchrun rank of the deepspeed update stage")
+    ap.add_argument("config", type=Path)
+    ap.add_argument("run_id")
+    ap.add_argument("iteration", type=int)
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many mini-batches (tests)")
+    args = ap.parse_args(argv)
+    try:
+        deepspeed_update(load_config(args.config), args.run_id, args.iteration, args.stop_after)
+    except (UpdateError, FloatingPointError, FileNotFoundError) as e:
+        print(f"cleaner: {e}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
