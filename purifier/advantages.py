@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
-
-from pipeline.trajectory import PurifiedTrajectory
-
 EPS = 1e-6
 
 
@@ -28,15 +24,3 @@ def group_plan(samples: list[tuple[int, float]], estimator: str, dynamic_filter:
     if dynamic_filter and max(rewards) == min(rewards):
         return []  # no learning signal: every sample got the same reward
     return list(zip(order, group_advantages(rewards, estimator)))
-
-
-def apply_group(group: list[PurifiedTrajectory], estimator: str, dynamic_filter: bool) -> list[PurifiedTrajectory]:
-    """Advantages for one prompt group, ordered by sample; [] when the group is filtered out."""
-    plan = group_plan([(t.sample_idx, t.reward) for t in group], estimator, dynamic_filter)
-    return [replace(group[k], advantage=a) for k, a in plan]
-
-
-def apply_group_rows(rows: list[dict], estimator: str, dynamic_filter: bool) -> list[dict]:
-    """The same on purified rows (dicts), for pipelines that need no recompute: no dataclass round trip."""
-    plan = group_plan([(r["sample_idx"], r["reward"]) for r in rows], estimator, dynamic_filter)
-    return [{**rows[k], "advantage": a} for k, a in plan]

@@ -1,0 +1,111 @@
+"""Purification over Arrow batches: the pure core the Beam pipeline applies per batch and per group
+bucket (and that a plain loop can call directly).
+
+`purify_batch`: raw rows → purified rows per (mode, γ) plus dead letters; rows with nothing to splice
+are built column-wise (purifier/unspliced.py), the others go through `purify()` one by one.
+`with_advantages`: whole prompt groups → GRPO advantages (`group_plan`), dynamic filtering.
+`buckets`: split a batch by a stable hash of the prompt, so one prompt's rows always meet in one group.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
+from purifier.advantages import group_plan
+from purifier.saar import LIVED_COLUMNS, PurifyError, purify
+from purifier.unspliced import UNSPLICED_MODES, purified_table, unspliced_mask
+from storage.schemas import PURIFIED
+
+Variant = tuple[str, float]
+SORT = [("prompt_id", "ascending"), ("sample_idx", "ascending")]
+
+
+def _dead(key: str, source_file: str, reason: str) -> dict:
+    return {"raw_key": key, "source_file": source_file, "reason": reason}
+
+
+def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
+                 source_file: str = "") -> dict[Variant, tuple[pa.Table, list[dict]]]:
+    """Every variant of every row of a raw batch: (purified table, dead letters) per variant."""
+    columnar = any(mode in UNSPLICED_MODES for mode, _ in variants)
+    mask = unspliced_mask(raw) if columnar else np.zeros(raw.num_rows, dtype=bool)
+    lean = raw.drop_columns([c for c in LIVED_COLUMNS if c in raw.column_names])  # purify() rebuilds them
+    out: dict[Variant, tuple[list[pa.Table], list[dict]]] = {v: ([], []) for v in variants}
+    per_row = {v: [] for v in variants}
+
+    def run(rows: list[dict], wanted: list[Variant]) -> None:
+        for row in rows:
+            try:
+                traj = trajectory_from_row(row)
+            except (KeyError, TypeError, ValueError) as e:
+                key = f"{row.get('run_id')}/{row.get('iteration')}/{row.get('prompt_id')}/{row.get('sample_idx')}"
+                for v in wanted:
+                    out[v][1].append(_dead(key, source_file, f"unreadable raw row: {type(e).__name__}: {e}"))
+                continue
+            for v in wanted:
+                try:
+                    per_row[v].append(purified_to_row(purify(traj, v[1], v[0], decode)))
+                except PurifyError as e:
+                    out[v][1].append(_dead(traj.key, source_file, str(e)))
+
+    if mask.any():
+        unspliced = raw.filter(pa.array(mask))
+        for v in variants:
+            if v[0] in UNSPLICED_MODES:
+                out[v][0].append(purified_table(unspliced, *v))
+        run(lean.filter(pa.array(mask)).to_pylist() if any(m not in UNSPLICED_MODES for m, _ in variants) else [],
+            [v for v in variants if v[0] not in UNSPLICED_MODES])
+    run(lean.filter(pa.array(~mask)).to_pylist(), variants)
+    result = {}
+    for v in variants:
+        tables, dead = out[v]
+        if per_row[v]:
+            tables.append(pa.Table.from_pylist(per_row[v], schema=PURIFIED))
+        result[v] = (pa.concat_tables(tables) if tables else PURIFIED.empty_table(), dead)
+    return result
+
+
+def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
+    """(bucket, rows) by crc32 of the prompt id: stable across processes and runs, unlike hash().
+    Each bucket is a compact copy (`take`): a pickled slice would carry the whole batch's buffers."""
+    if table.num_rows == 0:
+        return []
+    ids = table["prompt_id"].to_pylist()
+    bucket = np.fromiter((zlib.crc32(p.encode()) % n for p in ids), dtype=np.int64, count=len(ids))
+    order = np.argsort(bucket, kind="stable")
+    starts = np.flatnonzero(np.r_[True, bucket[order][1:] != bucket[order][:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    return [(int(bucket[order[s]]), table.take(pa.array(order[s:e]))) for s, e in zip(starts, ends)]
+
+
+def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool) -> tuple[pa.Table, int]:
+    """Whole prompt groups → rows in (prompt, sample) order with their advantage; filtered groups dropped.
+    Returns the table and the number of groups filtered out."""
+    if table.num_rows == 0:
+        return table, 0
+    table = table.sort_by(SORT)
+    prompts = table["prompt_id"].to_pylist()
+    samples, rewards = table["sample_idx"].to_pylist(), table["reward"].to_pylist()
+    keep, advantages, filtered, start = [], [], 0, 0
+    for end in [*np.flatnonzero([a != b for a, b in zip(prompts, prompts[1:])]) + 1, len(prompts)]:
+        plan = group_plan(list(zip(samples[start:end], rewards[start:end])), estimator, dynamic_filter)
+        filtered += not plan
+        keep += [start + k for k, _ in plan]
+        advantages += [a for _, a in plan]
+        start = end
+    out = table.take(pa.array(keep, pa.int64()))
+    return out.set_column(PURIFIED.get_field_index("advantage"), PURIFIED.field("advantage"),
+                          pa.array(advantages, pa.float64())), filtered
+
+
+def recompute_groups(table: pa.Table, backend) -> pa.Table:
+    """Log-prob recompute per prompt group on the domain objects (the backend batches one group)."""
+    groups: dict[str, list] = {}
+    for row in table.to_pylist():
+        groups.setdefault(row["prompt_id"], []).append(purified_from_row(row))
+    rows = [purified_to_row(t) for g in groups.values() for t in backend.group(g)]
+    return pa.Table.from_pylist(rows, schema=PURIFIED)
