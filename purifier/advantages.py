@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+
 EPS = 1e-6
 
 
