@@ -79,8 +79,16 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", nargs="?", type=Path)
     ap.add_argument("--only", nargs="+", help="run only these arms")
+    ap.add_argument("--report", type=float, metavar="WALL_MIN",
+                    help="only rewrite the table and plots from the stored results (stating this wall time)")
     args = ap.parse_args(argv)
     exp = yaml.safe_load(args.experiment.read_text())
+    if args.report is not None:
+        from benchmarks.experiment_report import write
+
+        results = json.loads((OUT / f"{args.experiment.stem}.json").read_text())
+        print(f"[experiment] wrote {write(results, exp, args.experiment.stem, args.report * 60)}")
+        return 0
     jobs = [(name, seed, spec) for name, spec in exp["arms"].items() if not args.only or name in args.only
             for seed in spec["seeds"]]
     OUT.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         chat = load_chat(read_manifest(raw_dir).inputs[0])
         lines = ["| γ | positions | shallow | deep | tokens removed | tokens recomputed | ≠ γ_live | ≠ difflib |",
                  "|---|---|---|---|---|---|---|---|"]
-        for g in (0.0, 0.3, 0.5, 0.7, 0.9, 1.01):
+        for g in (0.0, 0.3, 0.5, 0.7, 0.9, 0.95, 1.01):
             s = replay_stats(raws, g, chat.decode)
             lines.append(f"| {g:g} | {s.positions} | {s.shallow} | {s.deep} | {s.tokens_removed} | {s.tokens_recomputed} "
                          f"| {s.differ_from_live} | {s.differ_from_difflib} |")
@@ -124,7 +124,9 @@ def _comparison(results: list[dict], n_tasks: int) -> list[str]:
             tail = max(1, len(a) // 3)  # the last third of the evaluated checkpoints, to average out eval noise
             tail_gap = mean(v for _, v in a[-tail:]) - mean(v for _, v in b[-tail:])
             lines.append(f"- {label}, SAAR {'on' if saar else 'off'} at test: raw ends at {b[-1][1]:.3f} (iteration {last}); "
-                         f"saar_g0.5 reaches it at iteration {reach} (steps ratio {ratio}); final gap saar − raw "
+                         + (f"saar_g0.5 reaches it at iteration {reach} (steps ratio {ratio})" if reach is not None else
+                            f"saar_g0.5 does not reach it within {last} iterations")
+                         + f"; final gap saar − raw "
                          f"{gap:+.3f} ± {se:.3f} (1 s.e., {seeds} seeds × {n_tasks} tasks); mean gap over the last "
                          f"{tail} checkpoints {tail_gap:+.3f}")
     return lines
