@@ -71,15 +71,17 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
 
 def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     """(bucket, rows) by crc32 of the prompt id: stable across processes and runs, unlike hash().
-    Each bucket is a compact copy (`take`): a pickled slice would carry the whole batch's buffers."""
+    Buckets are slices of one sorted copy: serialise them with Arrow IPC (beam_pipeline.ArrowTableCoder),
+    which writes only a slice's own rows (a pickled slice would carry the whole batch's buffers)."""
     if table.num_rows == 0:
         return []
     ids = table["prompt_id"].to_pylist()
     bucket = np.fromiter((zlib.crc32(p.encode()) % n for p in ids), dtype=np.int64, count=len(ids))
     order = np.argsort(bucket, kind="stable")
-    starts = np.flatnonzero(np.r_[True, bucket[order][1:] != bucket[order][:-1]])
-    ends = np.r_[starts[1:], len(order)]
-    return [(int(bucket[order[s]]), table.take(pa.array(order[s:e]))) for s, e in zip(starts, ends)]
+    table, bucket = table.take(pa.array(order)), bucket[order]
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    ends = np.r_[starts[1:], len(bucket)]
+    return [(int(bucket[s]), table.slice(s, e - s)) for s, e in zip(starts, ends)]
 
 
 def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool) -> tuple[pa.Table, int]:

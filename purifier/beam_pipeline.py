@@ -18,13 +18,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import apache_beam as beam
+import pyarrow as pa
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 
 Variant = tuple[str, float]
-BUCKETS = 32
+BUCKETS = 8
+
+
+class ArrowTableCoder(beam.coders.Coder):
+    """pyarrow Tables as Arrow IPC streams: no pickle, and a slice carries only its own rows."""
+
+    def encode(self, table: pa.Table) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    def decode(self, data: bytes) -> pa.Table:
+        return pa.ipc.open_stream(data).read_all()
+
+    def is_deterministic(self) -> bool:
+        return False
+
+
+beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
+KeyedTable = beam.typehints.Tuple[beam.typehints.Any, pa.Table]
 
 
 def variant_name(mode: str, gamma: float) -> str:
@@ -48,7 +69,7 @@ class PurifyBatches(beam.DoFn):
     def infer_output_type(self, input_type):
         # the main output is keyed ((variant, bucket), table); inference from the generator would also
         # see the tagged dead letters and refuse the GroupByKey
-        return beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]
+        return KeyedTable
 
     def process(self, element):
         from purifier.batch import buckets, purify_batch
@@ -82,8 +103,10 @@ class GroupStage(beam.DoFn):
 
             self.backend = SGLangRecompute(self.sglang_url, self.temperature)
 
+    def infer_output_type(self, input_type):
+        return KeyedTable
+
     def process(self, element):
-        import pyarrow as pa
         import pyarrow.compute as pc
 
         from purifier.batch import recompute_groups, with_advantages
@@ -117,7 +140,7 @@ def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], stagi
         name = variant_name(mode, gamma)
         (staged
          | f"Select {name}" >> beam.Filter(lambda kv, v=(mode, gamma): kv[0] == v)
-         | f"Tables {name}" >> beam.Values()
+         | f"Tables {name}" >> beam.Values().with_output_types(pa.Table)
          | f"Write {name}" >> beam.io.WriteToParquetBatched(str(staging / name / "purified"), PURIFIED, num_shards=1,
                                                              shard_name_template="", file_name_suffix=".parquet"))
         (purified.dead
