@@ -75,6 +75,8 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     which writes only a slice's own rows (a pickled slice would carry the whole batch's buffers)."""
     if table.num_rows == 0:
         return []
+    if n == 1:
+        return [(0, table)]
     ids = table["prompt_id"].to_pylist()
     bucket = np.fromiter((zlib.crc32(p.encode()) % n for p in ids), dtype=np.int64, count=len(ids))
     order = np.argsort(bucket, kind="stable")
