@@ -31,42 +31,40 @@ def _dead(key: str, source_file: str, reason: str) -> dict:
 def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
                  source_file: str = "") -> dict[Variant, tuple[pa.Table, list[dict]]]:
     """Every variant of every row of a raw batch: (purified table, dead letters) per variant."""
-    columnar = any(mode in UNSPLICED_MODES for mode, _ in variants)
+    columnar = [v for v in variants if v[0] in UNSPLICED_MODES]
+    others = [v for v in variants if v[0] not in UNSPLICED_MODES]
     mask = unspliced_mask(raw) if columnar else np.zeros(raw.num_rows, dtype=bool)
     lean = raw.drop_columns([c for c in LIVED_COLUMNS if c in raw.column_names])  # purify() rebuilds them
-    out: dict[Variant, tuple[list[pa.Table], list[dict]]] = {v: ([], []) for v in variants}
-    per_row = {v: [] for v in variants}
+    tables: dict[Variant, list[pa.Table]] = {v: [] for v in variants}
+    rows: dict[Variant, list[dict]] = {v: [] for v in variants}
+    dead: dict[Variant, list[dict]] = {v: [] for v in variants}
 
-    def run(rows: list[dict], wanted: list[Variant]) -> None:
-        for row in rows:
+    def one_by_one(raw_rows: list[dict], wanted: list[Variant]) -> None:
+        for row in raw_rows:
             try:
                 traj = trajectory_from_row(row)
             except (KeyError, TypeError, ValueError) as e:
                 key = f"{row.get('run_id')}/{row.get('iteration')}/{row.get('prompt_id')}/{row.get('sample_idx')}"
                 for v in wanted:
-                    out[v][1].append(_dead(key, source_file, f"unreadable raw row: {type(e).__name__}: {e}"))
+                    dead[v].append(_dead(key, source_file, f"unreadable raw row: {type(e).__name__}: {e}"))
                 continue
             for v in wanted:
                 try:
-                    per_row[v].append(purified_to_row(purify(traj, v[1], v[0], decode)))
+                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode)))
                 except PurifyError as e:
-                    out[v][1].append(_dead(traj.key, source_file, str(e)))
+                    dead[v].append(_dead(traj.key, source_file, str(e)))
 
     if mask.any():
         unspliced = raw.filter(pa.array(mask))
-        for v in variants:
-            if v[0] in UNSPLICED_MODES:
-                out[v][0].append(purified_table(unspliced, *v))
-        run(lean.filter(pa.array(mask)).to_pylist() if any(m not in UNSPLICED_MODES for m, _ in variants) else [],
-            [v for v in variants if v[0] not in UNSPLICED_MODES])
-    run(lean.filter(pa.array(~mask)).to_pylist(), variants)
-    result = {}
+        for v in columnar:
+            tables[v].append(purified_table(unspliced, *v))
+        if others:
+            one_by_one(lean.filter(pa.array(mask)).to_pylist(), others)
+    one_by_one(lean.filter(pa.array(~mask)).to_pylist(), variants)
     for v in variants:
-        tables, dead = out[v]
-        if per_row[v]:
-            tables.append(pa.Table.from_pylist(per_row[v], schema=PURIFIED))
-        result[v] = (pa.concat_tables(tables) if tables else PURIFIED.empty_table(), dead)
-    return result
+        if rows[v]:
+            tables[v].append(pa.Table.from_pylist(rows[v], schema=PURIFIED))
+    return {v: (pa.concat_tables(tables[v]) if tables[v] else PURIFIED.empty_table(), dead[v]) for v in variants}
 
 
 def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import CleanerConfig
 from purifier import beam_pipeline
+from purifier.batch import SORT
 from purifier.saar import partition_gamma
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -87,7 +88,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
         for mode, gamma, h in variants:
             name = beam_pipeline.variant_name(mode, gamma)
             table = _staged(staging / name / "purified", PURIFIED)
-            table = table.sort_by([("prompt_id", "ascending"), ("sample_idx", "ascending")])
+            table = table.sort_by(SORT)
             dead = _staged(staging / name / "dead", DEAD_LETTER).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
             inputs = [str(raw_dir / "_MANIFEST.json")]

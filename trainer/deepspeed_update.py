@@ -12,6 +12,7 @@ so no CUDA/JIT optimizer kernel is needed. The schedule is the local strategy's 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import asdict
@@ -128,7 +129,7 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
     def step(self) -> float:
         self.engine.step()
         grad_norm = self.strategy.get_grad_norm(self.actor)
-        if not torch.isfinite(torch.tensor(grad_norm)):
+        if not math.isfinite(grad_norm):
             raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
         return grad_norm
 

@@ -43,17 +43,21 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.threads)), "PYTHONUNBUFFERED": "1"}
     log(f"[update] strategy=deepspeed: {cfg.train.nproc} rank(s), ZeRO-{cfg.train.zero_stage}")
     tail: collections.deque[str] = collections.deque(maxlen=300)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            if line.startswith(LOG_PREFIX):
-                log(line.rstrip())
+    try:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                if line.startswith(LOG_PREFIX):
+                    log(line.rstrip())
+    finally:
+        frozen.unlink(missing_ok=True)
     if proc.returncode != 0:
-        errors = [t for t in tail if t.startswith("cleaner: ")]
-        raise UpdateError(errors[-1][len("cleaner: "):] if errors else
-                          f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}):\n"
-                          + "\n".join(tail))
-    frozen.unlink(missing_ok=True)
+        known = [t for t in tail if t.startswith("cleaner: ")]
+        if known:  # an UpdateError & co. raised in a rank: its one line
+            raise UpdateError(known[-1][len("cleaner: "):])
+        traceback = [t for t in tail if t.startswith("[rank")] or list(tail)  # a rank's own traceback first
+        raise UpdateError(f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}):\n"
+                          + "\n".join(traceback[-25:]))
     if stop_after is not None:
         return target.with_name(target.name + ".partial")
     if not (target / DONE_MARKER).is_file():
