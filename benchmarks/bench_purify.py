@@ -71,9 +71,9 @@ def run(n: int = 50_000) -> BenchResult:
         staged = beam()  # warm-up, and the output compared with the plain loop's
         plain()
         keys = [("prompt_id", "ascending"), ("sample_idx", "ascending")]
-        beam_out = pq.read_table(next((staged / "saar-0.50").glob("purified*.parquet"))).cast(PURIFIED)
+        beam_out = pq.read_table(next(staged.glob("saar-0.50.purified-*.parquet"))).cast(PURIFIED)
         same = beam_out.sort_by(keys).equals(pq.read_table(tmp / "plain-out.parquet").cast(PURIFIED).sort_by(keys))
-        t_beam, t_plain = interleaved_best(beam, plain, repeat=3)
+        t_beam, t_plain = interleaved_best(beam, plain, repeat=5)
         small = tmp / "small.parquet"
         pq.write_table(table.slice(0, len(trajs)), small)
         t_start = best_of(lambda: beam(small), 2)

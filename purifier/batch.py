@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
 from purifier.advantages import group_plan
@@ -75,8 +76,10 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
         return []
     if n == 1:
         return [(0, table)]
-    ids = table["prompt_id"].to_pylist()
-    bucket = np.fromiter((zlib.crc32(p.encode()) % n for p in ids), dtype=np.int64, count=len(ids))
+    ids = pc.dictionary_encode(table["prompt_id"]).combine_chunks()  # hash each prompt once, not each sample
+    of_prompt = np.fromiter((zlib.crc32(p.encode()) % n for p in ids.dictionary.to_pylist()), dtype=np.int64,
+                            count=len(ids.dictionary))
+    bucket = of_prompt[ids.indices.to_numpy(zero_copy_only=False)]
     order = np.argsort(bucket, kind="stable")
     table, bucket = table.take(pa.array(order)), bucket[order]
     starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])

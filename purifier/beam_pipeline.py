@@ -3,10 +3,11 @@
 ReadAllFromParquetBatched(raw parts) → PurifyBatches (Arrow batches: one purified table per (mode, γ),
 cut into buckets by a stable hash of the prompt) → GroupByKey((mode, γ), bucket) → GroupStage
 (advantages, dynamic filter, batched log-prob recompute with the model loaded once per worker in
-`setup`) → WriteToParquetBatched per variant into a staging folder; the driver (purifier/stage.py)
-then sorts and commits each partition through storage/. Bad rows go to a dead-letter output with
-the reason instead of failing the whole stage. Arrow tables, not rows, cross every stage boundary,
-so Beam's per-element cost is paid per batch.
+`setup`) → WriteToFiles (Parquet, one destination per variant; dead letters likewise) into a
+staging folder; the driver (purifier/stage.py) checks the staged row counts
+against the pipeline's counters, then sorts and commits each partition through storage/. Bad rows go
+to the dead-letter destination with the reason instead of failing the whole stage. Arrow tables,
+not rows, cross every stage boundary, so Beam's per-element cost is paid per batch.
 
 Runs in-process on FnApiRunner by default; any runner and its options can be passed through
 (e.g. `--runner=FlinkRunner --flink_master=…`, `--runner=SparkRunner`, `--runner=DataflowRunner
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import apache_beam as beam
 import pyarrow as pa
+from apache_beam.io import fileio
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -40,18 +42,50 @@ class ArrowTableCoder(beam.coders.Coder):
     def decode(self, data: bytes) -> pa.Table:
         return pa.ipc.open_stream(data).read_all()
 
+    def estimate_size(self, table: pa.Table) -> int:
+        # Beam samples element sizes for its metrics; the default would serialise every table once more
+        return table.nbytes
+
     def is_deterministic(self) -> bool:
         return False
 
 
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
 KeyedTable = beam.typehints.Tuple[beam.typehints.Any, pa.Table]
+DestinedTable = beam.typehints.Tuple[str, pa.Table]
 
 
 def variant_name(mode: str, gamma: float) -> str:
     from storage.layout import format_gamma
 
     return f"{mode}-{format_gamma(gamma)}"
+
+
+def destination(variant: Variant, kind: str) -> str:
+    """Staged file prefix of a variant's purified rows (kind "purified") or dead letters (kind "dead")."""
+    return f"{variant_name(*variant)}.{kind}"
+
+
+class ParquetTableSink(fileio.FileSink):
+    """WriteToFiles sink: the (destination, table) records of one destination as one Parquet file."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.schema = schema
+
+    def open(self, fh) -> None:
+        import pyarrow.parquet as pq
+
+        self.writer = pq.ParquetWriter(fh, self.schema)
+
+    def write(self, record: tuple[str, pa.Table]) -> None:
+        self.writer.write_table(record[1].cast(self.schema))
+
+    def flush(self) -> None:
+        self.writer.close()
+
+
+def sink_for(dest: str) -> ParquetTableSink:
+    return ParquetTableSink(DEAD_LETTER if dest.endswith(".dead") else PURIFIED)
 
 
 class PurifyBatches(beam.DoFn):
@@ -76,8 +110,10 @@ class PurifyBatches(beam.DoFn):
 
         filename, raw = element
         for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename)).items():
-            for d in dead:
-                yield beam.pvalue.TaggedOutput("dead", (variant, d))
+            if dead:
+                Metrics.counter("purify", f"dead/{variant_name(*variant)}").inc(len(dead))
+                yield beam.pvalue.TaggedOutput("dead", (destination(variant, "dead"),
+                                                        pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
             for bucket, part in buckets(table, self.n_buckets):
                 yield (variant, bucket), part
 
@@ -104,7 +140,7 @@ class GroupStage(beam.DoFn):
             self.backend = SGLangRecompute(self.sglang_url, self.temperature)
 
     def infer_output_type(self, input_type):
-        return KeyedTable
+        return DestinedTable
 
     def process(self, element):
         import pyarrow.compute as pc
@@ -121,14 +157,16 @@ class GroupStage(beam.DoFn):
         if self.backend is not None:
             table = recompute_groups(table, self.backend)
         self.forwarded.inc(int(pc.sum(table["tokens_forwarded"]).as_py() or 0))
-        yield variant, table
+        Metrics.counter("purify", f"purified/{variant_name(*variant)}").inc(table.num_rows)
+        yield destination(variant, "purified"), table
 
 
 def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str,
           estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
           sglang_url: str = "") -> None:
     batches = (p | "RawFiles" >> beam.Create(raw_files)
-               | "ReadRaw" >> beam.io.ReadAllFromParquetBatched(with_filename=True, columns=RAW.names))
+               | "ReadRaw" >> beam.io.ReadAllFromParquetBatched(with_filename=True, columns=RAW.names)
+               .with_output_types(beam.typehints.Tuple[str, pa.Table]))
     purified = batches | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir)).with_outputs("dead", main="ok")
     staged = (
         purified.ok
@@ -136,18 +174,11 @@ def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], stagi
         | "GroupStage" >> beam.ParDo(GroupStage(estimator, dynamic_filter, recompute, checkpoint, temperature,
                                                 sglang_url))
     )
-    for mode, gamma in variants:
-        name = variant_name(mode, gamma)
-        (staged
-         | f"Select {name}" >> beam.Filter(lambda kv, v=(mode, gamma): kv[0] == v)
-         | f"Tables {name}" >> beam.Values().with_output_types(pa.Table)
-         | f"Write {name}" >> beam.io.WriteToParquetBatched(str(staging / name / "purified"), PURIFIED, num_shards=1,
-                                                             shard_name_template="", file_name_suffix=".parquet"))
-        (purified.dead
-         | f"SelectDead {name}" >> beam.Filter(lambda kv, v=(mode, gamma): kv[0] == v)
-         | f"DeadRows {name}" >> beam.Values()
-         | f"WriteDead {name}" >> beam.io.WriteToParquet(str(staging / name / "dead"), DEAD_LETTER, num_shards=1,
-                                                          shard_name_template="", file_name_suffix=".parquet"))
+    # one sink per kind, each fused with its producer; a Flatten of both would be materialised first
+    for kind, tables in (("Purified", staged), ("Dead", purified.dead)):
+        tables | f"Write{kind}" >> fileio.WriteToFiles(str(staging), destination=lambda record: record[0],
+                                                        sink=sink_for,
+                                                        file_naming=fileio.destination_prefix_naming(".parquet"))
 
 
 def run(raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,

@@ -29,6 +29,10 @@ class DeadLetterOverflow(RuntimeError):
     """More raw rows than allowed could not be purified; nothing was committed for that variant."""
 
 
+class StagingMismatch(RuntimeError):
+    """The staged files hold other row counts than the pipeline produced; nothing was committed."""
+
+
 @dataclass
 class VariantResult:
     mode: str
@@ -45,12 +49,19 @@ def purify_config_hash(cfg: CleanerConfig, mode: str, gamma: float, raw_hash: st
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
-def _staged(path: Path, schema: pa.Schema) -> pa.Table:
-    files = sorted(path.parent.glob(path.name + "*.parquet"))
-    tables = [pq.read_table(f) for f in files]
-    if not tables:
-        return schema.empty_table()
-    return pa.concat_tables(tables).cast(schema)
+def _staged(staging: Path, variant: tuple[str, float], kind: str, schema: pa.Schema,
+            counters: dict[str, int]) -> pa.Table:
+    """The rows the pipeline wrote for one variant and kind, checked against its own count of them (a
+    file sink that lost a file would otherwise look like fewer rows)."""
+    dest = beam_pipeline.destination(variant, kind)
+    tables = [pq.read_table(f) for f in sorted(staging.glob(dest + "-*.parquet"))]
+    table = pa.concat_tables(tables).cast(schema) if tables else schema.empty_table()
+    reported = any(k.startswith(("purified/", "dead/")) for k in counters)  # a runner without metrics has none
+    expected = counters.get(f"{kind}/{beam_pipeline.variant_name(*variant)}", 0)
+    if reported and table.num_rows != expected:
+        raise StagingMismatch(f"{staging}: {table.num_rows} staged rows for {dest}, but the pipeline produced "
+                              f"{expected}; nothing was committed")
+    return table
 
 
 def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
@@ -87,9 +98,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             cfg.rollout.temperature, cfg.purify.runner, cfg.purify.beam_options, cfg.rollout.sglang_url)
         for mode, gamma, h in variants:
             name = beam_pipeline.variant_name(mode, gamma)
-            table = _staged(staging / name / "purified", PURIFIED)
-            table = table.sort_by(SORT)
-            dead = _staged(staging / name / "dead", DEAD_LETTER).sort_by([("raw_key", "ascending")])
+            table = _staged(staging, (mode, gamma), "purified", PURIFIED, counters).sort_by(SORT)
+            dead = _staged(staging, (mode, gamma), "dead", DEAD_LETTER, counters).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
             inputs = [str(raw_dir / "_MANIFEST.json")]
             dead_dir = layout.dead_letter_dir(iteration, mode, gamma)

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from pipeline.config import DEFAULT_POLICY
 from pipeline.trajectory import purified_from_row, trajectory_from_row, trajectory_to_row
 from purifier.advantages import group_advantages
-from purifier.stage import DeadLetterOverflow, run_purify_stage
+from purifier import beam_pipeline
+from purifier.stage import DeadLetterOverflow, StagingMismatch, run_purify_stage
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -140,6 +141,26 @@ def test_too_many_bad_rows_fail_loudly_and_commit_nothing(stage, tmp_path):
     _corrupt_run(cfg, tmp_path, bad=10)
     c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5], max_dead_letter_fraction=0.05)
     with pytest.raises(DeadLetterOverflow, match=r"10/64 rows could not be purified"):
+        run_purify_stage(c, "w", 0)
+    assert read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)) is None
+
+
+def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stage, tmp_path, monkeypatch):
+    """WriteToFiles only logs a failed rename; the stage checks staged rows against the pipeline's counters."""
+    cfg, _ = stage
+    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
+                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    real_run = beam_pipeline.run
+
+    def run_then_lose_a_file(raw_files, variants, staging, *args, **kwargs):
+        counters = real_run(raw_files, variants, staging, *args, **kwargs)
+        (lost,) = staging.glob("saar-0.50.purified-*.parquet")
+        lost.unlink()
+        return counters
+
+    monkeypatch.setattr(beam_pipeline, "run", run_then_lose_a_file)
+    c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
+    with pytest.raises(StagingMismatch, match=r"0 staged rows for saar-0.50.purified, but the pipeline produced 64"):
         run_purify_stage(c, "w", 0)
     assert read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)) is None
 
