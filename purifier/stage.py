@@ -92,6 +92,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
         return results
     staging = layout.iteration_dir(iteration) / ".staging" / f"purify-{uuid.uuid4().hex[:8]}"
     try:
+        staging.mkdir(parents=True)  # before the pipeline runs: an unfinished purification leaves a trace
         counters = beam_pipeline.run(
             [str(f) for f in shard_files(raw_dir)], [(m, g) for m, g, _ in variants], staging, str(checkpoint),
             cfg.purify.advantage, cfg.purify.dynamic_filter, cfg.purify.recompute, str(checkpoint),

@@ -103,12 +103,11 @@ def test_sigkill_during_purification_then_rerun_is_identical(uninterrupted, tmp_
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY.format(root=tmp_path))
     p = cleaner(["train", "-c", str(cfg)], tmp_path)
-    raw1 = RunLayout(tmp_path, "tiny").raw_dir(1) / "_MANIFEST.json"
+    staging = RunLayout(tmp_path, "tiny").iteration_dir(1) / ".staging"
     deadline = time.time() + 600
-    while not raw1.exists():  # iteration 1's rollout is committed: purification starts now
+    while not any(staging.glob("purify-*")):  # iteration 1's purification has started its pipeline
         assert p.poll() is None and time.time() < deadline, "flow ended before iteration 1 was purified"
-        time.sleep(0.05)
-    time.sleep(1.0)
+        time.sleep(0.005)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=60)
     assert read_manifest(RunLayout(tmp_path, "tiny").purified_dir(1, "saar", 0.5)) is None, "killed too late"
