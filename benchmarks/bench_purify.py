@@ -16,7 +16,7 @@ from pipeline.config import DEFAULT_POLICY, load_config
 from pipeline.splice import difflib_similarity, similarity
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from purifier import beam_pipeline
-from purifier.batch import purify_batch, with_advantages
+from purifier.batch import SORT, purify_batch, with_advantages
 from purifier.recompute import CPURecompute
 from purifier.saar import purify
 from purifier.unspliced import unspliced_mask
@@ -70,9 +70,8 @@ def run(n: int = 50_000) -> BenchResult:
 
         staged = beam()  # warm-up, and the output compared with the plain loop's
         plain()
-        keys = [("prompt_id", "ascending"), ("sample_idx", "ascending")]
         beam_out = pq.read_table(next(staged.glob("saar-0.50.purified-*.parquet"))).cast(PURIFIED)
-        same = beam_out.sort_by(keys).equals(pq.read_table(tmp / "plain-out.parquet").cast(PURIFIED).sort_by(keys))
+        same = beam_out.sort_by(SORT).equals(pq.read_table(tmp / "plain-out.parquet").cast(PURIFIED).sort_by(SORT))
         t_beam, t_plain = interleaved_best(beam, plain, repeat=5)
         small = tmp / "small.parquet"
         pq.write_table(table.slice(0, len(trajs)), small)

@@ -66,6 +66,11 @@ def destination(variant: Variant, kind: str) -> str:
     return f"{variant_name(*variant)}.{kind}"
 
 
+def row_counter(variant: Variant, kind: str) -> str:
+    """Name of the counter of the rows the pipeline produced for a variant and kind."""
+    return f"{kind}/{variant_name(*variant)}"
+
+
 class ParquetTableSink(fileio.FileSink):
     """WriteToFiles sink: the (destination, table) records of one destination as one Parquet file."""
 
@@ -82,10 +87,6 @@ class ParquetTableSink(fileio.FileSink):
 
     def flush(self) -> None:
         self.writer.close()
-
-
-def sink_for(dest: str) -> ParquetTableSink:
-    return ParquetTableSink(DEAD_LETTER if dest.endswith(".dead") else PURIFIED)
 
 
 class PurifyBatches(beam.DoFn):
@@ -111,7 +112,7 @@ class PurifyBatches(beam.DoFn):
         filename, raw = element
         for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename)).items():
             if dead:
-                Metrics.counter("purify", f"dead/{variant_name(*variant)}").inc(len(dead))
+                Metrics.counter("purify", row_counter(variant, "dead")).inc(len(dead))
                 yield beam.pvalue.TaggedOutput("dead", (destination(variant, "dead"),
                                                         pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
             for bucket, part in buckets(table, self.n_buckets):
@@ -157,7 +158,7 @@ class GroupStage(beam.DoFn):
         if self.backend is not None:
             table = recompute_groups(table, self.backend)
         self.forwarded.inc(int(pc.sum(table["tokens_forwarded"]).as_py() or 0))
-        Metrics.counter("purify", f"purified/{variant_name(*variant)}").inc(table.num_rows)
+        Metrics.counter("purify", row_counter(variant, "purified")).inc(table.num_rows)
         yield destination(variant, "purified"), table
 
 
@@ -175,10 +176,10 @@ def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], stagi
                                                 sglang_url))
     )
     # one sink per kind, each fused with its producer; a Flatten of both would be materialised first
-    for kind, tables in (("Purified", staged), ("Dead", purified.dead)):
-        tables | f"Write{kind}" >> fileio.WriteToFiles(str(staging), destination=lambda record: record[0],
-                                                        sink=sink_for,
-                                                        file_naming=fileio.destination_prefix_naming(".parquet"))
+    for kind, tables, schema in (("Purified", staged, PURIFIED), ("Dead", purified.dead, DEAD_LETTER)):
+        tables | f"Write{kind}" >> fileio.WriteToFiles(
+            str(staging), destination=lambda record: record[0], sink=lambda _, schema=schema: ParquetTableSink(schema),
+            file_naming=fileio.destination_prefix_naming(".parquet"))
 
 
 def run(raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,

@@ -57,7 +57,7 @@ def _staged(staging: Path, variant: tuple[str, float], kind: str, schema: pa.Sch
     tables = [pq.read_table(f) for f in sorted(staging.glob(dest + "-*.parquet"))]
     table = pa.concat_tables(tables).cast(schema) if tables else schema.empty_table()
     reported = any(k.startswith(("purified/", "dead/")) for k in counters)  # a runner without metrics has none
-    expected = counters.get(f"{kind}/{beam_pipeline.variant_name(*variant)}", 0)
+    expected = counters.get(beam_pipeline.row_counter(variant, kind), 0)
     if reported and table.num_rows != expected:
         raise StagingMismatch(f"{staging}: {table.num_rows} staged rows for {dest}, but the pipeline produced "
                               f"{expected}; nothing was committed")
