@@ -8,14 +8,17 @@ sandbox); infrastructure failures are retried here and never blamed on the model
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline.chat import format_tool_response
@@ -28,6 +31,19 @@ ERROR_LABELS = (  # SAAR.md §3: the first that occurs in the error text names t
     "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
 )
 INFRA_LABEL = "sandbox_error"
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Which isolation layers the workers put up, each where the kernel allows it (README "The
+    sandbox"). The pipeline always uses all of them; tests switch some off to prove that each of the
+    others holds on its own, and to exercise the degraded paths."""
+
+    namespaces: bool = True  # private mount/net/ipc/uts (+ user) per worker, pid + mount per call
+    separate_uid: bool = True  # an unprivileged uid per worker when running as root
+    seccomp: bool = True
+    audit_hook: bool = True
 
 
 @dataclass
@@ -69,11 +85,13 @@ def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
 
 
 class _Worker:
-    def __init__(self, idx: int) -> None:
+    def __init__(self, idx: int, cfg: SandboxConfig, layers: Layers) -> None:
         self.idx = idx
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets of ours reach the worker
+        # Call directories share one tmpfs per worker: room for a few files at the size limit each.
+        options = {"layers": asdict(layers), "tmpfs_mb": max(64, 4 * cfg.max_file_mb)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", str(WORKER), str(idx)],
+            [sys.executable, "-I", str(WORKER), str(idx), json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
             bufsize=1, start_new_session=True,
         )
@@ -102,27 +120,45 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Stop the worker (end of input first, so it finishes the call it is in), then remove its call
+        directory from here: inside its own mount namespace that directory is a mount point."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
         try:
             self.proc.kill()
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             pass
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        base = getattr(self, "info", {}).get("base")
+        if base and Path(base).parent == Path(tempfile.gettempdir()) and Path(base).name.startswith("cleaner-sandbox-"):
+            shutil.rmtree(base, ignore_errors=True)
 
 
 class SandboxPool:
     """A fixed number of warm workers; `run_many` spreads calls over them in parallel."""
 
-    def __init__(self, cfg: SandboxConfig | None = None) -> None:
+    def __init__(self, cfg: SandboxConfig | None = None, layers: Layers = Layers()) -> None:
         self.cfg = cfg or SandboxConfig()
+        self.layers = layers
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self.replaced = 0
         for i in range(self.cfg.workers):
-            w = _Worker(i)
+            w = _Worker(i, self.cfg, layers)
             self._workers.append(w)
             self._idle.put(w)
+        for problem in self._workers[0].info.get("degraded", []):
+            log.warning("sandbox degraded: %s", problem)
         self._threads = ThreadPoolExecutor(max_workers=self.cfg.workers, thread_name_prefix="sandbox")
 
     @property
@@ -131,7 +167,7 @@ class SandboxPool:
 
     def _replace(self, dead: _Worker) -> _Worker:
         dead.kill()
-        fresh = _Worker(dead.idx)
+        fresh = _Worker(dead.idx, self.cfg, self.layers)
         with self._lock:
             self._workers[self._workers.index(dead)] = fresh
             self.replaced += 1
@@ -154,7 +190,7 @@ class SandboxPool:
                     worker = self._replace(worker)
                     continue
                 if "internal_error" in reply or reply.get("setup_failed"):
-                    problem = reply.get("internal_error") or "the sandbox could not be set up"
+                    problem = reply.get("internal_error") or reply.get("setup_error") or "the sandbox could not be set up"
                     continue
                 return Execution(reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
                                  reply["duration_s"])
@@ -171,11 +207,7 @@ class SandboxPool:
     def close(self) -> None:
         self._threads.shutdown(wait=True)
         for w in self._workers:
-            try:
-                w.proc.stdin.close()
-            except OSError:
-                pass
-            w.kill()
+            w.kill(grace_s=5.0)
 
     def __enter__(self) -> "SandboxPool":
         return self
