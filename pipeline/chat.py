@@ -7,9 +7,12 @@ because BPE is not a bijection and chat templates drop text.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
+
+import json_repair
 
 from pipeline.trajectory import CallStatus
 
@@ -19,8 +22,10 @@ RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, CALL_OPEN, CALL_CLOSE, RESPONSE_OPEN, RESPONSE_CLOSE]
 TOOL_NAME = "code_interpreter"
 TRUNCATION_MARK = "...(truncated)..."
+# Appended to the last error after K failed retries, as "\n\nNote: ..." with n = retries made, and only
+# when n >= 2 (reference: ToolAgentLoop._handle_max_retry_exceeded).
 RETRY_NOTE = (
-    "This approach has been attempted {n} times with the same type of error. Consider trying a "
+    "Note: This approach has been attempted {n} times with the same type of error. Consider trying a "
     "different algorithm, method, or approach to solve this problem."
 )
 
@@ -66,33 +71,90 @@ class ParsedCall:
     problem: str | None = None  # why a call could not be executed (shown to the model as a failure)
 
 
-def parse_tool_call(text: str) -> ParsedCall:
-    """The FIRST `<tool_call>` of an assistant turn's text; later ones are ignored (max_parallel_calls=1)."""
+# How a malformed call block (never closed, or JSON that json_repair cannot make into a call) is lived:
+# "no_call" — the reference: the turn is the final answer, no feedback, no retry (SAAR.md §2);
+# "failure" — this project's earlier rule, kept as an option: a failed call, shown to the model and retried.
+MalformedCall = Literal["no_call", "failure"]
+# json_repair parses recursively: a payload nested deeper than this would end in RecursionError,
+# so it is treated as unparseable before the parser sees it (no real call nests this deep).
+MAX_JSON_DEPTH = 64
+_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + "(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+
+
+def _nesting_depth(payload: str) -> int:
+    """The deepest bracket nesting outside JSON strings (a cheap guard, linear in the payload)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in payload:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _repair(payload: str) -> Any:
+    """json_repair.loads within limits: None when the payload cannot be parsed at all."""
+    if _nesting_depth(payload) > MAX_JSON_DEPTH:
+        return None
+    try:
+        return json_repair.loads(payload)
+    except (RecursionError, ValueError, TypeError):
+        return None
+
+
+def _surrogate_at(text: str) -> int:
+    """Index of the first lone surrogate (text that cannot be stored as UTF-8), or -1."""
+    try:
+        text.encode("utf-8")
+        return -1
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def _call_from(call: dict) -> ParsedCall:
+    """A repaired call object -> what runs (reference: unknown tools and unusable arguments fail)."""
+    name, args = call["name"], call["arguments"]
+    if name != TOOL_NAME:
+        return ParsedCall("unknown_tool", problem=f"unknown tool {name!r}; the only tool is {TOOL_NAME!r}")
+    if not isinstance(args, dict):
+        return ParsedCall("bad_json", problem="tool call format is wrong: arguments must be a JSON object")
+    code = args.get("code")
+    if not isinstance(code, str):
+        return ParsedCall("bad_json", problem="tool call format is wrong: arguments.code must be a string")
+    bad = _surrogate_at(code)
+    if bad >= 0:  # e.g. "\\ud800": Python could run it, but it cannot be stored or shown as UTF-8
+        return ParsedCall("bad_json", problem=f"arguments.code holds a lone surrogate at index {bad} (not UTF-8 text)")
+    return ParsedCall("ok", code=code)
+
+
+def parse_tool_call(text: str, malformed: MalformedCall = "no_call") -> ParsedCall:
+    """The call an assistant turn makes: the first `<tool_call>…</tool_call>` block whose JSON (repaired
+    by json_repair, as the reference's Hermes parser does) is an object with `name` and `arguments`.
+    Only that one runs (max_parallel_calls=1)."""
     start = text.find(CALL_OPEN)
     if start < 0:
         return ParsedCall("no_call")
-    end = text.find(CALL_CLOSE, start)
-    if end < 0:
+    blocks = _CALL_BLOCK.findall(text, start)
+    for payload in blocks:
+        call = _repair(payload)
+        if isinstance(call, dict) and "name" in call and "arguments" in call:
+            return _call_from(call)
+    if malformed == "no_call":
+        return ParsedCall("no_call")
+    if not blocks:
         return ParsedCall("unclosed", problem="the <tool_call> block was never closed")
-    payload = text[start + len(CALL_OPEN) : end].strip()
-    try:
-        call = json.loads(payload)
-        if not isinstance(call, dict):
-            raise ValueError("not a JSON object")
-        args = call.get("arguments", {})
-        if isinstance(args, str):
-            args = json.loads(args)
-        if not isinstance(args, dict):
-            raise ValueError("arguments is not an object")
-    except (ValueError, TypeError) as e:
-        return ParsedCall("bad_json", problem=f"invalid tool call JSON: {e}")
-    name = call.get("name")
-    if name != TOOL_NAME:
-        return ParsedCall("unknown_tool", problem=f"unknown tool {name!r}; the only tool is {TOOL_NAME!r}")
-    code = args.get("code")
-    if not isinstance(code, str):
-        return ParsedCall("bad_json", problem="arguments.code must be a string")
-    return ParsedCall("ok", code=code)
+    return ParsedCall("bad_json", problem="invalid tool call JSON: not an object with name and arguments")
 
 
 def render_tool_call(code: str) -> str:
@@ -231,7 +293,7 @@ class ChatFormat:
     def call_start(self, turn_ids: list[int]) -> int:
         return find_call_start(turn_ids, self.marker_ids, self.token_bytes)
 
-    def parse_turn(self, turn_ids: list[int]) -> tuple[int, ParsedCall]:
+    def parse_turn(self, turn_ids: list[int], malformed: MalformedCall = "no_call") -> tuple[int, ParsedCall]:
         """(call_start, parsed call) of one sampled assistant turn."""
         text = self.decode([t for t in turn_ids if t not in self.stop_ids])
-        return self.call_start(turn_ids), parse_tool_call(text)
+        return self.call_start(turn_ids), parse_tool_call(text, malformed)

@@ -4,14 +4,15 @@ and offline purification (any γ).
 A turn is split at its call boundary: `prefix` = reasoning before the `<tool_call>` marker,
 `call` = marker to end of turn. similarity(failed call, retry call) ≥ γ → SHALLOW (keep the failed
 turn's reasoning byte-identical, take the retry's call); otherwise, or when either split fails,
-DEEP (take the whole retry turn).
+DEEP (take the whole retry turn). The measure (rapidfuzz or difflib, on the call segment or on the
+code only) is pipeline/similarity.py's `Measure`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-from rapidfuzz import fuzz
+from pipeline.similarity import DEFAULT_MEASURE, Measure
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,6 @@ class SpliceDecision:
     split_failed: bool
 
 
-def similarity(a: str, b: str) -> float:
-    """rapidfuzz Indel normalized similarity: difflib's ratio without its autojunk distortion."""
-    return fuzz.ratio(a, b) / 100.0
-
-
 def piece_from_attempt(attempt_idx: int, ids: list[int], logprobs: list[float], call_start: int) -> TurnPiece:
     return TurnPiece(tuple(ids), tuple(logprobs), call_start, ((attempt_idx, 0, len(ids)),))
 
@@ -53,21 +49,14 @@ def _cut_sources(sources: tuple[tuple[int, int, int], ...], lo: int, hi: int) ->
     return tuple(out)
 
 
-def difflib_similarity(a: str, b: str) -> float:
-    """The reference implementation's measure (difflib ratio, default autojunk): for agreement reports."""
-    import difflib
-
-    return difflib.SequenceMatcher(None, a, b).ratio()
-
-
 def decide(failed: TurnPiece, retry: TurnPiece, gamma: float, decode: Callable[[list[int]], str],
-           measure: Callable[[str, str], float] = similarity) -> SpliceDecision:
-    split_failed = failed.call_start < 0 or retry.call_start < 0
-    if split_failed:
-        sim = measure(decode(list(failed.ids)), decode(list(retry.ids)))
-        return SpliceDecision("deep", sim, True)
-    sim = measure(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
-    return SpliceDecision("shallow" if sim >= gamma else "deep", sim, False)
+           measure: Measure = DEFAULT_MEASURE) -> SpliceDecision:
+    """Shallow iff similarity ≥ γ, compared exactly (see pipeline/similarity.py); deep if a split fails."""
+    if failed.call_start < 0 or retry.call_start < 0:
+        sim = measure.ratio(decode(list(failed.ids)), decode(list(retry.ids)))
+        return SpliceDecision("deep", sim.value, True)
+    sim = measure.ratio(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
+    return SpliceDecision("shallow" if sim.at_least(gamma) else "deep", sim.value, False)
 
 
 def splice(failed: TurnPiece, retry: TurnPiece, decision: SpliceDecision) -> TurnPiece:

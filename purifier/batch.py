@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
+from pipeline.similarity import DEFAULT_MEASURE, Measure
 from purifier.advantages import group_plan
 from purifier.saar import LIVED_COLUMNS, PurifyError, purify
 from purifier.unspliced import UNSPLICED_MODES, purified_table, unspliced_mask
@@ -30,8 +31,9 @@ def _dead(key: str, source_file: str, reason: str) -> dict:
 
 
 def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
-                 source_file: str = "") -> dict[Variant, tuple[pa.Table, list[dict]]]:
-    """Every variant of every row of a raw batch: (purified table, dead letters) per variant."""
+                 source_file: str = "", measure: Measure = DEFAULT_MEASURE) -> dict[Variant, tuple[pa.Table, list[dict]]]:
+    """Every variant of every row of a raw batch: (purified table, dead letters) per variant, with one
+    shallow/deep measure (rows with nothing to splice do not depend on it)."""
     columnar = [v for v in variants if v[0] in UNSPLICED_MODES]
     others = [v for v in variants if v[0] not in UNSPLICED_MODES]
     mask = unspliced_mask(raw) if columnar else np.zeros(raw.num_rows, dtype=bool)
@@ -51,7 +53,7 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
                 continue
             for v in wanted:
                 try:
-                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode)))
+                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode, measure)))
                 except PurifyError as e:
                     dead[v].append(_dead(traj.key, source_file, str(e)))
 

@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.splice import TurnPiece, decide, piece_from_attempt, similarity, splice
+from pipeline.config import SaarConfig
+from pipeline.similarity import DEFAULT_MEASURE, Measure
+from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
 from rollout_gen.rewards import last_boxed
 
@@ -111,8 +113,24 @@ def partition_gamma(mode: str, gamma: float) -> float:
     return float(gamma) if mode == "saar" else 0.0
 
 
+def partition_measure(mode: str, measure: Measure) -> str:
+    """The measure's part of a partition name: '' for the default measure and for modes without
+    splices (their partitions stay where they always were), else e.g. 'difflib-segment'."""
+    return measure.key if mode == "saar" and measure != DEFAULT_MEASURE else ""
+
+
+def live_measure(saar: SaarConfig) -> Measure:
+    """The measure the live loop decided with (and purification at γ_live must use to relive it)."""
+    return Measure(saar.similarity, saar.similarity_on)
+
+
+def purify_measure(saar: SaarConfig, similarity: str | None, similarity_on: str | None) -> Measure:
+    """purify.similarity / purify.similarity_on, each defaulting to the run's live measure."""
+    return Measure(similarity or saar.similarity, similarity_on or saar.similarity_on)
+
+
 def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],
-           measure: Callable[[str, str], float] = similarity) -> PurifiedTrajectory:
+           measure: Measure = DEFAULT_MEASURE) -> PurifiedTrajectory:
     if mode not in MODES:
         raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
     validate_raw(raw)
@@ -131,10 +149,16 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         if mode == "void_turn":
             void |= any(_is_void(a, decode) for a in p.attempts)
         retries = p.attempts[1:]
-        if not saar_on or not retries or p.outcome == "infra":
-            for a in p.attempts:  # kept exactly as sampled, every error included
+        # A position cut by a limit while a retry was due was restored to the state before that
+        # retry: its last attempt's error feedback is not in the sequence, in any mode.
+        last_feedback = [] if p.outcome == "truncated" else p.attempts[-1].feedback_ids
+        # Retries follow model errors only; an infrastructure failure is never purified (a position
+        # whose *retry* hit an infra error is spliced as lived, and keeps that error's feedback).
+        infra_first = p.attempts[0].result is not None and p.attempts[0].result.error_class == "infra"
+        if not saar_on or not retries or infra_first:
+            for i, a in enumerate(p.attempts):  # kept exactly as sampled, every error included
                 b.turn(whole(p.position_idx, a), p.position_idx)
-                b.feedback(a.feedback_ids)
+                b.feedback(a.feedback_ids if i < len(p.attempts) - 1 else last_feedback)
             continue
         current = whole(p.position_idx, p.attempts[0])
         previous = p.attempts[0]
@@ -154,7 +178,7 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         for s in splices:
             if s.position_idx == p.position_idx:
                 s.first_recomputed = first_invalid if first_invalid >= 0 else start
-        b.feedback(previous.feedback_ids)
+        b.feedback(last_feedback if previous is p.attempts[-1] else previous.feedback_ids)
         if gave_up is not None:  # no purification beyond what was spliced before the give-up
             b.turn(whole(p.position_idx, gave_up), p.position_idx)
             saar_on = False

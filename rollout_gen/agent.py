@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.chat import RETRY_NOTE, ChatFormat, format_tool_response
+from pipeline.similarity import Measure
 from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
@@ -51,6 +52,9 @@ class _Live:
     positions: list[Position] = field(default_factory=list)
     final_turn: Attempt | None = None
     saar_on: bool = True
+    # A retry replaces a turn, it does not add one (reference: the rollback checkpoint restores
+    # assistant_turns and user_turns): `turns` counts kept assistant turns, `tool_turns` closed
+    # positions; `executions` counts every tool run, retries included, for the safety cap.
     turns: int = 0
     tool_turns: int = 0
     executions: int = 0
@@ -76,25 +80,38 @@ class AgentLoop:
     def __init__(self, engine: Engine, sandbox, chat: ChatFormat, cfg: RolloutConfig) -> None:
         self.engine, self.sandbox, self.chat, self.cfg = engine, sandbox, chat, cfg
         self.saar = cfg.saar
+        self.measure = Measure(cfg.saar.similarity, cfg.saar.similarity_on)
 
     # ---- one round ------------------------------------------------------------------------
     def _check_limits(self, lv: _Live) -> None:
-        reason = None
+        if lv.retry_pending and lv.open_pos is not None:
+            # The retry would be turn `turns + 1`; the reference generates it, finds the turn limit
+            # reached, and restores the state before the retry (the failed turn, without its error
+            # feedback). The length check is skipped while regenerating: the retry replaces the turn.
+            if lv.turns + 1 >= self.cfg.max_turns:
+                lv.open_pos.outcome = "truncated"
+                cut = len(lv.ids) - len(lv.open_pos.attempts[-1].feedback_ids)  # the feedback came last
+                del lv.ids[cut:], lv.mask[cut:], lv.logprobs[cut:]
+                lv.finish("max_turns")
+            return
         if lv.turns >= self.cfg.max_turns:
-            reason = "max_turns"
+            lv.finish("max_turns")
         elif len(lv.ids) >= self.cfg.max_response_tokens:
-            reason = "length"
-        if reason:
-            if lv.retry_pending and lv.open_pos is not None:
-                lv.open_pos.outcome = "truncated"  # the state before the retry is kept as is
-            lv.finish(reason)
+            lv.finish("length")
+
+    def _budget(self, lv: _Live) -> int:
+        """Tokens the next turn may take. A retry replaces the open turn: it may use that turn's room,
+        less the reasoning prefix a shallow splice would keep (so the lived sequence stays in budget)."""
+        if lv.retry_pending and lv.open_pos is not None:
+            return self.cfg.max_response_tokens - lv.open_start - max(lv.current.call_start, 0)
+        return self.cfg.max_response_tokens - len(lv.ids)
 
     def _on_turn(self, lv: _Live, gen: Generation) -> Attempt | None:
         """Record a sampled turn; return the attempt whose call must run, if any."""
-        lv.turns += 1
-        context = lv.prompt + lv.ids
-        call_start, parsed = self.chat.parse_turn(gen.output_ids)
         retry = lv.retry_pending and lv.open_pos is not None
+        lv.turns += 0 if retry else 1
+        context = lv.prompt + lv.ids
+        call_start, parsed = self.chat.parse_turn(gen.output_ids, self.cfg.malformed_call)
         att = Attempt(
             attempt_idx=len(lv.open_pos.attempts) if retry else 0, turn_ids=list(gen.output_ids),
             logprobs=list(gen.logprobs), call_start=call_start, call_status=parsed.status,
@@ -116,7 +133,7 @@ class AgentLoop:
                 return None
             piece = piece_from_attempt(att.attempt_idx, att.turn_ids, att.logprobs, call_start)
             if self.saar.live_mode == "purified":
-                decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode)
+                decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode, self.measure)
                 lv.current = splice(lv.current, piece, decision)
                 del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
                 lv.append(lv.current.ids, True, list(lv.current.logprobs))
@@ -137,9 +154,12 @@ class AgentLoop:
         lv.open_pos, lv.open_start = pos, len(lv.ids)
         lv.current = piece_from_attempt(0, att.turn_ids, att.logprobs, call_start)
         lv.append(att.turn_ids, True, att.logprobs)
-        if lv.tool_turns >= self.cfg.max_tool_turns:
+        # reference: a turn that reaches a limit ends the trajectory before its call runs
+        limit = "max_turns" if lv.turns >= self.cfg.max_turns else \
+            "max_tool_turns" if lv.tool_turns >= self.cfg.max_tool_turns else None
+        if limit:
             pos.outcome = "truncated"
-            lv.finish("max_tool_turns")
+            lv.finish(limit)
             return None
         return att
 
@@ -147,9 +167,9 @@ class AgentLoop:
         att.result = result
         pos = lv.open_pos
         first = len(pos.attempts) == 1
-        lv.tool_turns += 1
+        retries = len(pos.attempts) - 1
         lv.executions += 1
-        if lv.executions >= self.saar.safety_cap:
+        if lv.executions > self.saar.safety_cap:  # reference: total_rollbacks > 30 before the call is handled
             lv.saar_on = False
         text = result.text
         if result.failed:
@@ -164,19 +184,22 @@ class AgentLoop:
             lv.stats.recovered += int(not first)
         elif result.error_class == "infra":
             pos.outcome = "infra"  # never retried as if the model erred, never purified
-        elif lv.gate and lv.saar_on and self.saar.max_retries > 0:
-            if len(pos.attempts) - 1 < self.saar.max_retries:
-                lv.retry_pending, close = True, False
-            else:
-                text = f"{text}\n{RETRY_NOTE.format(n=len(pos.attempts))}"
-                pos.outcome = "exhausted"
-                lv.stats.exhausted += 1
-                lv.saar_on = False
+        elif lv.gate and lv.saar_on and retries < self.saar.max_retries:
+            lv.retry_pending, close = True, False
+        elif (lv.gate and lv.saar_on) or retries > 0:
+            # K retries used up, or SAAR turned off (safety cap) while retrying: the reference's
+            # _handle_max_retry_exceeded, which notes the count of retries once there were two or more.
+            if retries >= 2:
+                text = f"{text}\n\n{RETRY_NOTE.format(n=retries)}"
+            pos.outcome = "exhausted"
+            lv.stats.exhausted += 1
+            lv.saar_on = False
         else:
             pos.outcome = "not_retried"
         att.feedback_ids = self.chat.feedback_ids(text)
         lv.append(att.feedback_ids, False)
         if close:
+            lv.tool_turns += 1
             lv.open_pos, lv.current = None, None
 
     def _execute(self, attempts: list[Attempt]) -> list[ToolResult]:
@@ -187,7 +210,7 @@ class AgentLoop:
             if a.call_status == "ok":
                 results.append(next(ran))
             else:  # agent-side failure: the call could not even be made
-                _, parsed = self.chat.parse_turn(a.turn_ids)
+                _, parsed = self.chat.parse_turn(a.turn_ids, self.cfg.malformed_call)
                 text = format_tool_response(False, reason=parsed.problem or a.call_status,
                                             limit=self.cfg.sandbox.response_chars)
                 results.append(ToolResult("failure", text, "unknown_error", "model", None, 0.0, False))
@@ -223,10 +246,14 @@ class AgentLoop:
                                         shared_prefix=[len(lv.prompt) for lv in active])
             pending: list[tuple[_Live, Attempt]] = []
             for lv, gen in zip(active, gens):
-                budget = self.cfg.max_response_tokens - len(lv.ids)
+                budget = self._budget(lv)
                 if len(gen.output_ids) > budget:
                     gen = Generation(gen.output_ids[:budget], gen.logprobs[:budget], "length")
-                att = self._on_turn(lv, gen)
+                try:
+                    att = self._on_turn(lv, gen)
+                except Exception as e:  # one bad turn ends its own trajectory, never the batch (recorded on it)
+                    lv.finish(f"agent_error: {type(e).__name__}: {e}"[:300])
+                    continue
                 if att is not None:
                     pending.append((lv, att))
             for (lv, att), result in zip(pending, self._execute([a for _, a in pending])):
@@ -235,6 +262,12 @@ class AgentLoop:
 
     def _trajectory(self, lv: _Live, identity: RolloutIdentity) -> Trajectory:
         text = self.chat.decode(lv.ids)
+        try:
+            score = reward(lv.task, text, self.sandbox) + overlong_penalty(
+                len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer)
+        except Exception as e:  # a reward that cannot be computed is this trajectory's failure, not the batch's
+            score = -1.0
+            lv.finish_reason = f"reward_error: {type(e).__name__}: {e}"[:300]
         lv.stats.turns = lv.turns
         lv.stats.tool_calls = sum(a.has_call for p in lv.positions for a in p.attempts)
         lv.stats.response_tokens = len(lv.ids)
@@ -245,8 +278,5 @@ class AgentLoop:
             saar_gate=lv.gate, gate_p=self.saar.gate_p, live_mode=self.saar.live_mode,
             gamma_live=self.saar.gamma_live, max_retries=self.saar.max_retries, prompt_ids=lv.prompt,
             lived_ids=lv.ids, lived_mask=lv.mask, lived_logprobs=lv.logprobs, positions=lv.positions,
-            final_turn=lv.final_turn, final_answer=last_boxed(text),
-            reward=reward(lv.task, text, self.sandbox)
-            + overlong_penalty(len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer),
-            finish_reason=lv.finish_reason, stats=lv.stats,
+            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=score, finish_reason=lv.finish_reason, stats=lv.stats,
         )

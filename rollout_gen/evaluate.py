@@ -9,6 +9,9 @@ from pipeline.trajectory import Trajectory
 def world_metrics(trajectories: list[Trajectory], wall_s: float, decode=None) -> dict:
     n = len(trajectories)
     call_turns = [a for t in trajectories for p in t.positions for a in p.attempts if a.has_call]
+    # A malformed call block is lived as no call (the turn is final), but it was an attempt at one:
+    # the call marker is in the turn's ids.
+    malformed = [t.final_turn for t in trajectories if t.final_turn is not None and t.final_turn.call_start >= 0]
     well_formed = sum(a.call_status == "ok" for a in call_turns)
     firsts = [p.attempts[0] for t in trajectories for p in t.positions]
     first_failed = [a for a in firsts if a.failed]
@@ -24,7 +27,7 @@ def world_metrics(trajectories: list[Trajectory], wall_s: float, decode=None) ->
     return {
         "trajectories": n,
         "accuracy": sum(t.reward > 0 for t in trajectories) / max(1, n),
-        "well_formed_call_rate": well_formed / max(1, len(call_turns)),
+        "well_formed_call_rate": well_formed / max(1, len(call_turns) + len(malformed)),
         "tool_calls": len(call_turns),
         "first_call_failure_rate": len(first_failed) / max(1, len(firsts)),
         "first_call_failures_by_label": dict(sorted(labels.items())),

@@ -11,6 +11,19 @@ def format_gamma(gamma: float) -> str:
     return two if float(two) == gamma else repr(float(gamma))
 
 
+def gamma_partition(gamma: float, measure: str = "") -> str:
+    """'gamma=0.50' for the default similarity measure (the paths every earlier run wrote), and
+    'gamma=0.50-difflib-segment' for another one (purifier.saar.partition_measure names it), so
+    replays under different measures sit side by side and the `mode=*/gamma=*` globs see them all."""
+    return f"gamma={format_gamma(gamma)}" + (f"-{measure}" if measure else "")
+
+
+def partition_measure_of(path: Path) -> str:
+    """The measure part of a gamma partition's name ('' = the default measure)."""
+    name = Path(path).name
+    return name.split("-", 1)[1] if name.startswith("gamma=") and "-" in name else ""
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path
@@ -34,11 +47,11 @@ class RunLayout:
     def raw_dir(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "raw"
 
-    def purified_dir(self, iteration: int, mode: str, gamma: float) -> Path:
-        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / f"gamma={format_gamma(gamma)}"
+    def purified_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
+        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / gamma_partition(gamma, measure)
 
-    def dead_letter_dir(self, iteration: int, mode: str, gamma: float) -> Path:
-        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / f"gamma={format_gamma(gamma)}"
+    def dead_letter_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
+        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / gamma_partition(gamma, measure)
 
     def metrics_dir(self, iteration: int, stage: str) -> Path:
         return self.iteration_dir(iteration) / "metrics" / f"stage={stage}"

@@ -55,7 +55,7 @@ def test_k_exhausted_keeps_last_attempt_error_and_note(chat, sandbox):
                             ANSWER.format(5)], max_retries=3)
     first = t.positions[0]
     assert first.outcome == "exhausted" and len(first.attempts) == 4
-    note = RETRY_NOTE.format(n=4)
+    note = "\n\n" + RETRY_NOTE.format(n=3)  # K retries were made (reference: _handle_max_retry_exceeded)
     assert note in chat.decode(first.attempts[-1].feedback_ids)
     # SAAR is off afterwards: the next failure is not retried
     assert t.stats.exhausted == 1
@@ -67,8 +67,10 @@ def test_turn_limit_during_retry_restores_and_stops(chat, sandbox):
     cfg = RolloutConfig(samples_per_prompt=1, max_turns=2)
     engine = ScriptedEngineDouble(chat, lambda text, n: cfg_turns[n])
     t = AgentLoop(engine, sandbox, chat, cfg).run([TASK], RolloutIdentity("r", 0, "v"))[0]
+    # the retry would be turn 2, the limit: the state before it is restored (failed turn, no error shown)
     assert t.finish_reason == "max_turns" and t.positions[0].outcome == "truncated"
-    assert chat.decode(t.lived_ids).rstrip().endswith("<|im_start|>assistant")
+    assert chat.decode(t.lived_ids).endswith("</tool_call><|im_end|>")
+    assert purify(t, t.gamma_live, "saar", chat.decode).response_ids == t.lived_ids
 
 
 def test_gate_off_leaves_errors_as_lived(chat, sandbox):
@@ -79,12 +81,17 @@ def test_gate_off_leaves_errors_as_lived(chat, sandbox):
 
 
 @pytest.mark.parametrize("turn,status", [
-    ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"\n</tool_call>', "bad_json"),
+    ('<tool_call>\n{"name": "code_interpreter", "arguments": [1, 2]}\n</tool_call>', "bad_json"),
     ('<tool_call>\n{"name": "web_search", "arguments": {"query": "x"}}\n</tool_call>', "unknown_tool"),
     ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}', "unclosed"),
 ])
 def test_malformed_calls_are_agent_failures_and_retried(chat, sandbox, turn, status):
-    t = run(chat, sandbox, [turn, call("print(42)"), ANSWER.format(42)])
+    # unclosed blocks are failed calls only under the legacy option (the default makes them no call)
+    saar_cfg = {} if status != "unclosed" else {"malformed_call": "failure"}
+    script = [turn, call("print(42)"), ANSWER.format(42)]
+    cfg = RolloutConfig(samples_per_prompt=1, **saar_cfg)
+    engine = ScriptedEngineDouble(chat, lambda text, n: script[n] if n < len(script) else ANSWER.format(42))
+    t = AgentLoop(engine, sandbox, chat, cfg).run([TASK], RolloutIdentity("r", 0, "v"))[0]
     first = t.positions[0].attempts[0]
     assert first.call_status == status and first.failed and first.result.error_class == "model"
     assert t.positions[0].outcome == "recovered" and t.reward == 1.0
@@ -105,6 +112,7 @@ def test_non_utf8_tool_output_is_recorded(chat, sandbox):
 def test_safety_cap_turns_saar_off(chat, sandbox):
     t = run(chat, sandbox, lambda text, n: call("prnt(1)") if n < 6 else ANSWER.format(1), safety_cap=2,
             max_retries=3)
-    # the second execution reaches the cap: its failure is no longer retried, nor any later one
-    assert [len(p.attempts) for p in t.positions] == [2, 1, 1, 1, 1]
-    assert [p.outcome for p in t.positions] == ["not_retried"] * 5
+    # executions beyond the cap (the third on) find SAAR off: the retrying position ends exhausted,
+    # later failures are not retried (reference: total_rollbacks > cap)
+    assert [len(p.attempts) for p in t.positions] == [3, 1, 1, 1]
+    assert [p.outcome for p in t.positions] == ["exhausted"] + ["not_retried"] * 3

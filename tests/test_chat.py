@@ -34,12 +34,19 @@ def test_parse_tool_call_variants():
     assert parse_tool_call("no call here").status == "no_call"
     ok = parse_tool_call("think " + render_tool_call("print(1)") + " " + render_tool_call("print(2)"))
     assert ok.status == "ok" and ok.code == "print(1)"  # only the first call runs
-    assert parse_tool_call("<tool_call>\n{bad json\n</tool_call>").status == "bad_json"
-    assert parse_tool_call('<tool_call>\n{"name": "x", "arguments": {"code": "1"}}').status == "unclosed"
+    # malformed blocks are no call (reference: HermesToolParser), or failed calls with malformed="failure"
+    assert parse_tool_call("<tool_call>\n{bad json\n</tool_call>").status == "no_call"
+    assert parse_tool_call("<tool_call>\n{bad json\n</tool_call>", "failure").status == "bad_json"
+    assert parse_tool_call('<tool_call>\n{"name": "x", "arguments": {"code": "1"}}').status == "no_call"
+    assert parse_tool_call('<tool_call>\n{"name": "x", "arguments": {"code": "1"}}', "failure").status == "unclosed"
+    # the first block that parses is the call (a malformed one before it is skipped, as the reference does)
+    two = "<tool_call>\nnope\n</tool_call> " + render_tool_call("print(2)")
+    assert parse_tool_call(two).code == "print(2)"
     unknown = parse_tool_call('<tool_call>\n{"name": "browser", "arguments": {}}\n</tool_call>')
     assert unknown.status == "unknown_tool" and "browser" in unknown.problem
+    # arguments as a JSON string: the reference hands the string to the tool, which fails on it
     as_string = json.dumps({"name": "code_interpreter", "arguments": json.dumps({"code": "print(3)"})})
-    assert parse_tool_call(f"<tool_call>\n{as_string}\n</tool_call>").code == "print(3)"
+    assert parse_tool_call(f"<tool_call>\n{as_string}\n</tool_call>").status == "bad_json"
     assert parse_tool_call('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": 5}}\n</tool_call>').status == "bad_json"
 
 
