@@ -4,15 +4,17 @@ from __future__ import annotations
 import json
 
 from pipeline.config import CleanerConfig
+from pipeline.errors import CleanerError
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
 
 # A run may be extended with more iterations or replayed under more γ; what it trains on may not change.
 FROZEN_SECTIONS = ("world", "rollout", "purify", "train")
-MUTABLE_PURIFY = {"modes", "gammas", "runner", "beam_options"}
+# the similarity measure is like γ: another one writes partitions beside, never over, the others
+MUTABLE_PURIFY = {"modes", "gammas", "runner", "beam_options", "similarity", "similarity_on"}
 
 
-class RunConfigMismatch(ValueError):
+class RunConfigMismatch(CleanerError, ValueError):
     pass
 
 

@@ -6,19 +6,54 @@ Imports of heavy engines (torch, Beam, Prefect, OpenRLHF) happen inside the subc
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 
-from pipeline.config import CleanerConfig, ConfigError, dump_config, load_config
+from pipeline.config import CleanerConfig, check_gamma, dump_config, load_config
+from pipeline.errors import CleanerError, describe_os_error
 
 EPILOG_OVERRIDES = (
     "Config: --config FILE loads YAML; trailing KEY=VALUE pairs override it, e.g.\n"
     "  cleaner train rollout.samples_per_prompt=8 'purify.gammas=[0.3,0.7]' flow.iterations=5"
 )
 
-# Failures that are the input's or the environment's, not a bug: reported as one line.
-USER_ERRORS = {"ShardError", "ShardMissing", "SGLangUnavailable", "UpdateError", "RunConfigMismatch",
-               "DeadLetterOverflow", "TaskFileError", "PurifyError"}
+# A dotted KEY=VALUE anywhere on the line is an override (argparse alone would refuse one placed before
+# --run, or feed one placed after --gamma 0.5 to --gamma); see split_overrides.
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Refusals of the command line are one line too (argparse would print the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def gamma_arg(text: str) -> float:
+    try:
+        return check_gamma(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid γ {text!r}: {e}") from None
+
+
+def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the overrides, the overrides in order): KEY=VALUE may stand before or after any
+    option, including after multi-value ones such as --gamma, but never as the value of --sql, --run …."""
+    takes_value = {s for p in [parser, *_subparsers(parser)] for a in p._actions
+                   if a.option_strings and a.nargs is None and a.const is None for s in a.option_strings}
+    rest, overrides = [], []
+    for i, token in enumerate(argv):
+        if OVERRIDE.match(token) and not (i and argv[i - 1] in takes_value):
+            overrides.append(token)
+        else:
+            rest.append(token)
+    return rest, overrides
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -58,9 +93,16 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    import json
+def cmd_init_policy(args: argparse.Namespace) -> int:
+    from trainer.init_policy import InitPolicyConfig, init_policy
 
+    init_policy(args.out, InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(), retrain=args.retrain)
+    print(f"next: cleaner rollout rollout.policy={args.out} rollout.max_prompt_tokens=512")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flows.console import print_metrics
     from rollout_gen.eval_cmd import METRICS_FILE, evaluate, evaluate_world, write_metrics
 
     cfg = _config(args)
@@ -73,21 +115,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         tasks = load_task_parquet(args.tasks)[: args.limit]
         metrics = evaluate(cfg, policy, tasks)
-        print(json.dumps({k: v for k, v in metrics.items() if k != "settings"}, indent=1))
+        print_metrics(f"{policy} on {args.tasks}", {k: v for k, v in metrics.items() if k != "settings"}, args.json)
         return 0
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
-        from flows.env import configure_prefect
+        from flows.server import start_temporary_server
 
-        configure_prefect(cfg.storage.root)
+        start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
         from flows.training import eval_flow
 
-        print(json.dumps(eval_flow(str(args.config) if args.config else None, list(args.overrides)), indent=1))
+        result = eval_flow(str(args.config) if args.config else None, list(args.overrides))
+        print_metrics(f"{policy}: SAAR at test time on vs off", result, args.json)
         return 0
     metrics = evaluate_world(cfg, policy, limit=args.limit)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "settings"}, indent=1))
+    print_metrics(f"{policy} on the world's held-out tasks", {k: v for k, v in metrics.items() if k != "settings"},
+                  args.json)
     if args.write:
         write_metrics(metrics, policy / METRICS_FILE)
-        print(f"wrote {policy / METRICS_FILE}")
+        print(f"wrote {policy / METRICS_FILE}", file=sys.stderr)
     return 0
 
 
@@ -113,34 +157,10 @@ def cmd_purify(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from pipeline.trajectory import trajectory_from_row
-    from purifier.replay import replay_stats
-    from purifier.stage import run_purify_stage
-    from rollout_gen.stage import load_chat
-    from storage.layout import RunLayout
-    from storage.schemas import RAW
-    from storage.shards import read_manifest, read_shard
+    from purifier.replay_cmd import run_replay
 
     cfg = _config(args)
-    run_id = args.run or cfg.flow.run_id
-    gammas = args.gamma or cfg.flow.replay_gammas
-    modes = args.mode or ["saar"]
-    run_purify_stage(cfg, run_id, args.iteration, modes, gammas)
-    raw_dir = RunLayout(cfg.storage.root, run_id).raw_dir(args.iteration)
-    raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-    chat = load_chat(read_manifest(raw_dir).inputs[0])
-    table = Table(title=f"replay of {run_id} iteration {args.iteration} ({len(raws)} raw trajectories)")
-    for col in ("γ", "positions", "shallow", "deep", "tokens removed", "tokens recomputed", "≠ γ_live", "≠ difflib"):
-        table.add_column(col)
-    for g in gammas:
-        s = replay_stats(raws, g, chat.decode)
-        table.add_row(f"{g:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed, s.tokens_recomputed,
-                                           s.differ_from_live, s.differ_from_difflib)))
-    Console().print(table)
-    return 0
+    return run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep)
 
 
 def cmd_update(args: argparse.Namespace) -> int:
@@ -153,7 +173,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cleaner",
         description="CLEANER: offline two-phase agentic RL with self-purified trajectories (SAAR).",
         epilog=EPILOG_OVERRIDES,
@@ -200,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser(
+        "init-policy", help="write a small Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151,936)",
+        description="A Qwen3-layout checkpoint (real tokenizer, <tool_call>=151657, <think> blocks, Qwen3's chat "
+        "template) of small width, briefly SFT'd to emit tool calls; it runs through exactly the code a real "
+        "Qwen3 checkpoint does (trainer/init_policy.py).",
+        epilog="Example:\n  cleaner init-policy --out /tmp/qwen3-tiny && cleaner rollout rollout.policy=/tmp/qwen3-tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output folder (an HF checkpoint directory)")
+    p.add_argument("--random", action="store_true", help="random weights (never emits a tool call)")
+    p.add_argument("--retrain", action="store_true", help="rerun the SFT (minutes) instead of the committed weights")
+    p.set_defaults(func=cmd_init_policy)
+
+    p = sub.add_parser(
         "eval", help="measure a policy on held-out tasks with the real agent loop",
         description="Roll out the policy (rollout.policy) once per held-out task of the tool-use world, with "
         "SAAR retries as configured, and print well-formed call rate, first-call failures by label, retry "
@@ -214,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
     p.add_argument("--flow", action="store_true",
                    help="run as the Prefect eval flow: pass@1, tool-error rate and latency with SAAR on and off")
+    p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -242,8 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.add_argument("--run", help="run id (default: flow.run_id)")
         p.add_argument("--iteration", type=int, default=0)
-        p.add_argument("--gamma", type=float, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
+        p.add_argument("--gamma", type=gamma_arg, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
         p.add_argument("--mode", nargs="+", choices=["saar", "raw", "void_turn"], help="modes (default: config)")
+        if name == "replay":
+            p.add_argument("--sweep", action="store_true", help=(
+                "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
+                "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on)"))
         p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
 
     p = sub.add_parser(
@@ -262,21 +299,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.console import quiet_libraries
+
+    quiet_libraries()  # before torch, Beam or DeepSpeed are imported by a subcommand
     parser = build_parser()
+    argv, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *overrides]
+    elif overrides:
+        parser.error(f"{overrides[0]}: {args.command} takes no config overrides")
     try:
         return int(args.func(args) or 0)
-    except ConfigError as e:
-        print(f"cleaner {args.command}: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - known user-facing failures get one line, the rest a traceback
-        if type(e).__name__ in USER_ERRORS or isinstance(e, (FileNotFoundError, ValueError)):
-            print(f"cleaner {args.command}: {e}", file=sys.stderr)
-            return 1
-        raise
+    except Exception as e:  # noqa: BLE001 - user-facing failures get one line, bugs keep their traceback
+        if os.environ.get("CLEANER_TRACEBACK"):
+            raise
+        if isinstance(e, CleanerError):
+            message, code = str(e), e.exit_code
+        elif isinstance(e, OSError):  # the environment's: a missing file, a full or read-only disk
+            message, code = describe_os_error(e), 1
+        elif isinstance(e, ValueError):  # legacy user errors not yet CleanerErrors (e.g. a bad run id)
+            message, code = str(e), 1
+        else:
+            raise
+        print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

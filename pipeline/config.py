@@ -8,17 +8,42 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pipeline.errors import CleanerError
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "tiny-tool-policy"
 
 
+# γ > 1 can never be reached by a similarity in [0, 1]: this one value asks for "always deep".
+ALWAYS_DEEP = 1.01
+
+
+def check_gamma(g: float) -> float:
+    """SAAR's shallow/deep threshold: in [0, 1], or ALWAYS_DEEP; nan/inf/negatives are mistakes."""
+    if not math.isfinite(g) or not (0.0 <= g <= 1.0 or g == ALWAYS_DEEP):
+        raise ValueError(f"γ must be in [0, 1], or {ALWAYS_DEEP} for always deep")
+    return float(g)
+
+
+Gamma = Annotated[float, AfterValidator(check_gamma)]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info) -> Any:
+        # pydantic's lax mode reads `true` as 1: a boolean where a count or a number belongs is a mistake
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float, "int", "float"):
+            raise ValueError("expected a number, not a boolean")
+        return value
 
 
 class StorageConfig(Section):
@@ -55,9 +80,14 @@ class SandboxConfig(Section):
 class SaarConfig(Section):
     gate_p: float = Field(1.0, ge=0.0, le=1.0)
     max_retries: int = Field(3, ge=0, description="K: retries per position")
-    gamma_live: float = Field(0.5, ge=0.0)
+    gamma_live: Gamma = 0.5
     live_mode: Literal["purified", "raw"] = "purified"
-    safety_cap: int = Field(30, ge=1, description="SAAR off after this many tool executions")
+    safety_cap: int = Field(30, ge=1, description=(
+        "SAAR off once a trajectory has made more than this many tool executions (the reference's 30)"))
+    similarity: Literal["rapidfuzz", "difflib"] = Field("rapidfuzz", description=(
+        "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); docs/saar.md"))
+    similarity_on: Literal["segment", "code"] = Field("segment", description=(
+        "compare the whole call segment (the reference) or only the code arguments; docs/saar.md"))
 
 
 class RolloutConfig(Section):
@@ -76,6 +106,9 @@ class RolloutConfig(Section):
     max_response_tokens: int = Field(1024, gt=0)
     max_prompt_tokens: int = Field(256, gt=0)
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)")
+    malformed_call: Literal["no_call", "failure"] = Field("no_call", description=(
+        "an unclosed or unrepairable <tool_call>: no_call = the turn is final (the reference); failure = a failed "
+        "call, shown to the model and retried"))
     seed: int = 0
     saar: SaarConfig = SaarConfig()
     sandbox: SandboxConfig = SandboxConfig()
@@ -83,18 +116,23 @@ class RolloutConfig(Section):
 
 class PurifyConfig(Section):
     modes: list[Literal["saar", "raw", "void_turn"]] = ["saar", "raw"]
-    gammas: list[float] = [0.5]
+    gammas: list[Gamma] = [0.5]
     advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
     dynamic_filter: bool = False
     recompute: Literal["cpu", "sglang"] = "cpu"
     runner: str = "FnApiRunner"
     beam_options: list[str] = []
     max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    similarity: Literal["rapidfuzz", "difflib"] | None = Field(None, description=(
+        "measure for the purified partitions (None: the run's rollout.saar.similarity); another value is written "
+        "beside, e.g. gamma=0.50-difflib-segment"))
+    similarity_on: Literal["segment", "code"] | None = Field(None, description=(
+        "target for the purified partitions (None: the run's rollout.saar.similarity_on)"))
 
 
 class TrainConfig(Section):
     mode: Literal["saar", "raw", "void_turn"] = "saar"
-    gamma: float = 0.5
+    gamma: Gamma = 0.5
     strategy: Literal["local", "deepspeed"] = Field("local", description=(
         "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
         "process under torchrun (gloo on CPU)"))
@@ -106,8 +144,8 @@ class TrainConfig(Section):
     warmup_steps: int = Field(2, ge=0)
     weight_decay: float = Field(0.01, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
+    clip_eps_low: float = Field(0.2, ge=0)
+    clip_eps_high: float = Field(0.28, ge=0)
     dual_clip: float | None = 10.0
     policy_loss_type: Literal["ppo", "gspo"] = "ppo"
     epochs: int = Field(1, ge=1)
@@ -121,7 +159,7 @@ class FlowConfig(Section):
     run_id: str = "demo"
     iterations: int = Field(3, ge=1)
     task_retries: int = Field(1, ge=0)
-    replay_gammas: list[float] = [0.3, 0.5, 0.7]
+    replay_gammas: list[Gamma] = [0.3, 0.5, 0.7]
     tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
     wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
 
@@ -140,8 +178,10 @@ class CleanerConfig(Section):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-class ConfigError(ValueError):
+class ConfigError(CleanerError, ValueError):
     """A config file or override that does not fit the tree; the message names the key."""
+
+    exit_code = 2  # like argparse's refusals: the command line or its config is wrong
 
 
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -167,7 +207,17 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node = data
     for key in path[:-1]:
         node = node.setdefault(key, {})
-    node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {assignment!r}: not valid YAML ({_yaml_problem(e)}); quote lists, "
+                          f"e.g. 'purify.gammas=[0.3,0.7]'") from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CleanerConfig:
@@ -176,7 +226,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: not valid YAML ({_yaml_problem(e)})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p}: cannot be read ({e.strerror})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded
@@ -186,8 +243,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         return CleanerConfig.model_validate(data)
     except ValidationError as e:
         where = f" in {path}" if path else ""
-        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"invalid config{where}:\n  " + "\n  ".join(lines)) from None
+        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+                 + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else "") for err in e.errors()]
+        raise ConfigError(f"invalid config{where}: " + "; ".join(lines)) from None
 
 
 def dump_config(cfg: CleanerConfig) -> str:

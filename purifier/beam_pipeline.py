@@ -1,6 +1,6 @@
 """The purification stage as an Apache Beam pipeline (thin adapters around purifier/batch.py).
 
-ReadAllFromParquetBatched(raw parts) → PurifyBatches (Arrow batches: one purified table per (mode, γ),
+ReadRawParts(the raw manifest's parts, each validated: size, crc32, schema, rows) → PurifyBatches (Arrow batches: one purified table per (mode, γ),
 cut into buckets by a stable hash of the prompt) → GroupByKey((mode, γ), bucket) → GroupStage
 (advantages, dynamic filter, batched log-prob recompute with the model loaded once per worker in
 `setup`) → WriteToFiles (Parquet, one destination per variant; dead letters likewise) into a
@@ -16,6 +16,7 @@ parallelism on a distributed runner.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import apache_beam as beam
@@ -24,10 +25,14 @@ from apache_beam.io import fileio
 from apache_beam.metrics import Metrics
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 
 Variant = tuple[str, float]
 BUCKETS = 8
+# Parts that failed validation, with the reason: the driver refuses the shard when any is staged.
+INVALID = pa.schema([("reason", pa.string())])
+INVALID_DESTINATION = "invalid-parts"
 
 
 class ArrowTableCoder(beam.coders.Coder):
@@ -89,11 +94,40 @@ class ParquetTableSink(fileio.FileSink):
         self.writer.close()
 
 
+class ReadRawParts(beam.DoFn):
+    """(shard folder, manifest part entry) → (part path, validated raw table).
+
+    A plain DoFn over the manifest's parts rather than Beam's Parquet source: every part is checked
+    against the manifest (storage.shards.read_part) wherever it is read, and runners without
+    splittable reads (Dask) can run it. A part that fails validation is not raised (Beam would log a
+    traceback per retry) but tagged "invalid" with the reason; the driver then refuses the whole shard.
+    """
+
+    def infer_output_type(self, input_type):
+        return beam.typehints.Tuple[str, pa.Table]
+
+    def process(self, element):
+        from storage.shards import PartInfo, ShardError, read_part
+
+        directory, part = element
+        info = PartInfo(**part)
+        try:
+            table = read_part(Path(directory), info, RAW)
+        except ShardError as e:
+            Metrics.counter("purify", "invalid_parts").inc()
+            yield beam.pvalue.TaggedOutput("invalid", (INVALID_DESTINATION, pa.table({"reason": [str(e)]},
+                                                                                        schema=INVALID)))
+            return
+        yield str(Path(directory) / info.name), table.select(RAW.names).cast(RAW)
+
+
 class PurifyBatches(beam.DoFn):
     """(file, raw Arrow batch) → ((variant, bucket), purified table) and tagged dead letters."""
 
-    def __init__(self, variants: list[Variant], tokenizer_dir: str, n_buckets: int = BUCKETS) -> None:
+    def __init__(self, variants: list[Variant], tokenizer_dir: str, n_buckets: int = BUCKETS,
+                 measure: Measure = DEFAULT_MEASURE) -> None:
         self.variants, self.tokenizer_dir, self.n_buckets = variants, tokenizer_dir, n_buckets
+        self.measure = measure  # shallow/deep similarity of this purification (one per stage run)
 
     def setup(self) -> None:
         from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers import per worker
@@ -110,7 +144,8 @@ class PurifyBatches(beam.DoFn):
         from purifier.batch import buckets, purify_batch
 
         filename, raw = element
-        for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename)).items():
+        for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename),
+                                                   self.measure).items():
             if dead:
                 Metrics.counter("purify", row_counter(variant, "dead")).inc(len(dead))
                 yield beam.pvalue.TaggedOutput("dead", (destination(variant, "dead"),
@@ -162,13 +197,12 @@ class GroupStage(beam.DoFn):
         yield destination(variant, "purified"), table
 
 
-def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str,
+def build(p: beam.Pipeline, raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str,
           estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
-          sglang_url: str = "") -> None:
-    batches = (p | "RawFiles" >> beam.Create(raw_files)
-               | "ReadRaw" >> beam.io.ReadAllFromParquetBatched(with_filename=True, columns=RAW.names)
-               .with_output_types(beam.typehints.Tuple[str, pa.Table]))
-    purified = batches | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir)).with_outputs("dead", main="ok")
+          sglang_url: str = "", measure: Measure = DEFAULT_MEASURE) -> None:
+    read = (p | "RawParts" >> beam.Create(raw_parts)
+            | "ReadRaw" >> beam.ParDo(ReadRawParts()).with_outputs("invalid", main="ok"))
+    purified = read.ok | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir, measure=measure)).with_outputs("dead", main="ok")
     staged = (
         purified.ok
         | "ByPromptBucket" >> beam.GroupByKey()
@@ -176,21 +210,30 @@ def build(p: beam.Pipeline, raw_files: list[str], variants: list[Variant], stagi
                                                 sglang_url))
     )
     # one sink per kind, each fused with its producer; a Flatten of both would be materialised first
-    for kind, tables, schema in (("Purified", staged, PURIFIED), ("Dead", purified.dead, DEAD_LETTER)):
+    for kind, tables, schema in (("Purified", staged, PURIFIED), ("Dead", purified.dead, DEAD_LETTER),
+                                 ("Invalid", read.invalid, INVALID)):
         tables | f"Write{kind}" >> fileio.WriteToFiles(
             str(staging), destination=lambda record: record[0], sink=lambda _, schema=schema: ParquetTableSink(schema),
             file_naming=fileio.destination_prefix_naming(".parquet"))
 
 
-def run(raw_files: list[str], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,
+def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,
         dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float, runner: str,
-        beam_options: list[str], sglang_url: str = "") -> dict[str, int]:
+        beam_options: list[str], sglang_url: str = "", measure: Measure = DEFAULT_MEASURE) -> dict[str, int]:
     options = PipelineOptions([f"--runner={runner}", *beam_options])
     p = beam.Pipeline(options=options)
-    build(p, raw_files, variants, staging, tokenizer_dir, estimator, dynamic_filter, recompute, checkpoint,
-          temperature, sglang_url)
-    result = p.run()
-    result.wait_until_finish()
+    build(p, raw_parts, variants, staging, tokenizer_dir, estimator, dynamic_filter, recompute, checkpoint,
+          temperature, sglang_url, measure)
+    # Beam logs every failing DoFn's traceback before re-raising it; the exception itself reaches the
+    # stage (which turns a full disk into one line) and the CLI (which keeps a bug's traceback).
+    beam_log = logging.getLogger("apache_beam.runners.common")
+    level = beam_log.level
+    beam_log.setLevel(logging.CRITICAL)
+    try:
+        result = p.run()
+        result.wait_until_finish()
+    finally:
+        beam_log.setLevel(level)
     counters = {}
     for c in result.metrics().query()["counters"]:
         counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed

@@ -6,30 +6,36 @@ partitions beside it.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import CleanerConfig
+from pipeline.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
-from purifier.saar import partition_gamma
+from purifier.saar import partition_gamma, partition_measure, purify_measure
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
-from storage.shards import ShardError, ShardMissing, is_committed, read_manifest, shard_files, write_shard
+from storage.checkpoints import check_checkpoint
+from storage.shards import ShardError, ShardMissing, committed_manifest, is_committed, read_manifest, write_shard
+
+STAGING = ".staging"
 
 
-class DeadLetterOverflow(RuntimeError):
+class DeadLetterOverflow(CleanerError, RuntimeError):
     """More raw rows than allowed could not be purified; nothing was committed for that variant."""
 
 
-class StagingMismatch(RuntimeError):
+class StagingMismatch(CleanerError, RuntimeError):
     """The staged files hold other row counts than the pipeline produced; nothing was committed."""
 
 
@@ -43,9 +49,13 @@ class VariantResult:
 
 
 def purify_config_hash(cfg: CleanerConfig, mode: str, gamma: float, raw_hash: str) -> str:
-    settings = cfg.purify.model_dump(mode="json", exclude={"modes", "gammas", "runner", "beam_options"})
-    data = json.dumps({"purify": settings, "temperature": cfg.rollout.temperature, "mode": mode, "gamma": gamma,
-                       "raw": raw_hash}, sort_keys=True)
+    settings = cfg.purify.model_dump(mode="json", exclude={"modes", "gammas", "runner", "beam_options", "similarity",
+                                                            "similarity_on"})
+    record = {"purify": settings, "temperature": cfg.rollout.temperature, "mode": mode, "gamma": gamma, "raw": raw_hash}
+    measure = partition_measure(mode, purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on))
+    if measure:  # the default measure hashes as before, so partitions committed earlier stay valid
+        record["measure"] = measure
+    data = json.dumps(record, sort_keys=True)
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
@@ -64,23 +74,78 @@ def _staged(staging: Path, variant: tuple[str, float], kind: str, schema: pa.Sch
     return table
 
 
+def _clean_stale_staging(staging_root: Path) -> None:
+    """Remove what purifications that are no longer running left in `.staging/` (a SIGKILL runs no
+    `finally`). A running purification holds an exclusive flock on its `purify-ID.lock`, and the kernel
+    drops that lock when the process dies, however it dies; a folder whose lock can be taken is stale."""
+    if not staging_root.is_dir():
+        return
+    for entry in sorted(staging_root.glob("purify-*")):
+        name = entry.name.removesuffix(".lock")
+        lock = staging_root / f"{name}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another cleaner
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # alive: not ours to touch
+            continue
+        try:
+            shutil.rmtree(staging_root / name, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    _remove_if_empty(staging_root)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty (another purification is running) or already gone
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind a failure inside Beam (which re-raises it as another type, keeping the chain)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _run_pipeline(staging: Path, *args) -> dict[str, int]:
+    try:
+        return beam_pipeline.run(*args)
+    except Exception as e:  # noqa: BLE001 - only environment failures are translated; the rest propagate
+        cause = _os_error_in(e)
+        if cause is None:
+            raise
+        raise os_error(cause, f"purification staging in {staging}") from None
+
+
 def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
                      gammas: list[float] | None = None, checkpoint: Path | None = None) -> list[VariantResult]:
     layout = RunLayout(cfg.storage.root, run_id)
     raw_dir = layout.raw_dir(iteration)
-    raw_manifest = read_manifest(raw_dir)
-    if raw_manifest is None:
+    if read_manifest(raw_dir) is None:
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
-    if raw_manifest.schema != RAW.metadata[b"cleaner.schema"].decode():
-        raise ShardError(f"{raw_dir / '_MANIFEST.json'}: schema version {raw_manifest.schema}, expected raw/1")
+    raw_manifest = committed_manifest(raw_dir, RAW)  # schema version, no stray parts; parts are checked in Beam
     checkpoint = Path(checkpoint or (raw_manifest.inputs[0] if raw_manifest.inputs else cfg.rollout.policy))
+    staging_root = layout.iteration_dir(iteration) / STAGING
+    _clean_stale_staging(staging_root)
     modes = modes or cfg.purify.modes
     gammas = gammas or cfg.purify.gammas
     variants, results = [], []
+    measure = purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on)
     wanted = dict.fromkeys((m, partition_gamma(m, g)) for m in modes for g in gammas)
     for mode, gamma in wanted:
         h = purify_config_hash(cfg, mode, gamma, raw_manifest.config_hash)
-        out = layout.purified_dir(iteration, mode, gamma)
+        out = layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure))
         if is_committed(out, h):
             m = read_manifest(out)
             results.append(VariantResult(mode, gamma, m.rows, m.extra.get("dead", 0), True))
@@ -90,20 +155,32 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             variants.append((mode, float(gamma), h))
     if not variants:
         return results
-    staging = layout.iteration_dir(iteration) / ".staging" / f"purify-{uuid.uuid4().hex[:8]}"
+    if cfg.purify.recompute == "cpu":
+        check_checkpoint(checkpoint)  # a truncated checkpoint: one line here, not a traceback in a Beam worker
+    staging_name = f"purify-{uuid.uuid4().hex[:8]}"
+    staging = staging_root / staging_name
+    staging_root.mkdir(parents=True, exist_ok=True)
+    lock = os.open(staging_root / f"{staging_name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held while this purification lives; see _clean_stale_staging
     try:
-        staging.mkdir(parents=True)  # before the pipeline runs: an unfinished purification leaves a trace
-        counters = beam_pipeline.run(
-            [str(f) for f in shard_files(raw_dir)], [(m, g) for m, g, _ in variants], staging, str(checkpoint),
+        staging.mkdir()  # before the pipeline runs: an unfinished purification leaves a trace
+        raw_parts = [(str(raw_dir), asdict(p)) for p in raw_manifest.parts]
+        counters = _run_pipeline(
+            staging, raw_parts, [(m, g) for m, g, _ in variants], staging, str(checkpoint),
             cfg.purify.advantage, cfg.purify.dynamic_filter, cfg.purify.recompute, str(checkpoint),
-            cfg.rollout.temperature, cfg.purify.runner, cfg.purify.beam_options, cfg.rollout.sglang_url)
+            cfg.rollout.temperature, cfg.purify.runner, cfg.purify.beam_options, cfg.rollout.sglang_url, measure)
+        invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
+        if invalid or counters.get("invalid_parts"):
+            reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())
+            raise ShardError(reasons[0] if reasons else f"{raw_dir}: a raw part failed validation; nothing was "
+                             "committed")
         for mode, gamma, h in variants:
             name = beam_pipeline.variant_name(mode, gamma)
             table = _staged(staging, (mode, gamma), "purified", PURIFIED, counters).sort_by(SORT)
             dead = _staged(staging, (mode, gamma), "dead", DEAD_LETTER, counters).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
             inputs = [str(raw_dir / "_MANIFEST.json")]
-            dead_dir = layout.dead_letter_dir(iteration, mode, gamma)
+            dead_dir = layout.dead_letter_dir(iteration, mode, gamma, partition_measure(mode, measure))
             if not is_committed(dead_dir):
                 write_shard(dead_dir, dead, DEAD_LETTER, h, inputs=inputs)
             if fraction > cfg.purify.max_dead_letter_fraction:
@@ -113,9 +190,14 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
                     f"γ={gamma} (limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
             extra = {"dead": dead.num_rows, "filtered_groups": counters.get(f"filtered_groups/{name}", 0),
                      "checkpoint": str(checkpoint)}
-            write_shard(layout.purified_dir(iteration, mode, gamma), table, PURIFIED, h, inputs=inputs, extra=extra,
+            write_shard(layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure)), table, PURIFIED, h, inputs=inputs, extra=extra,
                         rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
             results.append(VariantResult(mode, gamma, table.num_rows, dead.num_rows, False))
+    except OSError as e:  # committing: a full or read-only disk is one line, and the partition is not written
+        raise os_error(e, f"writing the purified shards of {raw_dir.parent}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        (staging_root / f"{staging_name}.lock").unlink(missing_ok=True)
+        os.close(lock)
+        _remove_if_empty(staging_root)
     return results

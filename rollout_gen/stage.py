@@ -4,18 +4,21 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.chat import ChatFormat
 from pipeline.config import CleanerConfig
+from pipeline.errors import check_writable_root
+from pipeline.progress import StageProgress
 from pipeline.trajectory import Trajectory, trajectory_to_row
 from rollout_gen.agent import AgentLoop, RolloutIdentity
 from rollout_gen.engines import Engine
 from rollout_gen.sandbox import SandboxPool
 from rollout_gen.tasks import Task, load_task_parquet
 from rollout_gen.world.tasks import training_tasks
+from storage.checkpoints import check_checkpoint
 from storage.layout import RunLayout
 from storage.schemas import RAW
 from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
@@ -23,11 +26,8 @@ from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
 
 def policy_version(checkpoint: Path) -> str:
     """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
-    if not Path(checkpoint).is_dir():
-        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    check_checkpoint(checkpoint)  # exists, and every weight file is whole: one line, not a loader traceback
     weights = sorted(Path(checkpoint).glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(f"no *.safetensors weights in checkpoint {checkpoint}")
     h = hashlib.blake2b(digest_size=8)
     for w in weights:
         with open(w, "rb") as f:
@@ -66,14 +66,15 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
 
 
 def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,
-             show_progress: bool = True) -> list[Trajectory]:
-    with SandboxPool(cfg.rollout.sandbox) as sandbox, Progress(
-        TextColumn("[bold]rollout[/] it {task.fields[it]}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("trajectories"), TimeElapsedColumn(), disable=not show_progress, transient=False,
-    ) as bar:
-        job = bar.add_task("rollout", total=len(tasks) * cfg.rollout.samples_per_prompt, it=identity.iteration)
+             show_progress: bool = True, log: Callable[[str], None] | None = None) -> list[Trajectory]:
+    """Every task × samples_per_prompt through the agent loop; progress on stderr (or through `log`)."""
+    total = len(tasks) * cfg.rollout.samples_per_prompt
+    with SandboxPool(cfg.rollout.sandbox) as sandbox:
         loop = AgentLoop(engine, sandbox, chat, cfg.rollout)
-        return loop.run(tasks, identity, progress=lambda done, total: bar.update(job, completed=done))
+        if not show_progress:
+            return loop.run(tasks, identity)
+        with StageProgress(f"rollout it {identity.iteration}", "trajectories", total, log=log) as bar:
+            return loop.run(tasks, identity, progress=lambda done, _total: bar.update(done))
 
 
 def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
@@ -81,10 +82,11 @@ def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
 
 
 def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path,
-                      show_progress: bool = True) -> Manifest:
+                      show_progress: bool = True, log: Callable[[str], None] | None = None) -> Manifest:
     """Write `iteration`'s raw shard; a shard already committed with the same inputs is kept."""
     layout = RunLayout(cfg.storage.root, run_id)
     out = layout.raw_dir(iteration)
+    check_writable_root(cfg.storage.root)  # before the rollout's work, not at its commit
     version = policy_version(checkpoint)
     config_hash = rollout_config_hash(cfg, version)
     done = read_manifest(out)
@@ -98,7 +100,7 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
     engine = make_engine(cfg, checkpoint, chat)
     identity = RolloutIdentity(run_id, iteration, version, cfg.rollout.seed)
     t0 = time.perf_counter()
-    trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress)
+    trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress, log)
     wall = time.perf_counter() - t0
     engine.close()
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)

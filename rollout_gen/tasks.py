@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from pipeline.errors import CleanerError
+
 
 @dataclass(frozen=True)
 class Task:
@@ -22,7 +24,7 @@ def stable_id(source: str, question: str) -> str:
     return source + "-" + hashlib.blake2b(question.encode(), digest_size=6).hexdigest()
 
 
-class TaskFileError(ValueError):
+class TaskFileError(CleanerError, ValueError):
     """A task file that does not have the expected layout; names the file, row and field."""
 
 

@@ -1,34 +1,75 @@
 """The DuckDB catalog: views over the committed Parquet parts of every run under a project root.
 
 Views read the Parquet files in place; only parts listed in a manifest are included, so a stage
-that crashed mid-way never shows up half-written. `refresh()` rebuilds the views after new shards.
+that crashed mid-way never shows up half-written, and every part is validated against its manifest
+first (size, crc32, schema version, columns, rows; storage.shards.check_part). A shard that fails, or
+one with parts but no manifest, is left out of the views and listed in `Catalog.problems`, which
+`cleaner inspect` prints and `cleaner report` refuses. `refresh()` rebuilds the views after new shards.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
-from storage.shards import shard_files
+from storage.shards import MANIFEST, PART_GLOB, ShardError, check_part, committed_manifest
+
+# Parts validated by this process, by (path, size, mtime): a flow refreshes the catalog every iteration
+# and must not re-read every earlier shard each time. A changed file has another size or mtime.
+_VERIFIED: set[tuple[str, int, int]] = set()
 
 
-def _committed(root: Path, pattern: str) -> list[Path]:
-    files: list[Path] = []
-    for manifest in sorted(Path(root).glob(pattern + "/_MANIFEST.json")):
-        files.extend(shard_files(manifest.parent))
+@dataclass(frozen=True)
+class Problem:
+    """A shard left out of the views: corrupt (committed but failing validation) or not committed."""
+
+    path: Path
+    message: str
+    committed: bool
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _validated_files(directory: Path, schema: pa.Schema) -> list[Path]:
+    manifest = committed_manifest(directory, schema)
+    files = []
+    for part in manifest.parts:
+        path = directory / part.name
+        st = path.stat() if path.is_file() else None
+        key = (str(path), st.st_size, st.st_mtime_ns) if st else None
+        if key not in _VERIFIED:
+            check_part(directory, part, schema)
+            _VERIFIED.add((str(path), path.stat().st_size, path.stat().st_mtime_ns))
+        files.append(path)
     return files
 
 
-def _empty_parquet(root: Path, name: str, schema: pa.Schema) -> Path:
-    # DuckDB cannot read an empty file list: a typed empty file keeps the view's columns.
-    path = Path(root) / ".catalog" / f"empty-{name}.parquet"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(schema.empty_table(), path)
-    return path
+def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem]) -> list[Path]:
+    files: list[Path] = []
+    for directory in sorted(p for p in Path(root).glob(pattern) if p.is_dir()):
+        if not (directory / MANIFEST).is_file():
+            if any(directory.glob(PART_GLOB)) or any(directory.glob(".part-*")):
+                problems.append(Problem(directory, f"{directory}: not committed (no {MANIFEST}: its stage is "
+                                        "writing it or crashed before committing; rerun the stage)", False))
+            continue
+        try:
+            files.extend(_validated_files(directory, schema))
+        except (ShardError, OSError) as e:
+            problems.append(Problem(directory, str(e), True))
+    return files
+
+
+def _empty_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema) -> str:
+    # DuckDB cannot read an empty file list: a typed empty table (kept inside the catalog, so nothing is
+    # written beside the shards) gives the view its columns.
+    table = f"_empty_{name}"
+    empty = schema.empty_table()  # noqa: F841 - read by DuckDB through the Python frame
+    con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM empty")
+    return table
 
 
 def _sql_list(paths: list[Path]) -> str:
@@ -84,8 +125,13 @@ class Catalog:
     def __init__(self, root: Path, database: str | Path | None = None) -> None:
         self.root = Path(root)
         self.database = str(database) if database is not None else ":memory:"
+        self.problems: list[Problem] = []
         self.con = duckdb.connect(self.database)
-        self.refresh()
+        try:
+            self.refresh()
+        except BaseException:
+            self.con.close()
+            raise
 
     def refresh(self) -> None:
         sources = {
@@ -94,11 +140,12 @@ class Catalog:
             "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/gamma=*", DEAD_LETTER),
             "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
         }
+        self.problems = []
         for view, (pattern, schema) in sources.items():
-            files = _committed(self.root, pattern) or [_empty_parquet(self.root, view, schema)]
-            self.con.execute(
-                f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false)"
-            )
+            files = _scan(self.root, pattern, schema, self.problems)
+            source = (f"read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false)" if files
+                      else _empty_table(self.con, view, schema))
+            self.con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM {source}")
         self.con.execute(VIEWS_SQL)
 
     def query(self, sql: str) -> pa.Table:

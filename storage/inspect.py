@@ -1,11 +1,13 @@
 """`cleaner inspect`: the catalog's numbers as tables, or the user's own SQL."""
 from __future__ import annotations
 
+import duckdb
 import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.config import CleanerConfig
+from pipeline.errors import InspectError, WorkspaceError
 from storage.catalog import Catalog
 
 EXAMPLE_QUERIES = {
@@ -43,7 +45,21 @@ def print_table(console: Console, title: str, table: pa.Table) -> None:
     console.print(out)
 
 
+def _duckdb_error(e: Exception, db) -> InspectError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, duckdb.IOException):
+        return InspectError(f"{db}: cannot open the catalog ({first})")
+    return InspectError(f"SQL error: {first}")
+
+
 def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False) -> int:
+    try:
+        return _inspect(cfg, sql, run_id, print_queries)
+    except duckdb.Error as e:
+        raise _duckdb_error(e, cfg.storage.root / cfg.storage.catalog) from None
+
+
+def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool) -> int:
     import sys
 
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
@@ -53,8 +69,12 @@ def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None =
         for title, q in EXAMPLE_QUERIES.items():
             console.print(f"-- {title}\n{q};\n")
         return 0
-    cfg.storage.root.mkdir(parents=True, exist_ok=True)
+    if not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
+        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
+                             "storage.root or --config)")
     with Catalog(cfg.storage.root, db) as cat:
+        for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
+            print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
         if sql:
             print_table(console, sql, cat.query(sql))
             return 0

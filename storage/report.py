@@ -6,6 +6,7 @@ from pathlib import Path
 
 from storage.catalog import Catalog
 from storage.layout import RunLayout
+from storage.shards import ShardError, ShardMissing
 
 ITERATIONS_SQL = """
 WITH raw AS (
@@ -52,16 +53,22 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = out or RunLayout(root, run_id).run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    run_dir = RunLayout(root, run_id).run_dir
+    if not run_dir.is_dir():
+        raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
+    out = out or run_dir / "report"
     with Catalog(root) as cat:
+        corrupt = [p for p in cat.problems if p.committed and run_dir in p.path.parents]
+        if corrupt:  # plots without a damaged shard would misreport the run
+            raise ShardError(f"{corrupt[0]} (the report would leave this shard out; restore or remove it)")
         its = _q(cat, ITERATIONS_SQL, run_id)
         sims = _q(cat, "SELECT gamma, kind, similarity FROM splices WHERE run_id = $run AND mode = 'saar'", run_id)
         compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma", run_id)
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
     if not its:
-        raise ValueError(f"run {run_id!r} has no committed raw shards under {root}")
+        raise ShardMissing(f"run {run_id!r} has no committed raw shards under {root}")
+    out.mkdir(parents=True, exist_ok=True)  # only once there is something to write: a refusal leaves nothing
     x = [r["iteration"] for r in its]
     figs = {}
 

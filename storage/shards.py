@@ -17,13 +17,14 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.errors import CleanerError, os_error
 from storage.schemas import SCHEMA_META_KEY, schema_id
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
 
 
-class ShardError(RuntimeError):
+class ShardError(CleanerError, RuntimeError):
     """A shard that cannot be trusted; the message names the file and what is wrong with it."""
 
 
@@ -73,11 +74,15 @@ def _fsync_dir(directory: Path) -> None:
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave the temporary file behind
+        raise
 
 
 def read_manifest(directory: Path) -> Manifest | None:
@@ -123,8 +128,10 @@ class ShardWriter:
                 f"{self.directory / MANIFEST}: shard already committed (config {existing.config_hash}); "
                 "refusing to overwrite it"
             )
+        # folders this writer creates: an aborted write removes them again (when still empty)
+        self._created = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in list(self.directory.glob(PART_GLOB)) + list(self.directory.glob(".part-*")):
+        for stale in self._leftovers():
             stale.unlink()
 
     def __enter__(self) -> "ShardWriter":
@@ -132,9 +139,17 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and not self._committed:
-            self.commit()
-        elif exc_type is not None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        elif exc_type is not None and not self._committed:
             self.abort()
+
+    def _leftovers(self) -> list[Path]:
+        return [*self.directory.glob(PART_GLOB), *self.directory.glob(".part-*"),
+                *self.directory.glob(f".{MANIFEST}.tmp-*")]
 
     def write(self, data: pa.Table | pa.RecordBatch | list[dict[str, Any]]) -> None:
         if isinstance(data, list):
@@ -160,11 +175,15 @@ class ShardWriter:
         tmp = self.directory / f".{name}.tmp-{os.getpid()}"
         # Written straight to the file (an in-memory sink would copy the part several times as it grows);
         # the checksum then reads it back from the page cache.
-        pq.write_table(head.replace_schema_metadata(self.schema.metadata), str(tmp), compression=self.compression)
-        with open(tmp, "rb+") as f:
-            data = f.read()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            pq.write_table(head.replace_schema_metadata(self.schema.metadata), str(tmp), compression=self.compression)
+            with open(tmp, "rb+") as f:
+                data = f.read()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:  # e.g. a full disk: one line naming the part; the writer's abort removes the rest
+            tmp.unlink(missing_ok=True)
+            raise os_error(e, f"writing {final}") from None
         self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
 
     def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
@@ -186,9 +205,14 @@ class ShardWriter:
         return manifest
 
     def abort(self) -> None:
-        for p in list(self.directory.glob(PART_GLOB)) + list(self.directory.glob(".part-*")):
+        for p in self._leftovers():
             p.unlink(missing_ok=True)
         self._parts, self._pending, self._pending_rows = [], [], 0
+        for d in self._created:  # innermost first; a folder something else wrote into stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
 def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash: str, **kw: Any) -> Manifest:
@@ -211,40 +235,68 @@ def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
             raise ShardError(f"{path}: column {f.name!r} has type {got.field(idx).type}, expected {f.type}")
 
 
-def iter_parts(
-    directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
-) -> Iterator[tuple[Path, pa.Table]]:
-    """Validated (path, table) per part of a committed shard, in part order."""
+def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
+    """The manifest of a committed shard of this schema, with no part files beside it that it does not list."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     if manifest is None:
         raise ShardMissing(f"{directory}: no {MANIFEST} (stage not run, or crashed before committing)")
     if manifest.schema != schema_id(schema):
         raise ShardError(f"{directory / MANIFEST}: schema version {manifest.schema}, expected {schema_id(schema)}")
-    listed = {p.name for p in manifest.parts}
-    for part in manifest.parts:
-        path = directory / part.name
-        if not path.is_file():
-            raise ShardError(f"{path}: listed in the manifest but missing")
-        data = path.read_bytes()
-        if len(data) != part.bytes:
-            raise ShardError(f"{path}: {len(data)} bytes, manifest says {part.bytes}")
-        if verify_checksums and _crc32(data) != part.crc32:
-            raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
-        try:
-            pf = pq.ParquetFile(pa.BufferReader(data))
-            _check_schema(path, pf.schema_arrow, schema)
-            table = pf.read(columns=columns)
-        except ShardError:
-            raise
-        except (pa.ArrowException, OSError) as e:
-            raise ShardError(f"{path}: corrupt Parquet ({e})") from None
-        if table.num_rows != part.rows:
-            raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
-        yield path, table
-    extra = {p.name for p in directory.glob(PART_GLOB)} - listed
+    extra = {p.name for p in directory.glob(PART_GLOB)} - {p.name for p in manifest.parts}
     if extra:
         raise ShardError(f"{directory}: parts not in the manifest: {sorted(extra)}")
+    return manifest
+
+
+def _open_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool) -> pq.ParquetFile:
+    """One part checked against its manifest entry: size, crc32, schema version, columns and types, rows."""
+    path = Path(directory) / part.name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing") from None
+    if len(data) != part.bytes:
+        raise ShardError(f"{path}: {len(data)} bytes, manifest says {part.bytes}")
+    if verify_checksums and _crc32(data) != part.crc32:
+        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data))
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: corrupt Parquet ({e})") from None
+    _check_schema(path, pf.schema_arrow, schema)
+    if pf.metadata.num_rows != part.rows:
+        raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
+    return pf
+
+
+def check_part(directory: Path, part: PartInfo, schema: pa.Schema) -> None:
+    """Validate one committed part without decoding its rows (what the catalog does before a view reads it)."""
+    _open_part(directory, part, schema, True)
+
+
+def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool = True,
+              columns: list[str] | None = None) -> pa.Table:
+    """One validated part of a committed shard (readers that spread parts over workers, e.g. Beam)."""
+    path = Path(directory) / part.name
+    pf = _open_part(directory, part, schema, verify_checksums)
+    try:
+        table = pf.read(columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: corrupt Parquet ({e})") from None
+    if table.num_rows != part.rows:
+        raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
+    return table
+
+
+def iter_parts(
+    directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
+) -> Iterator[tuple[Path, pa.Table]]:
+    """Validated (path, table) per part of a committed shard, in part order."""
+    directory = Path(directory)
+    manifest = committed_manifest(directory, schema)
+    for part in manifest.parts:
+        yield directory / part.name, read_part(directory, part, schema, verify_checksums, columns)
 
 
 def read_shard(

@@ -17,9 +17,11 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import CleanerConfig
+from pipeline.errors import CheckpointError, check_writable_root
 from pipeline.trajectory import purified_from_row
-from purifier.saar import partition_gamma
+from purifier.saar import live_measure, partition_gamma, partition_measure
 from rollout_gen.stage import policy_version
+from storage.checkpoints import check_checkpoint
 from storage.layout import RunLayout
 from storage.schemas import METRICS, PURIFIED
 from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
@@ -42,7 +44,9 @@ def checkpoint_for(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
 
 def _load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
     layout = RunLayout(cfg.storage.root, run_id)
-    part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma))
+    measure = live_measure(cfg.rollout.saar)  # a run trains on its own measure; purify.similarity only replays
+    part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma),
+                               partition_measure(cfg.train.mode, measure))
     manifest = read_manifest(part)
     if manifest is None:
         raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
@@ -66,15 +70,20 @@ def _check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manife
 def _write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, state: dict) -> None:
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if model is None:
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(DONE_MARKER, TRAINER_STATE))
-    else:
-        model.save_pretrained(tmp, safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
-    torch.save(state["trainer"], tmp / TRAINER_STATE)
-    (tmp / DONE_MARKER).write_text(json.dumps({k: v for k, v in state.items() if k != "trainer"}, indent=1))
+    try:
+        if model is None:
+            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(DONE_MARKER, TRAINER_STATE))
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+            for name in TOKENIZER_FILES:
+                if (src / name).is_file():
+                    shutil.copy2(src / name, tmp / name)
+        with open(tmp / TRAINER_STATE, "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
+            torch.save(state["trainer"], f)
+        (tmp / DONE_MARKER).write_text(json.dumps({k: v for k, v in state.items() if k != "trainer"}, indent=1))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (full disk) leaves no half checkpoint
+        raise
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(target)  # atomic: the checkpoint appears whole
 
@@ -97,8 +106,26 @@ class UpdateInputs:
                                           sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
+def _trainer_state(cfg: CleanerConfig, src: Path) -> dict | None:
+    """The optimizer and schedule state to continue from: none for the initial policy; for a checkpoint the
+    run wrote itself, its trainer_state.pt — whose absence is refused, since training on would silently
+    restart AdamW's moments and the LR warm-up in the middle of a run."""
+    path = src / TRAINER_STATE
+    if not path.is_file():
+        if (src / DONE_MARKER).is_file() and cfg.train.strategy == "local":
+            raise CheckpointError(f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
+                                  f"schedule) mid-run; restore the file, or start a new run from these weights "
+                                  f"(flow.run_id=NEW rollout.policy={src})")
+        return None
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a damaged file
+        raise CheckpointError(f"{path}: unreadable optimizer state ({type(e).__name__}); restore the file") from None
+
+
 def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
     layout = RunLayout(cfg.storage.root, run_id)
+    check_checkpoint(checkpoint_for(cfg, run_id, iteration))  # whole weight files before any is loaded
     part, manifest, rows = _load_rows(cfg, run_id, iteration)
     return UpdateInputs(layout.checkpoint_dir(iteration + 1), checkpoint_for(cfg, run_id, iteration), part, manifest,
                         rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
@@ -134,9 +161,10 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     target = layout.checkpoint_dir(iteration + 1)
     if (target / DONE_MARKER).is_file():
         return target  # done before; never overwritten
+    check_writable_root(cfg.storage.root, create=False)  # before training, not at the first checkpoint write
     inputs = update_inputs(cfg, run_id, iteration)
     src, part, manifest = inputs.src, inputs.part, inputs.manifest
-    prev_state = torch.load(src / TRAINER_STATE, weights_only=False) if (src / TRAINER_STATE).is_file() else None
+    prev_state = _trainer_state(cfg, src)
     if not inputs.rows:
         if manifest.extra.get("filtered_groups", 0) > 0:
             # documented skip: every group had one reward, so GRPO has no signal; the policy carries over

@@ -13,12 +13,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import CleanerError
 from rollout_gen.engines.base import Generation, SamplingParams
 
 LAUNCH_HINT = "start one with: python -m sglang.launch_server --model-path <checkpoint> --port 30000"
 
 
-class SGLangUnavailable(RuntimeError):
+class SGLangUnavailable(CleanerError, RuntimeError):
     """No SGLang server answers at the configured URL (or sglang is not installed)."""
 
 

@@ -1,0 +1,332 @@
+"""Issue #13 §2/§3/§5 and #21: every reader validates, every user error is one line, a failing command
+leaves nothing behind. Real Beam, real Parquet/DuckDB, real tiny policy; disk-full and read-only
+workspaces are real tmpfs mounts (skipped, with the reason, where this process may not mount)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import DEFAULT_POLICY, ConfigError, load_config
+from pipeline.errors import CleanerError
+from purifier.stage import run_purify_stage
+from storage.layout import RunLayout
+from storage.shards import MANIFEST, ShardError, read_manifest
+
+
+# ---------------------------------------------------------------- helpers
+
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file under root with its bytes: 'left nothing behind' is this staying equal."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+PROGRESS_BAR = re.compile(r"\d+/\d+ \[[\d:<?]+")  # transformers' weight-loading bar: console noise (#21), not an error
+
+
+PROGRESS_LINE = re.compile(r"^\[\w+ it \d+\] ")  # a stage's periodic progress on a non-terminal (#21)
+
+
+def one_line(err: str) -> str:
+    """The one `cleaner COMMAND: …` line of a refusal; progress output around it is not an error line."""
+    lines = [line for line in err.strip().splitlines()
+             if line.strip() and not PROGRESS_BAR.search(line) and not PROGRESS_LINE.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("cleaner ") and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    """`cleaner ARGV` in-process: (exit code, the single stderr line)."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse refusals
+        code = e.code
+    err = capsys.readouterr().err
+    return code, err
+
+
+def copy_iteration(cfg, root: Path, *parts: str) -> None:
+    src = RunLayout(cfg.storage.root, "w").iteration_dir(0)
+    for p in parts:
+        shutil.copytree(src / p, RunLayout(root, "w").iteration_dir(0) / p)
+
+
+def rewrite_part(shard: Path, table) -> None:
+    """Replace part 0 with `table` and patch the manifest, so only content validation can object."""
+    part = shard / "part-00000.parquet"
+    pq.write_table(table, part)
+    data = part.read_bytes()
+    m = json.loads((shard / MANIFEST).read_text())
+    m["parts"][0].update(bytes=len(data), crc32=f"{zlib.crc32(data) & 0xFFFFFFFF:08x}", rows=table.num_rows)
+    m["rows"] = sum(p["rows"] for p in m["parts"])
+    (shard / MANIFEST).write_text(json.dumps(m))
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size, ro=False) -> a fresh tmpfs folder; unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", ro: bool = False) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(fs: Path) -> Path:
+    """Use up every free byte of a tmpfs (what is left is below one page: any new data fails)."""
+    filler = fs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+# ---------------------------------------------------------------- §3 config errors, one line each
+
+def test_malformed_yaml_file_and_override_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  samples_per_prompt: [4,\nflow: {}\n")
+    code, err = run_cli(capsys, "config", "-c", str(bad))
+    line = one_line(err)
+    assert code == 2 and "bad.yaml" in line and "line" in line
+    code, err = run_cli(capsys, "config", "purify.gammas=[0.3,")
+    line = one_line(err)
+    assert code == 2 and "purify.gammas=[0.3," in line
+
+
+def test_non_utf8_config_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("flow: {run_id: caf\u00e9}\n".encode("latin-1"))
+    code, err = run_cli(capsys, "config", "-c", str(bad))
+    line = one_line(err)
+    assert code == 2 and "latin1.yaml" in line and "UTF-8" in line
+
+
+@pytest.mark.parametrize("override", [
+    "train.gamma=-0.1", "train.gamma=1.5", "purify.gammas=[.nan]", "flow.replay_gammas=[0.5, -1]",
+    "rollout.saar.gamma_live=2", "flow.iterations=true", "rollout.samples_per_prompt=yes",
+    "rollout.saar.max_retries=false", "rollout.saar.gate_p=true", "train.clip_eps_low=-0.2",
+])
+def test_out_of_range_values_are_refused_at_config_time(override, capsys):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+    code, err = run_cli(capsys, "config", override)
+    assert code == 2 and key in one_line(err)
+
+
+def test_always_deep_gamma_is_accepted():
+    assert load_config(None, ["train.gamma=1.01", "purify.gammas=[0, 1, 1.01]"]).train.gamma == 1.01
+
+
+def test_cli_gamma_is_validated_and_overrides_go_anywhere(tmp_path, capsys):
+    root = tmp_path / "ws"
+    root.mkdir()
+    code, err = run_cli(capsys, "replay", "--run", "missing", "--gamma", "-1", f"storage.root={root}")
+    assert code == 2 and "-1" in one_line(err)
+    code, err = run_cli(capsys, "replay", "--run", "nope", "--gamma", "nan", f"storage.root={root}")
+    assert code == 2 and "nan" in one_line(err)
+    # an override after the multi-value --gamma, and overrides on both sides of --run/--iteration
+    code, err = run_cli(capsys, "replay", "--run", "missing", "--iteration", "0", "--gamma", "0.5",
+                        f"storage.root={root}")
+    assert code == 1 and f"{root}/runs/missing" in one_line(err)
+    code, err = run_cli(capsys, "purify", f"storage.root={root}", "--run", "missing", "--iteration", "0",
+                        "purify.runner=FnApiRunner")
+    assert code == 1 and f"{root}/runs/missing" in one_line(err)
+    assert files_under(root) == {} and [p.name for p in root.iterdir()] == []
+
+
+# ---------------------------------------------------------------- §2 validated reads in purify
+
+def test_flipped_byte_in_a_raw_part_is_refused_by_purify(world_rollout, tmp_path):
+    copy_iteration(world_rollout, tmp_path, "raw")
+    part = RunLayout(tmp_path, "w").raw_dir(0) / "part-00000.parquet"
+    flip_byte(part)
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = tmp_path
+    cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
+    with pytest.raises(ShardError, match=r"raw/part-00000\.parquet: checksum mismatch"):
+        run_purify_stage(cfg, "w", 0)
+    assert read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)) is None
+    assert not (RunLayout(tmp_path, "w").iteration_dir(0) / ".staging").exists()
+
+
+def test_raw_part_with_a_dropped_column_is_one_line(world_rollout, tmp_path, capsys):
+    copy_iteration(world_rollout, tmp_path, "raw")
+    shard = RunLayout(tmp_path, "w").raw_dir(0)
+    rewrite_part(shard, pq.read_table(shard / "part-00000.parquet").drop_columns(["lived_ids"]))
+    before = files_under(tmp_path)
+    code, err = run_cli(capsys, "purify", "--run", "w", f"storage.root={tmp_path}", "purify.modes=[saar]",
+                        "purify.gammas=[0.5]")
+    line = one_line(err)
+    assert code == 1 and "part-00000.parquet: missing column 'lived_ids'" in line
+    assert files_under(tmp_path) == before
+
+
+def test_stale_staging_of_a_killed_purify_is_removed_by_the_rerun(world_rollout, tmp_path):
+    copy_iteration(world_rollout, tmp_path, "raw")
+    staging = RunLayout(tmp_path, "w").iteration_dir(0) / ".staging"
+    (staging / "purify-0badc0de").mkdir(parents=True)  # what a purify killed by SIGKILL leaves
+    (staging / "purify-0badc0de" / "saar-0.50.purified-00000-of-00001.parquet").write_bytes(b"half")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = tmp_path
+    cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
+    run_purify_stage(cfg, "w", 0)
+    assert not staging.exists()
+
+
+# ---------------------------------------------------------------- §2 update: trainer state, checkpoints
+
+def test_missing_trainer_state_is_refused_not_a_silent_optimizer_restart(purified_run, tmp_path):
+    from trainer.stage import DONE_MARKER, run_update_stage
+
+    # iteration 1 trains from the run's own checkpoint 1, whose optimizer state has gone missing
+    src = RunLayout(purified_run.storage.root, "w").iteration_dir(0)
+    dst = RunLayout(tmp_path, "w")
+    for p in ("raw", "purified"):
+        shutil.copytree(src / p, dst.iteration_dir(1) / p)
+    shutil.copytree(DEFAULT_POLICY, dst.checkpoint_dir(1))
+    (dst.checkpoint_dir(1) / DONE_MARKER).write_text("{}")
+    cfg = purified_run.model_copy(deep=True)
+    cfg.storage.root = tmp_path
+    with pytest.raises(CleanerError, match=r"checkpoints/iteration=0001/trainer_state\.pt"):
+        run_update_stage(cfg, "w", 1, log=lambda *_: None)
+    assert not dst.checkpoint_dir(2).exists()
+
+
+def test_truncated_safetensors_is_one_line(purified_run, tmp_path, capsys):
+    policy = tmp_path / "policy"
+    shutil.copytree(DEFAULT_POLICY, policy)
+    weights = policy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for command in ("rollout", "update"):
+        root = tmp_path / command
+        if command == "update":
+            shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+        code, err = run_cli(capsys, command, "--run", "w", f"storage.root={root}", f"rollout.policy={policy}",
+                            "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=1")
+        line = one_line(err)
+        assert code == 1 and "model.safetensors" in line and "truncated" in line, line
+        assert not RunLayout(root, "w").checkpoint_dir(1).exists()
+
+
+# ---------------------------------------------------------------- §3 workspace errors
+
+def test_workspace_under_a_file_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "hostname"
+    afile.write_text("x")
+    for argv in (["rollout"], ["inspect"], ["purify"]):
+        code, err = run_cli(capsys, *argv, f"storage.root={afile}/x")
+        line = one_line(err)
+        assert code == 1 and f"{afile}" in line, line
+
+
+def test_read_only_workspace_is_one_line(tmpfs, capsys):
+    root = tmpfs("1m", ro=True)
+    code, err = run_cli(capsys, "rollout", f"storage.root={root}")
+    assert code == 1 and "read-only" in one_line(err)
+
+
+def test_disk_full_during_rollout_leaves_nothing(tmpfs, capsys):
+    root = tmpfs("1m")
+    filler = fill(root)
+    before = files_under(root)
+    code, err = run_cli(capsys, "rollout", "--run", "w", f"storage.root={root}", "rollout.tasks_per_iteration=1",
+                        "rollout.samples_per_prompt=2")
+    line = one_line(err)
+    assert code == 1 and "disk is full" in line, line
+    assert files_under(root) == before and filler.exists()
+
+
+def test_disk_full_during_purify_leaves_nothing(world_rollout, tmpfs, capsys):
+    root = tmpfs("1m")
+    copy_iteration(world_rollout, root, "raw")
+    fill(root)
+    before = files_under(root)
+    code, err = run_cli(capsys, "purify", "--run", "w", f"storage.root={root}", "purify.modes=[saar]",
+                        "purify.gammas=[0.5]")
+    line = one_line(err)
+    assert code == 1 and "disk is full" in line, line
+    assert files_under(root) == before
+    assert not (RunLayout(root, "w").iteration_dir(0) / ".staging").exists()
+
+
+def test_disk_full_during_update_leaves_nothing(purified_run, tmpfs, capsys):
+    root = tmpfs("2m")
+    copy_iteration(purified_run, root, "raw", "purified")
+    fill(root)
+    before = files_under(root)
+    code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
+    line = one_line(err)
+    assert code == 1 and "disk is full" in line, line
+    assert files_under(root) == before  # no .partial.pt.tmp, no half checkpoint
+
+
+# ---------------------------------------------------------------- §2/§3 inspect and report
+
+def test_inspect_on_a_missing_root_says_so_and_creates_nothing(tmp_path, capsys):
+    typo = tmp_path / "worksapce"
+    code, err = run_cli(capsys, "inspect", f"storage.root={typo}")
+    line = one_line(err)
+    assert code == 1 and str(typo) in line and "does not exist" in line
+    assert not typo.exists()
+
+
+def test_inspect_bad_sql_is_one_line(tmp_path, capsys):
+    code, err = run_cli(capsys, "inspect", f"storage.root={tmp_path}", "--sql", "SELEC nonsense FROM nowhere")
+    assert code == 1 and "SELEC" in one_line(err)
+
+
+def test_inspect_names_corrupt_and_uncommitted_shards(world_rollout, tmp_path, capsys):
+    copy_iteration(world_rollout, tmp_path, "raw")
+    flip_byte(RunLayout(tmp_path, "w").raw_dir(0) / "part-00000.parquet")
+    crashed = RunLayout(tmp_path, "w").raw_dir(1)
+    crashed.mkdir(parents=True)
+    shutil.copy(RunLayout(world_rollout.storage.root, "w").raw_dir(0) / "part-00000.parquet", crashed)
+    code, err = run_cli(capsys, "inspect", f"storage.root={tmp_path}")
+    assert "Traceback" not in err
+    assert "iteration=0000/raw/part-00000.parquet: checksum mismatch" in err, err
+    assert "iteration=0001/raw: not committed" in err, err
+
+
+def test_report_of_a_missing_run_or_a_corrupt_shard_leaves_the_root_identical(world_rollout, tmp_path, capsys):
+    copy_iteration(world_rollout, tmp_path, "raw")
+    before = files_under(tmp_path)
+    dirs = sorted(p for p in tmp_path.rglob("*"))
+    code, err = run_cli(capsys, "report", "--run", "missing", f"storage.root={tmp_path}")
+    assert code == 1 and "missing" in one_line(err)
+    flip_byte(RunLayout(tmp_path, "w").raw_dir(0) / "part-00000.parquet")
+    before = files_under(tmp_path)
+    code, err = run_cli(capsys, "report", "--run", "w", f"storage.root={tmp_path}")
+    assert code == 1 and "part-00000.parquet: checksum mismatch" in one_line(err)
+    assert files_under(tmp_path) == before and sorted(p for p in tmp_path.rglob("*")) == dirs
