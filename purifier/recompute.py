@@ -5,7 +5,9 @@ sampled under (decided in purifier/saar.py). The others are recomputed under the
 
 - CPU backend: the group's prompt is forwarded once and its KV cache copied to every row; each row
   then forwards its response only up to its last token that needs a log-prob. Rows that need none
-  are not forwarded at all. (Tokens between the prompt and the splice are forwarded to rebuild
+  are not forwarded at all. Positions go through the cache in chunks of `chunk_tokens` (over all
+  rows), and log-probs come from `pipeline.logprobs.token_logprobs`, so memory stays bounded at
+  any length: no full-vocabulary logits for a whole sequence, no T×T attention scores. (Tokens between the prompt and the splice are forwarded to rebuild
   their KV: no cache survives from the rollout process on CPU.)
 - SGLang backend: prefill with max_new_tokens=0 and logprob_start_len=P−1; RadixAttention reuses
   the KV of the unchanged prefix that the rollout left in its cache.
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from pipeline.logprobs import split_causal_lm, token_logprobs
 from pipeline.trajectory import PurifiedTrajectory
 
 
@@ -26,12 +29,17 @@ def _needs(t: PurifiedTrajectory) -> list[int]:
 
 
 class CPURecompute:
-    def __init__(self, checkpoint: Path, temperature: float = 1.0, threads: int | None = 1) -> None:
+    def __init__(self, checkpoint: Path, temperature: float = 1.0, threads: int | None = 1,
+                 chunk_tokens: int = 1024) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
+        self.body, self.head = split_causal_lm(self.model)
         self.temperature = temperature if temperature > 0 else 1.0
+        # positions forwarded per step over all rows: bounds the attention scores and the logits
+        # (chunk_tokens × vocab floats) whatever the trajectories' length
+        self.chunk_tokens = chunk_tokens
         self.prefix_tokens = 0
 
     @torch.inference_mode()
@@ -45,31 +53,39 @@ class CPURecompute:
         if any(t.prompt_ids != prompt for _, t, _ in todo):
             raise ValueError("a recompute group must share one prompt")
         cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        for a in range(0, len(prompt), self.chunk_tokens):  # the prompt once, in chunks, into the cache
+            hidden = self.body(input_ids=torch.tensor([prompt[a: a + self.chunk_tokens]]), past_key_values=cache,
+                               use_cache=True).last_hidden_state
         self.prefix_tokens += len(prompt)
-        first_logits = out.logits[:, -1:, :]  # predicts response[0]
-        inputs = [t.response_ids[: need[-1]] for _, t, need in todo]  # logits up to the last needed token
+        n = len(todo)
+        first = torch.tensor([t.response_ids[0] for _, t, _ in todo])  # predicted by the prompt's last position
+        first_lp = token_logprobs(hidden[:, -1].expand(n, -1), first, self.head, self.temperature)
+        inputs = [t.response_ids[: need[-1]] for _, t, need in todo]  # up to the last needed token
         width = max(len(x) for x in inputs)
-        result = list(trajectories)
+        logp = torch.zeros((n, width + 1))
+        logp[:, 0] = first_lp
         if width:
-            cache.batch_repeat_interleave(len(todo))
-            ids = torch.zeros((len(todo), width), dtype=torch.long)
-            mask = torch.zeros((len(todo), len(prompt) + width), dtype=torch.long)
+            cache.batch_repeat_interleave(n)
+            ids = torch.zeros((n, width), dtype=torch.long)
+            targets = torch.zeros((n, width), dtype=torch.long)  # input j predicts response[j + 1]
+            mask = torch.zeros((n, len(prompt) + width), dtype=torch.long)
             mask[:, : len(prompt)] = 1
-            for r, x in enumerate(inputs):
+            for r, ((_, t, _), x) in enumerate(zip(todo, inputs)):
                 ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
+                targets[r, : len(x)] = torch.tensor(t.response_ids[1: len(x) + 1], dtype=torch.long)
                 mask[r, len(prompt): len(prompt) + len(x)] = 1
-            pos = torch.arange(len(prompt), len(prompt) + width)[None, :].expand(len(todo), -1)
-            rest = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                              use_cache=True).logits
-            logits = torch.cat([first_logits.expand(len(todo), -1, -1), rest], dim=1)
-        else:
-            logits = first_logits.expand(len(todo), -1, -1)
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+            step = max(1, self.chunk_tokens // n)
+            for a in range(0, width, step):
+                b = min(width, a + step)
+                pos = torch.arange(len(prompt) + a, len(prompt) + b)[None, :].expand(n, -1)
+                hidden = self.body(input_ids=ids[:, a:b], attention_mask=mask[:, : len(prompt) + b], position_ids=pos,
+                                   past_key_values=cache, use_cache=True).last_hidden_state
+                logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
+        result = list(trajectories)
         for r, (k, t, need) in enumerate(todo):
             lps = list(t.old_logprobs)
             for i in need:
-                lps[i] = float(logp[r, i, t.response_ids[i]])
+                lps[i] = float(logp[r, i])
             result[k] = replace(t, old_logprobs=lps, tokens_forwarded=len(inputs[r]))
         return result
 

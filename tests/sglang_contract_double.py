@@ -8,8 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import torch
-
+from pipeline.logprobs import sequence_logprobs
 from rollout_gen.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 
@@ -72,11 +71,10 @@ class SGLangContractDouble:
             }})
         return out
 
-    @torch.inference_mode()
     def _score(self, seq: list[int], start_len: int) -> dict:
-        logp = torch.log_softmax(self.engine.model(torch.tensor([seq])).logits[0].float(), -1)
-        entries = [[None, seq[start_len], None]] + [
-            [logp[k - 1, seq[k]].item(), seq[k], None] for k in range(start_len + 1, len(seq))]
+        # chunked over positions like every log-prob in cleaner: real vocabularies fit
+        lps = sequence_logprobs(self.engine.model, seq, start=start_len + 1)
+        entries = [[None, seq[start_len], None]] + [[lp, seq[k], None] for lp, k in zip(lps, range(start_len + 1, len(seq)))]
         return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": entries, "cached_tokens": start_len,
                                                              "finish_reason": {"type": "length", "length": 0}}}
 

@@ -1,4 +1,4 @@
-"""Purified rows → OpenRLHF-shaped training tensors, micro-batched by a token budget, groups whole.
+"""Purified rows → OpenRLHF-shaped training tensors, micro-batched by a token budget.
 
 For a row: sequences = prompt + response; `action_mask[t] = 1` iff sequences[t+1] is a trained
 token (OpenRLHF's T−1, shifted-by-one convention); `action_log_probs[t]` is the old policy's
@@ -61,17 +61,33 @@ def mini_batches(rows: list[PurifiedTrajectory], n: int) -> list[list[list[Purif
 
 
 def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int) -> list[MicroBatch]:
-    """Pack whole groups into micro-batches whose padded size stays within the budget (a group larger
-    than the budget gets a micro-batch of its own). Groups go in length order, so similar lengths share
-    a micro-batch and little is padded; the token-mean loss over the mini-batch does not depend on it."""
+    """Pack groups into micro-batches whose padded size stays within the budget. Groups go in length
+    order, so similar lengths share a micro-batch and little is padded. A group larger than the budget
+    is split into runs of rows (a row larger than the budget gets a micro-batch of its own): eight
+    8k-token rows are then eight forwards, not one of 64k tokens. The loss is a token mean over the
+    whole mini-batch (advantages are already in the rows), so none of this changes the update."""
+    def width_of(rows: list[PurifiedTrajectory]) -> int:
+        return max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
+
+    packs: list[list[PurifiedTrajectory]] = []
+    for g in sorted(groups, key=width_of):
+        if width_of(g) * len(g) <= token_budget:
+            packs.append(g)
+            continue
+        run: list[PurifiedTrajectory] = []
+        for r in sorted(g, key=lambda r: len(r.prompt_ids) + len(r.response_ids)):
+            if run and width_of(run + [r]) * (len(run) + 1) > token_budget:
+                packs.append(run)
+                run = []
+            run.append(r)
+        packs.append(run)
     out, current, width = [], [], 0
-    for g in sorted(groups, key=lambda g: max(len(r.prompt_ids) + len(r.response_ids) for r in g)):
-        g_width = max(len(r.prompt_ids) + len(r.response_ids) for r in g)
-        new_width = max(width, g_width)
-        if current and new_width * (len(current) + len(g)) > token_budget:
+    for pack in packs:
+        new_width = max(width, width_of(pack))
+        if current and new_width * (len(current) + len(pack)) > token_budget:
             out.append(collate(current, pad_id))
-            current, new_width = [], g_width
-        current += g
+            current, new_width = [], width_of(pack)
+        current += pack
         width = new_width
     if current:
         out.append(collate(current, pad_id))

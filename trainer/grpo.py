@@ -16,12 +16,14 @@ from typing import Callable
 import torch
 
 from pipeline.config import TrainConfig
+from pipeline.errors import CleanerError
 from pipeline.trajectory import PurifiedTrajectory
 from trainer.batches import micro_batches, mini_batches
+from trainer.chunked_actor import action_log_probs
 from trainer.openrlhf_compat import openrlhf_models
 
 
-class UpdateError(RuntimeError):
+class UpdateError(CleanerError, RuntimeError):
     """An update that cannot run on its input; nothing is written."""
 
 
@@ -131,8 +133,9 @@ class GRPOUpdate:
         self.zero_grad()
         loss_sum = clip = kl = ent = 0.0
         for i, m in enumerate(micros):
-            logp, out = self.actor(m.sequences, m.action_mask, attention_mask=m.attention_mask, return_output=True,
-                                   return_entropy=self.cfg.log_entropy)
+            # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
+            logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
+                                             return_entropy=self.cfg.log_entropy)
             loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages, action_mask=m.action_mask,
                                                           batch_num_tokens=max(1, tokens), dp_size=self.world_size)
             if not torch.isfinite(loss):
@@ -144,7 +147,7 @@ class GRPOUpdate:
             clip += clip_ratio.item() * share
             kl += ppo_kl.item() * share
             if self.cfg.log_entropy:
-                ent += float((out.entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
+                ent += float((entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
         loss_sum, clip, kl, ent = self.reduce([loss_sum, clip, kl, ent])
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.step()
@@ -175,8 +178,13 @@ def total_minibatches(rows: list[PurifiedTrajectory], cfg: TrainConfig) -> int:
 def save_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, progress: UpdateProgress, key: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "update": update.state_dict(), "progress": progress, "key": key}, tmp)
-    tmp.replace(path)
+    try:  # through a file object: a full disk is then an OSError (ENOSPC), not an opaque RuntimeError
+        with open(tmp, "wb") as f:
+            torch.save({"model": model.state_dict(), "update": update.state_dict(), "progress": progress, "key": key}, f)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave a half-written .partial.pt.tmp behind
+        raise
 
 
 def load_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, key: str) -> UpdateProgress | None:

@@ -1,0 +1,88 @@
+"""Token log-probs without full-vocabulary logits for whole sequences: the one place that computes them.
+
+At Qwen3's vocabulary (151,936) one float32 logit row is 0.6 MB, so an 8k-token sequence's logits
+are ~5 GB per row (and a log_softmax over them doubles it). Everything that needs log-probs of
+given tokens (the CPU recompute, the update's policy log-probs, the engine's prefill, the SGLang
+contract double) goes through `token_logprobs`: hidden states → lm_head → logsumexp per chunk of
+positions, gathering only the target tokens, so at most `chunk` positions' logits exist at once.
+Under autograd every chunk is checkpointed: backward recomputes one chunk's logits at a time
+instead of keeping all of them for the softmax gradient.
+
+What must hold for a model (checked by `split_causal_lm`): logits = lm_head(final hidden state),
+with no logit soft-capping or scaling in between (true of Qwen2/2.5/3, Llama, Mistral).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK = 512  # positions per lm_head call: 512 × 151,936 × 4 B ≈ 311 MB of logits
+
+
+def split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(body returning final hidden states, lm_head) of a transformers causal LM."""
+    cfg = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if cfg is not None and getattr(cfg, attr, None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); chunked log-probs assume "
+                             "logits = lm_head(hidden)")
+    head = model.get_output_embeddings()
+    body = getattr(model, "base_model", None)
+    if head is None or body is None or body is model:
+        raise ValueError(f"{type(model).__name__} has no separate body and lm_head")
+    return body, head
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                    temperature: float) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets[:, None])[:, 0]
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_entropy(hidden: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, temperature: float = 1.0,
+                   chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """log softmax(head(hidden) / T)[targets] for hidden (..., H) and targets (...): float32, shape (...)."""
+    shape = targets.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1).long()
+    grad = torch.is_grad_enabled() and (flat_h.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for a in range(0, flat_t.numel(), chunk):
+        h, t = flat_h[a: a + chunk], flat_t[a: a + chunk]
+        if grad:  # keep only this chunk's hidden states; backward recomputes its logits
+            parts.append(checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(h, t, head, temperature))
+    if not parts:
+        return torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+    return torch.cat(parts).reshape(shape)
+
+
+@torch.no_grad()
+def token_entropy(hidden: torch.Tensor, head: torch.nn.Module, temperature: float = 1.0,
+                  chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Entropy of softmax(head(hidden) / T) per position, chunked like `token_logprobs` (a metric: no grad)."""
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    parts = [_chunk_entropy(flat_h[a: a + chunk], head, temperature) for a in range(0, flat_h.shape[0], chunk)]
+    return torch.cat(parts).reshape(hidden.shape[:-1]) if parts else hidden.new_zeros(hidden.shape[:-1])
+
+
+def sequence_logprobs(model: torch.nn.Module, ids: list[int], start: int = 1, temperature: float = 1.0,
+                      chunk: int = DEFAULT_CHUNK) -> list[float]:
+    """log p(ids[k] | ids[:k]) for k in [start, len(ids)) with one body forward and chunked lm_head."""
+    body, head = split_causal_lm(model)
+    with torch.inference_mode():
+        hidden = body(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        targets = torch.tensor(ids[start:])
+        return token_logprobs(hidden[start - 1: len(ids) - 1], targets, head, temperature, chunk).tolist()
