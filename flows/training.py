@@ -9,8 +9,22 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 
+from flows.console import quiet_libraries
+from flows.env import retry_unless_user_error, user_errors_without_tracebacks
 from flows.run_config import freeze_run_config
 from pipeline.config import CleanerConfig, load_config
+
+quiet_libraries()  # flows served by a deployment run in a fresh process that starts here
+user_errors_without_tracebacks()
+
+
+def describe_purified(purified: list[tuple[str, float, int, int]]) -> str:
+    """`saar γ=0.50: 60 rows (4 dead letters), raw: 64 rows` from the purify task's (mode, γ, rows, dead)."""
+    parts = []
+    for mode, gamma, rows, dead in purified:
+        name = f"{mode} γ={gamma:.2f}" if mode == "saar" else mode
+        parts.append(f"{name}: {rows} rows" + (f" ({dead} dead letters)" if dead else ""))
+    return ", ".join(parts) or "nothing"
 
 
 def _cfg(config_file: str | None, overrides: list[str] | None) -> CleanerConfig:
@@ -22,7 +36,8 @@ def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
     from rollout_gen.stage import run_rollout_stage
     from trainer.stage import checkpoint_for
 
-    return run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration), show_progress=False).rows
+    return run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration),
+                             log=get_run_logger().info).rows
 
 
 @task(name="purify", cache_policy=NONE)
@@ -67,10 +82,11 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     gammas = list(dict.fromkeys([*cfg.purify.gammas, cfg.train.gamma]))
     checkpoint = ""
     for i in range(cfg.flow.iterations):
-        n = rollout_task.with_options(retries=retries)(cfg, run_id, i)
-        purified = purify_task.with_options(retries=retries)(cfg, run_id, i, modes, gammas)
-        checkpoint = update_task.with_options(retries=retries)(cfg, run_id, i)
-        log.info(f"iteration {i}: {n} trajectories, purified {purified}, checkpoint {checkpoint}")
+        again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
+        n = rollout_task.with_options(**again)(cfg, run_id, i)
+        purified = purify_task.with_options(**again)(cfg, run_id, i, modes, gammas)
+        checkpoint = update_task.with_options(**again)(cfg, run_id, i)
+        log.info(f"iteration {i}: {n} trajectories; purified {describe_purified(purified)}; checkpoint {checkpoint}")
         _artifact(cfg, run_id, i)
     return checkpoint
 

@@ -63,7 +63,6 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
     path = tmp_path / "aime_like.parquet"
     pq.write_table(pa.Table.from_pylist([{"problem": "What is 12 + 30?", "answer": "42"},
                                          {"problem": "What is 7 * 6?", "answer": "42"}]), path)
-    assert main(["eval", "--tasks", str(path)]) == 0
-    out = capsys.readouterr().out
-    metrics, _ = json.JSONDecoder().raw_decode(out[out.index('{\n "trajectories"'):])
-    assert metrics["trajectories"] == 2 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert main(["eval", "--tasks", str(path), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
+    assert metrics["trajectories"] == 2 and metrics["accuracy"] in (0.0, 0.5, 1.0)

@@ -1,0 +1,222 @@
+"""Prefect servers on 127.0.0.1, each stopped by its own pid: the project's persistent server, and
+the temporary server of one command.
+
+The temporary server (`start_temporary_server`, used by train/demo/eval when PREFECT_API_URL is
+unset) dies with its command, even under kill -9, so it cannot schedule anything. `cleaner schedule` and `cleaner server start`
+therefore run `prefect server start` with the project's Prefect home (`<root>/.prefect`), record its
+pid, port and URL in `<root>/.prefect/server.json`, and reuse it while it answers. Only that pid (and
+its process group) is ever signalled.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from flows.env import configure_prefect
+from pipeline.errors import CleanerError
+
+HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+STATE_FILE = "server.json"
+
+
+class ServerError(CleanerError):
+    """The local Prefect server could not be started or reached."""
+
+
+@dataclass(frozen=True)
+class ServerState:
+    pid: int
+    port: int
+    url: str  # the API URL: what PREFECT_API_URL must be set to
+    log: str
+
+
+def prefect_home(root: Path) -> Path:
+    return Path(root).resolve() / ".prefect"
+
+
+def _state_path(root: Path) -> Path:
+    return prefect_home(root) / STATE_FILE
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def running_server(root: Path) -> ServerState | None:
+    """The project's server if its recorded pid is alive and it answers; None otherwise."""
+    path = _state_path(root)
+    try:
+        state = ServerState(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if _alive(state.pid) and healthy(state.url):
+        return state
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> str | None:
+    """None once `url` answers; else what went wrong (the process exited, or the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with code {proc.returncode} while starting"
+        if healthy(url):
+            return None
+        time.sleep(0.2)
+    return f"did not answer on {url} within {timeout:.0f} s"
+
+
+def server_env(root: Path) -> dict[str, str]:
+    """The environment a project server (and every client of it) runs with."""
+    return {**os.environ, "PREFECT_HOME": str(prefect_home(root)), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
+                 ui: bool = True) -> tuple[ServerState, bool]:
+    """Start (or reuse) the project's Prefect server once /health answers: (state, started by this call)."""
+    current = running_server(root)
+    if current is not None:
+        return current, False
+    home = prefect_home(root)
+    home.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    url = f"http://{HOST}:{port}/api"
+    log_path = home / "server.log"
+    env = server_env(root)
+    env.pop("PREFECT_API_URL", None)  # the server itself must not try to talk to another one
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
+           "--ui" if ui else "--no-ui", "--analytics-off"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)  # its own group: stopped as a whole, by our pid
+    state = ServerState(proc.pid, port, url, str(log_path))
+    problem = _wait_healthy(proc, url, timeout)
+    if problem:
+        _terminate(proc.pid)
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise ServerError(f"prefect server {problem}: {tail[0]} (log: {log_path})")
+    tmp = _state_path(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state)))
+    os.replace(tmp, _state_path(root))
+    return state, True
+
+
+def _terminate(pid: int, grace: float = 10.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        try:
+            os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+        except ChildProcessError:
+            pass
+        if not _alive(pid):
+            return
+
+
+def stop_server(root: Path) -> ServerState | None:
+    """Stop the project's server by its recorded pid; returns what was stopped (None: nothing ran)."""
+    path = _state_path(root)
+    try:
+        state = ServerState(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if _alive(state.pid):
+        _terminate(state.pid)
+    path.unlink(missing_ok=True)
+    return state
+
+
+# ---- the temporary server of one command --------------------------------------------------------
+
+def _die_with(parent: int):
+    """preexec_fn: the kernel SIGKILLs the child when the thread that started it dies, however it dies
+    (kill -9 included), so no server outlives its command."""
+    def set_pdeathsig() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return set_pdeathsig
+
+
+def start_temporary_server(root: Path) -> str | None:
+    """Start Prefect's temporary API server ourselves, from the main thread, bound to this process's
+    life; returns its API URL (also exported as PREFECT_API_URL), or None when the user set one.
+
+    Prefect would start the same server (uvicorn over `prefect.server.api.server:create_app`, SQLite in
+    PREFECT_HOME) on first use, but only stops it from an atexit hook: after kill -9 of the command it
+    kept running and listening. Started here, it dies with the command (PR_SET_PDEATHSIG) and is stopped
+    by its own pid on a normal exit.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    configure_prefect(root)
+    port = free_port()
+    app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    print(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)",
+          file=sys.stderr, flush=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory", "prefect.server.api.server:create_app",
+         "--host", HOST, "--port", str(port), "--log-level", "error", "--lifespan", "on"],
+        env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    atexit.register(stop)
+    url = f"http://{HOST}:{port}/api"
+    problem = _wait_healthy(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    if problem:
+        stop()
+        raise ServerError(f"the temporary Prefect server {problem} (home {os.environ['PREFECT_HOME']}; start-up "
+                          "timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+    os.environ["PREFECT_API_URL"] = url
+    return url

@@ -1,0 +1,87 @@
+"""Scheduling that fires: `cleaner schedule` on the embedded default starts a real local Prefect server,
+serves the training deployment on a short interval, and the server's scheduler creates runs that
+complete and commit a raw shard. Everything is stopped by its own pid."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from storage.layout import RunLayout
+from storage.shards import read_manifest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = """\
+storage: {{root: {root}}}
+flow: {{run_id: sched, iterations: 1}}
+rollout: {{tasks_per_iteration: 2, samples_per_prompt: 2}}
+purify: {{modes: [saar], gammas: [0.5]}}
+train: {{mini_batches: 1}}
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[-1][0] != "Z"
+
+
+def _completed_runs(url: str) -> list[dict]:
+    body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
+    req = urllib.request.Request(f"{url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.format(root=tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    log = open(tmp_path / "schedule.log", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "schedule", "--interval", "20", "--no-ui",
+                          "--name", "sched-test", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    state_file = tmp_path / ".prefect" / "server.json"
+    server_pid, url, completed = None, None, []
+    try:
+        deadline = time.time() + 360
+        while time.time() < deadline and not completed:
+            assert p.poll() is None, (tmp_path / "schedule.log").read_text()[-3000:]
+            if url is None and state_file.exists():
+                state = json.loads(state_file.read_text())
+                server_pid, url = state["pid"], state["url"]
+            if url is not None:
+                completed = [r for r in _completed_runs(url) if r["name"]]
+            time.sleep(2)
+        out = (tmp_path / "schedule.log").read_text()
+        assert completed, f"no scheduled run completed within the deadline:\n{out[-3000:]}"
+        assert completed[0]["deployment_id"] is not None  # created by the deployment's schedule, not by hand
+        assert read_manifest(RunLayout(tmp_path, "sched").raw_dir(0)).rows == 4
+        # The printed trigger command works from a plain shell (no PREFECT_HOME, nothing but the URL).
+        trigger = re.search(r"^\s+(PREFECT_API_URL=\S+) (prefect deployment run .+)$", out, re.M)
+        assert trigger, out[-3000:]
+        plain = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+                 trigger.group(1).split("=", 1)[0]: trigger.group(1).split("=", 1)[1]}
+        ran = subprocess.run(["bash", "-c", trigger.group(2)], env=plain, capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+    finally:
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        if server_pid is not None and _alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+            raise AssertionError("the Prefect server outlived `cleaner schedule`")
+    assert not state_file.exists()
