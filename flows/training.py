@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -25,6 +26,13 @@ def describe_purified(purified: list[tuple[str, float, int, int]]) -> str:
         name = f"{mode} γ={gamma:.2f}" if mode == "saar" else mode
         parts.append(f"{name}: {rows} rows" + (f" ({dead} dead letters)" if dead else ""))
     return ", ".join(parts) or "nothing"
+
+
+def publish_catalog(cfg: CleanerConfig, warn: Callable[[str], None]) -> None:
+    """Republish <root>/catalog.duckdb after a stage committed (never fails the flow)."""
+    from storage.catalog import publish_quietly
+
+    publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, warn)
 
 
 def _cfg(config_file: str | None, overrides: list[str] | None) -> CleanerConfig:
@@ -84,8 +92,11 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     for i in range(cfg.flow.iterations):
         again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
         n = rollout_task.with_options(**again)(cfg, run_id, i)
+        publish_catalog(cfg, log.warning)  # every committed shard is queryable at once
         purified = purify_task.with_options(**again)(cfg, run_id, i, modes, gammas)
+        publish_catalog(cfg, log.warning)
         checkpoint = update_task.with_options(**again)(cfg, run_id, i)
+        publish_catalog(cfg, log.warning)
         log.info(f"iteration {i}: {n} trajectories; purified {describe_purified(purified)}; checkpoint {checkpoint}")
         _artifact(cfg, run_id, i)
     return checkpoint
@@ -100,6 +111,7 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
     out = []
     for i in iterations if iterations is not None else [0]:
         out += purify_task(cfg, cfg.flow.run_id, i, modes or ["saar"], gammas or cfg.flow.replay_gammas)
+        publish_catalog(cfg, get_run_logger().warning)
     return out
 
 

@@ -135,12 +135,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish_catalog(cfg: CleanerConfig) -> None:
+    """A stage run alone republishes the catalog file too (one warning if it cannot)."""
+    from storage.catalog import publish_quietly
+
+    publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog,
+                    lambda message: print(f"cleaner: {message}", file=sys.stderr))
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     from rollout_gen.stage import run_rollout_stage
 
     cfg = _config(args)
     checkpoint = args.checkpoint or cfg.rollout.policy
     manifest = run_rollout_stage(cfg, args.run or cfg.flow.run_id, args.iteration, checkpoint)
+    _publish_catalog(cfg)
     print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}")
     return 0
 
@@ -150,6 +159,7 @@ def cmd_purify(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma)
+    _publish_catalog(cfg)
     for r in results:
         state = "kept (already committed)" if r.skipped else "written"
         print(f"mode={r.mode} gamma={r.gamma:g}: {r.rows} rows, {r.dead} dead letters — {state}")
@@ -160,7 +170,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from purifier.replay_cmd import run_replay
 
     cfg = _config(args)
-    return run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep)
+    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep)
+    _publish_catalog(cfg)
+    return code
 
 
 def cmd_update(args: argparse.Namespace) -> int:
@@ -168,6 +180,7 @@ def cmd_update(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     target = run_update_stage(cfg, args.run or cfg.flow.run_id, args.iteration)
+    _publish_catalog(cfg)
     print(f"checkpoint: {target}")
     return 0
 

@@ -5,21 +5,31 @@ that crashed mid-way never shows up half-written, and every part is validated ag
 first (size, crc32, schema version, columns, rows; storage.shards.check_part). A shard that fails, or
 one with parts but no manifest, is left out of the views and listed in `Catalog.problems`, which
 `cleaner inspect` prints and `cleaner report` refuses. `refresh()` rebuilds the views after new shards.
+
+The catalog file users open (`<root>/catalog.duckdb`) is published, never edited: `publish` builds a
+new file beside it and renames it over the old one after every stage commit (and every `cleaner
+inspect`). Nothing ever opens the published file for writing, so a duckdb CLI or notebook holding it
+open (read-only or not) blocks no flow and no command, and the next open sees every committed
+shard. Views list absolute paths, so the file works from any working directory.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import duckdb
 import pyarrow as pa
 
+from storage.layout import DEFAULT_MEASURE_KEY
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
 from storage.shards import MANIFEST, PART_GLOB, ShardError, check_part, committed_manifest
 
 # Parts validated by this process, by (path, size, mtime): a flow refreshes the catalog every iteration
 # and must not re-read every earlier shard each time. A changed file has another size or mtime.
 _VERIFIED: set[tuple[str, int, int]] = set()
+CLI_STORAGE_VERSION = "v1.5.0"
 
 
 @dataclass(frozen=True)
@@ -95,13 +105,13 @@ SELECT run_id, iteration, prompt_id, sample_idx, saar_gate, live_mode, position_
 FROM att;
 
 CREATE OR REPLACE VIEW splices AS
-SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, s.position_idx AS position_idx,
+SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, s.position_idx AS position_idx,
        s.attempt_idx AS attempt_idx, s.kind AS kind, s.similarity AS similarity,
        s.tokens_removed AS tokens_removed, s.first_recomputed AS first_recomputed, s.split_failed AS split_failed
-FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, UNNEST(splices) AS s FROM purified);
+FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, UNNEST(splices) AS s FROM purified);
 
 CREATE OR REPLACE VIEW purify_compare AS
-SELECT p.run_id, p.iteration, p.mode, p.gamma,
+SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure,
        count(*) AS trajectories,
        avg(len(r.lived_ids)) AS raw_response_tokens,
        avg(len(p.response_ids)) AS purified_response_tokens,
@@ -119,14 +129,24 @@ ORDER BY ALL;
 """
 
 
+# The similarity measure of a SAAR partition: the name after γ (gamma=0.50-difflib-segment), else the
+# default measure; modes without splices have none.
+_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) <> 'saar' THEN NULL ELSE "
+                f"coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
+                f"'{DEFAULT_MEASURE_KEY}') END")
+
+
 class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
     def __init__(self, root: Path, database: str | Path | None = None) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()  # views hold absolute paths: usable from any directory
         self.database = str(database) if database is not None else ":memory:"
         self.problems: list[Problem] = []
-        self.con = duckdb.connect(self.database)
+        # Written in a format the duckdb CLI that set-up installs (duckdb-cli 1.5.x; the registry has no
+        # 2.x CLI) can open: the 2.0 client's default storage version is newer than it reads.
+        config = {} if self.database == ":memory:" else {"storage_compatibility_version": CLI_STORAGE_VERSION}
+        self.con = duckdb.connect(self.database, config=config)
         try:
             self.refresh()
         except BaseException:
@@ -143,9 +163,15 @@ class Catalog:
         self.problems = []
         for view, (pattern, schema) in sources.items():
             files = _scan(self.root, pattern, schema, self.problems)
-            source = (f"read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false)" if files
-                      else _empty_table(self.con, view, schema))
-            self.con.execute(f"CREATE OR REPLACE VIEW {view} AS SELECT * FROM {source}")
+            partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
+            if files:
+                source = (f"read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false"
+                          + (", filename=true)" if partitioned else ")"))
+            else:
+                source = _empty_table(self.con, view, schema)
+            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned and files else (
+                "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *")
+            self.con.execute(f"CREATE OR REPLACE VIEW {view} AS {select} FROM {source}")
         self.con.execute(VIEWS_SQL)
 
     def query(self, sql: str) -> pa.Table:
@@ -159,3 +185,34 @@ class Catalog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def publish(root: Path, database: Path) -> list[Problem]:
+    """Rebuild the catalog file: built under a temporary name beside it, then renamed over it (atomic).
+
+    The published file is never opened here, so whoever holds it open keeps working (on the views it
+    opened) and blocks nothing; the shards left out are returned."""
+    database = Path(database).resolve()
+    tmp = database.with_name(f".{database.name}.{os.getpid()}.tmp")
+    leftovers = (tmp, tmp.with_name(tmp.name + ".wal"))
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    try:
+        with Catalog(root, tmp) as cat:
+            problems = cat.problems
+            cat.con.execute("CHECKPOINT")
+        os.replace(tmp, database)
+    finally:
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+    return problems
+
+
+def publish_quietly(root: Path, database: Path, warn: Callable[[str], None]) -> None:
+    """`publish`, for callers that must not fail because of the catalog (a training flow): a failure is
+    one warning, and the next commit or `cleaner inspect` publishes again."""
+    try:
+        publish(root, database)
+    except Exception as e:  # noqa: BLE001 - the shards are committed whatever happens to their catalog
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warn(f"catalog {database} not refreshed ({first}); `cleaner inspect` rebuilds it")

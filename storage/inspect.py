@@ -8,7 +8,7 @@ from rich.table import Table
 
 from pipeline.config import CleanerConfig
 from pipeline.errors import InspectError, WorkspaceError
-from storage.catalog import Catalog
+from storage.catalog import Catalog, publish_quietly
 
 EXAMPLE_QUERIES = {
     "tool-error rate per iteration": (
@@ -63,16 +63,17 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
     import sys
 
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
-    db = cfg.storage.root / cfg.storage.catalog
+    db = (cfg.storage.root / cfg.storage.catalog).resolve()
     if print_queries:
-        console.print(f"duckdb {db}")
+        console.print(f"duckdb -readonly {db}")
         for title, q in EXAMPLE_QUERIES.items():
             console.print(f"-- {title}\n{q};\n")
         return 0
     if not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
         raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
                              "storage.root or --config)")
-    with Catalog(cfg.storage.root, db) as cat:
+    publish_quietly(cfg.storage.root, db, lambda m: print(f"cleaner inspect: {m}", file=sys.stderr))
+    with Catalog(cfg.storage.root) as cat:  # in memory: another process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
         if sql:
@@ -88,5 +89,6 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         for run in runs:  # the numbers `cleaner report` plots
             print_table(console, f"per iteration: {run}",
                         cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table())
-    console.print(f"catalog: {db}  (views: raw_trajectories, raw_attempts, purified, splices, purify_compare)")
+    console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, purified, splices, "
+                  "purify_compare, dead_letters, metrics)")
     return 0

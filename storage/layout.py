@@ -5,6 +5,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+# The similarity measure whose partitions carry no suffix (gamma=0.50); pipeline.similarity's
+# DEFAULT_MEASURE has this key (tested).
+DEFAULT_MEASURE_KEY = "rapidfuzz-segment"
+
+
 def format_gamma(gamma: float) -> str:
     """0.5 -> '0.50', 1.01 -> '1.01', 0.125 -> '0.125': stable partition names for γ."""
     two = f"{gamma:.2f}"

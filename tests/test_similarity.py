@@ -87,3 +87,10 @@ def test_measures_get_their_own_partitions(tmp_path):
     assert layout.purified_dir(0, "saar", 0.5, partition_measure("saar", REFERENCE_MEASURE)).name == \
         "gamma=0.50-difflib-segment"
     assert partition_measure("raw", REFERENCE_MEASURE) == ""
+
+
+def test_default_measure_is_the_one_whose_partitions_have_no_suffix():
+    from pipeline.similarity import DEFAULT_MEASURE
+    from storage.layout import DEFAULT_MEASURE_KEY
+
+    assert DEFAULT_MEASURE.key == DEFAULT_MEASURE_KEY  # storage cannot import pipeline: the two must agree
