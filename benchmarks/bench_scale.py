@@ -54,8 +54,9 @@ def child(kind: str, length: int, policy: str) -> dict:
 
         from pipeline.config import TrainConfig
         from trainer.grpo import GRPOUpdate
+        from trainer.stage import UPDATE_ATTENTION
 
-        model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, attn_implementation=UPDATE_ATTENTION)
         GRPOUpdate(model, TrainConfig(mini_batches=1, warmup_steps=0)).minibatch([rows], model.config.pad_token_id)
     elif kind == "unchunked_recompute_1row":  # the pre-issue-16 recompute: full logits, log_softmax
         from transformers import AutoModelForCausalLM
