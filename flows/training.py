@@ -9,11 +9,13 @@ from typing import Callable
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
+from prefect.states import Completed, State
 
 from flows.console import quiet_libraries
 from flows.env import retry_unless_user_error, user_errors_without_tracebacks
 from flows.run_config import freeze_run_config
 from pipeline.config import CleanerConfig, load_config
+from storage.layout import RunLayout
 
 quiet_libraries()  # flows served by a deployment run in a fresh process that starts here
 user_errors_without_tracebacks()
@@ -39,27 +41,46 @@ def _cfg(config_file: str | None, overrides: list[str] | None) -> CleanerConfig:
     return load_config(config_file, overrides or [])
 
 
+def _result(value: object, skipped: bool) -> object:
+    """A stage's result as the task's final state: a skipped stage reads `Completed('skipped (committed)')`
+    in the run log instead of a plain `Completed()`."""
+    return Completed(message="skipped (committed)", data=value) if skipped else value
+
+
+def _value(result: object) -> object:
+    return result.result() if isinstance(result, State) else result
+
+
 @task(name="rollout", cache_policy=NONE)
 def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
     from rollout_gen.stage import run_rollout_stage
+    from storage.shards import is_committed
     from trainer.stage import checkpoint_for
 
-    return run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration),
-                             log=get_run_logger().info).rows
+    committed = is_committed(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
+    manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration),
+                                 log=get_run_logger().info)
+    return _result(manifest.rows, committed)
 
 
 @task(name="purify", cache_policy=NONE)
 def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str], gammas: list[float]) -> list:
     from purifier.stage import run_purify_stage
 
-    return [(r.mode, r.gamma, r.rows, r.dead) for r in run_purify_stage(cfg, run_id, iteration, modes, gammas)]
+    log = get_run_logger().info
+    log(f"[purify it {iteration}] modes {', '.join(modes)} × γ {', '.join(f'{g:g}' for g in gammas)} on Beam "
+        f"({cfg.purify.runner})")
+    results = run_purify_stage(cfg, run_id, iteration, modes, gammas)
+    log(f"[purify it {iteration}] {describe_purified([(r.mode, r.gamma, r.rows, r.dead) for r in results])}")
+    return _result([(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results))
 
 
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
-    from trainer.stage import run_update_stage
+    from trainer.stage import DONE_MARKER, run_update_stage
 
-    return str(run_update_stage(cfg, run_id, iteration, log=get_run_logger().info))
+    done = (RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1) / DONE_MARKER).is_file()
+    return _result(str(run_update_stage(cfg, run_id, iteration, log=get_run_logger().info)), done)
 
 
 def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
@@ -91,11 +112,11 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     checkpoint = ""
     for i in range(cfg.flow.iterations):
         again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
-        n = rollout_task.with_options(**again)(cfg, run_id, i)
+        n = _value(rollout_task.with_options(**again)(cfg, run_id, i))
         publish_catalog(cfg, log.warning)  # every committed shard is queryable at once
-        purified = purify_task.with_options(**again)(cfg, run_id, i, modes, gammas)
+        purified = _value(purify_task.with_options(**again)(cfg, run_id, i, modes, gammas))
         publish_catalog(cfg, log.warning)
-        checkpoint = update_task.with_options(**again)(cfg, run_id, i)
+        checkpoint = _value(update_task.with_options(**again)(cfg, run_id, i))
         publish_catalog(cfg, log.warning)
         log.info(f"iteration {i}: {n} trajectories; purified {describe_purified(purified)}; checkpoint {checkpoint}")
         _artifact(cfg, run_id, i)
@@ -110,7 +131,7 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
     cfg = _cfg(config_file, overrides)
     out = []
     for i in iterations if iterations is not None else [0]:
-        out += purify_task(cfg, cfg.flow.run_id, i, modes or ["saar"], gammas or cfg.flow.replay_gammas)
+        out += _value(purify_task(cfg, cfg.flow.run_id, i, modes or ["saar"], gammas or cfg.flow.replay_gammas))
         publish_catalog(cfg, get_run_logger().warning)
     return out
 

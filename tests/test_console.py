@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,14 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
     # The per-iteration summary is prose, not a Python repr of tuples.
     assert "purified saar γ=0.50: 4 rows, raw: 4 rows" in console, console
     assert "[('saar'" not in console
+    # A progress indication for each stage, on stderr (stdout keeps the command's result alone).
+    for stage in ("[rollout it 0]", "[purify it 0]", "[update] step 1"):
+        assert stage in p.stderr, f"no progress for {stage}:\n{p.stderr}"
+    assert p.stdout.strip().startswith("final checkpoint:"), p.stdout
+    # Rerun: every stage is committed and says so, rather than a plain "Completed()".
+    again = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for stage in ("rollout", "purify", "update"):
+        assert re.search(rf"Task run '{stage}-\w+' - Finished in state Completed\('skipped \(committed\)'\)",
+                         again.stderr), again.stderr
