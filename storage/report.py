@@ -5,7 +5,7 @@ import html
 from pathlib import Path
 
 from storage.catalog import Catalog
-from storage.layout import RunLayout
+from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
 from storage.shards import ShardError, ShardMissing
 
 ITERATIONS_SQL = """
@@ -47,13 +47,36 @@ def markdown_table(rows: list[dict]) -> str:
                      + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
 
 
+CAPTIONS = {
+    "reward_accuracy": "Mean reward and accuracy (reward > 0) of the iteration's rollouts, sampled from the "
+                       "policy the previous update produced.",
+    "tool_error_rate": "Failed first attempts per trajectory (tool calls whose code raised or timed out).",
+    "similarity_hist": "Similarity of failed and retried call segments at every splice, per similarity measure; "
+                       "the dashed line is the trained γ (splices at or above it are shallow).",
+    "shallow_deep": "Shallow and deep splices per purified iteration, for every γ and measure purified "
+                    "(counts averaged over the iterations purified at that γ, so replays of one iteration "
+                    "compare with training at every iteration).",
+    "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
+               "each purification variant.",
+    "failed_tokens": "Share of generated tokens spent in failed attempts and their error feedback.",
+}
+
+
+def _variant(r: dict) -> str:
+    name = r["mode"] if r["mode"] != "saar" else f"saar γ={r['gamma']:g}"
+    measure = r.get("measure")
+    return name + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
+
+
 def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    run_dir = RunLayout(root, run_id).run_dir
+    layout = RunLayout(root, run_id)
+    run_dir = layout.run_dir
     if not run_dir.is_dir():
         raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
     out = out or run_dir / "report"
@@ -62,15 +85,24 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         if corrupt:  # plots without a damaged shard would misreport the run
             raise ShardError(f"{corrupt[0]} (the report would leave this shard out; restore or remove it)")
         its = _q(cat, ITERATIONS_SQL, run_id)
-        sims = _q(cat, "SELECT gamma, kind, similarity FROM splices WHERE run_id = $run AND mode = 'saar'", run_id)
-        compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma", run_id)
+        sims = _q(cat, "SELECT iteration, gamma, measure, kind, similarity FROM splices "
+                       "WHERE run_id = $run AND mode = 'saar'", run_id)
+        compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, measure",
+                     run_id)
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
     if not its:
         raise ShardMissing(f"run {run_id!r} has no committed raw shards under {root}")
     out.mkdir(parents=True, exist_ok=True)  # only once there is something to write: a refusal leaves nothing
     x = [r["iteration"] for r in its]
-    figs = {}
+    figs: dict[str, str] = {}
+
+    def axes(title: str, ylabel: str, xlabel: str = "iteration"):
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        ax.set_title(title), ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
+        if xlabel == "iteration":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        return fig, ax
 
     def save(name: str, fig) -> None:
         fig.tight_layout()
@@ -78,38 +110,47 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         plt.close(fig)
         figs[name] = f"{name}.png"
 
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = axes("reward and accuracy", "reward (−1…1) / accuracy (0…1)")
     ax.plot(x, [r["mean_reward"] for r in its], "o-", label="mean reward")
     ax.plot(x, [r["accuracy"] for r in its], "s-", label="accuracy")
-    ax.set_xlabel("iteration"), ax.legend(), ax.set_title("reward and accuracy")
+    ax.set_ylim(-1.05, 1.05), ax.legend()  # the whole range: small changes are not blown up
     save("reward_accuracy", fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = axes("tool-error rate", "failed first attempts / trajectory")
     ax.plot(x, [r["tool_errors_per_traj"] for r in its], "o-", color="tab:red")
-    ax.set_xlabel("iteration"), ax.set_ylabel("first-attempt failures / trajectory"), ax.set_title("tool-error rate")
+    ax.set_ylim(0, max(1.0, max(r["tool_errors_per_traj"] or 0 for r in its) * 1.1))
     save("tool_error_rate", fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    at_gamma = [s["similarity"] for s in sims if abs(s["gamma"] - gamma) < 1e-9]
-    ax.hist(at_gamma or [0], bins=20, range=(0, 1))
+    fig, ax = axes("splice similarity", "splices", xlabel="similarity of failed and retried calls")
+    for measure in sorted({s["measure"] for s in sims}):
+        ax.hist([s["similarity"] for s in sims if s["measure"] == measure and abs(s["gamma"] - gamma) < 1e-9]
+                or [s["similarity"] for s in sims if s["measure"] == measure], bins=20, range=(0, 1), alpha=0.6,
+                label=measure)
     ax.axvline(gamma, color="k", linestyle="--", label=f"γ = {gamma:g}")
-    ax.set_xlabel("similarity of call segments"), ax.legend(), ax.set_title("splice similarity")
+    ax.set_xlim(0, 1), ax.legend(fontsize=8)
     save("similarity_hist", fig)
-    gammas = sorted({s["gamma"] for s in sims})
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    variants = sorted({(s["gamma"], s["measure"]) for s in sims})
+    fig, ax = axes("shallow / deep splices per purified iteration", "splices per iteration", xlabel="γ (measure)")
     for offset, kind in ((-0.2, "shallow"), (0.2, "deep")):
-        ax.bar([i + offset for i in range(len(gammas))], [sum(s["kind"] == kind and s["gamma"] == g for s in sims)
-                                                          for g in gammas], width=0.4, label=kind)
-    ax.set_xticks(range(len(gammas)), [f"{g:g}" for g in gammas]), ax.set_xlabel("γ"), ax.legend()
-    ax.set_title("shallow / deep splices per γ")
+        means = []
+        for g, m in variants:
+            iterations = {r["iteration"] for r in compare if r["mode"] == "saar" and r["gamma"] == g
+                          and r["measure"] == m} or {0}
+            means.append(sum(s["kind"] == kind and s["gamma"] == g and s["measure"] == m for s in sims) / len(iterations))
+        ax.bar([i + offset for i in range(len(variants))], means, width=0.4, label=kind)
+    ax.set_xticks(range(len(variants)), [f"{g:g}" + ("" if m == DEFAULT_MEASURE_KEY else f"\n{m}") for g, m in variants],
+                  fontsize=8)
+    ax.legend()
     save("shallow_deep", fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    labels = [f"it{r['iteration']} {r['mode']} {r['gamma']:g}" for r in compare]
-    ax.barh(labels, [r["raw_response_tokens"] for r in compare], alpha=0.5, label="raw")
-    ax.barh(labels, [r["purified_response_tokens"] for r in compare], alpha=0.7, label="purified")
-    ax.set_xlabel("mean response tokens"), ax.legend(), ax.set_title("raw vs purified length")
+    fig, ax = axes("raw vs purified length", "mean response tokens")
+    for name in sorted({_variant(r) for r in compare}):
+        rows = [r for r in compare if _variant(r) == name]
+        ax.plot([r["iteration"] for r in rows], [r["purified_response_tokens"] for r in rows], "o-", label=name,
+                alpha=0.8)
+    ax.plot(x, [r["response_tokens"] for r in its], "k--", label="raw (lived)")  # on top: mode=raw equals it
+    ax.set_ylim(bottom=0), ax.legend(fontsize=7)
     save("lengths", fig)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = axes("tokens spent on failed attempts", "share of generated tokens")
     ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
-    ax.set_xlabel("iteration"), ax.set_ylabel("share of generated tokens"), ax.set_title("tokens spent on failed attempts")
+    ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
     save("failed_tokens", fig)
 
     def table(rows: list[dict]) -> str:
@@ -120,13 +161,18 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
                                         for v in r.values()) + "</tr>" for r in rows)
         return f"<table><tr>{head}</tr>{body}</table>"
 
+    config = layout.run_json.read_text() if layout.run_json.is_file() else "(no run.json)"
+    plots = "".join(f'<figure><img src="{f}" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
+                    for n, f in figs.items())
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>cleaner report: {html.escape(run_id)}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 6px}}
-img{{margin:6px;border:1px solid #eee}}</style></head><body>
+figure{{display:inline-block;width:520px;vertical-align:top;margin:6px}}img{{border:1px solid #eee}}
+figcaption{{font-size:0.85em;color:#444}}pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
 <h1>cleaner run <code>{html.escape(run_id)}</code></h1>
 <h2>Per iteration</h2>{table(its)}
-<h2>Plots</h2>{''.join(f'<img src="{f}" alt="{n}">' for n, f in figs.items())}
-<h2>Raw vs purified (per mode and γ)</h2>{table(compare)}
+<h2>Plots</h2>{plots}
+<h2>Raw vs purified (per mode, γ and similarity measure)</h2>{table(compare)}
+<h2>Run config (run.json)</h2><pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)
     return out / "index.html"

@@ -96,6 +96,9 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     assert p.returncode == 0, out
     assert (layout.run_dir / "report" / "index.html").is_file()
     assert len(list((layout.run_dir / "report").glob("*.png"))) == 6
+    page = (layout.run_dir / "report" / "index.html").read_text()
+    assert page.count("<figcaption>") == 6 and "Run config (run.json)" in page and '"run_id": "tiny"' in page
+    assert "0.5" in page and "rapidfuzz-segment" in page  # every variant with its γ and measure
     assert list((layout.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
