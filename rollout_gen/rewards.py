@@ -1,23 +1,78 @@
-"""Outcome rewards (SAAR.md §7) and DAPO overlong shaping."""
+"""Outcome rewards (SAAR.md §7) and DAPO overlong shaping.
+
+Math (and GPQA letters): the last `\\boxed{...}` in the final 100 characters of the response is the
+answer, +1 when it is the ground truth, else −1. Braces nest (`\\boxed{\\frac{1}{2}}`). An answer that
+is the ground truth's string, or an integer equal to an integer ground truth, scores +1 at once; any
+other pair is decided by math-verify's equivalence check (`0.5` = `\\frac12` = `1/2`), run in a child
+process with a hard time limit (rollout_gen/math_verify_worker.py), so a pathological answer is a −1
+with a logged warning, never a hang or an exception. A one-letter ground truth (A–J, GPQA) is matched
+against the box's letter, with or without `(...)` or `\\text{...}` around it.
+"""
 from __future__ import annotations
 
 import json
 import re
 
+from rollout_gen.math_verify_worker import MathVerifier
 from rollout_gen.tasks import Task
 
-BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+BOXED = "\\boxed{"
+WINDOW = 100  # characters at the end of the response in which the answer box must lie
+INTEGER = re.compile(r"-?\d+")
+LETTER = re.compile(r"[A-J]")
+LETTER_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}")
+VERIFIER = MathVerifier()
 
 
-def last_boxed(text: str, window: int = 100) -> str | None:
-    """The last `\\boxed{...}` that appears in the final `window` characters of the response."""
-    matches = list(BOXED.finditer(text[-window:]))
-    return matches[-1].group(1).strip() if matches else None
+def last_boxed(text: str, window: int = WINDOW) -> str | None:
+    """The content of the last `\\boxed{...}` that lies whole in the final `window` characters (braces
+    nest; a box that never closes there is skipped), stripped; None when there is none."""
+    tail = text[-window:]
+    close: dict[int, int] = {}  # index of each '{' -> index of its matching '}', in one pass
+    opened: list[int] = []
+    for i, ch in enumerate(tail):
+        if ch == "{":
+            opened.append(i)
+        elif ch == "}" and opened:
+            close[opened.pop()] = i
+    start = len(tail)
+    while (start := tail.rfind(BOXED, 0, start)) >= 0:
+        brace = start + len(BOXED) - 1
+        if brace in close:
+            return tail[brace + 1: close[brace]].strip()
+    return None
+
+
+def _letter(answer: str) -> str | None:
+    while (unwrapped := LETTER_WRAPPERS.sub(r"\1", answer)) != answer:
+        answer = unwrapped
+    answer = answer.strip().rstrip(".").strip()
+    if len(answer) >= 3 and answer[0] + answer[-1] in ("()", "[]"):
+        answer = answer[1:-1].strip()
+    return answer.upper() if LETTER.fullmatch(answer.upper()) else None
+
+
+def _integer(digits: str) -> str:
+    """An integer's canonical digits (no leading zeros, no sign on zero), without int()'s length limit."""
+    sign, digits = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
+    digits = digits.lstrip("0")
+    return sign + digits if digits else "0"
+
+
+def answers_match(answer: str, ground_truth: str) -> bool:
+    gold = ground_truth.strip()
+    if answer == gold:
+        return True
+    if LETTER.fullmatch(gold):  # a multiple-choice letter: no algebra to do
+        return _letter(answer) == gold
+    if INTEGER.fullmatch(answer) and INTEGER.fullmatch(gold):
+        return _integer(answer) == _integer(gold)  # what math-verify decides for two integers, without the round trip
+    return VERIFIER.equal(gold, answer) is True
 
 
 def math_reward(response_text: str, ground_truth: str) -> float:
     answer = last_boxed(response_text)
-    return 1.0 if answer is not None and answer == ground_truth.strip() else -1.0
+    return 1.0 if answer is not None and answers_match(answer, ground_truth) else -1.0
 
 
 CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.S)

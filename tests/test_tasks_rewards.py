@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rollout_gen.rewards import code_reward
+from rollout_gen.math_verify_worker import MathVerifier
+from rollout_gen.rewards import VERIFIER, code_reward, last_boxed, math_reward
 from rollout_gen.tasks import TaskFileError, load_task_parquet
 
 
@@ -65,4 +68,104 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
                                          {"problem": "What is 7 * 6?", "answer": "42"}]), path)
     assert main(["eval", "--tasks", str(path), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
-    assert metrics["trajectories"] == 2 and metrics["accuracy"] in (0.0, 0.5, 1.0)
+    # the command reports exactly what the library measures on those tasks (sampling is seeded)
+    from pipeline.config import DEFAULT_POLICY, load_config
+    from rollout_gen.eval_cmd import TIMING_FIELDS, evaluate
+
+    want = json.loads(json.dumps(evaluate(load_config(None), DEFAULT_POLICY, load_task_parquet(path), show_progress=False)))
+    assert metrics["trajectories"] == 2 and "accuracy" in metrics
+    assert {k: v for k, v in metrics.items() if k not in TIMING_FIELDS} == {
+        k: v for k, v in want.items() if k not in TIMING_FIELDS + ("settings",)}
+
+
+# -- math rewards: the last \\boxed{} in the final 100 characters, equivalence by math-verify ----------------
+
+@pytest.mark.parametrize("text,answer", [
+    ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),  # nested braces (the old regex found no box here)
+    ("\\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
+    ("\\boxed{1} and \\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}"),  # the last box
+    ("\\boxed{7} then \\boxed{8", "7"),  # a box that never closes is skipped
+    ("a \\boxed{ 7 }", "7"),
+    ("\\boxed{\\boxed{5}}", "5"),
+    ("no box", None),
+    ("\\boxed{42}" + "x" * 100, None),  # outside the final 100 characters
+    ("\\boxed{4" + "x" * 100 + "}", None),  # opens before the window
+])
+def test_last_boxed_balances_braces_within_the_window(text, answer):
+    assert last_boxed(text) == answer
+
+
+@pytest.mark.parametrize("answer,truth", [
+    ("\\frac{1}{2}", "\\frac{1}{2}"), ("0.5", "\\frac12"), ("\\frac12", "0.5"), ("1/2", "\\frac{1}{2}"),
+    ("\\dfrac{1}{2}", "0.5"), ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("2\\pi", "\\pi \\cdot 2"),
+    ("(1,2)", "(1, 2)"), ("042", "42"), ("-0", "0"), ("x = 17", "17"),
+])
+def test_equivalent_forms_score_plus_one(answer, truth):
+    assert math_reward(f"The answer is \\boxed{{{answer}}}.", truth) == 1.0
+
+
+@pytest.mark.parametrize("answer,truth", [
+    ("\\frac{1}{3}", "\\frac12"), ("0.49", "0.5"), ("41", "42"), ("-42", "42"), ("\\sqrt{2}", "2"),
+    ("(2,1)", "(1,2)"), ("x", "42"), ("{{", "42"), ("", "42"), ("\\text{forty-two}", "42"),
+])
+def test_wrong_answers_score_minus_one(answer, truth):
+    assert math_reward(f"The answer is \\boxed{{{answer}}}.", truth) == -1.0
+
+
+def test_box_rule_no_box_and_window():
+    assert math_reward("The answer is 42.", "42") == -1.0  # no box
+    assert math_reward("\\boxed{42} then \\boxed{41}", "42") == -1.0  # the last box counts
+    assert math_reward("\\boxed{\\frac{1}{2}}" + " " * 81, "0.5") == 1.0  # 100 characters: inside the window
+    assert math_reward("\\boxed{\\frac{1}{2}}" + " " * 82, "0.5") == -1.0  # 101: its backslash falls outside
+
+
+@pytest.mark.parametrize("answer,score", [
+    ("C", 1.0), ("(C)", 1.0), ("\\text{C}", 1.0), ("\\textbf{(C)}", 1.0), ("c", 1.0), ("C.", 1.0),
+    ("B", -1.0), ("C or D", -1.0), ("CD", -1.0), ("3", -1.0),
+])
+def test_gpqa_letters(answer, score):
+    assert math_reward(f"so the choice is \\boxed{{{answer}}}", "C") == score
+
+
+def test_integer_answers_score_exactly_as_string_equality_did():
+    """World answers are integers: each pair scores +1 exactly when the strings are equal (the old rule),
+    except for numerals that only differ in leading zeros or the sign of zero, which math-verify also
+    calls equal."""
+    for a in ("0", "7", "-7", "42", "1000", "-1000", "123456789012345678901234567890"):
+        for b in ("0", "7", "-7", "42", "1000", "-1000", "123456789012345678901234567890"):
+            assert math_reward(f"\\boxed{{{a}}}", b) == (1.0 if a == b else -1.0)
+    assert VERIFIER.equal("42", "042") is True and VERIFIER.equal("0", "-0") is True  # the shortcut agrees
+
+
+def test_a_pathological_answer_is_minus_one_in_bounded_time_never_a_hang_or_an_error():
+    v = MathVerifier(timeout_s=4)
+    t0 = time.monotonic()
+    assert v.equal("42", "9^{9^{9^{9}}}") is None and v.failures == 1  # math-verify's own limit (2 s)
+    assert time.monotonic() - t0 < 30
+    assert v.equal("\\frac12", "0.5") is True  # and the checker goes on
+    v.close()
+
+
+def test_a_hung_or_dead_checker_is_killed_and_restarted(monkeypatch):
+    v = MathVerifier(timeout_s=1)
+    assert v.equal("1", "1.0") is True
+    v._proc.send_signal(19)  # SIGSTOP: the child hangs as a C-level sympy loop would
+    t0 = time.monotonic()
+    assert v.equal("\\frac12", "0.5") is None and time.monotonic() - t0 < 5
+    assert v.equal("\\frac12", "0.5") is True  # a fresh child
+    v._proc.kill()
+    v._proc.wait()
+    assert v.equal("\\frac12", "0.5") is None  # died: no verdict, not an exception
+    assert v.equal("\\frac12", "0.5") is True and v.failures == 2
+    v.close()
+
+
+def test_rewards_work_from_a_worker_thread():
+    """math-verify's own timeouts use SIGALRM, which fails outside the main thread (a Prefect task's
+    thread): the child process is the main thread of its own process, so a thread gets real verdicts."""
+    out = []
+    t = threading.Thread(target=lambda: out.extend([math_reward("\\boxed{0.5}", "\\frac12"),
+                                                    math_reward("\\boxed{0.4}", "\\frac12")]))
+    t.start()
+    t.join(60)
+    assert out == [1.0, -1.0]

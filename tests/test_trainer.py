@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.config import DEFAULT_POLICY, TrainConfig
 from pipeline.trajectory import PurifiedTrajectory, purified_from_row
 from storage.layout import RunLayout
-from storage.schemas import PURIFIED
+from storage.schemas import METRICS, PURIFIED
 from storage.shards import read_shard
 from trainer import openrlhf_compat
 from trainer.batches import collate, micro_batches, mini_batches
@@ -139,6 +139,13 @@ def test_resume_after_a_minibatch_gives_identical_weights(purified_run, tmp_path
     assert partial.name.endswith(".partial.pt") and partial.exists()
     assert not (RunLayout(resumed, "w").checkpoint_dir(1) / DONE_MARKER).exists()
     b = run_update_stage(_update_cfg(purified_run, resumed), "w", 0, log=lambda *_: None)
+    # the LR of every step, interrupted mid-warmup or not: lr * min(1, (s + 1) / warmup_steps)
+    c = _update_cfg(purified_run, resumed)
+    assert c.train.warmup_steps == 2 and c.train.epochs * c.train.mini_batches == 3
+    want = [c.train.lr * min(1.0, (s + 1) / 2) for s in range(3)]
+    for root in (straight, resumed):
+        rows = read_shard(RunLayout(root, "w").metrics_dir(0, "update"), METRICS).to_pylist()
+        assert [r["value"] for r in sorted(rows, key=lambda r: r["step"]) if r["name"] == "lr"] == want
     wa = AutoModelForCausalLM.from_pretrained(a).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(b).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from storage.layout import RunLayout
+from storage.schemas import METRICS
+from storage.shards import read_shard
 from trainer.grpo import UpdateError
 from trainer.stage import DONE_MARKER, run_update_stage
 
@@ -29,6 +31,17 @@ def _weights(ckpt):
     return load_file(str(ckpt / "model.safetensors"))
 
 
+def _logged_lrs(root):
+    rows = read_shard(RunLayout(root, "w").metrics_dir(0, "update"), METRICS).to_pylist()
+    return [r["value"] for r in sorted(rows, key=lambda r: r["step"]) if r["name"] == "lr"]
+
+
+def _warmup_rule(c):
+    """lr * min(1, (s + 1) / warmup_steps) for optimizer step s: the local strategy's documented schedule."""
+    w = max(1, c.train.warmup_steps)
+    return [c.train.lr * min(1.0, (s + 1) / w) for s in range(6)]
+
+
 def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a.keys() & b.keys())
 
@@ -42,7 +55,9 @@ def local_update(purified_run, tmp_path_factory):
 def zero2_update(purified_run, tmp_path_factory):
     lines = []
     cfg = _cfg(purified_run, tmp_path_factory.mktemp("zero2"), strategy="deepspeed", nproc=2, zero_stage=2)
-    return run_update_stage(cfg, "w", 0, log=lines.append), lines
+    out = run_update_stage(cfg, "w", 0, log=lines.append), lines
+    assert cfg.train.warmup_steps >= 2 and _logged_lrs(cfg.storage.root) == _warmup_rule(cfg)  # the schedule, exactly
+    return out
 
 
 def test_zero2_on_two_ranks_equals_the_local_update(local_update, zero2_update):
@@ -74,6 +89,7 @@ def test_resume_after_a_minibatch_gives_the_uninterrupted_weights(purified_run, 
     lines = []
     done = run_update_stage(cfg, "w", 0, log=lines.append)
     assert any("resuming after mini-batch 2" in x for x in lines)
+    assert _logged_lrs(tmp_path) == _warmup_rule(cfg)  # the schedule continued from the ZeRO checkpoint
     a, b = _weights(zero2_update[0]), _weights(done)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not partial.exists()

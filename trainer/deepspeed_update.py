@@ -24,7 +24,8 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
 from storage.shards import atomic_write_json
-from trainer.grpo import GRPOUpdate, StepMetrics, UpdateError, UpdateProgress, make_actor, policy_loss, warmup_schedule
+from trainer.grpo import (GRPOUpdate, StepMetrics, UpdateError, UpdateProgress, load_schedule_state, make_actor,
+                          policy_loss, warmup_schedule)
 from trainer.openrlhf_compat import openrlhf_models
 
 DS_STATE = "deepspeed"  # subfolder of a checkpoint: ZeRO-partitioned optimizer/scheduler state for exact resume
@@ -143,6 +144,8 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         _, client = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         self.global_step = client["global_step"]
+        # a state saved before the schedule was transformers' counted steps done: moved on by one
+        load_schedule_state(self.scheduler, self.scheduler.state_dict(), self.global_step)
         return True
 
     def save_progress(self, folder: Path, progress: UpdateProgress, key: str) -> None:

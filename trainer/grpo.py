@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers import get_constant_schedule_with_warmup
 
 from pipeline.config import TrainConfig
 from pipeline.errors import CleanerError
@@ -47,9 +48,24 @@ class UpdateProgress:
 
 
 def warmup_schedule(optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over cfg.warmup_steps, then constant (the same under every strategy)."""
-    warm = max(1, cfg.warmup_steps)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
+    """Linear warmup over cfg.warmup_steps, then constant, the same under every strategy: optimizer
+    step s (0-based) runs at lr * min(1, (s + 1) / warmup_steps) (at lr when warmup_steps is 0 or 1).
+
+    transformers' constant-with-warmup schedule gives its step t the factor t / warmup_steps, whose
+    first step would run at lr 0, so it is started one step in (`last_epoch=0`): its counter is
+    always global_step + 1 (`load_schedule_state` relies on that)."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])  # what torch requires of a schedule that does not start at -1
+    return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps, last_epoch=0)
+
+
+def load_schedule_state(scheduler, state: dict, global_step: int) -> None:
+    """Load a schedule's state; one saved before the schedule was transformers' counted steps done
+    (last_epoch == global_step), not global_step + 1, and is moved on by one so the LR stays exact."""
+    state = dict(state)
+    if state.get("last_epoch") == global_step:
+        state["last_epoch"] = global_step + 1
+    scheduler.load_state_dict(state)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
@@ -121,7 +137,7 @@ class GRPOUpdate:
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_schedule_state(self.scheduler, state["scheduler"], state["global_step"])
         self.global_step = state["global_step"]
 
     def minibatch(self, groups: list[list[PurifiedTrajectory]], pad_id: int) -> StepMetrics:

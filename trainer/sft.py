@@ -41,6 +41,10 @@ class SFTResult:
 
 
 def lr_factor(step: int, cfg: SFTConfig) -> float:
+    """Warm up ((step+1)/warmup_steps), hold, then decay linearly to 10%. Kept hand-written: the nearest
+    library schedule, transformers' warmup-stable-decay with min_lr_ratio=0.1, also lifts the warmup to
+    start at 10% and computes the decay as (1-p)*0.9+0.1, which differs from 1-0.9p in the last bit at
+    258 of the 600 decay steps of the bootstrap, so the committed policy could not be rebuilt exactly."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     decay_start = int(cfg.steps * (1 - cfg.decay_fraction))
