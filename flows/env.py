@@ -1,4 +1,4 @@
-"""Prefect settings that must be in place before `prefect` is imported (ARCHITECTURE.md install facts)."""
+"""Prefect settings that must be in place before `prefect` is imported (docs/install.md)."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""The chat and tool-call format (Qwen/Hermes, SAAR.md §2), on token ids.
+"""The chat and tool-call format (Qwen/Hermes, docs/saar.md), on token ids.
 
 Text-level helpers parse and render tool calls and tool responses; `ChatFormat` binds them to a
 tokenizer and works on token ids: the running sequence is never re-rendered and re-tokenized,
@@ -72,7 +72,7 @@ class ParsedCall:
 
 
 # How a malformed call block (never closed, or JSON that json_repair cannot make into a call) is lived:
-# "no_call" — the reference: the turn is the final answer, no feedback, no retry (SAAR.md §2);
+# "no_call" — the reference: the turn is the final answer, no feedback, no retry (docs/saar.md);
 # "failure" — this project's earlier rule, kept as an option: a failed call, shown to the model and retried.
 MalformedCall = Literal["no_call", "failure"]
 # json_repair parses recursively: a payload nested deeper than this would end in RecursionError,

@@ -1,4 +1,4 @@
-"""The similarity that decides shallow vs deep (SAAR.md §5), computed and compared exactly.
+"""The similarity that decides shallow vs deep (docs/saar.md), computed and compared exactly.
 
 Both measures are 2·M / T over the two strings (T = total length): M is the longest common
 subsequence for `rapidfuzz` (Indel: (T − distance) / T, = fuzz.ratio/100) and the sum of difflib's

@@ -1,4 +1,4 @@
-"""The SAAR splice (SAAR.md §5) on token ids: one primitive shared by the live rollout (γ_live)
+"""The SAAR splice (docs/saar.md) on token ids: one primitive shared by the live rollout (γ_live)
 and offline purification (any γ).
 
 A turn is split at its call boundary: `prefix` = reasoning before the `<tool_call>` marker,

@@ -40,7 +40,7 @@ def fingerprint(ids: list[int] | np.ndarray) -> str:
 class ToolResult:
     status: Literal["success", "failure"]
     text: str  # the tool-response text the model is shown (already formatted and truncated)
-    error_label: str | None = None  # SAAR.md §3 label, None on success
+    error_label: str | None = None  # docs/saar.md label, None on success
     error_class: ErrorClass | None = None
     exit_code: int | None = None
     duration_s: float = 0.0

@@ -1,4 +1,4 @@
-"""SAAR purification as pure functions on raw trajectories (SAAR.md §4–§6).
+"""SAAR purification as pure functions on raw trajectories (docs/saar.md).
 
 `purify(raw, gamma, mode, decode)` rebuilds one training sequence from the attempt tree in the raw
 row, whatever live mode produced it:

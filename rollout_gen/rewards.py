@@ -1,4 +1,4 @@
-"""Outcome rewards (SAAR.md §7) and DAPO overlong shaping.
+"""Outcome rewards (docs/saar.md) and DAPO overlong shaping.
 
 Math (and GPQA letters): the last `\\boxed{...}` in the final 100 characters of the response is the
 answer, +1 when it is the ground truth, else −1. Braces nest (`\\boxed{\\frac{1}{2}}`). An answer that

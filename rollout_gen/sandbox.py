@@ -26,7 +26,7 @@ from pipeline.config import SandboxConfig
 from pipeline.trajectory import ToolResult
 
 WORKER = Path(__file__).resolve().parent / "sandbox_worker.py"
-ERROR_LABELS = (  # SAAR.md §3: the first that occurs in the error text names the failure
+ERROR_LABELS = (  # docs/saar.md: the first that occurs in the error text names the failure
     "ImportError", "ModuleNotFoundError", "SyntaxError", "IndexError", "IndentationError", "NameError",
     "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
 )
@@ -68,7 +68,7 @@ def _reason(stderr: str, exit_code: int | None) -> str:
 
 
 def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
-    """What the model is shown, and how the failure is counted (SAAR.md §2–§3)."""
+    """What the model is shown, and how the failure is counted (docs/saar.md)."""
     limit = cfg.response_chars
     if ex.infra_error is not None:
         text = format_tool_response(False, reason="the sandbox could not run the code (internal error)", limit=limit)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build .venv from nothing, idempotently. The order matters (ARCHITECTURE.md "Install facts"):
+# Build .venv from nothing, idempotently. The order matters (docs/install.md):
 # the CPU torch first, then flash-attn/deepspeed as pure-Python builds, then openrlhf, then us.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""The GRPO/DAPO update on OpenRLHF's `Actor` and `PolicyLoss` (SAAR.md §7), one process, CPU or one GPU.
+"""The GRPO/DAPO update on OpenRLHF's `Actor` and `PolicyLoss` (docs/saar.md), one process, CPU or one GPU.
 
 Per mini-batch (whole prompt groups): gradients are accumulated over micro-batches with the loss
 normalised by the mini-batch's token count (OpenRLHF's `batch_num_tokens`), so accumulation equals
