@@ -95,6 +95,16 @@ class RolloutConfig(Section):
     engine: Literal["cpu", "sglang"] = "cpu"
     threads: int = Field(1, ge=1, description="torch threads of the CPU engine (fixed for reproducible sampling)")
     sglang_url: str = "http://127.0.0.1:30000"
+    loop: Literal["async", "lockstep"] = Field("async", description=(
+        "async: one coroutine per trajectory on a continuously batching engine; lockstep: every trajectory's "
+        "turn sampled together, then every tool call of the round (the earlier loop)"))
+    deterministic: bool = Field(True, description=(
+        "async loop: fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
+        "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
+    tool_delay_steps: int = Field(4, ge=1, description="deterministic schedule: engine steps between a call and its result")
+    kv_cache_tokens: int = Field(200_000, ge=0, description=(
+        "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
+    max_in_flight: int = Field(64, ge=1, description="SGLang: concurrent /generate requests")
     tasks: str = "world"  # "world" or a path to a task parquet file
     tasks_per_iteration: int = Field(16, gt=0)
     samples_per_prompt: int = Field(4, gt=0)

@@ -1,7 +1,11 @@
-"""The multi-turn agent loop on token ids, with SAAR's online retries (SAAR.md §2–§4).
+"""The multi-turn agent loop on token ids, with SAAR's online retries (docs/saar.md).
 
-All trajectories of a batch advance together: one engine call samples the next assistant turn of
-every active trajectory, then every tool call of that round runs in the sandbox pool at once.
+By default (`rollout.loop=async`) every trajectory is its own coroutine (rollout_gen/scheduler.py):
+it asks for its next turn and runs its tool calls when it needs them, against a continuously
+batching engine that keeps its KV cache between turns. `rollout.loop=lockstep` is the earlier loop:
+one engine call samples the next turn of every active trajectory, then every tool call of that
+round runs. Both apply the same rules (`_check_limits`, `_on_turn`, `_on_result`) in the same order
+per trajectory, with the same per-turn seeds, so they sample the same tokens.
 The running sequence is kept as token ids: sampled tokens are appended as sampled (mask 1), tool
 turns are tokenized alone and appended (mask 0); nothing is ever re-rendered and re-tokenized.
 Every attempt is recorded with the fingerprint of the context it was sampled under, so the
@@ -18,8 +22,9 @@ from pipeline.similarity import Measure
 from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
-from rollout_gen.engines.base import Engine, Generation, SamplingParams
+from rollout_gen.engines.base import Engine, Generation, Request, SamplingParams
 from rollout_gen.rewards import last_boxed, overlong_penalty, reward
+from rollout_gen.scheduler import Progress, Scheduler
 from rollout_gen.tasks import Task
 
 
@@ -202,23 +207,38 @@ class AgentLoop:
             lv.tool_turns += 1
             lv.open_pos, lv.current = None, None
 
+    def _agent_failure(self, att: Attempt) -> ToolResult:
+        """A call that could not even be made (malformed, unknown tool): the model's failure."""
+        _, parsed = self.chat.parse_turn(att.turn_ids, self.cfg.malformed_call)
+        text = format_tool_response(False, reason=parsed.problem or att.call_status, limit=self.cfg.sandbox.response_chars)
+        return ToolResult("failure", text, "unknown_error", "model", None, 0.0, False)
+
     def _execute(self, attempts: list[Attempt]) -> list[ToolResult]:
         runnable = [a.code for a in attempts if a.call_status == "ok"]
         ran = iter(self.sandbox.run_many(runnable)) if runnable else iter(())
-        results = []
-        for a in attempts:
-            if a.call_status == "ok":
-                results.append(next(ran))
-            else:  # agent-side failure: the call could not even be made
-                _, parsed = self.chat.parse_turn(a.turn_ids, self.cfg.malformed_call)
-                text = format_tool_response(False, reason=parsed.problem or a.call_status,
-                                            limit=self.cfg.sandbox.response_chars)
-                results.append(ToolResult("failure", text, "unknown_error", "model", None, 0.0, False))
-        return results
+        return [next(ran) if a.call_status == "ok" else self._agent_failure(a) for a in attempts]
+
+    def _run_one(self, code: str) -> ToolResult:
+        return self.sandbox.run_many([code])[0]
+
+    def _turn(self, lv: _Live, gen: Generation) -> Attempt | None:
+        """`_on_turn` on a generation cut to the turn's budget; a bad turn ends only its own trajectory."""
+        budget = self._budget(lv)
+        if len(gen.output_ids) > budget:
+            gen = Generation(gen.output_ids[:budget], gen.logprobs[:budget], "length")
+        try:
+            return self._on_turn(lv, gen)
+        except Exception as e:  # recorded on the trajectory, never the batch's end
+            lv.finish(f"agent_error: {type(e).__name__}: {e}"[:300])
+            return None
+
+    @staticmethod
+    def _seed(lv: _Live, identity: RolloutIdentity) -> int:
+        return int(unit_hash("sample", identity.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
 
     # ---- the whole batch --------------------------------------------------------------------
     def run(self, tasks: list[Task], identity: RolloutIdentity,
-            progress: Callable[[int, int], None] | None = None) -> list[Trajectory]:
+            progress: Callable[[int, int, str], None] | None = None) -> list[Trajectory]:
         g = self.cfg.samples_per_prompt
         lives: list[_Live] = []
         for task in tasks:
@@ -231,34 +251,56 @@ class AgentLoop:
                 lives.append(lv)
         params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
                                 tuple(sorted(self.chat.stop_ids)))
+        if self.cfg.loop == "lockstep":
+            self._lockstep(lives, params, identity, progress)
+        else:
+            self._async(lives, params, identity, progress)
+        return [self._trajectory(lv, identity) for lv in lives]
+
+    def _async(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
+               progress: Callable[[int, int, str], None] | None) -> None:
+        def report(p: Progress, elapsed: float) -> None:
+            progress(p.finished, len(lives), f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
+                                             f"tokens/s, {p.tools_in_flight} tool calls in flight")
+
+        sched = Scheduler(self.engine, self.cfg.deterministic, self.cfg.tool_delay_steps, self.cfg.max_in_flight,
+                          tool_threads=max(4, 2 * self.cfg.sandbox.workers), on_progress=report if progress else None)
+        key = object()  # this run's trajectories: (key, i) names trajectory i's KV in the engine
+
+        async def trajectory(i: int, lv: _Live) -> None:
+            try:
+                while not lv.done:
+                    self._check_limits(lv)
+                    if lv.done:
+                        break
+                    request = Request((key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt))
+                    att = self._turn(lv, await sched.generate(i, request))
+                    if att is not None:
+                        result = await sched.tool(self._run_one, att.code) if att.call_status == "ok" \
+                            else self._agent_failure(att)
+                        self._on_result(lv, att, result)
+            finally:
+                sched.release((key, i))  # its KV goes when the trajectory does
+
+        sched.run([trajectory(i, lv) for i, lv in enumerate(lives)])
+
+    def _lockstep(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
+                  progress: Callable[[int, int, str], None] | None) -> None:
         while True:
             for lv in lives:
                 if not lv.done:
                     self._check_limits(lv)
             active = [lv for lv in lives if not lv.done]
             if progress:
-                progress(len(lives) - len(active), len(lives))
+                progress(len(lives) - len(active), len(lives), f"{len(active)} active")
             if not active:
                 break
-            seeds = [int(unit_hash("sample", identity.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
-                     for lv in active]
-            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params, seeds,
+            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params,
+                                        [self._seed(lv, identity) for lv in active],
                                         shared_prefix=[len(lv.prompt) for lv in active])
-            pending: list[tuple[_Live, Attempt]] = []
-            for lv, gen in zip(active, gens):
-                budget = self._budget(lv)
-                if len(gen.output_ids) > budget:
-                    gen = Generation(gen.output_ids[:budget], gen.logprobs[:budget], "length")
-                try:
-                    att = self._on_turn(lv, gen)
-                except Exception as e:  # one bad turn ends its own trajectory, never the batch (recorded on it)
-                    lv.finish(f"agent_error: {type(e).__name__}: {e}"[:300])
-                    continue
-                if att is not None:
-                    pending.append((lv, att))
+            pending = [(lv, att) for lv, gen in zip(active, gens) if (att := self._turn(lv, gen)) is not None]
             for (lv, att), result in zip(pending, self._execute([a for _, a in pending])):
                 self._on_result(lv, att, result)
-        return [self._trajectory(lv, identity) for lv in lives]
 
     def _trajectory(self, lv: _Live, identity: RolloutIdentity) -> Trajectory:
         text = self.chat.decode(lv.ids)

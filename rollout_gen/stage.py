@@ -62,7 +62,8 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
         return SGLangEngine(cfg.rollout.sglang_url, checkpoint)
     from rollout_gen.engines.cpu import CPUEngine
 
-    return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id)
+    return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id,
+                     kv_cache_tokens=cfg.rollout.kv_cache_tokens)
 
 
 def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,
@@ -74,7 +75,7 @@ def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[T
         if not show_progress:
             return loop.run(tasks, identity)
         with StageProgress(f"rollout it {identity.iteration}", "trajectories", total, log=log) as bar:
-            return loop.run(tasks, identity, progress=lambda done, _total: bar.update(done))
+            return loop.run(tasks, identity, progress=lambda done, _total, note: bar.update(done, note))
 
 
 def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:

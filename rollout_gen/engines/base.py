@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Hashable, Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,18 @@ class Generation:
     finish_reason: Literal["stop", "length"]
 
 
+@dataclass(frozen=True)
+class Request:
+    """One turn of one trajectory. `key` names the trajectory: an engine may keep its KV cache under
+    it between turns, until `release(key)`. `shared_prefix` as in `Engine.generate`."""
+
+    key: Hashable
+    context: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    shared_prefix: int = 0
+
+
 class Engine(Protocol):
     def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
                  shared_prefix: list[int] | None = None) -> list[Generation]:
@@ -32,3 +44,20 @@ class Engine(Protocol):
     def update_weights(self, checkpoint: Path) -> None: ...
 
     def close(self) -> None: ...
+
+
+class ContinuousEngine(Engine, Protocol):
+    """An engine that batches continuously: requests join the running batch between decoding steps
+    and leave it when they finish (rollout_gen/scheduler.py drives it)."""
+
+    def add(self, requests: list[Request]) -> None: ...
+
+    def step(self) -> list[tuple[Request, Generation]]:
+        """Admit queued requests, decode one token for every running one; the requests that finished."""
+        ...
+
+    def busy(self) -> bool: ...
+
+    def release(self, key: Hashable) -> None:
+        """The trajectory ended: free what is kept for it."""
+        ...

@@ -1,23 +1,30 @@
-"""The embedded engine: batched sampling with a KV cache on transformers (CPU).
+"""The embedded engine: continuous batching with per-trajectory KV caches on transformers (CPU).
 
-All active trajectories are sampled in one batch. Rows sharing a prompt get its KV computed once
-and copied; each row's own suffix is left-padded behind it with explicit position ids, so every
-row's log-probs equal those of an unpadded forward of that row alone. Prefills go through the
-cache in chunks of positions and keep only the last position's logits, so a long context costs
-neither full-vocabulary logits per position nor a context × context attention matrix.
+Requests join the running batch between decoding steps and leave it as soon as they stop, so a
+long turn never holds short ones back. When a turn ends, its row's KV is kept under the
+trajectory's key (rollout_gen/engines/kv_store.py); the next turn forwards only the tokens appended
+since (tool response, generation prompt), or, after a SAAR splice, those after the common prefix.
+Rows that start fresh and share a prompt get its KV computed once. Each row sits right-aligned in
+the batch behind explicit position ids and an attention mask (padding may sit between a kept
+prefix and new tokens), so its log-probs equal those of an unpadded forward of that row alone.
+Prefills go through the cache in chunks of positions and keep only the last position's logits.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Hashable
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from rollout_gen.engines.base import Generation, SamplingParams
+from rollout_gen.engines.base import Generation, Request, SamplingParams
+from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
+    width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
@@ -46,16 +53,76 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
+def _pad_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, width: int):
+    """Left-pad a batch's KV (per layer [B, H, W, D]) and mask [B, W] to `width` columns."""
+    extra = width - mask.shape[1]
+    if extra == 0:
+        return layers, mask
+    pad = lambda t: torch.cat([t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3]), t], dim=2)  # noqa: E731
+    return [(pad(k), pad(v)) for k, v in layers], torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class _GrowingLayer(DynamicLayer):
+    """A cache layer with spare room: a decoding step writes one column in place instead of
+    copying the whole batch's KV (DynamicLayer concatenates, which cost a quarter of a step)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._k, self._v, self._n = keys, values, keys.shape[2]
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n, q = self._n, key_states.shape[2]
+        if n + q > self._k.shape[2]:
+            room = max(n + q, 2 * n, 64)
+            grow = lambda t: torch.cat([t[:, :, :n], t.new_zeros(t.shape[0], t.shape[1], room - n, t.shape[3])], 2)  # noqa: E731
+            self._k, self._v = grow(self._k), grow(self._v)
+        self._k[:, :, n:n + q], self._v[:, :, n:n + q] = key_states, value_states
+        self._n = n + q
+        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+        return self.keys, self.values
+
+
+def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    cache.layers = [_GrowingLayer(k, v) for k, v in layers]
+    return cache
+
+
+@dataclass
+class _Row:
+    req: Request
+    generator: torch.Generator
+    ids: list[int]  # tokens whose KV is in the batch: the context, then each forwarded output token
+    out: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+
+
 class CPUEngine:
     def __init__(self, checkpoint: Path, threads: int | None = None, pad_id: int | None = None,
-                 chunk_tokens: int = 1024) -> None:
+                 chunk_tokens: int = 1024, kv_cache_tokens: int = 1 << 20, reuse_kv: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.checkpoint = Path(checkpoint)
         self.model = self._load(self.checkpoint)
         self.pad_id = pad_id if pad_id is not None else (self.model.config.pad_token_id or 0)
         self.chunk_tokens = chunk_tokens  # prefill positions per forward, over all rows
-        self.prefill_tokens = 0  # tokens forwarded in prefills (shared prefixes count once)
+        self.reuse_kv = reuse_kv  # keep each trajectory's KV between its turns
+        self.kept = KVStore(kv_cache_tokens)
+        self._queue: list[Request] = []
+        self._rows: list[_Row] = []
+        self._cache = DynamicCache()  # the running batch's KV
+        self._mask = torch.zeros((0, 0), dtype=torch.long)
+        self._pending = torch.zeros(0, dtype=torch.long)  # sampled, not yet forwarded, one per row
+        self._seen: set[Hashable] = set()
+        # Tokens forwarded (shared prefixes count once); `first_prefill_tokens` is the part spent on
+        # trajectories' first turns, which no cache can save.
+        self.prefill_tokens = self.first_prefill_tokens = self.decode_tokens = self.generated_tokens = 0
 
     @staticmethod
     def _load(checkpoint: Path) -> torch.nn.Module:
@@ -65,12 +132,55 @@ class CPUEngine:
         return model.eval()
 
     def update_weights(self, checkpoint: Path) -> None:
+        if self.busy():
+            raise RuntimeError("update_weights while requests are running")
         self.model = self._load(Path(checkpoint))
         self.checkpoint = Path(checkpoint)
+        self.kept.clear()  # KV of the old weights is not the new policy's
 
     def close(self) -> None:
+        self.kept.clear()
         self.model = None
 
+    # ---- the continuous-batching protocol ------------------------------------------------------
+    def add(self, requests: list[Request]) -> None:
+        if any(len(r.context) == 0 for r in requests):
+            raise ValueError("every context needs at least one token")
+        self._queue.extend(requests)
+
+    def busy(self) -> bool:
+        return bool(self._queue or self._rows)
+
+    def release(self, key: Hashable) -> None:
+        self.kept.drop(key)
+        self._seen.discard(key)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Request, Generation]]:
+        done = []
+        if self._queue:
+            joining, self._queue = self._queue, []
+            done += self._admit(joining)
+        if self._rows:
+            done += self._decode()
+        return done
+
+    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
+                 shared_prefix: list[int] | None = None) -> list[Generation]:
+        """One batch, start to end (no KV kept afterwards): the lockstep loop and the SGLang double."""
+        if self.busy():
+            raise RuntimeError("generate() while continuous requests are running")
+        shared = shared_prefix or [0] * len(contexts)
+        reqs = [Request(object(), tuple(c), params, int(s), sh) for c, s, sh in zip(contexts, seeds, shared)]
+        self.add(reqs)
+        got: dict[int, Generation] = {}
+        while self.busy():
+            got.update((id(r), g) for r, g in self.step())
+        for r in reqs:
+            self.release(r.key)
+        return [got[id(r)] for r in reqs]
+
+    # ---- steps -------------------------------------------------------------------------------
     def _forward_chunked(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past_mask: torch.Tensor,
                          cache: DynamicCache) -> torch.Tensor:
         """Forward `ids` through the cache in chunks of positions; logits of the last position only.
@@ -86,63 +196,122 @@ class CPUEngine:
             logits = out.logits[:, -1, :]
         return logits
 
-    @torch.inference_mode()
-    def _prefill(self, contexts: list[list[int]], shared: list[int]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """KV cache, attention mask, next position and last logits for every row."""
-        # Leave at least one token per row outside the shared part: its logits start sampling.
-        shared = [max(0, min(s, len(c) - 1)) for s, c in zip(shared, contexts)]
-        prefixes: dict[tuple[int, ...], int] = {}
-        row_prefix = [prefixes.setdefault(tuple(c[:s]), len(prefixes)) for c, s in zip(contexts, shared)]
-        unique = list(prefixes)
+    def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
+        """The unpadded KV of each prefix (computed together, each once)."""
+        ids, mask = _left_pad(prefixes, self.pad_id)
         cache = DynamicCache()
-        prefix_mask = torch.zeros((len(contexts), 0), dtype=torch.long)
-        prefix_len = torch.zeros(len(contexts), dtype=torch.long)
-        if any(unique):
-            ids, mask = _left_pad([list(p) for p in unique], self.pad_id)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            self._forward_chunked(ids, mask, pos, mask[:, :0], cache)
-            self.prefill_tokens += sum(len(p) for p in unique)
-            index = torch.tensor(row_prefix)
-            cache.batch_select_indices(index)
-            prefix_mask = mask[index]
-            prefix_len = prefix_mask.sum(-1)
-        suffixes = [c[s:] for c, s in zip(contexts, shared)]
-        ids, mask = _left_pad(suffixes, self.pad_id)
-        pos = prefix_len[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward_chunked(ids, mask, pos, prefix_mask, cache)
-        self.prefill_tokens += sum(len(s) for s in suffixes)
-        next_pos = prefix_len + mask.sum(-1)
-        return cache, torch.cat([prefix_mask, mask], dim=-1), next_pos, logits
+        self._forward_chunked(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache)
+        return [[(l.keys[i][:, -len(p):], l.values[i][:, -len(p):]) for l in cache.layers] for i, p in enumerate(prefixes)]
 
-    @torch.inference_mode()
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
-        if not contexts:
-            return []
-        if any(len(c) == 0 for c in contexts):
-            raise ValueError("every context needs at least one token")
-        shared = shared_prefix or [0] * len(contexts)
-        generators = [torch.Generator().manual_seed(int(s) & 0x7FFFFFFFFFFFFFFF) for s in seeds]
-        cache, mask, pos, logits = self._prefill(contexts, shared)
-        stop = torch.tensor(sorted(params.stop_ids), dtype=torch.long)
-        n = len(contexts)
-        out_ids: list[list[int]] = [[] for _ in range(n)]
-        out_lp: list[list[float]] = [[] for _ in range(n)]
-        finished = torch.zeros(n, dtype=torch.bool)
-        for step in range(params.max_new_tokens):
-            tokens, logp = _sample(logits, params, generators)
-            for i in torch.nonzero(~finished).flatten().tolist():
-                out_ids[i].append(int(tokens[i]))
-                out_lp[i].append(float(logp[i]))
-            if len(stop):
-                finished |= torch.isin(tokens, stop)
-            if bool(finished.all()) or step == params.max_new_tokens - 1:
-                break
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=-1)
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            pos = pos + 1
-            logits = out.logits[:, -1, :]
-        stops = set(params.stop_ids)
-        return [Generation(ids, lps, "stop" if ids and ids[-1] in stops else "length")
-                for ids, lps in zip(out_ids, out_lp)]
+    def _admit(self, reqs: list[Request]) -> list[tuple[Request, Generation]]:
+        rows = [_Row(r, torch.Generator().manual_seed(r.seed & 0x7FFFFFFFFFFFFFFF), list(r.context)) for r in reqs]
+        pasts: list[KV | None] = [None] * len(rows)
+        first = []
+        for i, r in enumerate(reqs):
+            first.append(r.key not in self._seen)
+            self._seen.add(r.key)
+            kept = self.kept.take(r.key) if self.reuse_kv else None
+            if kept is not None:  # at least one token is forwarded: its logits start sampling
+                n = common_prefix(kept.ids, r.context, len(r.context) - 1)
+                pasts[i] = [(k[:, :n], v[:, :n]) for k, v in kept.kv] if n else None
+        # Rows with nothing kept and a shared prompt: each distinct prompt's KV is computed once.
+        shared = {i: tuple(r.context[:min(r.shared_prefix, len(r.context) - 1)])
+                  for i, r in enumerate(reqs) if pasts[i] is None and r.shared_prefix > 0 and len(r.context) > 1}
+        unique = list(dict.fromkeys(shared.values()))
+        if unique:
+            kvs = dict(zip(unique, self._prefill_prefixes([list(u) for u in unique])))
+            n = sum(map(len, unique))
+            self.prefill_tokens += n
+            self.first_prefill_tokens += n if all(first[i] for i in shared) else 0
+            for i, prefix in shared.items():
+                pasts[i] = kvs[prefix]
+        lens = [0 if p is None else p[0][0].shape[1] for p in pasts]
+        suffixes = [list(r.context[n:]) for r, n in zip(reqs, lens)]
+        self.prefill_tokens += sum(map(len, suffixes))
+        self.first_prefill_tokens += sum(len(s) for s, f in zip(suffixes, first) if f)
+        # The joining rows' batch: kept KV right-aligned, then their new tokens left-padded behind it.
+        width = max(lens)
+        past_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        cache = DynamicCache()
+        if width:
+            ref = next(p for p in pasts if p is not None)
+            layers = []
+            for li, (k0, _) in enumerate(ref):
+                keys = k0.new_zeros(len(rows), k0.shape[0], width, k0.shape[2])
+                values = torch.zeros_like(keys)
+                for i, p in enumerate(pasts):
+                    if p is not None:
+                        keys[i, :, width - lens[i]:], values[i, :, width - lens[i]:] = p[li]
+                layers.append((keys, values))
+            for i, n in enumerate(lens):
+                if n:
+                    past_mask[i, width - n:] = 1
+            cache = DynamicCache(ddp_cache_data=layers)
+        ids, mask = _left_pad(suffixes, self.pad_id)
+        pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward_chunked(ids, mask, pos, past_mask, cache)
+        tokens, logps = self._sample(logits, rows)
+        self._join(_layers(cache), torch.cat([past_mask, mask], dim=1), rows, tokens)
+        return self._record(range(len(self._rows) - len(rows), len(self._rows)), tokens, logps)
+
+    def _join(self, layers, mask: torch.Tensor, rows: list[_Row], tokens: torch.Tensor) -> None:
+        if self._rows:
+            width = max(mask.shape[1], self._mask.shape[1])
+            old, old_mask = _pad_cache(_layers(self._cache), self._mask, width)
+            new, mask = _pad_cache(layers, mask, width)
+            layers = [(torch.cat([ko, kn]), torch.cat([vo, vn])) for (ko, vo), (kn, vn) in zip(old, new)]
+            mask = torch.cat([old_mask, mask])
+        self._cache, self._mask = _growing(layers), mask
+        self._rows += rows
+        self._pending = torch.cat([self._pending, tokens])
+
+    def _decode(self) -> list[tuple[Request, Generation]]:
+        n = len(self._rows)
+        self._mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
+        pos = torch.tensor([len(r.ids) for r in self._rows])
+        out = self.model(input_ids=self._pending[:, None], attention_mask=self._mask, position_ids=pos[:, None],
+                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        for r, t in zip(self._rows, self._pending.tolist()):
+            r.ids.append(t)
+        self.decode_tokens += n
+        tokens, logps = self._sample(out.logits[:, -1, :], self._rows)
+        self._pending = tokens
+        return self._record(range(n), tokens, logps)
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(len(rows), dtype=torch.long)
+        logps = torch.zeros(len(rows))
+        groups: dict[SamplingParams, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r.req.params, []).append(i)
+        for params, idx in groups.items():
+            t, lp = _sample(logits[idx], params, [rows[i].generator for i in idx])
+            tokens[idx], logps[idx] = t, lp
+        return tokens, logps
+
+    def _record(self, idx: range, tokens: torch.Tensor, logps: torch.Tensor) -> list[tuple[Request, Generation]]:
+        """Append each row's sampled token; rows that stopped leave the batch, their KV kept."""
+        done, leaving = [], set()
+        for k, (i, t, lp) in enumerate(zip(idx, tokens.tolist(), logps.tolist())):
+            r = self._rows[i]
+            r.out.append(t)
+            r.lps.append(lp)
+            self.generated_tokens += 1
+            stopped = t in r.req.params.stop_ids
+            if stopped or len(r.out) >= r.req.params.max_new_tokens:
+                done.append((r.req, Generation(r.out, r.lps, "stop" if stopped else "length")))
+                leaving.add(i)
+                if self.reuse_kv:
+                    m = self._mask[i].bool()
+                    self.kept.put(r.req.key, r.ids, [(key[i][:, m], val[i][:, m]) for key, val in _layers(self._cache)])
+        if leaving:
+            keep = [i for i in range(len(self._rows)) if i not in leaving]
+            index = torch.tensor(keep, dtype=torch.long)
+            self._rows = [self._rows[i] for i in keep]
+            self._mask, self._pending = self._mask[index], self._pending[index]
+            # columns that only the rows that left used are dropped
+            live = torch.nonzero(self._mask.any(0)).flatten()
+            start = int(live[0]) if len(live) else self._mask.shape[1]
+            self._mask = self._mask[:, start:]
+            self._cache = _growing([(k[index, :, start:], v[index, :, start:]) for k, v in _layers(self._cache)])
+        return done

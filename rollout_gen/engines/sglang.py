@@ -1,4 +1,4 @@
-"""SGLang as the rollout engine and log-prob scorer (ENGINES.md), token-in/token-out.
+"""SGLang as the rollout engine and log-prob scorer (its /generate API), token-in/token-out.
 
 Over HTTP (`python -m sglang.launch_server --model-path M --port 30000`, or an sglang-router in
 front of several servers) or in-process with `sglang.Engine` where sglang is installed. Both return
@@ -52,6 +52,11 @@ def parse_scores(result: dict, start: int) -> list[float]:
 
 
 class SGLangEngine:
+    # The agent loop sends each trajectory's turn as its own request, many in flight
+    # (rollout.max_in_flight), so the server batches them continuously and its radix cache keeps
+    # each trajectory's prefix between turns; `generate` is thread-safe (one HTTP call per call).
+    concurrent_requests = True
+
     def __init__(self, url: str | None = None, checkpoint: Path | None = None, timeout_s: float = 600.0,
                  in_process: bool = False, **engine_kwargs: Any) -> None:
         self.url = (url or "").rstrip("/")

@@ -1,0 +1,67 @@
+"""Per-trajectory KV caches kept between turns, bounded by a cap on cached tokens (LRU eviction).
+
+An entry is the unpadded KV of the tokens a trajectory's last turn left in the engine. The engine
+takes it out when the trajectory's next turn arrives (an entry lives either here or in the running
+batch, never both), and the agent loop drops it when the trajectory ends. When the cap is reached
+the least recently kept entries go first: their trajectories' next turn is prefilled in full.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [heads, tokens, head_dim] of one row
+
+
+@dataclass
+class Kept:
+    ids: list[int]
+    kv: KV
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of a and b, at most `limit`."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class KVStore:
+    def __init__(self, cap_tokens: int) -> None:
+        self.cap_tokens = cap_tokens
+        self._entries: OrderedDict[Hashable, Kept] = OrderedDict()
+        self.tokens = 0  # cached tokens now
+        self.evicted = 0  # entries dropped to stay under the cap
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, key: Hashable, ids: list[int], kv: KV) -> None:
+        self.drop(key)
+        if len(ids) > self.cap_tokens:
+            self.evicted += 1
+            return
+        self._entries[key] = Kept(list(ids), kv)
+        self.tokens += len(ids)
+        while self.tokens > self.cap_tokens:
+            _, old = self._entries.popitem(last=False)
+            self.tokens -= len(old.ids)
+            self.evicted += 1
+
+    def take(self, key: Hashable) -> Kept | None:
+        kept = self._entries.pop(key, None)
+        if kept is not None:
+            self.tokens -= len(kept.ids)
+        return kept
+
+    def drop(self, key: Hashable) -> None:
+        self.take(key)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.tokens = 0

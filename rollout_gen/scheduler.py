@@ -1,0 +1,210 @@
+"""Runs one coroutine per trajectory against a continuously batching engine and the sandbox pool.
+
+Each trajectory awaits `generate(request)` and `tool(fn)` as it needs them; nothing waits for the
+rest of a batch. The scheduler owns every future the coroutines wait on, so it knows when all of
+them are blocked ("settled") and only then moves the engine one step: between steps, requests join
+and finished ones leave, and tool calls run in threads meanwhile.
+
+Two schedules:
+- deterministic (default): a tool result rejoins exactly `tool_delay_steps` engine steps after its
+  call was made (the scheduler waits for it if it is late), and requests join in trajectory order.
+  Which rows share a batch at every step is then a function of the trajectories alone, so a rerun
+  gives bit-identical log-probs and samples, whatever the tool latency or machine load.
+- free: a result rejoins at the first step after it arrives. Faster when tools are slow or uneven,
+  but the batch composition depends on timing, and so the floating-point results, slightly
+  (benchmarks/RESULTS.md, section `async rollout`, measures how much).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Hashable
+
+from rollout_gen.engines.base import Generation, Request
+
+
+class BatchStepper:
+    """An engine with only `generate` (test doubles): each step samples every queued request at once."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.queue = engine, []
+
+    def add(self, requests: list[Request]) -> None:
+        self.queue += requests
+
+    def busy(self) -> bool:
+        return bool(self.queue)
+
+    def release(self, key: Hashable) -> None:
+        pass
+
+    def step(self) -> list[tuple[Request, Generation]]:
+        out: list[tuple[Request, Generation]] = []
+        groups: dict[Any, list[Request]] = {}
+        for r in self.queue:
+            groups.setdefault(r.params, []).append(r)
+        self.queue = []
+        for params, reqs in groups.items():
+            gens = self.engine.generate([list(r.context) for r in reqs], params, [r.seed for r in reqs],
+                                        shared_prefix=[r.shared_prefix for r in reqs])
+            out += zip(reqs, gens)
+        return out
+
+
+class ConcurrentStepper:
+    """A server engine (SGLang): every request is its own concurrent call, at most `limit` in flight,
+    so the server's continuous batching and radix cache do the work."""
+
+    def __init__(self, engine, limit: int, wait_all: bool) -> None:
+        self.engine, self.wait_all = engine, wait_all
+        self.pool = cf.ThreadPoolExecutor(max_workers=limit, thread_name_prefix="engine")
+        self.flying: dict[cf.Future, Request] = {}
+
+    def add(self, requests: list[Request]) -> None:
+        for r in requests:
+            fut = self.pool.submit(self.engine.generate, [list(r.context)], r.params, [r.seed], [r.shared_prefix])
+            self.flying[fut] = r
+
+    def busy(self) -> bool:
+        return bool(self.flying)
+
+    def release(self, key: Hashable) -> None:
+        pass
+
+    def step(self) -> list[tuple[Request, Generation]]:
+        # Deterministic: a step is the whole set in flight. Free: whatever is back within 20 ms
+        # (the scheduler then looks at tool results again).
+        done, _ = cf.wait(self.flying, timeout=None if self.wait_all else 0.02,
+                          return_when=cf.ALL_COMPLETED if self.wait_all else cf.FIRST_COMPLETED)
+        order = [f for f in self.flying if f in done]  # submission order
+        return [(self.flying.pop(f), f.result()[0]) for f in order]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _ToolCall:
+    due: int  # engine step at which the deterministic schedule delivers it
+    future: cf.Future
+    waiter: asyncio.Future
+
+
+@dataclass
+class Progress:
+    finished: int = 0
+    active: int = 0
+    tools_in_flight: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, engine, deterministic: bool = True, tool_delay_steps: int = 4, max_in_flight: int = 64,
+                 tool_threads: int = 64, on_progress: Callable[[Progress, float], None] | None = None) -> None:
+        if hasattr(engine, "step"):
+            self.engine = engine
+        elif getattr(engine, "concurrent_requests", False):
+            self.engine = ConcurrentStepper(engine, max_in_flight, wait_all=deterministic)
+        else:
+            self.engine = BatchStepper(engine)
+        self.deterministic, self.delay = deterministic, tool_delay_steps
+        self.tools = cf.ThreadPoolExecutor(max_workers=tool_threads, thread_name_prefix="tool")
+        self.on_progress = on_progress
+        self.progress = Progress()
+        self._asked: list[tuple[int, Request, asyncio.Future]] = []
+        self._waiting: dict[Hashable, asyncio.Future] = {}
+        self._calls: list[_ToolCall] = []
+        self._running = 0
+        self._settled: asyncio.Event | None = None
+
+    # ---- what a trajectory's coroutine awaits --------------------------------------------------
+    async def generate(self, order: int, request: Request) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        self._asked.append((order, request, fut))
+        return await self._block(fut)
+
+    async def tool(self, fn: Callable[..., Any], *args: Any) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        self._calls.append(_ToolCall(self.progress.steps + self.delay, self.tools.submit(fn, *args), fut))
+        return await self._block(fut)
+
+    def release(self, key: Hashable) -> None:
+        self.engine.release(key)
+
+    async def _block(self, fut: asyncio.Future) -> Any:
+        self._running -= 1
+        if self._running == 0:
+            self._settled.set()
+        return await fut
+
+    def _wake(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+        self._running += 1
+        self._settled.clear()
+        fut.set_exception(error) if error is not None else fut.set_result(value)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self, coroutines: list[Awaitable[None]]) -> None:
+        try:
+            asyncio.run(self._main(coroutines))
+        finally:
+            self.tools.shutdown(wait=True)
+            if isinstance(self.engine, ConcurrentStepper):
+                self.engine.close()
+
+    async def _main(self, coroutines: list[Awaitable[None]]) -> None:
+        self._settled = asyncio.Event()
+        self._running = len(coroutines)
+        self.progress.active = len(coroutines)
+        tasks = [asyncio.ensure_future(self._trajectory(c)) for c in coroutines]
+        t0 = time.monotonic()
+        while True:
+            if self._running:
+                await self._settled.wait()
+            if not self.progress.active:
+                break
+            if self._deliver_tools():
+                continue  # let the woken trajectories ask for their next turn before the step
+            if self._asked:
+                self._asked.sort(key=lambda a: a[0])  # trajectory order, not wake-up order
+                self.engine.add([r for _, r, _ in self._asked])
+                self._waiting.update((id(r), f) for _, r, f in self._asked)
+                self._asked = []
+            if self.engine.busy():
+                for req, gen in self.engine.step():
+                    self.progress.generated_tokens += len(gen.output_ids)
+                    self._wake(self._waiting.pop(id(req)), gen)
+                self.progress.steps += 1
+            elif self._calls:  # everyone waits on tools: skip to the next result
+                if self.deterministic:
+                    self.progress.steps = min(c.due for c in self._calls)
+                else:
+                    cf.wait([c.future for c in self._calls], return_when=cf.FIRST_COMPLETED)
+            if self.on_progress:
+                self.progress.tools_in_flight = len(self._calls)
+                self.on_progress(self.progress, time.monotonic() - t0)
+        for t in tasks:
+            t.result()  # a trajectory's own exception is not swallowed
+
+    def _deliver_tools(self) -> bool:
+        if self.deterministic:
+            ready = [c for c in self._calls if c.due <= self.progress.steps]
+        else:
+            ready = [c for c in self._calls if c.future.done()]
+        for c in ready:  # in call order; deterministic: waits for late ones
+            self._calls.remove(c)
+            error = c.future.exception()
+            self._wake(c.waiter, None if error else c.future.result(), error)
+        return bool(ready)
+
+    async def _trajectory(self, coroutine: Awaitable[None]) -> None:
+        try:
+            await coroutine
+        finally:
+            self.progress.active -= 1
+            self.progress.finished += 1
+            self._running -= 1
+            if self._running == 0:
+                self._settled.set()
