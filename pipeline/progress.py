@@ -29,17 +29,19 @@ class StageProgress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn(f"[{stage}]"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                                 TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+            self._bar = Progress(TextColumn(f"[{stage}]", markup=False), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn(unit, markup=False), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[note]}", markup=False), console=Console(stderr=True),
+                                 transient=False)
             self._bar.start()
-            self._task = self._bar.add_task(stage, total=self.total)
+            self._task = self._bar.add_task(stage, total=self.total, note="")
         else:
             self.log(f"[{stage}] {self.total} {unit} to go")
 
     def update(self, done: int, note: str = "") -> None:
         self.done = done
         if self._bar is not None:
-            self._bar.update(self._task, completed=done)
+            self._bar.update(self._task, completed=done, note=note)
             return
         now = time.monotonic()
         if now - self._last >= self.every_s and done < self.total:
