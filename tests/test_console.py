@@ -39,6 +39,14 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
     for stage in ("[rollout it 0]", "[purify it 0]", "[update] step 1"):
         assert stage in p.stderr, f"no progress for {stage}:\n{p.stderr}"
     assert p.stdout.strip().startswith("final checkpoint:"), p.stdout
+    # Entropy is not measured by default: it reads as not measured, never as 0.
+    assert "entropy n/a" in p.stderr and "entropy 0.000" not in p.stderr
+    import duckdb
+
+    con = duckdb.connect(str(tmp_path / "catalog.duckdb"), read_only=True)
+    entropy = con.sql("SELECT value FROM metrics WHERE name = 'entropy'").fetchall()
+    assert entropy and all(v is None for (v,) in entropy)  # null in the metrics shard
+    con.close()
     # Rerun: every stage is committed and says so, rather than a plain "Completed()".
     again = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)

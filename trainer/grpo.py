@@ -35,7 +35,7 @@ class StepMetrics:
     clip_ratio: float
     approx_kl: float
     grad_norm: float
-    entropy: float
+    entropy: float | None  # None: not measured (train.log_entropy off), never 0
     tokens: int
     lr: float
     seconds: float
@@ -169,7 +169,8 @@ class GRPOUpdate:
         grad_norm = self.step()
         self.global_step += 1
         self.model.eval()
-        return StepMetrics(self.global_step, loss_sum, clip, kl, grad_norm, ent, tokens, lr, time.perf_counter() - t0)
+        return StepMetrics(self.global_step, loss_sum, clip, kl, grad_norm, ent if self.cfg.log_entropy else None,
+                           tokens, lr, time.perf_counter() - t0)
 
     def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
             after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:

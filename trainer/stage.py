@@ -148,13 +148,14 @@ def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
 
 def log_steps(metrics: list, log) -> None:
     for m in metrics:
+        entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
         log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
-            f"grad {m.grad_norm:.3f} entropy {m.entropy:.3f} tokens {m.tokens}")
+            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}")
 
 
 def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
     records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
-                "value": float(getattr(m, name))}
+                "value": None if getattr(m, name) is None else float(getattr(m, name))}  # null: not measured
                for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
                                              "tokens", "lr", "seconds")]
     if not is_committed(inputs.metrics_dir):
