@@ -39,6 +39,8 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         from pipeline.config import load_config
         from pipeline.trajectory import trajectory_from_row
         from purifier.replay import replay_stats
+        from purifier.replay_cmd import lived_saar
+        from purifier.saar import live_measure
         from rollout_gen.stage import load_chat
         from storage.layout import RunLayout
         from storage.schemas import RAW
@@ -49,12 +51,13 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         raw_dir = RunLayout(cfg.storage.root, run).raw_dir(0)
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
         chat = load_chat(read_manifest(raw_dir).inputs[0])
+        live = live_measure(lived_saar(cfg, RunLayout(cfg.storage.root, run).run_json))
         lines = ["| γ | positions | shallow | deep | tokens removed | tokens recomputed | ≠ γ_live | ≠ difflib |",
                  "|---|---|---|---|---|---|---|---|"]
         for g in (0.0, 0.3, 0.5, 0.7, 0.9, 0.95, 1.01):
-            s = replay_stats(raws, g, chat.decode)
+            s = replay_stats(raws, g, chat.decode, live, live)
             lines.append(f"| {g:g} | {s.positions} | {s.shallow} | {s.deep} | {s.tokens_removed} | {s.tokens_recomputed} "
-                         f"| {s.differ_from_live} | {s.differ_from_difflib} |")
+                         f"| {s.differ_from_live} | {s.differ_from_reference} |")
         return f"Replay of `{run}` iteration 0 ({len(raws)} raw trajectories):\n\n" + "\n".join(lines)
     except Exception as e:  # noqa: BLE001 - the table is a bonus; say why it is missing
         return f"(replay statistics unavailable: {e})"

@@ -1,0 +1,79 @@
+"""`cleaner replay`: re-purify an iteration's stored raw shard under other γ (written as partitions
+beside the others), or `--sweep` a γ grid in memory, and print what a person needs to choose γ:
+decisions per γ against the lived ones and the reference measure's, tokens removed/recomputed, the
+similarity histogram with the γ cuts, example pairs around each γ, and a PNG under the run's report/.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.config import CleanerConfig, SaarConfig
+from pipeline.similarity import REFERENCE_MEASURE
+from purifier.replay import (candidates, examples_around, histogram_lines, plot, replay_stats, sweep_gammas,
+                             with_retries)
+from purifier.saar import live_measure, purify_measure
+
+
+def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
+    """The SAAR settings the run lived with (run.json), else the given config's."""
+    if run_json.is_file():
+        saar = json.loads(run_json.read_text()).get("rollout", {}).get("saar", {})
+        known = {k: v for k, v in saar.items() if k in SaarConfig.model_fields}
+        return SaarConfig(**known)
+    return cfg.rollout.saar
+
+
+def _short(call: str, n: int = 70) -> str:
+    one = call.replace("\n", "⏎")
+    return one if len(one) <= n else one[: n - 1] + "…"
+
+
+def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[float] | None, modes: list[str] | None,
+               sweep: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.trajectory import trajectory_from_row
+    from purifier.stage import run_purify_stage
+    from rollout_gen.stage import load_chat
+    from storage.layout import RunLayout
+    from storage.schemas import RAW
+    from storage.shards import read_manifest, read_shard
+
+    layout = RunLayout(cfg.storage.root, run_id)
+    gammas = (gammas or sweep_gammas()) if sweep else (gammas or cfg.flow.replay_gammas)
+    if not sweep:  # partitions for the asked γ; a sweep stays in memory (21 partitions would be clutter)
+        run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas)
+    raw_dir = layout.raw_dir(iteration)
+    raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
+    chat = load_chat(Path(read_manifest(raw_dir).inputs[0]))
+    saar = lived_saar(cfg, layout.run_json)
+    live, measure = live_measure(saar), purify_measure(saar, cfg.purify.similarity, cfg.purify.similarity_on)
+    console = Console()
+    stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
+    table = Table(title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
+                        f"{len(with_retries(raws))} with retries; measure {measure.key}, lived with {live.key} "
+                        f"at γ_live={saar.gamma_live:g}")
+    for col in ("γ", "positions", "shallow", "deep", "tokens removed", "tokens recomputed", "≠ lived",
+                f"≠ {REFERENCE_MEASURE.key}"):
+        table.add_column(col, justify="right")
+    for s in stats:
+        table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed,
+                                                 s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
+    console.print(table)
+    if not sweep:
+        return 0
+    cands = candidates(raws, chat.decode, measure, live)
+    console.print(f"similarity ({measure.key}) of the {len(cands)} splice candidates as lived:")
+    marks = sorted({g for g in (0.3, 0.5, 0.7, 0.9, saar.gamma_live)})
+    for line in histogram_lines([c.similarity for c in cands], marks):
+        console.print(line, highlight=False)
+    for g in marks:
+        for kind, c in examples_around(cands, g):
+            console.print(f"γ={g:g} {kind:7s} sim={c.similarity:.3f} {c.key} pos {c.position_idx}\n"
+                          f"    old: {_short(c.old_call)}\n    new: {_short(c.new_call)}", highlight=False)
+    png = plot(layout.run_dir / "report" / f"replay-iteration={iteration:04d}-{measure.key}.png", cands, stats,
+               saar.gamma_live, f"{run_id} iteration {iteration} ({measure.key})")
+    print(f"plot: {png}")  # one line whatever the terminal width: a path to copy
+    return 0

@@ -1,0 +1,85 @@
+"""`cleaner replay` on a real rollout of the tiny policy (purifier/replay_cmd.py): `--sweep` prints a
+table over γ = 0.00..1.00 step 0.05, a similarity histogram, example pairs, and writes a PNG, from the
+stored raw shard only (nothing regenerated, no partition written, the raw shard byte-identical); a
+replay at given γ writes partitions beside the others, and another measure gets its own partition."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from purifier.replay import sweep_gammas
+from purifier.replay_cmd import run_replay
+from storage.layout import RunLayout
+
+
+@pytest.fixture()
+def run(world_rollout, tmp_path):
+    root = tmp_path / "ws"
+    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = root
+    return cfg
+
+
+def _snapshot(d):
+    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _table_rows(out: str) -> list[list[int | float]]:
+    """The sweep table's data rows: γ, positions, shallow, deep, removed, recomputed, ≠ lived, ≠ reference."""
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) == 8 and re.fullmatch(r"[0-9.]+", cells[0]):
+            rows.append([float(cells[0]), *map(int, cells[1:])])
+    return rows
+
+
+def test_sweep_prints_table_histogram_examples_and_plot_without_writing_partitions(run, capsys):
+    layout = RunLayout(run.storage.root, "w")
+    before = _snapshot(layout.run_dir)
+    assert run_replay(run, "w", 0, None, None, sweep=True) == 0
+    out = capsys.readouterr().out
+
+    rows = _table_rows(out)
+    assert [r[0] for r in rows] == pytest.approx(sweep_gammas()) and len(rows) == 21
+    assert rows[0][0] == 0.0 and rows[-1][0] == 1.0
+    splices = {r[2] + r[3] for r in rows}
+    assert len(splices) == 1 and splices.pop() > 0  # every γ decides the same splices, shallow or deep
+    shallow = [r[2] for r in rows]
+    assert shallow == sorted(shallow, reverse=True)  # raising γ only turns shallow into deep
+    assert rows[0][3] == 0  # γ=0: nothing is below it
+    lived = next(r for r in rows if r[0] == pytest.approx(run.rollout.saar.gamma_live))
+    assert lived[6] == 0  # at γ_live with the live measure every decision is the one lived
+
+    hist = [ln for ln in out.splitlines() if "│" in ln and "–" in ln.split("│")[0]]
+    assert len(hist) == 20
+    assert sum(int(ln.rsplit("│", 1)[1].split()[0]) for ln in hist) == rows[0][2] + rows[0][3]
+    assert "← γ=" in out and "old: " in out and "new: " in out
+
+    png = next(ln.split("plot: ", 1)[1].strip() for ln in out.splitlines() if ln.startswith("plot: "))
+    written = layout.run_dir / "report" / png.rsplit("/", 1)[-1]
+    assert png == str(written)
+    assert written.is_file() and written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    after = _snapshot(layout.run_dir)
+    assert {k: v for k, v in after.items() if k.parts[0] != "report"} == before  # raw untouched, no partitions
+
+
+def test_replay_at_gammas_writes_partitions_and_other_measure_beside_default(run, capsys):
+    layout = RunLayout(run.storage.root, "w")
+    raw_before = _snapshot(layout.raw_dir(0))
+    assert run_replay(run, "w", 0, [0.9], ["saar"], sweep=False) == 0
+    rows = _table_rows(capsys.readouterr().out)
+    assert [r[0] for r in rows] == [0.9]
+    assert layout.purified_dir(0, "saar", 0.9).is_dir()
+
+    other = run.model_copy(deep=True)
+    other.purify.similarity = "difflib"
+    assert run_replay(other, "w", 0, [0.9], ["saar"], sweep=False) == 0
+    ref_rows = _table_rows(capsys.readouterr().out)
+    assert ref_rows[0][7] == 0  # the reference measure agrees with itself
+    names = sorted(p.name for p in layout.purified_dir(0, "saar", 0.9).parent.iterdir() if p.name.startswith("gamma=0.90"))
+    assert names == ["gamma=0.90", "gamma=0.90-difflib-segment"]
+    assert _snapshot(layout.raw_dir(0)) == raw_before
