@@ -11,7 +11,8 @@ from benchmarks.common import BenchResult, Row
 from pipeline.config import load_config
 from purifier.stage import run_purify_stage
 from rollout_gen.stage import run_rollout_stage
-from trainer.stage import checkpoint_for, run_update_stage
+from trainer.stage import run_update_stage
+from storage.checkpoints import checkpoint_for
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +23,7 @@ def _one_iteration(rows: list[Row], notes: list[str]) -> None:
         cfg = load_config(REPO / "configs" / "demo.yaml", [f"storage.root={tmp}"])
         t = {}
         t0 = time.perf_counter()
-        run_rollout_stage(cfg, "bench", 0, checkpoint_for(cfg, "bench", 0), show_progress=False)
+        run_rollout_stage(cfg, "bench", 0, checkpoint_for(cfg.storage.root, "bench", 0, cfg.rollout.policy), show_progress=False)
         t["rollout"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         run_purify_stage(cfg, "bench", 0)

@@ -19,8 +19,9 @@ from pipeline.config import DEFAULT_POLICY, load_config
 from pipeline.similarity import REFERENCE_MEASURE, Measure
 from pipeline.trajectory import trajectory_from_row
 from purifier.replay import candidates
-from purifier.saar import live_measure
-from rollout_gen.stage import load_chat, run_rollout_stage
+from pipeline.modes import live_measure
+from rollout_gen.stage import run_rollout_stage
+from pipeline.chat import load_chat
 from storage.layout import RunLayout
 from storage.schemas import RAW
 from storage.shards import read_shard

@@ -20,7 +20,8 @@ from purifier.batch import SORT, purify_batch, with_advantages
 from purifier.recompute import CPURecompute
 from purifier.saar import purify
 from purifier.unspliced import unspliced_mask
-from rollout_gen.stage import load_chat, run_rollout_stage
+from rollout_gen.stage import run_rollout_stage
+from pipeline.chat import load_chat
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_shard

@@ -12,14 +12,14 @@ import torch
 from benchmarks.common import BenchResult, Row, best_of
 from pipeline.config import DEFAULT_POLICY, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.engines.base import SamplingParams
+from pipeline.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 from rollout_gen.sandbox import SandboxPool, run_fresh_process
-from rollout_gen.stage import load_chat
+from pipeline.chat import load_chat
 from rollout_gen.world.tasks import eval_tasks, training_tasks
 from benchmarks.lockstep_engine import LockstepCPUEngine
 from rollout_gen.agent import unit_hash
-from rollout_gen.eval_cmd import TIMING_FIELDS
+from flows.eval_cmd import TIMING_FIELDS
 from rollout_gen.evaluate import world_metrics
 
 

@@ -54,7 +54,7 @@ def child(kind: str, length: int, policy: str) -> dict:
 
         from pipeline.config import TrainConfig
         from trainer.grpo import GRPOUpdate
-        from trainer.stage import UPDATE_ATTENTION
+        from trainer.inputs import UPDATE_ATTENTION
 
         model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32, attn_implementation=UPDATE_ATTENTION)
         GRPOUpdate(model, TrainConfig(mini_batches=1, warmup_steps=0)).minibatch([rows], model.config.pad_token_id)
@@ -76,7 +76,7 @@ def _measure(kind: str, length: int, policy: Path) -> dict:
 
 
 def run(lengths: tuple[int, ...] = LENGTHS) -> BenchResult:
-    from trainer.init_policy import init_policy
+    from flows.init_policy import init_policy
 
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks.common import BenchResult, Row
 from pipeline.config import DEFAULT_POLICY, load_config
-from rollout_gen.eval_cmd import evaluate_world
+from flows.eval_cmd import evaluate_world
 
 
 def run() -> BenchResult:

@@ -32,7 +32,7 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
     root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "train", *overrides], cwd=REPO, env=_env(root), check=True,
+    subprocess.run([sys.executable, "-m", "flows.cli", "train", *overrides], cwd=REPO, env=_env(root), check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     train_s = time.perf_counter() - t0
     evals = json.loads(subprocess.run(
@@ -49,16 +49,16 @@ def eval_iterations(iterations: int, every: int) -> list[int]:
 def eval_run(run_id: str, n_tasks: int, every: int, overrides: list[str]) -> list[dict]:
     """The run's checkpoints (iteration 0 = the bootstrap policy) on the held-out tasks."""
     from pipeline.config import load_config
-    from rollout_gen.eval_cmd import evaluate_world
+    from flows.eval_cmd import evaluate_world
     from storage.layout import RunLayout
-    from trainer.stage import checkpoint_for
+    from storage.checkpoints import checkpoint_for
 
     cfg = load_config(None, overrides)
     cfg.world.eval_size = n_tasks
     layout = RunLayout(cfg.storage.root, run_id)
     rows = []
     for i in eval_iterations(cfg.flow.iterations, every):
-        ckpt = checkpoint_for(cfg, run_id, i) if i else cfg.rollout.policy
+        ckpt = checkpoint_for(cfg.storage.root, run_id, i, cfg.rollout.policy) if i else cfg.rollout.policy
         for saar in (False, True):
             c = cfg.model_copy(deep=True)
             c.rollout.saar.gate_p = 1.0 if saar else 0.0

@@ -39,9 +39,9 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         from pipeline.config import load_config
         from pipeline.trajectory import trajectory_from_row
         from purifier.replay import replay_stats
-        from purifier.replay_cmd import lived_saar
-        from purifier.saar import live_measure
-        from rollout_gen.stage import load_chat
+        from flows.replay_cmd import lived_saar
+        from pipeline.modes import live_measure
+        from pipeline.chat import load_chat
         from storage.layout import RunLayout
         from storage.schemas import RAW
         from storage.shards import read_manifest, read_shard

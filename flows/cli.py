@@ -1,191 +1,345 @@
-"""The `cleaner` subcommands that run Prefect flows: demo, train, report, schedule (and eval --flow)."""
+"""The `cleaner` command line. Every subcommand reads the one config tree (YAML + dotted overrides).
+
+Imports of heavy engines (torch, Beam, Prefect, OpenRLHF) happen inside the subcommands so that
+`cleaner --help` and `cleaner inspect` stay fast.
+"""
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
+import re
 import sys
 from pathlib import Path
 
-from pipeline.config import load_config
+from pipeline.config import CleanerConfig, check_gamma, dump_config, load_config
+from pipeline.modes import MODES
+from storage.errors import CleanerError, describe_os_error
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-QUERIES = """\
-  cleaner inspect{args} --sql "SELECT iteration, avg(reward) AS reward, avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"
-  cleaner inspect{args} --sql "SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' GROUP BY 1 ORDER BY 2 DESC"
-  cleaner inspect{args} --sql "SELECT * FROM purify_compare"
-  duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"""
+EPILOG_OVERRIDES = (
+    "Config: --config FILE loads YAML; trailing KEY=VALUE pairs override it, e.g.\n"
+    "  cleaner train rollout.samples_per_prompt=8 'purify.gammas=[0.3,0.7]' flow.iterations=5"
+)
 
-
-def command_args(config: Path | None, overrides: list[str]) -> str:
-    """` -c FILE KEY=VALUE …` as the user ran them, shell-quoted: printed follow-up commands look at the
-    same workspace and settings."""
-    parts = (["-c", str(config)] if config else []) + list(overrides)
-    return "".join(" " + shlex.quote(p) for p in parts)
+# A dotted KEY=VALUE anywhere on the line is an override (argparse alone would refuse one placed before
+# --run, or feed one placed after --gamma 0.5 to --gamma); see split_overrides.
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
-def _load(args: argparse.Namespace):
-    cfg = load_config(args.config, args.overrides)
-    from flows.env import configure_prefect
+class _Parser(argparse.ArgumentParser):
+    """Refusals of the command line are one line too (argparse would print the whole usage first)."""
 
-    configure_prefect(cfg.storage.root)
-    return cfg
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    cfg = _load(args)
-    from flows.server import start_temporary_server
-
-    start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
-    from flows.training import training_flow
-
-    ckpt = training_flow(str(args.config) if args.config else None, list(args.overrides))
-    print(f"final checkpoint: {ckpt}")
-    return 0
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from storage.report import iteration_table, markdown_table, write_report
-
-    cfg = load_config(args.config, args.overrides)
-    run_id = args.run or cfg.flow.run_id
-    page = write_report(cfg.storage.root, run_id, gamma=cfg.train.gamma)
-    print(markdown_table(iteration_table(cfg.storage.root, run_id)))
-    print(f"report: {page}")
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    config = args.config or DEMO_CONFIG
-    cfg = load_config(config, args.overrides)
-    from flows.server import start_temporary_server
-
-    start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
-    if not (cfg.rollout.policy / "model.safetensors").exists():
-        from rollout_gen.world.bootstrap import BootstrapConfig, bootstrap
-
-        print(f"[demo] no policy at {cfg.rollout.policy}: bootstrapping one (about 20 minutes) ...")
-        bootstrap(cfg.rollout.policy, BootstrapConfig(world=cfg.world))
-    from flows.training import replay_flow, training_flow
-    from storage.report import iteration_table, markdown_table, write_report
-
-    print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
-          f"update (Prefect, temporary local server; a rerun resumes)")
-    training_flow(str(config), list(args.overrides))
-    print(f"[demo] replaying iteration 0 under γ = {cfg.flow.replay_gammas}")
-    replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
-    page = write_report(cfg.storage.root, cfg.flow.run_id, gamma=cfg.train.gamma)
-    run_dir = cfg.storage.root / "runs" / cfg.flow.run_id
-    again = command_args(config, args.overrides)
-    print("\n" + markdown_table(iteration_table(cfg.storage.root, cfg.flow.run_id)) + "\n")
-    print(f"""Where to look:
-  report      {page}
-  shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
-  checkpoints {run_dir}/checkpoints/
-  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {' '.join(map(str, cfg.flow.replay_gammas))}
-Try these queries:
-{QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}""")
-    return 0
-
-
-def cmd_schedule(args: argparse.Namespace) -> int:
-    if not args.interval and not args.cron:
-        print("cleaner schedule: give --interval SECONDS or --cron 'EXPR'", file=sys.stderr)
-        return 2
-    cfg = _load(args)
-    started = False
-    if not os.environ.get("PREFECT_API_URL"):
-        # Prefect's temporary server cannot schedule (it dies with the command): run a real one.
-        from flows.server import start_server
-
-        print(f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
-              f"{cfg.storage.root / '.prefect' / 'server.log'}) ...", flush=True)
-        server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui)
-        os.environ["PREFECT_API_URL"] = server.url
-    url = os.environ["PREFECT_API_URL"]
-    print(f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
-          f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
-          + ("[schedule] the server stops when this command ends (Ctrl-C); `cleaner server stop` stops a "
-             "server left by a killed command" if started else ""), flush=True)
-    from flows.training import training_flow
-
+def gamma_arg(text: str) -> float:
     try:
-        training_flow.serve(
-            name=args.name, interval=args.interval, cron=args.cron,
-            parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides)},
-        )
-    finally:
-        if started:
-            from flows.server import stop_server
+        return check_gamma(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid γ {text!r}: {e}") from None
 
-            stop_server(cfg.storage.root)
+
+def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the overrides, the overrides in order): KEY=VALUE may stand before or after any
+    option, including after multi-value ones such as --gamma, but never as the value of --sql, --run …."""
+    takes_value = {s for p in [parser, *_subparsers(parser)] for a in p._actions
+                   if a.option_strings and a.nargs is None and a.const is None for s in a.option_strings}
+    rest, overrides = [], []
+    for i, token in enumerate(argv):
+        if OVERRIDE.match(token) and not (i and argv[i - 1] in takes_value):
+            overrides.append(token)
+        else:
+            rest.append(token)
+    return rest, overrides
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [p for a in parser._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", type=Path, help="YAML config file (default: embedded defaults)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+
+
+def _config(args: argparse.Namespace) -> CleanerConfig:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(dump_config(_config(args)), end="")
     return 0
 
 
-def cmd_server(args: argparse.Namespace) -> int:
-    from flows.server import running_server, start_server, stop_server
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from flows.inspect import run_inspect
 
-    root = load_config(args.config, args.overrides).storage.root
-    if args.action == "start":
-        state, started = start_server(root, port=args.port, ui=not args.no_ui)
-        print(f"{'started' if started else 'already running'}: pid {state.pid}, UI/API "
-              f"http://127.0.0.1:{state.port} (log: {state.log})\n  export PREFECT_API_URL={state.url}")
-    elif args.action == "stop":
-        state = stop_server(root)
-        print(f"stopped pid {state.pid}" if state else "no project server was running")
-    else:
-        state = running_server(root)
-        print(f"running: pid {state.pid}, {state.url}" if state else "not running")
+    cfg = _config(args)
+    return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from flows.bootstrap import BootstrapConfig, bootstrap
+    from trainer.sft import SFTConfig
+
+    cfg = _config(args)
+    out = args.out or cfg.rollout.policy
+    if (out / "model.safetensors").exists() and not args.force:
+        print(f"cleaner bootstrap: {out} already holds a policy; pass --force to rebuild it", file=sys.stderr)
+        return 2
+    boot = BootstrapConfig(corpus_size=args.corpus_size, seed=args.seed, world=cfg.world,
+                           sft=SFTConfig(steps=args.steps, seed=args.seed, threads=args.threads))
+    bootstrap(out, boot)
+    print(f"next: cleaner eval --world rollout.policy={out}")
     return 0
 
 
-def add_flow_commands(sub, add_config_args, epilog: str) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("demo", help="the main job: a multi-iteration training flow on the embedded defaults",
-                       description="Build the tiny policy if absent, run the training flow of configs/demo.yaml, "
-                       "replay iteration 0 under three γ, write the report and print where to look.",
-                       epilog="Example:\n  cleaner demo flow.iterations=2\n\n" + epilog, formatter_class=fmt)
-    add_config_args(p)
-    p.set_defaults(func=cmd_demo)
+def cmd_init_policy(args: argparse.Namespace) -> int:
+    from flows.init_policy import InitPolicyConfig, init_policy
 
-    p = sub.add_parser("train", help="run the training flow: N iterations of rollout -> purify -> update (Prefect)",
-                       description="Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points "
-                       "at `prefect server start`). Stages whose output is committed are skipped: rerun to resume.",
-                       epilog="Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10\n\n"
-                       + epilog, formatter_class=fmt)
-    add_config_args(p)
-    p.set_defaults(func=cmd_train)
+    init_policy(args.out, InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(), retrain=args.retrain)
+    print(f"next: cleaner rollout rollout.policy={args.out} rollout.max_prompt_tokens=512")
+    return 0
 
-    p = sub.add_parser("report", help="write PNG plots and an HTML page for a run",
-                       epilog="Example:\n  cleaner report --run demo -c configs/demo.yaml\n\n" + epilog,
-                       formatter_class=fmt)
-    add_config_args(p)
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flows.console import print_metrics
+    from flows.eval_cmd import METRICS_FILE, evaluate, evaluate_world, write_metrics
+
+    cfg = _config(args)
+    if not args.world and not args.tasks:
+        print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
+        return 2
+    policy = cfg.rollout.policy
+    if args.tasks:
+        from rollout_gen.tasks import load_task_parquet
+
+        tasks = load_task_parquet(args.tasks)[: args.limit]
+        metrics = evaluate(cfg, policy, tasks)
+        print_metrics(f"{policy} on {args.tasks}", {k: v for k, v in metrics.items() if k != "settings"}, args.json)
+        return 0
+    if args.flow:  # as a Prefect flow, SAAR at test time on and off
+        from flows.server import start_temporary_server
+
+        start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
+        from flows.training import eval_flow
+
+        result = eval_flow(str(args.config) if args.config else None, list(args.overrides))
+        print_metrics(f"{policy}: SAAR at test time on vs off", result, args.json)
+        return 0
+    metrics = evaluate_world(cfg, policy, limit=args.limit)
+    print_metrics(f"{policy} on the world's held-out tasks", {k: v for k, v in metrics.items() if k != "settings"},
+                  args.json)
+    if args.write:
+        write_metrics(metrics, policy / METRICS_FILE)
+        print(f"wrote {policy / METRICS_FILE}", file=sys.stderr)
+    return 0
+
+
+def _publish_catalog(cfg: CleanerConfig) -> None:
+    """A stage run alone republishes the catalog file too (one warning if it cannot)."""
+    from storage.catalog import publish_quietly
+
+    publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog,
+                    lambda message: print(f"cleaner: {message}", file=sys.stderr))
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from rollout_gen.stage import run_rollout_stage
+
+    cfg = _config(args)
+    checkpoint = args.checkpoint or cfg.rollout.policy
+    manifest = run_rollout_stage(cfg, args.run or cfg.flow.run_id, args.iteration, checkpoint)
+    _publish_catalog(cfg)
+    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}")
+    return 0
+
+
+def cmd_purify(args: argparse.Namespace) -> int:
+    from purifier.stage import run_purify_stage
+
+    cfg = _config(args)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma)
+    _publish_catalog(cfg)
+    for r in results:
+        state = "kept (already committed)" if r.skipped else "written"
+        print(f"mode={r.mode} gamma={r.gamma:g}: {r.rows} rows, {r.dead} dead letters — {state}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from flows.replay_cmd import run_replay
+
+    cfg = _config(args)
+    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep)
+    _publish_catalog(cfg)
+    return code
+
+
+def cmd_update(args: argparse.Namespace) -> int:
+    from trainer.stage import run_update_stage
+
+    cfg = _config(args)
+    target = run_update_stage(cfg, args.run or cfg.flow.run_id, args.iteration)
+    _publish_catalog(cfg)
+    print(f"checkpoint: {target}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="cleaner",
+        description="CLEANER: offline two-phase agentic RL with self-purified trajectories (SAAR).",
+        epilog=EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("config", help="print the resolved config tree", epilog=EPILOG_OVERRIDES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser(
+        "inspect",
+        help="summarise runs from the DuckDB catalog, or run SQL on its views",
+        description="Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters.",
+        epilog="Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
+        "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(p)
+    p.add_argument("--sql", help="run this SQL against the catalog and print the result")
+    p.add_argument("--run", help="restrict the summary to one run id")
+    p.add_argument("--queries", action="store_true", help="print example queries to try")
+    p.set_defaults(func=cmd_inspect)
+
+    from flows.flow_commands import add_flow_commands  # prefect is imported only when a flow command runs
+
+    add_flow_commands(sub, _add_config_args, EPILOG_OVERRIDES)
+
+    p = sub.add_parser(
+        "bootstrap", help="build the tool-use world's tokenizer, SFT corpus and tiny policy",
+        description="Generate the SFT corpus (tool outputs from the real sandbox), train the byte-level BPE "
+        "tokenizer and a tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.",
+        epilog="Example:\n  cleaner bootstrap --out /tmp/policy --steps 200 --corpus-size 500   # a quick one\n\n"
+        + EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, help="output folder (default: rollout.policy)")
+    p.add_argument("--steps", type=int, default=3500, help="SFT optimizer steps (batch 8)")
+    p.add_argument("--corpus-size", type=int, default=12_000, help="number of transcripts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing policy")
+    p.set_defaults(func=cmd_bootstrap)
+
+    p = sub.add_parser(
+        "init-policy", help="write a small Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151,936)",
+        description="A Qwen3-layout checkpoint (real tokenizer, <tool_call>=151657, <think> blocks, Qwen3's chat "
+        "template) of small width, briefly SFT'd to emit tool calls; it runs through exactly the code a real "
+        "Qwen3 checkpoint does (flows/init_policy.py).",
+        epilog="Example:\n  cleaner init-policy --out /tmp/qwen3-tiny && cleaner rollout rollout.policy=/tmp/qwen3-tiny",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output folder (an HF checkpoint directory)")
+    p.add_argument("--random", action="store_true", help="random weights (never emits a tool call)")
+    p.add_argument("--retrain", action="store_true", help="rerun the SFT (minutes) instead of the committed weights")
+    p.set_defaults(func=cmd_init_policy)
+
+    p = sub.add_parser(
+        "eval", help="measure a policy on held-out tasks with the real agent loop",
+        description="Roll out the policy (rollout.policy) once per held-out task of the tool-use world, with "
+        "SAAR retries as configured, and print well-formed call rate, first-call failures by label, retry "
+        "success, accuracy and generated tokens/s.",
+        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
+        "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
+    p.add_argument("--tasks", type=Path, help="evaluate on a task parquet (Open-AgentRL, AIME, GPQA, LiveCodeBench layouts)")
+    p.add_argument("--limit", type=int, help="only the first N held-out tasks")
+    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
+    p.add_argument("--flow", action="store_true",
+                   help="run as the Prefect eval flow: pass@1, tool-error rate and latency with SAAR on and off")
+    p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "rollout", help="phase 1 alone: sample trajectories with retries and write a raw shard",
+        description="Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
+        "checkpoint and commit them as the iteration's raw shard (skipped if already committed).",
+        epilog="Example:\n  cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
     p.add_argument("--run", help="run id (default: flow.run_id)")
-    p.set_defaults(func=cmd_report)
+    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, help="policy checkpoint (default: rollout.policy)")
+    p.set_defaults(func=cmd_rollout)
 
-    p = sub.add_parser("schedule", help="serve the training flow as a Prefect deployment (interval or cron)",
-                       description="Blocks and serves the deployment. Without PREFECT_API_URL it first starts a "
-                       "local Prefect server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command "
-                       "ends), since Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers "
-                       "the deployment there.",
-                       epilog="Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml\n\n" + epilog,
-                       formatter_class=fmt)
-    add_config_args(p)
-    p.add_argument("--name", default="cleaner-training")
-    p.add_argument("--interval", type=float, help="seconds between runs")
-    p.add_argument("--cron", help="cron expression")
-    p.add_argument("--port", type=int, help="port of the local Prefect server it starts (default: a free one)")
-    p.add_argument("--no-ui", action="store_true", help="start the local server without its web UI")
-    p.set_defaults(func=cmd_schedule)
+    for name, help_text, example in (
+        ("purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
+         "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5"),
+        ("replay", "re-purify stored raw shards under other γ / modes, never touching them, and compare",
+         "cleaner replay --run demo --iteration 0 --gamma 0.3 0.5 0.7"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text + ". One partition per (mode, γ) is "
+                           "written beside the others; committed partitions are kept. Beam runner: purify.runner "
+                           "and purify.beam_options.",
+                           epilog=f"Example:\n  {example}\n\n" + EPILOG_OVERRIDES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_config_args(p)
+        p.add_argument("--run", help="run id (default: flow.run_id)")
+        p.add_argument("--iteration", type=int, default=0)
+        p.add_argument("--gamma", type=gamma_arg, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
+        p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
+        if name == "replay":
+            p.add_argument("--sweep", action="store_true", help=(
+                "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
+                "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on)"))
+        p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
 
-    p = sub.add_parser("server", help="start/stop/status of the project's local Prefect server (127.0.0.1)",
-                       description="A real Prefect server with the project's Prefect home (<storage.root>/.prefect), "
-                       "started in the background and stopped by its recorded pid. Runs, deployments and schedules "
-                       "then show in its UI; commands use it when PREFECT_API_URL is exported as printed.",
-                       epilog="Example:\n  cleaner server start\n  cleaner server stop\n\n" + epilog,
-                       formatter_class=fmt)
-    p.add_argument("action", choices=["start", "stop", "status"])
-    add_config_args(p)
-    p.add_argument("--port", type=int, help="port (default: a free one)")
-    p.add_argument("--no-ui", action="store_true", help="without the web UI")
-    p.set_defaults(func=cmd_server)
+    p = sub.add_parser(
+        "update", help="phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
+        description="Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
+        "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). An "
+        "interrupted update resumes from its last finished mini-batch.",
+        epilog="Example:\n  cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4\n\n"
+        + EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iteration", type=int, default=0)
+    p.set_defaults(func=cmd_update)
+
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flows.console import quiet_libraries
+
+    quiet_libraries()  # before torch, Beam or DeepSpeed are imported by a subcommand
+    parser = build_parser()
+    argv, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *overrides]
+    elif overrides:
+        parser.error(f"{overrides[0]}: {args.command} takes no config overrides")
+    try:
+        return int(args.func(args) or 0)
+    except Exception as e:  # noqa: BLE001 - user-facing failures get one line, bugs keep their traceback
+        if os.environ.get("CLEANER_TRACEBACK"):
+            raise
+        if isinstance(e, CleanerError):
+            message, code = str(e), e.exit_code
+        elif isinstance(e, OSError):  # the environment's: a missing file, a full or read-only disk
+            message, code = describe_os_error(e), 1
+        else:
+            raise
+        print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,8 @@ _NOISE: tuple[tuple[str, str], ...] = (
     ("", "apitools not found"),  # Beam's GCP module logs this on the root logger
     # DeepSpeed falls back to its CPU accelerator by design here.
     ("DeepSpeed", "Setting accelerator to CPU"),
+    # bitsandbytes (an OpenRLHF dependency; cleaner quantizes nothing) probes an optional kernels package.
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
 )
 _PYNVML = "The pynvml package is deprecated"  # torch.cuda imports pynvml whether or not a GPU exists
 

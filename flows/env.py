@@ -5,7 +5,7 @@ import logging
 import os
 from pathlib import Path
 
-from pipeline.errors import CleanerError, check_writable_root
+from storage.errors import CleanerError, check_writable_root
 
 
 def configure_prefect(root: Path) -> None:

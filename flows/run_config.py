@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import json
 
-from pipeline.config import CleanerConfig
-from pipeline.errors import CleanerError
+from pipeline.config import PURIFY_REPLAY_SETTINGS, CleanerConfig
+from storage.errors import CleanerError
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
 
 # A run may be extended with more iterations or replayed under more γ; what it trains on may not change.
 FROZEN_SECTIONS = ("world", "rollout", "purify", "train")
-# the similarity measure is like γ: another one writes partitions beside, never over, the others
-MUTABLE_PURIFY = {"modes", "gammas", "runner", "beam_options", "similarity", "similarity_on"}
 
 
 class RunConfigMismatch(CleanerError, ValueError):
@@ -20,7 +18,7 @@ class RunConfigMismatch(CleanerError, ValueError):
 
 def _frozen(data: dict) -> dict:
     out = {s: dict(data[s]) for s in FROZEN_SECTIONS}
-    for key in MUTABLE_PURIFY:
+    for key in PURIFY_REPLAY_SETTINGS:
         out["purify"].pop(key, None)
     out["rollout"].pop("threads", None)
     return out

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flows.env import configure_prefect
-from pipeline.errors import CleanerError
+from pipeline.processes import alive
+from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
@@ -51,20 +52,6 @@ def _state_path(root: Path) -> Path:
     return prefect_home(root) / STATE_FILE
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours counts as gone.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
-    except OSError:
-        return False
-
-
 def healthy(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
@@ -80,7 +67,7 @@ def running_server(root: Path) -> ServerState | None:
         state = ServerState(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if _alive(state.pid) and healthy(state.url):
+    if alive(state.pid) and healthy(state.url):
         return state
     return None
 
@@ -145,13 +132,13 @@ def _terminate(pid: int, grace: float = 10.0) -> None:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.1)
         try:
             os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
         except ChildProcessError:
             pass
-        if not _alive(pid):
+        if not alive(pid):
             return
 
 
@@ -162,7 +149,7 @@ def stop_server(root: Path) -> ServerState | None:
         state = ServerState(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if _alive(state.pid):
+    if alive(state.pid):
         _terminate(state.pid)
     path.unlink(missing_ok=True)
     return state

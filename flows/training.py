@@ -55,10 +55,10 @@ def _value(result: object) -> object:
 def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
     from rollout_gen.stage import run_rollout_stage
     from storage.shards import is_committed
-    from trainer.stage import checkpoint_for
+    from storage.checkpoints import checkpoint_for
 
     committed = is_committed(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
-    manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg, run_id, iteration),
+    manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy),
                                  log=get_run_logger().info)
     return _result(manifest.rows, committed)
 
@@ -77,14 +77,15 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str
 
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
-    from trainer.stage import DONE_MARKER, run_update_stage
+    from trainer.stage import run_update_stage
+    from storage.checkpoints import DONE_MARKER
 
     done = (RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1) / DONE_MARKER).is_file()
     return _result(str(run_update_stage(cfg, run_id, iteration, log=get_run_logger().info)), done)
 
 
 def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
-    from storage.report import iteration_table, markdown_table
+    from flows.report import iteration_table, markdown_table
 
     rows = [r for r in iteration_table(cfg.storage.root, run_id) if r["iteration"] == iteration]
     if rows:
@@ -138,7 +139,7 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
 
 @task(name="evaluate", cache_policy=NONE)
 def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool) -> dict:
-    from rollout_gen.eval_cmd import evaluate_world
+    from flows.eval_cmd import evaluate_world
 
     c = cfg.model_copy(deep=True)
     if not saar:

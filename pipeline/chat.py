@@ -10,11 +10,13 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Literal
 
 import json_repair
 
 from pipeline.trajectory import CallStatus
+from storage.errors import CheckpointError
 
 IM_START, IM_END, EOS = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -297,3 +299,11 @@ class ChatFormat:
         """(call_start, parsed call) of one sampled assistant turn."""
         text = self.decode([t for t in turn_ids if t not in self.stop_ids])
         return self.call_start(turn_ids), parse_tool_call(text, malformed)
+
+
+def load_chat(checkpoint: Path) -> ChatFormat:
+    from transformers import AutoTokenizer
+
+    if not (Path(checkpoint) / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"no tokenizer in checkpoint {checkpoint}")
+    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint))

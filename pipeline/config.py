@@ -9,13 +9,15 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.errors import CleanerError
+from pipeline.modes import Mode
+from storage.errors import CleanerError
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "tiny-tool-policy"
 
@@ -124,14 +126,27 @@ class RolloutConfig(Section):
     sandbox: SandboxConfig = SandboxConfig()
 
 
+# purify.* settings that choose where or which partitions are written, never what a partition holds:
+# a run may change them between invocations (replay under more γ or another measure, another runner),
+# and they stay out of the partitions' config hash (purifier/stage.py) and the frozen run config
+# (flows/run_config.py).
+PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "runner", "dask_address", "beam_options", "similarity",
+                                    "similarity_on"})
+
+
 class PurifyConfig(Section):
-    modes: list[Literal["saar", "raw", "void_turn"]] = ["saar", "raw"]
+    modes: list[Mode] = ["saar", "raw"]
     gammas: list[Gamma] = [0.5]
     advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
     dynamic_filter: bool = False
     recompute: Literal["cpu", "sglang"] = "cpu"
-    runner: str = "FnApiRunner"
+    runner: str = Field("FnApiRunner", description=(
+        "Beam runner: FnApiRunner (in-process), dask (Beam's DaskRunner on the cluster at purify.dask_address; "
+        "docs/scale_out.md), or any runner Beam accepts, with its options in purify.beam_options"))
     beam_options: list[str] = []
+    dask_address: str | None = Field(None, description=(
+        "runner=dask: the Dask scheduler, e.g. tcp://10.0.0.5:8786 (None: the local cluster that "
+        "`cleaner cluster start` runs for this storage root)"))
     max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0)
     similarity: Literal["rapidfuzz", "difflib"] | None = Field(None, description=(
         "measure for the purified partitions (None: the run's rollout.saar.similarity); another value is written "
@@ -139,9 +154,16 @@ class PurifyConfig(Section):
     similarity_on: Literal["segment", "code"] | None = Field(None, description=(
         "target for the purified partitions (None: the run's rollout.saar.similarity_on)"))
 
+    @field_validator("dask_address")
+    @classmethod
+    def _scheduler_address(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"([a-z]+://)?[^\s/:]+:\d{1,5}", value):
+            raise ValueError("expected a Dask scheduler address like tcp://HOST:8786")
+        return value
+
 
 class TrainConfig(Section):
-    mode: Literal["saar", "raw", "void_turn"] = "saar"
+    mode: Mode = "saar"
     gamma: Gamma = 0.5
     strategy: Literal["local", "deepspeed"] = Field("local", description=(
         "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "

@@ -17,6 +17,12 @@ from typing import Any, Literal
 
 import numpy as np
 
+def row_key(run_id: Any, iteration: Any, prompt_id: Any, sample_idx: Any) -> str:
+    """A raw row's identity, `run/iteration/prompt/sample`: its `raw_key` in purified and dead-letter
+    rows (purifier/unspliced.py builds the same string column-wise; a test holds them equal)."""
+    return f"{run_id}/{iteration}/{prompt_id}/{sample_idx}"
+
+
 ErrorClass = Literal["model", "infra"]
 CallStatus = Literal["ok", "no_call", "bad_json", "unknown_tool", "unclosed"]
 PositionOutcome = Literal[
@@ -129,7 +135,7 @@ class Trajectory:
 
     @property
     def key(self) -> str:
-        return f"{self.run_id}/{self.iteration}/{self.prompt_id}/{self.sample_idx}"
+        return row_key(self.run_id, self.iteration, self.prompt_id, self.sample_idx)
 
 
 @dataclass

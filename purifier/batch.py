@@ -15,14 +15,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
+from pipeline.trajectory import purified_from_row, purified_to_row, row_key, trajectory_from_row
+from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from purifier.advantages import group_plan
 from purifier.saar import LIVED_COLUMNS, PurifyError, purify
 from purifier.unspliced import UNSPLICED_MODES, purified_table, unspliced_mask
 from storage.schemas import PURIFIED
 
-Variant = tuple[str, float]
 SORT = [("prompt_id", "ascending"), ("sample_idx", "ascending")]
 
 
@@ -47,7 +47,7 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
             try:
                 traj = trajectory_from_row(row)
             except (KeyError, TypeError, ValueError) as e:
-                key = f"{row.get('run_id')}/{row.get('iteration')}/{row.get('prompt_id')}/{row.get('sample_idx')}"
+                key = row_key(row.get("run_id"), row.get("iteration"), row.get("prompt_id"), row.get("sample_idx"))
                 for v in wanted:
                     dead[v].append(_dead(key, source_file, f"unreadable raw row: {type(e).__name__}: {e}"))
                 continue
@@ -110,9 +110,13 @@ def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool) -> tu
 
 
 def recompute_groups(table: pa.Table, backend) -> pa.Table:
-    """Log-prob recompute per prompt group on the domain objects (the backend batches one group)."""
+    """Log-prob recompute per prompt group (the backend batches one group). Only rows with a token to
+    recompute (recompute_from ≥ 0) become domain objects; the others stay Arrow rows as they are."""
+    needs = pc.greater_equal(table["recompute_from"], 0)
+    if not pc.any(needs).as_py():
+        return table
     groups: dict[str, list] = {}
-    for row in table.to_pylist():
+    for row in table.filter(needs).to_pylist():
         groups.setdefault(row["prompt_id"], []).append(purified_from_row(row))
-    rows = [purified_to_row(t) for g in groups.values() for t in backend.group(g)]
-    return pa.Table.from_pylist(rows, schema=PURIFIED)
+    done = pa.Table.from_pylist([purified_to_row(t) for g in groups.values() for t in backend.group(g)], schema=PURIFIED)
+    return pa.concat_tables([table.filter(pc.invert(needs)), done])  # the stage sorts what it commits

@@ -1,38 +1,104 @@
 """The purification stage as an Apache Beam pipeline (thin adapters around purifier/batch.py).
 
-ReadRawParts(the raw manifest's parts, each validated: size, crc32, schema, rows) → PurifyBatches (Arrow batches: one purified table per (mode, γ),
-cut into buckets by a stable hash of the prompt) → GroupByKey((mode, γ), bucket) → GroupStage
-(advantages, dynamic filter, batched log-prob recompute with the model loaded once per worker in
-`setup`) → WriteToFiles (Parquet, one destination per variant; dead letters likewise) into a
-staging folder; the driver (purifier/stage.py) checks the staged row counts
-against the pipeline's counters, then sorts and commits each partition through storage/. Bad rows go
-to the dead-letter destination with the reason instead of failing the whole stage. Arrow tables,
-not rows, cross every stage boundary, so Beam's per-element cost is paid per batch.
+ReadRawParts(the raw manifest's parts, each validated: size, crc32, schema, rows) → PurifyBatches (Arrow
+batches: one purified table per (mode, γ), cut into buckets by a stable hash of the prompt) →
+GroupByKey((mode, γ), bucket) → GroupStage (advantages, dynamic filter, batched log-prob recompute with
+the model loaded once per worker process) → WriteStaged (one Parquet file per destination: a variant's
+purified rows, its dead letters, refused parts, counts) into a staging folder, and a summary of what was
+staged, written last. The driver (purifier/stage.py) checks the staged files against that summary,
+then sorts and commits each partition through storage/. Bad rows go to the dead-letter destination with
+the reason instead of failing the whole stage. Arrow tables, not rows, cross every stage boundary, so
+Beam's per-element cost is paid per batch.
 
-Runs in-process on FnApiRunner by default; any runner and its options can be passed through
-(e.g. `--runner=FlinkRunner --flink_master=…`, `--runner=SparkRunner`, `--runner=DataflowRunner
---project=… --region=… --temp_location=gs://…`). The bucket count bounds the group stage's
-parallelism on a distributed runner.
+The same pipeline runs on every runner, so it uses only what every runner executes: each DoFn has one
+output (a record's key tells a group from a destined table), nothing is emitted from finish_bundle,
+everything ends in one last transform, and the counts the stage needs are staged as rows rather than
+read from Beam metrics (Beam's DaskRunner drops tagged outputs, finish_bundle output and branches not
+upstream of the last transform, and reports no metrics). Objects that are costly to build (the
+recompute model, the tokenizer) are held per process (`per_process`), since some runners (Dask) call
+`setup` for every bundle. docs/scale_out.md says how to run it on Dask (`purify.runner=dask`, tested)
+and on Beam's other runners (`--runner=FlinkRunner --flink_master=…`, `--runner=SparkRunner`,
+`--runner=DataflowRunner …` in purify.beam_options; untested here). On a distributed runner the bucket
+count bounds the group stage's parallelism, and the staging folder must be on a file system that every
+worker and the driver share.
 """
 from __future__ import annotations
 
+import collections
+import json
 import logging
+import os
+import threading
+import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import apache_beam as beam
+import numpy as np
 import pyarrow as pa
-from apache_beam.io import fileio
-from apache_beam.metrics import Metrics
+import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
+from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 
-Variant = tuple[str, float]
 BUCKETS = 8
 # Parts that failed validation, with the reason: the driver refuses the shard when any is staged.
 INVALID = pa.schema([("reason", pa.string())])
 INVALID_DESTINATION = "invalid-parts"
+# Counts the stage records beside the rows (filtered groups, tokens forwarded), staged as rows: not every
+# runner reports Beam metrics.
+COUNTS = pa.schema([("name", pa.string()), ("value", pa.int64())])
+COUNTS_DESTINATION = "counts"
+SUMMARY = "_STAGED.json"  # {destination: rows staged}, written by the pipeline's last transform
+DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
+
+
+class StagingIncomplete(CleanerError, RuntimeError):
+    """The pipeline finished but what it staged is not all visible to the driver; nothing was committed."""
+
+
+class RunLost(CleanerError, RuntimeError):
+    """The runner ended the run without finishing its work (e.g. a Dask scheduler lost mid-run)."""
+
+
+# ---- objects held once per process --------------------------------------------------------------
+
+_held: dict[str, tuple[Any, Any]] = {}
+_held_lock = threading.Lock()
+loads: collections.Counter = collections.Counter()  # kind → how many times this process built one
+
+
+def per_process(kind: str, key: Any, build: Callable[[], Any]) -> Any:
+    """One `build()` per process for a given key, shared by every DoFn instance and bundle of that process
+    (FnApiRunner calls `setup` once per run, Dask once per bundle). One object per kind is kept: a new key
+    (the next iteration's checkpoint) replaces the previous one."""
+    with _held_lock:
+        held = _held.get(kind)
+        if held is None or held[0] != key:
+            _held.pop(kind, None)  # drop the old one before the new one is built: one model in memory
+            _held[kind] = (key, build())
+            loads[kind] += 1
+        return _held[kind][1]
+
+
+def release_per_process() -> None:
+    """Drop what this process holds (the driver, after an in-process run: the model is not kept)."""
+    with _held_lock:
+        _held.clear()
+
+
+def _files_key(directory: str | None) -> tuple:
+    """What identifies a checkpoint's content cheaply: its files' names, sizes and modification times."""
+    if not directory:
+        return ()
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)
+                            if e.is_file()))
+    except OSError:
+        return ()
 
 
 class ArrowTableCoder(beam.coders.Coder):
@@ -76,22 +142,18 @@ def row_counter(variant: Variant, kind: str) -> str:
     return f"{kind}/{variant_name(*variant)}"
 
 
-class ParquetTableSink(fileio.FileSink):
-    """WriteToFiles sink: the (destination, table) records of one destination as one Parquet file."""
+def schema_of(dest: str) -> pa.Schema:
+    """The schema of a staged destination."""
+    if dest == INVALID_DESTINATION:
+        return INVALID
+    if dest == COUNTS_DESTINATION:
+        return COUNTS
+    return PURIFIED if dest.endswith(".purified") else DEAD_LETTER
 
-    def __init__(self, schema: pa.Schema) -> None:
-        self.schema = schema
 
-    def open(self, fh) -> None:
-        import pyarrow.parquet as pq
-
-        self.writer = pq.ParquetWriter(fh, self.schema)
-
-    def write(self, record: tuple[str, pa.Table]) -> None:
-        self.writer.write_table(record[1].cast(self.schema))
-
-    def flush(self) -> None:
-        self.writer.close()
+def staged_file(staging: Path, dest: str) -> Path:
+    """The one staged file of a destination (named as Beam's WriteToFiles named a single shard)."""
+    return Path(staging) / f"{dest}-00000-of-00001.parquet"
 
 
 class ReadRawParts(beam.DoFn):
@@ -100,11 +162,12 @@ class ReadRawParts(beam.DoFn):
     A plain DoFn over the manifest's parts rather than Beam's Parquet source: every part is checked
     against the manifest (storage.shards.read_part) wherever it is read, and runners without
     splittable reads (Dask) can run it. A part that fails validation is not raised (Beam would log a
-    traceback per retry) but tagged "invalid" with the reason; the driver then refuses the whole shard.
+    traceback per retry) but emitted as (INVALID_DESTINATION, the reason), which goes to staging; the
+    driver then refuses the whole shard.
     """
 
     def infer_output_type(self, input_type):
-        return beam.typehints.Tuple[str, pa.Table]
+        return DestinedTable
 
     def process(self, element):
         from storage.shards import PartInfo, ShardError, read_part
@@ -114,15 +177,31 @@ class ReadRawParts(beam.DoFn):
         try:
             table = read_part(Path(directory), info, RAW)
         except ShardError as e:
-            Metrics.counter("purify", "invalid_parts").inc()
-            yield beam.pvalue.TaggedOutput("invalid", (INVALID_DESTINATION, pa.table({"reason": [str(e)]},
-                                                                                        schema=INVALID)))
+            yield INVALID_DESTINATION, pa.table({"reason": [str(e)]}, schema=INVALID)
             return
         yield str(Path(directory) / info.name), table.select(RAW.names).cast(RAW)
 
 
+def _tokenizer_decode(tokenizer_dir: str) -> Callable[[list[int]], str]:
+    from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers import per worker
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _compact(part: pa.Table, whole: pa.Table) -> pa.Table:
+    """A bucket as its own table: a slice pickles with the whole batch's buffers, and runners that move
+    elements between processes by pickle (Dask) would ship the batch once per bucket."""
+    if part.num_rows == whole.num_rows:
+        return part
+    return part.take(pa.array(np.arange(part.num_rows)))
+
+
 class PurifyBatches(beam.DoFn):
-    """(file, raw Arrow batch) → ((variant, bucket), purified table) and tagged dead letters."""
+    """(file, raw Arrow batch) → ((variant, bucket), purified table), and (destination, dead letters).
+
+    One output for both (a tuple key is a group, a str key a destination; see `build`): tagged outputs
+    are not kept apart by every runner. A refused part (INVALID_DESTINATION) passes through to staging."""
 
     def __init__(self, variants: list[Variant], tokenizer_dir: str, n_buckets: int = BUCKETS,
                  measure: Measure = DEFAULT_MEASURE) -> None:
@@ -130,50 +209,54 @@ class PurifyBatches(beam.DoFn):
         self.measure = measure  # shallow/deep similarity of this purification (one per stage run)
 
     def setup(self) -> None:
-        from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers import per worker
-
-        tok = Tokenizer.from_file(str(Path(self.tokenizer_dir) / "tokenizer.json"))
-        self.decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+        tokenizer = str(Path(self.tokenizer_dir) / "tokenizer.json")
+        self.decode = per_process("tokenizer", (tokenizer, _files_key(self.tokenizer_dir)),
+                                  lambda: _tokenizer_decode(self.tokenizer_dir))
 
     def infer_output_type(self, input_type):
-        # the main output is keyed ((variant, bucket), table); inference from the generator would also
-        # see the tagged dead letters and refuse the GroupByKey
         return KeyedTable
 
     def process(self, element):
         from purifier.batch import buckets, purify_batch
 
         filename, raw = element
+        if filename == INVALID_DESTINATION:
+            yield element
+            return
         for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename),
                                                    self.measure).items():
             if dead:
-                Metrics.counter("purify", row_counter(variant, "dead")).inc(len(dead))
-                yield beam.pvalue.TaggedOutput("dead", (destination(variant, "dead"),
-                                                        pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
+                yield destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)
             for bucket, part in buckets(table, self.n_buckets):
-                yield (variant, bucket), part
+                yield (variant, bucket), _compact(part, table)
+
+
+def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str):
+    if recompute == "cpu" and checkpoint:
+        from purifier.recompute import CPURecompute
+
+        return CPURecompute(Path(checkpoint), temperature)
+    if recompute == "sglang":
+        from purifier.recompute import SGLangRecompute
+
+        return SGLangRecompute(sglang_url, temperature)
+    return None
 
 
 class GroupStage(beam.DoFn):
-    """Advantages + dynamic filtering + log-prob recompute for the prompt groups of one bucket."""
+    """Advantages + dynamic filtering + log-prob recompute for the prompt groups of one bucket →
+    (purified destination, table) and (COUNTS_DESTINATION, counts)."""
 
     def __init__(self, estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None,
                  temperature: float, sglang_url: str = "") -> None:
         self.estimator, self.dynamic_filter = estimator, dynamic_filter
         self.recompute, self.checkpoint, self.temperature, self.sglang_url = recompute, checkpoint, temperature, sglang_url
-        self.filtered = Metrics.counter("purify", "filtered_groups")
-        self.forwarded = Metrics.counter("purify", "tokens_forwarded")
 
     def setup(self) -> None:
-        self.backend = None
-        if self.recompute == "cpu" and self.checkpoint:
-            from purifier.recompute import CPURecompute
-
-            self.backend = CPURecompute(Path(self.checkpoint), self.temperature)
-        elif self.recompute == "sglang":
-            from purifier.recompute import SGLangRecompute
-
-            self.backend = SGLangRecompute(self.sglang_url, self.temperature)
+        # once per process and checkpoint, not per bundle: Dask calls setup for every bundle
+        key = (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url)
+        self.backend = per_process("recompute", key, lambda: _recompute_backend(
+            self.recompute, self.checkpoint, self.temperature, self.sglang_url))
 
     def infer_output_type(self, input_type):
         return DestinedTable
@@ -185,36 +268,125 @@ class GroupStage(beam.DoFn):
 
         (variant, _), parts = element
         table, filtered = with_advantages(pa.concat_tables(list(parts)), self.estimator, self.dynamic_filter)
+        counts = {}
         if filtered:
-            self.filtered.inc(filtered)
-            Metrics.counter("purify", f"filtered_groups/{variant_name(*variant)}").inc(filtered)
-        if table.num_rows == 0:
-            return
-        if self.backend is not None:
-            table = recompute_groups(table, self.backend)
-        self.forwarded.inc(int(pc.sum(table["tokens_forwarded"]).as_py() or 0))
-        Metrics.counter("purify", row_counter(variant, "purified")).inc(table.num_rows)
-        yield destination(variant, "purified"), table
+            counts[f"filtered_groups/{variant_name(*variant)}"] = filtered
+        if table.num_rows:
+            if self.backend is not None:
+                table = recompute_groups(table, self.backend)
+            counts["tokens_forwarded"] = int(pc.sum(table["tokens_forwarded"]).as_py() or 0)
+            yield destination(variant, "purified"), table
+        if counts:
+            yield COUNTS_DESTINATION, pa.table({"name": list(counts), "value": list(counts.values())}, schema=COUNTS)
+
+
+class WriteStaged(beam.DoFn):
+    """(destination, its tables) → one Parquet file in staging, then (destination, rows written).
+
+    Written to a hidden temporary name and renamed: a retried or re-executed bundle (a worker lost
+    mid-run) rewrites the same complete file, never a second copy of its rows."""
+
+    def __init__(self, staging: str) -> None:
+        self.staging = staging
+
+    def process(self, element):
+        dest, tables = element
+        schema = schema_of(dest)
+        table = pa.concat_tables([t.select(schema.names).cast(schema) for t in tables])
+        final = staged_file(Path(self.staging), dest)
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        yield dest, table.num_rows
+
+
+class WriteSummary(beam.DoFn):
+    """All (destination, rows) of the run → SUMMARY, the pipeline's own account of what it staged."""
+
+    def __init__(self, staging: str) -> None:
+        self.staging = staging
+
+    def process(self, element):
+        _, written = element
+        summary = {dest: rows for dest, rows in written if dest}
+        path = Path(self.staging) / SUMMARY
+        tmp = path.with_name(f".{SUMMARY}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_text(json.dumps(summary, sort_keys=True))
+        os.replace(tmp, path)
+        yield len(summary)
+
+
+def _is_destined(record) -> bool:
+    return isinstance(record[0], str)
+
+
+def _is_group(record) -> bool:
+    return not isinstance(record[0], str)
 
 
 def build(p: beam.Pipeline, raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str,
           estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
           sglang_url: str = "", measure: Measure = DEFAULT_MEASURE) -> None:
-    read = (p | "RawParts" >> beam.Create(raw_parts)
-            | "ReadRaw" >> beam.ParDo(ReadRawParts()).with_outputs("invalid", main="ok"))
-    purified = read.ok | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir, measure=measure)).with_outputs("dead", main="ok")
-    staged = (
-        purified.ok
+    purified = (p | "RawParts" >> beam.Create(raw_parts)
+                | "ReadRaw" >> beam.ParDo(ReadRawParts())
+                | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir, measure=measure)))
+    grouped = (
+        purified
+        | "Groups" >> beam.Filter(_is_group).with_output_types(KeyedTable)
         | "ByPromptBucket" >> beam.GroupByKey()
         | "GroupStage" >> beam.ParDo(GroupStage(estimator, dynamic_filter, recompute, checkpoint, temperature,
                                                 sglang_url))
     )
-    # one sink per kind, each fused with its producer; a Flatten of both would be materialised first
-    for kind, tables, schema in (("Purified", staged, PURIFIED), ("Dead", purified.dead, DEAD_LETTER),
-                                 ("Invalid", read.invalid, INVALID)):
-        tables | f"Write{kind}" >> fileio.WriteToFiles(
-            str(staging), destination=lambda record: record[0], sink=lambda _, schema=schema: ParquetTableSink(schema),
-            file_naming=fileio.destination_prefix_naming(".parquet"))
+    letters = purified | "DeadAndRefused" >> beam.Filter(_is_destined).with_output_types(DestinedTable)
+    written = (
+        (grouped, letters)
+        | "ToStage" >> beam.Flatten()
+        | "ByDestination" >> beam.GroupByKey()
+        | "WriteStaged" >> beam.ParDo(WriteStaged(str(staging))).with_output_types(beam.typehints.Tuple[str, int])
+    )
+    # the last transform depends on every branch (Dask computes only what the last one needs); the
+    # empty record makes a summary even when nothing was staged
+    (
+        (written, p | "Nothing" >> beam.Create([("", 0)]).with_output_types(beam.typehints.Tuple[str, int]))
+        | "AllWritten" >> beam.Flatten()
+        | "OneKey" >> beam.Map(lambda record: (0, record)).with_output_types(
+            beam.typehints.Tuple[int, beam.typehints.Tuple[str, int]])
+        | "Together" >> beam.GroupByKey()
+        | "WriteSummary" >> beam.ParDo(WriteSummary(str(staging)))
+    )
+
+
+def staged_counts(staging: Path) -> dict[str, int]:
+    """The counts of what a finished pipeline staged, from its summary and counts destination:
+    "purified/<variant>", "dead/<variant>", "invalid_parts", "filtered_groups[/<variant>]", "tokens_forwarded"."""
+    try:
+        summary = json.loads((Path(staging) / SUMMARY).read_text())
+    except FileNotFoundError:
+        raise StagingIncomplete(
+            f"{staging}: the pipeline finished but its summary {SUMMARY} is not there: its workers wrote "
+            "somewhere the driver cannot see (on a cluster, storage.root must be a file system every worker "
+            "and the driver share at the same path); nothing was committed") from None
+    counters: dict[str, int] = {}
+    for dest, rows in summary.items():
+        if dest == INVALID_DESTINATION:
+            counters["invalid_parts"] = rows
+        elif dest != COUNTS_DESTINATION:
+            name, kind = dest.rsplit(".", 1)
+            counters[f"{kind}/{name}"] = rows
+    if summary.get(COUNTS_DESTINATION):
+        try:
+            counts = pq.read_table(staged_file(staging, COUNTS_DESTINATION)).to_pylist()
+        except FileNotFoundError:
+            raise StagingIncomplete(f"{staged_file(staging, COUNTS_DESTINATION)}: staged by the pipeline but not "
+                                    "there; nothing was committed") from None
+        for c in counts:
+            counters[c["name"]] = counters.get(c["name"], 0) + c["value"]
+            if c["name"].startswith("filtered_groups/"):
+                counters["filtered_groups"] = counters.get("filtered_groups", 0) + c["value"]
+    return counters
 
 
 def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,
@@ -226,15 +398,23 @@ def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Pat
           temperature, sglang_url, measure)
     # Beam logs every failing DoFn's traceback before re-raising it; the exception itself reaches the
     # stage (which turns a full disk into one line) and the CLI (which keeps a bug's traceback).
-    beam_log = logging.getLogger("apache_beam.runners.common")
-    level = beam_log.level
-    beam_log.setLevel(logging.CRITICAL)
+    # Dask's client logs its lost connections with tracebacks; the stage says it in one line.
+    quiet = [logging.getLogger(n) for n in ("apache_beam.runners.common", "distributed.client", "distributed.utils")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.CRITICAL)
+    result = None
     try:
         result = p.run()
         result.wait_until_finish()
+        # DaskRunner reports a run whose work its lost scheduler cancelled as finished
+        if any(getattr(f, "status", "") == "cancelled" for f in getattr(result, "futures", None) or ()):
+            raise RunLost("the runner cancelled the pipeline's work before it finished (its scheduler was lost)")
     finally:
-        beam_log.setLevel(level)
-    counters = {}
-    for c in result.metrics().query()["counters"]:
-        counters[c.key.metric.name] = counters.get(c.key.metric.name, 0) + c.committed
-    return counters
+        client = getattr(result, "client", None)  # DaskRunner leaves its distributed.Client open
+        if client is not None:
+            client.close()
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+        release_per_process()  # an in-process runner built the model here: do not keep it past the stage
+    return staged_counts(staging)

@@ -92,7 +92,7 @@ class CPURecompute:
 
 class SGLangRecompute:
     def __init__(self, url: str, temperature: float = 1.0) -> None:
-        from rollout_gen.engines.sglang import SGLangEngine
+        from pipeline.engines.sglang import SGLangEngine
 
         self.engine = SGLangEngine(url)
         self.temperature = temperature

@@ -21,13 +21,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipeline.config import SaarConfig
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
-from rollout_gen.rewards import last_boxed
+from pipeline.answers import last_boxed
+from pipeline.modes import MODES, partition_gamma
 
-MODES = ("saar", "raw", "void_turn")
 # Purification rebuilds every sequence from the attempt tree: it never needs the lived sequence,
 # which is about half of a raw row's values, so the stage does not read it.
 LIVED_COLUMNS = ("lived_ids", "lived_mask", "lived_logprobs")
@@ -106,27 +105,6 @@ def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
     if a.call_status in ("unclosed", "bad_json"):
         return True
     return a.call_status == "no_call" and last_boxed(decode(a.turn_ids), window=10**9) is None
-
-
-def partition_gamma(mode: str, gamma: float) -> float:
-    """γ only matters for `saar`; the other modes live under gamma=0.00 whatever γ was asked."""
-    return float(gamma) if mode == "saar" else 0.0
-
-
-def partition_measure(mode: str, measure: Measure) -> str:
-    """The measure's part of a partition name: '' for the default measure and for modes without
-    splices (their partitions stay where they always were), else e.g. 'difflib-segment'."""
-    return measure.key if mode == "saar" and measure != DEFAULT_MEASURE else ""
-
-
-def live_measure(saar: SaarConfig) -> Measure:
-    """The measure the live loop decided with (and purification at γ_live must use to relive it)."""
-    return Measure(saar.similarity, saar.similarity_on)
-
-
-def purify_measure(saar: SaarConfig, similarity: str | None, similarity_on: str | None) -> Measure:
-    """purify.similarity / purify.similarity_on, each defaulting to the run's live measure."""
-    return Measure(similarity or saar.similarity, similarity_on or saar.similarity_on)
 
 
 def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],

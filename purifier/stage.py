@@ -18,11 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import CleanerConfig
-from pipeline.errors import CleanerError, os_error
+from pipeline.config import PURIFY_REPLAY_SETTINGS, CleanerConfig
+from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
-from purifier.saar import partition_gamma, partition_measure, purify_measure
+from pipeline.modes import partition_gamma, partition_measure, purify_measure
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
@@ -39,6 +39,10 @@ class StagingMismatch(CleanerError, RuntimeError):
     """The staged files hold other row counts than the pipeline produced; nothing was committed."""
 
 
+class DaskRunFailed(CleanerError, RuntimeError):
+    """The Dask cluster could not be reached or lost the run (workers gone); nothing was committed."""
+
+
 @dataclass
 class VariantResult:
     mode: str
@@ -49,8 +53,7 @@ class VariantResult:
 
 
 def purify_config_hash(cfg: CleanerConfig, mode: str, gamma: float, raw_hash: str) -> str:
-    settings = cfg.purify.model_dump(mode="json", exclude={"modes", "gammas", "runner", "beam_options", "similarity",
-                                                            "similarity_on"})
+    settings = cfg.purify.model_dump(mode="json", exclude=set(PURIFY_REPLAY_SETTINGS))
     record = {"purify": settings, "temperature": cfg.rollout.temperature, "mode": mode, "gamma": gamma, "raw": raw_hash}
     measure = partition_measure(mode, purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on))
     if measure:  # the default measure hashes as before, so partitions committed earlier stay valid
@@ -118,10 +121,49 @@ def _os_error_in(e: BaseException) -> OSError | None:
     return None
 
 
+def beam_runner(cfg: CleanerConfig) -> tuple[str, list[str]]:
+    """The Beam runner and options of `purify.runner`: "dask" is Beam's DaskRunner on the scheduler at
+    purify.dask_address (None: the local cluster of `cleaner cluster start` for this storage root)."""
+    p = cfg.purify
+    if p.runner != "dask":
+        return p.runner, list(p.beam_options)
+    from purifier.dask_cluster import cluster_dir, running_address
+
+    address = p.dask_address or running_address(cluster_dir(cfg.storage.root))
+    options = [f"--dask_client_address={address}", "--dask_connection_timeout=10"]
+    if not any(o.startswith(("--dask_npartitions", "--dask_partition_size")) for o in p.beam_options):
+        # one raw part per Dask partition: the parts are what the read and the purify steps run in parallel
+        options.append("--dask_partition_size=1")
+    return beam_pipeline.DASK_RUNNER, [*options, *p.beam_options]
+
+
+def _dask_failure(e: BaseException) -> BaseException | None:
+    """The cluster's own failure behind an exception (a worker lost too often, the scheduler gone or not
+    answering), as opposed to an error raised by the pipeline's code, which keeps its traceback."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.split(".")[0] == "distributed" or isinstance(
+                e, (beam_pipeline.RunLost, TimeoutError, ConnectionError)) or (type(e) is OSError and e.errno is None):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _run_pipeline(staging: Path, *args) -> dict[str, int]:
     try:
         return beam_pipeline.run(*args)
     except Exception as e:  # noqa: BLE001 - only environment failures are translated; the rest propagate
+        runner, options = args[9], args[10]  # beam_pipeline.run's runner and beam_options
+        lost = _dask_failure(e) if runner == beam_pipeline.DASK_RUNNER else None
+        if lost is not None:
+            address = next((o.split("=", 1)[1] for o in options if o.startswith("--dask_client_address=")), "?")
+            what = " ".join(str(lost).split()) or "no details"
+            raise DaskRunFailed(f"purification on the Dask cluster at {address} failed ({type(lost).__name__}: "
+                                f"{what[:300]}); nothing was committed; check `cleaner cluster status` and the "
+                                "workers' logs, then rerun") from None
+        if isinstance(e, CleanerError):
+            raise
         cause = _os_error_in(e)
         if cause is None:
             raise
@@ -155,6 +197,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             variants.append((mode, float(gamma), h))
     if not variants:
         return results
+    runner, runner_options = beam_runner(cfg)  # no local Dask cluster: one line before anything is written
     if cfg.purify.recompute == "cpu":
         check_checkpoint(checkpoint)  # a truncated checkpoint: one line here, not a traceback in a Beam worker
     staging_name = f"purify-{uuid.uuid4().hex[:8]}"
@@ -168,7 +211,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
         counters = _run_pipeline(
             staging, raw_parts, [(m, g) for m, g, _ in variants], staging, str(checkpoint),
             cfg.purify.advantage, cfg.purify.dynamic_filter, cfg.purify.recompute, str(checkpoint),
-            cfg.rollout.temperature, cfg.purify.runner, cfg.purify.beam_options, cfg.rollout.sglang_url, measure)
+            cfg.rollout.temperature, runner, runner_options, cfg.rollout.sglang_url, measure)
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())

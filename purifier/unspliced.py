@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from purifier.saar import partition_gamma
+from pipeline.modes import partition_gamma
 from storage.schemas import PURIFIED, SPLICE
 
 UNSPLICED_MODES = ("saar", "raw")
@@ -74,7 +74,7 @@ def purified_table(raw: pa.Table, mode: str, gamma: float) -> pa.Table:
     ones = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(_lengths(lived))]), pa.int32()),
                                     pa.array(np.ones(len(pc.list_flatten(lived)), dtype=np.int8)))
     key = pc.binary_join_element_wise(raw["run_id"], pc.cast(raw["iteration"], pa.string()), raw["prompt_id"],
-                                      pc.cast(raw["sample_idx"], pa.string()), "/")
+                                      pc.cast(raw["sample_idx"], pa.string()), "/")  # = pipeline.trajectory.row_key
     columns = {
         "run_id": raw["run_id"], "iteration": raw["iteration"], "prompt_id": raw["prompt_id"],
         "sample_idx": raw["sample_idx"], "mode": pa.array([mode] * n, pa.string()),

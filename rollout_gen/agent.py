@@ -22,8 +22,9 @@ from pipeline.similarity import Measure
 from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
-from rollout_gen.engines.base import Engine, Generation, Request, SamplingParams
-from rollout_gen.rewards import last_boxed, overlong_penalty, reward
+from pipeline.engines.base import Engine, Generation, Request, SamplingParams
+from rollout_gen.rewards import overlong_penalty, reward
+from pipeline.answers import last_boxed
 from rollout_gen.scheduler import Progress, Scheduler
 from rollout_gen.tasks import Task
 

@@ -13,34 +13,14 @@ from __future__ import annotations
 import json
 import re
 
+from pipeline.answers import last_boxed
 from rollout_gen.math_verify_worker import MathVerifier
 from rollout_gen.tasks import Task
 
-BOXED = "\\boxed{"
-WINDOW = 100  # characters at the end of the response in which the answer box must lie
 INTEGER = re.compile(r"-?\d+")
 LETTER = re.compile(r"[A-J]")
 LETTER_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}")
 VERIFIER = MathVerifier()
-
-
-def last_boxed(text: str, window: int = WINDOW) -> str | None:
-    """The content of the last `\\boxed{...}` that lies whole in the final `window` characters (braces
-    nest; a box that never closes there is skipped), stripped; None when there is none."""
-    tail = text[-window:]
-    close: dict[int, int] = {}  # index of each '{' -> index of its matching '}', in one pass
-    opened: list[int] = []
-    for i, ch in enumerate(tail):
-        if ch == "{":
-            opened.append(i)
-        elif ch == "}" and opened:
-            close[opened.pop()] = i
-    start = len(tail)
-    while (start := tail.rfind(BOXED, 0, start)) >= 0:
-        brace = start + len(BOXED) - 1
-        if brace in close:
-            return tail[brace + 1: close[brace]].strip()
-    return None
 
 
 def _letter(answer: str) -> str | None:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable
 
-from rollout_gen.engines.base import Generation, Request
+from pipeline.engines.base import Generation, Request
 
 
 class BatchStepper:

@@ -8,32 +8,20 @@ from typing import Callable
 
 import pyarrow as pa
 
-from pipeline.chat import ChatFormat
+from pipeline.chat import ChatFormat, load_chat
 from pipeline.config import CleanerConfig
-from pipeline.errors import check_writable_root
+from storage.errors import check_writable_root
 from pipeline.progress import StageProgress
 from pipeline.trajectory import Trajectory, trajectory_to_row
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.engines import Engine
+from pipeline.engines import Engine
 from rollout_gen.sandbox import SandboxPool
-from rollout_gen.tasks import Task, load_task_parquet
+from rollout_gen.tasks import Task, TaskFileError, load_task_parquet
 from rollout_gen.world.tasks import training_tasks
-from storage.checkpoints import check_checkpoint
+from storage.checkpoints import policy_version
 from storage.layout import RunLayout
 from storage.schemas import RAW
 from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
-
-
-def policy_version(checkpoint: Path) -> str:
-    """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
-    check_checkpoint(checkpoint)  # exists, and every weight file is whole: one line, not a loader traceback
-    weights = sorted(Path(checkpoint).glob("*.safetensors"))
-    h = hashlib.blake2b(digest_size=8)
-    for w in weights:
-        with open(w, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
@@ -42,22 +30,14 @@ def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
         return training_tasks(cfg.world, n, seed=cfg.rollout.seed * 100_003 + iteration)
     pool = load_task_parquet(cfg.rollout.tasks)
     if not pool:
-        raise ValueError(f"{cfg.rollout.tasks}: no tasks")
+        raise TaskFileError(f"{cfg.rollout.tasks}: no tasks")
     start = iteration * n
     return [pool[(start + i) % len(pool)] for i in range(n)]
 
 
-def load_chat(checkpoint: Path) -> ChatFormat:
-    from transformers import AutoTokenizer
-
-    if not (Path(checkpoint) / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"no tokenizer in checkpoint {checkpoint}")
-    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint))
-
-
 def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engine:
     if cfg.rollout.engine == "sglang":
-        from rollout_gen.engines.sglang import SGLangEngine
+        from pipeline.engines.sglang import SGLangEngine
 
         return SGLangEngine(cfg.rollout.sglang_url, checkpoint)
     from rollout_gen.engines.cpu import CPUEngine

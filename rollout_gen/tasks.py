@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline.errors import CleanerError
+from storage.errors import CleanerError
 
 
 @dataclass(frozen=True)

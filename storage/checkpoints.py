@@ -7,11 +7,15 @@ file must be exactly as long as the header says.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
 
-from pipeline.errors import CheckpointError
+from storage.errors import CheckpointError
+from storage.layout import RunLayout
+
+DONE_MARKER = "_CHECKPOINT.json"  # written last into a checkpoint folder: the checkpoint is whole
 
 
 def check_safetensors(path: Path) -> None:
@@ -46,3 +50,26 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise CheckpointError(f"no *.safetensors weights in checkpoint {checkpoint}")
     for w in weights:
         check_safetensors(w)
+
+
+def policy_version(checkpoint: Path) -> str:
+    """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
+    check_checkpoint(checkpoint)  # exists, and every weight file is whole: one line, not a loader traceback
+    weights = sorted(Path(checkpoint).glob("*.safetensors"))
+    h = hashlib.blake2b(digest_size=8)
+    for w in weights:
+        with open(w, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_for(root: Path, run_id: str, iteration: int, initial_policy: Path) -> Path:
+    """The policy that rollout of `iteration` samples from: the run's committed checkpoint, or the
+    initial policy for iteration 0."""
+    ckpt = RunLayout(root, run_id).checkpoint_dir(iteration)
+    if (ckpt / DONE_MARKER).is_file():
+        return ckpt
+    if iteration == 0:
+        return Path(initial_policy)
+    raise CheckpointError(f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})")

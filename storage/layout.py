@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.errors import RunIdError
+
 
 # The similarity measure whose partitions carry no suffix (gamma=0.50); pipeline.similarity's
 # DEFAULT_MEASURE has this key (tested).
@@ -36,7 +38,7 @@ class RunLayout:
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
-            raise ValueError(f"run id {self.run_id!r} must be a plain folder name")
+            raise RunIdError(f"run id {self.run_id!r} must be a plain folder name")
 
     @property
     def run_dir(self) -> Path:

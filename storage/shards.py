@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import CleanerError, os_error
+from storage.errors import CleanerError, os_error
 from storage.schemas import SCHEMA_META_KEY, schema_id
 
 MANIFEST = "_MANIFEST.json"

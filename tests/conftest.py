@@ -43,7 +43,7 @@ def purified_run(world_rollout, tmp_path_factory):
 def chat():
     """The committed tiny policy's chat format (its real tokenizer)."""
     from pipeline.config import DEFAULT_POLICY
-    from rollout_gen.stage import load_chat
+    from pipeline.chat import load_chat
 
     return load_chat(DEFAULT_POLICY)
 

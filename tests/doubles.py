@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pipeline.chat import IM_END, ChatFormat
-from rollout_gen.engines.base import Generation, SamplingParams
+from pipeline.engines.base import Generation, SamplingParams
 
 
 class ScriptedEngineDouble:

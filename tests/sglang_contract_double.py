@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from pipeline.logprobs import sequence_logprobs
-from rollout_gen.engines.base import Generation, Request, SamplingParams
+from pipeline.engines.base import Generation, Request, SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 
 

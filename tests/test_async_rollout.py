@@ -13,10 +13,10 @@ import torch
 from pipeline.config import DEFAULT_POLICY, RolloutConfig, load_config
 from pipeline.trajectory import trajectory_to_row
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.engines.base import Request, SamplingParams
+from pipeline.engines.base import Request, SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 from rollout_gen.sandbox import SandboxPool
-from rollout_gen.stage import load_chat
+from pipeline.chat import load_chat
 from rollout_gen.tasks import Task
 from rollout_gen.world.tasks import eval_tasks
 from tests.doubles import ANSWER, ScriptedEngineDouble, call

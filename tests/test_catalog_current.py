@@ -30,7 +30,7 @@ time.sleep(600)
 def _cleaner(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.cli import build_parser, main
+from flows.cli import build_parser, main
 from pipeline.config import CleanerConfig, ConfigError, load_config
 
 
@@ -54,9 +54,9 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_console_script_runs_and_reports_bad_keys():
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "flow.iterations=4"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "config", "flow.iterations=4"], capture_output=True, text=True)
     assert out.returncode == 0 and "iterations: 4" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "config", "flow.iteration=4"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "flows.cli", "config", "flow.iteration=4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown config key 'flow.iteration'" in bad.stderr
 
 

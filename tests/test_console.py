@@ -26,7 +26,7 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
                    "purify: {modes: [saar, raw], gammas: [0.5]}\ntrain: {mini_batches: 1}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / ".prefect"))
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     console = p.stdout + p.stderr
@@ -48,7 +48,7 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
     assert entropy and all(v is None for (v,) in entropy)  # null in the metrics shard
     con.close()
     # Rerun: every stage is committed and says so, rather than a plain "Completed()".
-    again = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
+    again = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     for stage in ("rollout", "purify", "update"):

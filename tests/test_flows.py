@@ -29,7 +29,7 @@ train: {{mini_batches: 2, lr: 1.0e-4}}
 
 def cleaner(args: list[str], root: Path, **kw) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 
@@ -137,14 +137,14 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path):
     import json
 
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect"), "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "eval", "--world", "--flow", "--json",
+    p = subprocess.run([sys.executable, "-m", "flows.cli", "eval", "--world", "--flow", "--json",
                         f"storage.root={tmp_path}", "world.eval_size=12"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout)  # --json: stdout is one JSON document, logs and progress go to stderr
     assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead"}
     assert 0.0 <= result["saar_on"]["pass@1"] <= 1.0
-    table = subprocess.run([sys.executable, "-m", "pipeline.cli", "eval", "--world", "--limit", "3",
+    table = subprocess.run([sys.executable, "-m", "flows.cli", "eval", "--world", "--limit", "3",
                             f"storage.root={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert table.returncode == 0, table.stderr[-3000:]
     assert "accuracy" in table.stdout and "┃ metric" in table.stdout and "{" not in table.stdout

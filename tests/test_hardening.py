@@ -14,9 +14,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
+from flows.cli import main
 from pipeline.config import DEFAULT_POLICY, ConfigError, load_config
-from pipeline.errors import CleanerError
+from storage.errors import CleanerError
 from purifier.stage import run_purify_stage
 from storage.layout import RunLayout
 from storage.shards import MANIFEST, ShardError, read_manifest
@@ -208,7 +208,8 @@ def test_stale_staging_of_a_killed_purify_is_removed_by_the_rerun(world_rollout,
 # ---------------------------------------------------------------- §2 update: trainer state, checkpoints
 
 def test_missing_trainer_state_is_refused_not_a_silent_optimizer_restart(purified_run, tmp_path):
-    from trainer.stage import DONE_MARKER, run_update_stage
+    from trainer.stage import run_update_stage
+    from storage.checkpoints import DONE_MARKER
 
     # iteration 1 trains from the run's own checkpoint 1, whose optimizer state has gone missing
     src = RunLayout(purified_run.storage.root, "w").iteration_dir(0)
@@ -289,7 +290,7 @@ def test_disk_full_during_update_leaves_nothing(purified_run, tmpfs, capsys):
     code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
     line = one_line(err)
     assert code == 1 and "disk is full" in line, line
-    assert files_under(root) == before  # no .partial.pt.tmp, no half checkpoint
+    assert files_under(root) == before  # no half-written partial state, no half checkpoint
 
 
 # ---------------------------------------------------------------- §2/§3 inspect and report

@@ -33,7 +33,7 @@ class Cleaner:
     def __init__(self, args: list[str], root: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         env.pop("PREFECT_API_URL", None)
-        self.p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, env=env,
+        self.p = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True)
         self.lines: list[str] = []

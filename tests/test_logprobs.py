@@ -13,11 +13,11 @@ from pipeline.config import DEFAULT_POLICY, TrainConfig
 from pipeline.logprobs import split_causal_lm, token_entropy, token_logprobs
 from pipeline.trajectory import PurifiedTrajectory
 from purifier.recompute import CPURecompute
-from rollout_gen.engines.base import SamplingParams
+from pipeline.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 from trainer.chunked_actor import action_log_probs
 from trainer.grpo import GRPOUpdate
-from trainer.init_policy import InitPolicyConfig, qwen3_config
+from flows.init_policy import InitPolicyConfig, qwen3_config
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ from pipeline.config import ALWAYS_DEEP, load_config
 from pipeline.qwen3_tokenizer import TOOL_CALL_ID
 from pipeline.trajectory import purified_from_row, trajectory_from_row
 from purifier.stage import run_purify_stage
-from rollout_gen.stage import policy_version, run_rollout_stage
+from rollout_gen.stage import run_rollout_stage
+from storage.checkpoints import policy_version
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_shard
 from tests.sglang_contract_double import SGLangContractDouble
-from trainer.init_policy import init_policy
+from flows.init_policy import init_policy
 from trainer.stage import run_update_stage
 
 THINK, END_THINK = 151667, 151668

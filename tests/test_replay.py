@@ -1,4 +1,4 @@
-"""`cleaner replay` on a real rollout of the tiny policy (purifier/replay_cmd.py): `--sweep` prints a
+"""`cleaner replay` on a real rollout of the tiny policy (flows/replay_cmd.py): `--sweep` prints a
 table over γ = 0.00..1.00 step 0.05, a similarity histogram, example pairs, and writes a PNG, from the
 stored raw shard only (nothing regenerated, no partition written, the raw shard byte-identical); a
 replay at given γ writes partitions beside the others, and another measure gets its own partition."""
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from purifier.replay import sweep_gammas
-from purifier.replay_cmd import run_replay
+from flows.replay_cmd import run_replay
 from storage.layout import RunLayout
 
 

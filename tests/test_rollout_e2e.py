@@ -7,7 +7,8 @@ import torch
 from pipeline.config import DEFAULT_POLICY, load_config
 from pipeline.trajectory import trajectory_from_row
 from purifier.saar import purify
-from rollout_gen.stage import load_chat, run_rollout_stage
+from rollout_gen.stage import run_rollout_stage
+from pipeline.chat import load_chat
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import RAW

@@ -48,7 +48,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env["PYTHONPATH"] = str(ROOT)
     log = open(tmp_path / "schedule.log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "schedule", "--interval", "20", "--no-ui",
+    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", "20", "--no-ui",
                           "--name", "sched-test", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     state_file = tmp_path / ".prefect" / "server.json"

@@ -7,11 +7,11 @@ import pytest
 
 from pipeline.config import DEFAULT_POLICY, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.engines.base import SamplingParams
+from pipeline.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
-from rollout_gen.engines.sglang import SGLangEngine, SGLangUnavailable
+from pipeline.engines.sglang import SGLangEngine, SGLangUnavailable
 from rollout_gen.sandbox import SandboxPool
-from rollout_gen.stage import load_chat
+from pipeline.chat import load_chat
 from rollout_gen.world.tasks import eval_tasks
 from tests.sglang_contract_double import SGLangContractDouble
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.config import DEFAULT_POLICY
 from pipeline.trajectory import PurifiedTrajectory
 from purifier.recompute import CPURecompute, SGLangRecompute
-from rollout_gen.stage import load_chat
+from pipeline.chat import load_chat
 from tests.sglang_contract_double import SGLangContractDouble
 
 SENTINEL = -123.0  # a sampled log-prob that must be left as it is

@@ -9,7 +9,7 @@ from rapidfuzz import fuzz
 
 from pipeline.similarity import DEFAULT_MEASURE, REFERENCE_MEASURE, Measure
 from pipeline.splice import decide, piece_from_attempt
-from purifier.saar import partition_measure
+from pipeline.modes import partition_measure
 from storage.layout import RunLayout
 from tests.doubles import call
 

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollout_gen.math_verify_worker import MathVerifier
-from rollout_gen.rewards import VERIFIER, code_reward, last_boxed, math_reward
+from rollout_gen.rewards import VERIFIER, code_reward, math_reward
+from pipeline.answers import last_boxed
 from rollout_gen.tasks import TaskFileError, load_task_parquet
 
 
@@ -61,7 +62,7 @@ def test_code_reward_runs_tests_in_the_sandbox(sandbox):
 
 
 def test_cli_evaluates_a_task_file(tmp_path, capsys):
-    from pipeline.cli import main
+    from flows.cli import main
 
     path = tmp_path / "aime_like.parquet"
     pq.write_table(pa.Table.from_pylist([{"problem": "What is 12 + 30?", "answer": "42"},
@@ -70,7 +71,7 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
     metrics = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
     # the command reports exactly what the library measures on those tasks (sampling is seeded)
     from pipeline.config import DEFAULT_POLICY, load_config
-    from rollout_gen.eval_cmd import TIMING_FIELDS, evaluate
+    from flows.eval_cmd import TIMING_FIELDS, evaluate
 
     want = json.loads(json.dumps(evaluate(load_config(None), DEFAULT_POLICY, load_task_parquet(path), show_progress=False)))
     assert metrics["trajectories"] == 2 and "accuracy" in metrics

@@ -18,9 +18,11 @@ from storage.layout import RunLayout
 from storage.schemas import METRICS, PURIFIED
 from storage.shards import read_shard
 from trainer import openrlhf_compat
-from trainer.batches import collate, micro_batches, mini_batches
+from trainer.batches import TRAINING_COLUMNS, collate, micro_batches, mini_batches, training_rows
 from trainer.grpo import GRPOUpdate, UpdateError
-from trainer.stage import DONE_MARKER, _check_compatible, run_update_stage
+from trainer.inputs import check_compatible
+from trainer.stage import run_update_stage
+from storage.checkpoints import DONE_MARKER
 
 
 def model():
@@ -136,7 +138,7 @@ def test_resume_after_a_minibatch_gives_identical_weights(purified_run, tmp_path
         shutil.copytree(purified_run.storage.root / "runs", root / "runs")
     a = run_update_stage(_update_cfg(purified_run, straight), "w", 0, log=lambda *_: None)
     partial = run_update_stage(_update_cfg(purified_run, resumed), "w", 0, stop_after=1, log=lambda *_: None)
-    assert partial.name.endswith(".partial.pt") and partial.exists()
+    assert partial.name.endswith(".partial") and (partial / "progress.json").is_file()
     assert not (RunLayout(resumed, "w").checkpoint_dir(1) / DONE_MARKER).exists()
     b = run_update_stage(_update_cfg(purified_run, resumed), "w", 0, log=lambda *_: None)
     # the LR of every step, interrupted mid-warmup or not: lr * min(1, (s + 1) / warmup_steps)
@@ -203,13 +205,13 @@ def test_mismatched_tokenizer_or_checkpoint(purified_run):
     m = model()
     bad = [dataclasses.replace(rows[0], response_ids=rows[0].response_ids + [50_000])]
     with pytest.raises(UpdateError, match="outside the model's vocabulary"):
-        _check_compatible(DEFAULT_POLICY, m, bad, None)
+        check_compatible(DEFAULT_POLICY, m, bad, None)
 
     class Other:
         extra = {"policy_version": "0123456789abcdef"}
 
     with pytest.raises(UpdateError, match="not the policy that sampled"):
-        _check_compatible(DEFAULT_POLICY, m, rows, Other())
+        check_compatible(DEFAULT_POLICY, m, rows, Other())
 
 
 def test_flash_attn_shim_is_never_used_for_computation(purified_run):
@@ -226,3 +228,18 @@ def test_flash_attn_shim_is_never_used_for_computation(purified_run):
     assert openrlhf_compat.SHIM.touched == []
     with pytest.raises(RuntimeError, match="not available on CPU"):
         openrlhf_compat.SHIM.fwd  # any kernel call would fail loudly, not silently compute
+
+
+def test_training_rows_hold_what_the_purified_rows_hold(purified_run):
+    """The update reads only TRAINING_COLUMNS, column-wise: the same values as the full domain rows, and
+    the same micro-batch tensors."""
+    d = RunLayout(purified_run.storage.root, "w").purified_dir(0, "saar", 0.5)
+    full = [purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()]
+    lean = training_rows(read_shard(d, PURIFIED, columns=TRAINING_COLUMNS))
+    assert len(lean) == len(full) > 0
+    for a, b in zip(lean, full):
+        assert all(getattr(a, c) == getattr(b, c) for c in TRAINING_COLUMNS)
+    x, y = collate(lean[:5], 0), collate(full[:5], 0)
+    for field in ("sequences", "attention_mask", "action_mask", "old_log_probs", "advantages"):
+        assert torch.equal(getattr(x, field), getattr(y, field))
+    assert x.rows == y.rows

@@ -12,7 +12,8 @@ from storage.layout import RunLayout
 from storage.schemas import METRICS
 from storage.shards import read_shard
 from trainer.grpo import UpdateError
-from trainer.stage import DONE_MARKER, run_update_stage
+from trainer.stage import run_update_stage
+from storage.checkpoints import DONE_MARKER
 
 pytest.importorskip("deepspeed")
 

@@ -12,7 +12,7 @@ from pipeline.config import DEFAULT_POLICY
 from pipeline.trajectory import purified_to_row, trajectory_from_row
 from purifier.saar import PurifyError, purify
 from purifier.unspliced import purified_table, unspliced_mask
-from rollout_gen.stage import load_chat
+from pipeline.chat import load_chat
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_shard

@@ -8,11 +8,13 @@ import pytest
 
 from pipeline.config import DEFAULT_POLICY, SandboxConfig, WorldConfig, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
-from rollout_gen.eval_cmd import METRICS_FILE, TIMING_FIELDS, evaluate_world
-from rollout_gen.rewards import last_boxed, math_reward, overlong_penalty
+from flows.eval_cmd import METRICS_FILE, TIMING_FIELDS, evaluate_world
+from rollout_gen.rewards import math_reward, overlong_penalty
+from pipeline.answers import last_boxed
 from rollout_gen.sandbox import SandboxPool
-from rollout_gen.stage import load_chat, make_engine
-from rollout_gen.world.bootstrap import BootstrapConfig, bootstrap
+from rollout_gen.stage import make_engine
+from pipeline.chat import load_chat
+from flows.bootstrap import BootstrapConfig, bootstrap
 from rollout_gen.world.corpus import make_transcript
 from rollout_gen.world.tasks import eval_tasks, make_task, training_tasks
 from trainer.sft import SFTConfig

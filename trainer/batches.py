@@ -6,11 +6,36 @@ log-prob of sequences[t+1]; the group advantage is broadcast over the action tok
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import pyarrow as pa
 import torch
 
 from pipeline.trajectory import PurifiedTrajectory
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """What the update reads of a purified row (a PurifiedTrajectory has these fields too, so either
+    can be trained on): built straight from the shard's Arrow columns, splices and the rest unread."""
+
+    raw_key: str
+    prompt_id: str
+    sample_idx: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    advantage: float
+
+
+TRAINING_COLUMNS = [f.name for f in fields(TrainingRow)]
+
+
+def training_rows(table: pa.Table) -> list[TrainingRow]:
+    """Rows of a purified table holding at least TRAINING_COLUMNS, column by column (no dict per row)."""
+    columns = [table[c].to_pylist() for c in TRAINING_COLUMNS]
+    return [TrainingRow(*values) for values in zip(*columns)]
 
 
 @dataclass
@@ -27,7 +52,7 @@ class MicroBatch:
         return int(self.action_mask.sum())
 
 
-def collate(rows: list[PurifiedTrajectory], pad_id: int) -> MicroBatch:
+def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int) -> MicroBatch:
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     b = len(rows)
     seq = torch.full((b, width), pad_id, dtype=torch.long)

@@ -11,11 +11,9 @@ so no CUDA/JIT optimizer kernel is needed. The schedule is the local strategy's 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,14 +21,13 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
-from storage.shards import atomic_write_json
-from trainer.grpo import (GRPOUpdate, StepMetrics, UpdateError, UpdateProgress, load_schedule_state, make_actor,
+from trainer.grpo import (GRPOUpdate, UpdateError, UpdateProgress, load_schedule_state, make_actor,
                           policy_loss, warmup_schedule)
 from trainer.openrlhf_compat import openrlhf_models
+from trainer.resume import read_progress, tag_of, write_progress
 
 DS_STATE = "deepspeed"  # subfolder of a checkpoint: ZeRO-partitioned optimizer/scheduler state for exact resume
 STATE_TAG = "state"
-PROGRESS = "progress.json"
 
 
 def on_cpu() -> bool:
@@ -149,28 +146,21 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         return True
 
     def save_progress(self, folder: Path, progress: UpdateProgress, key: str) -> None:
-        """After mini-batch k: the ZeRO state under tag mb<k>, then (rank 0) progress.json names it."""
-        tag = f"mb{progress.minibatches_done:04d}"
-        self.save_state(folder, tag)
+        """After mini-batch k: the ZeRO state under its tag (every rank), then (rank 0) progress.json names it."""
+        self.save_state(folder, tag_of(progress))
         self.dist.barrier()
         if self.rank == 0:
-            atomic_write_json(folder / PROGRESS, {"key": key, "tag": tag, "minibatches_done": progress.minibatches_done,
-                                                  "metrics": [asdict(m) for m in progress.metrics]})
-            for old in folder.glob("mb*"):
-                if old.name != tag:
-                    shutil.rmtree(old, ignore_errors=True)
+            write_progress(folder, key, progress)
         self.dist.barrier()
 
     def resume_progress(self, folder: Path, key: str) -> UpdateProgress | None:
         """A partial update of the same inputs/settings, or None (then nothing is loaded)."""
-        meta = folder / PROGRESS
-        if not meta.is_file():
+        found = read_progress(folder, key)
+        if found is None:
             return None
-        p = json.loads(meta.read_text())
-        if p["key"] != key:
-            return None
-        self.load_state(folder, p["tag"])
-        return UpdateProgress(p["minibatches_done"], [StepMetrics(**m) for m in p["metrics"]])
+        tag, progress = found
+        self.load_state(folder, tag)
+        return progress
 
     def save_weights(self, out: Path, src: Path, tokenizer_files: tuple[str, ...]) -> None:
         self.strategy.save_model(self.actor, TokenizerFiles(src, tokenizer_files), str(out), safe_serialization=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import subprocess
@@ -23,15 +22,18 @@ import time
 from pathlib import Path
 
 from pipeline.config import CleanerConfig, dump_config, load_config
+from storage.checkpoints import DONE_MARKER
+from storage.errors import CleanerError
+from storage.layout import RunLayout
 from trainer.grpo import UpdateError, UpdateProgress
+from trainer.inputs import (TOKENIZER_FILES, finish_checkpoint, load_policy, log_steps, staging_dir, start_checkpoint,
+                            update_inputs, write_update_metrics)
+from trainer.resume import partial_dir
 
 LOG_PREFIX = "[update]"
 
 
 def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None, log=print) -> Path:
-    from storage.layout import RunLayout
-    from trainer.stage import DONE_MARKER
-
     target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
     frozen = target.with_name(target.name + ".config.yaml")
     frozen.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,7 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
         raise UpdateError(f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}):\n"
                           + "\n".join(traceback[-25:]))
     if stop_after is not None:
-        return target.with_name(target.name + ".partial")
+        return partial_dir(target)
     if not (target / DONE_MARKER).is_file():
         raise UpdateError(f"{target}: torchrun exited 0 but wrote no checkpoint")
     return target
@@ -70,7 +72,6 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     import torch.distributed as dist
 
     from trainer.deepspeed_update import DS_STATE, STATE_TAG, DeepSpeedGRPOUpdate, make_strategy
-    from trainer.stage import DONE_MARKER, TOKENIZER_FILES, load_policy, log_steps, update_inputs, write_update_metrics
 
     inputs = update_inputs(cfg, run_id, iteration)
     strategy = make_strategy(cfg.train)
@@ -81,7 +82,7 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if update.load_state(inputs.src / DS_STATE, STATE_TAG):
         log(f"[update] optimizer and schedule continue from {inputs.src / DS_STATE}")
     key = inputs.key(cfg)
-    partial = inputs.target.with_name(inputs.target.name + ".partial")
+    partial = partial_dir(inputs.target)
     progress = update.resume_progress(partial, key) or UpdateProgress()
     if progress.minibatches_done:
         log(f"[update] resuming after mini-batch {progress.minibatches_done}")
@@ -91,20 +92,17 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     log_steps(progress.metrics, log)
     if stop_after is not None:
         return partial
-    tmp = inputs.target.with_name(inputs.target.name + ".tmp")
+    tmp = staging_dir(inputs.target)
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        start_checkpoint(inputs.target)
     dist.barrier()
     update.save_weights(tmp, inputs.src, TOKENIZER_FILES)  # collective under ZeRO-3 (gathers), rank 0 writes
     update.save_state(tmp / DS_STATE, STATE_TAG)  # every rank writes its optimizer partition
     dist.barrier()
     if rank == 0:
-        (tmp / DONE_MARKER).write_text(json.dumps(
-            {"source": str(inputs.src), "rows": len(inputs.rows), "purified": str(inputs.part), "strategy": "deepspeed",
-             "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0},
-            indent=1))
-        tmp.rename(inputs.target)  # atomic: the checkpoint appears whole
+        finish_checkpoint(tmp, inputs.target, {
+            "source": str(inputs.src), "rows": len(inputs.rows), "purified": str(inputs.part), "strategy": "deepspeed",
+            "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0})
         write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
@@ -120,7 +118,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     try:
         deepspeed_update(load_config(args.config), args.run_id, args.iteration, args.stop_after)
-    except (UpdateError, FloatingPointError, FileNotFoundError) as e:
+    except (CleanerError, FloatingPointError) as e:
         print(f"cleaner: {e}", flush=True)
         return 1
     return 0

@@ -10,18 +10,18 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 from transformers import get_constant_schedule_with_warmup
 
 from pipeline.config import TrainConfig
-from pipeline.errors import CleanerError
+from storage.errors import CleanerError
 from pipeline.trajectory import PurifiedTrajectory
 from trainer.batches import micro_batches, mini_batches
 from trainer.chunked_actor import action_log_probs
 from trainer.openrlhf_compat import openrlhf_models
+from trainer.optim import param_groups
 
 
 class UpdateError(CleanerError, RuntimeError):
@@ -69,11 +69,7 @@ def load_schedule_state(scheduler, state: dict, global_step: int) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.999))
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999))
     return opt, warmup_schedule(opt, cfg)
 
 
@@ -190,26 +186,3 @@ class GRPOUpdate:
 
 def total_minibatches(rows: list[PurifiedTrajectory], cfg: TrainConfig) -> int:
     return cfg.epochs * len(mini_batches(rows, cfg.mini_batches))
-
-
-def save_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, progress: UpdateProgress, key: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # through a file object: a full disk is then an OSError (ENOSPC), not an opaque RuntimeError
-        with open(tmp, "wb") as f:
-            torch.save({"model": model.state_dict(), "update": update.state_dict(), "progress": progress, "key": key}, f)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # never leave a half-written .partial.pt.tmp behind
-        raise
-
-
-def load_partial(path: Path, model: torch.nn.Module, update: GRPOUpdate, key: str) -> UpdateProgress | None:
-    if not path.is_file():
-        return None
-    state = torch.load(path, weights_only=False)
-    if state.get("key") != key:
-        return None  # a partial update of other inputs/settings: start over
-    model.load_state_dict(state["model"])
-    update.load_state_dict(state["update"])
-    return state["progress"]

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from rollout_gen.engines.base import Generation, Request, SamplingParams
+from pipeline.engines.base import Generation, Request, SamplingParams
+from storage.errors import CheckpointError
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
 
 
@@ -127,7 +128,7 @@ class CPUEngine:
     @staticmethod
     def _load(checkpoint: Path) -> torch.nn.Module:
         if not (Path(checkpoint) / "config.json").is_file():
-            raise FileNotFoundError(f"no HF checkpoint at {checkpoint} (config.json missing)")
+            raise CheckpointError(f"no HF checkpoint at {checkpoint} (config.json missing)")
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
         return model.eval()
 
@@ -201,7 +202,7 @@ class CPUEngine:
         ids, mask = _left_pad(prefixes, self.pad_id)
         cache = DynamicCache()
         self._forward_chunked(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache)
-        return [[(l.keys[i][:, -len(p):], l.values[i][:, -len(p):]) for l in cache.layers] for i, p in enumerate(prefixes)]
+        return [[(layer.keys[i][:, -len(p):], layer.values[i][:, -len(p):]) for layer in cache.layers] for i, p in enumerate(prefixes)]
 
     def _admit(self, reqs: list[Request]) -> list[tuple[Request, Generation]]:
         rows = [_Row(r, torch.Generator().manual_seed(r.seed & 0x7FFFFFFFFFFFFFFF), list(r.context)) for r in reqs]
@@ -292,7 +293,7 @@ class CPUEngine:
     def _record(self, idx: range, tokens: torch.Tensor, logps: torch.Tensor) -> list[tuple[Request, Generation]]:
         """Append each row's sampled token; rows that stopped leave the batch, their KV kept."""
         done, leaving = [], set()
-        for k, (i, t, lp) in enumerate(zip(idx, tokens.tolist(), logps.tolist())):
+        for i, t, lp in zip(idx, tokens.tolist(), logps.tolist()):
             r = self._rows[i]
             r.out.append(t)
             r.lps.append(lp)

@@ -12,7 +12,7 @@ from pipeline.config import CleanerConfig, SaarConfig
 from pipeline.similarity import REFERENCE_MEASURE
 from purifier.replay import (candidates, examples_around, histogram_lines, plot, replay_stats, sweep_gammas,
                              with_retries)
-from purifier.saar import live_measure, purify_measure
+from pipeline.modes import live_measure, purify_measure
 
 
 def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
@@ -36,7 +36,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 
     from pipeline.trajectory import trajectory_from_row
     from purifier.stage import run_purify_stage
-    from rollout_gen.stage import load_chat
+    from pipeline.chat import load_chat
     from storage.layout import RunLayout
     from storage.schemas import RAW
     from storage.shards import read_manifest, read_shard

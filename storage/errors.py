@@ -26,6 +26,10 @@ class DiskFull(WorkspaceError):
     """A write ran out of space; what the stage was writing has been removed."""
 
 
+class RunIdError(CleanerError, ValueError):
+    """A run id that is not a plain folder name."""
+
+
 class CheckpointError(CleanerError):
     """A policy checkpoint that is missing, truncated or corrupt."""
 

@@ -32,6 +32,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 from pipeline.chat import CALL_OPEN, ChatFormat
 from pipeline.config import SandboxConfig, WorldConfig
 from pipeline.qwen3_tokenizer import MODEL_VOCAB, TOKENIZER_DIR
+from storage.errors import CleanerError
 
 COMPACT_DIR = TOKENIZER_DIR.parent / "qwen3-tiny-calls"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -145,7 +146,7 @@ def save_compact(small: Qwen3ForCausalLM, used: list[int], losses: list[float], 
               directory / "compact.safetensors")
     (directory / "compact.json").write_text(json.dumps(
         {"used_token_ids": used, "settings": asdict(cfg), "sft_loss_first_last": [losses[0], losses[-1]],
-         "recipe": "python -m trainer.init_policy --retrain (trainer/init_policy.py)"}) + "\n")
+         "recipe": "python -m flows.init_policy --retrain (flows/init_policy.py)"}) + "\n")
 
 
 def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausalLM, list[int]]:
@@ -182,7 +183,7 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     else:
         meta = json.loads((COMPACT_DIR / "compact.json").read_text())
         if meta["settings"] != asdict(cfg):
-            raise ValueError(f"{COMPACT_DIR} holds weights trained with {meta['settings']}; pass retrain=True")
+            raise CleanerError(f"{COMPACT_DIR} holds weights trained with {meta['settings']}; pass retrain=True")
         model = expand(*load_compact(COMPACT_DIR, cfg), cfg)
         losses = meta["sft_loss_first_last"]
     out = Path(out)
@@ -191,7 +192,7 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / name, out / name)
-    provenance = {"recipe": "cleaner init-policy (trainer/init_policy.py)", "settings": asdict(cfg),
+    provenance = {"recipe": "cleaner init-policy (flows/init_policy.py)", "settings": asdict(cfg),
                   "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
                   "parameters": sum(p.numel() for p in model.parameters()),
                   "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,

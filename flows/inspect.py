@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.config import CleanerConfig
-from pipeline.errors import InspectError, WorkspaceError
+from storage.errors import InspectError, WorkspaceError
 from storage.catalog import Catalog, publish_quietly
 
 EXAMPLE_QUERIES = {
@@ -82,7 +82,7 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         where = "WHERE run_id = '{}'".format(run_id.replace("'", "''")) if run_id else ""
         for title, q in SUMMARY_SQL.items():
             print_table(console, title, cat.query(q.format(where=where)))
-        from storage.report import ITERATIONS_SQL
+        from flows.report import ITERATIONS_SQL
 
         runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
             "SELECT DISTINCT run_id FROM raw_trajectories ORDER BY 1").to_pylist()]

@@ -8,7 +8,9 @@ from pathlib import Path
 from pipeline.config import CleanerConfig
 from rollout_gen.agent import RolloutIdentity
 from rollout_gen.evaluate import world_metrics
-from rollout_gen.stage import load_chat, make_engine, policy_version, roll_out
+from rollout_gen.stage import make_engine, roll_out
+from pipeline.chat import load_chat
+from storage.checkpoints import policy_version
 from rollout_gen.tasks import Task
 from rollout_gen.world.tasks import eval_tasks
 

@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CleanerError
-from rollout_gen.engines.base import Generation, SamplingParams
+from storage.errors import CleanerError
+from pipeline.engines.base import Generation, SamplingParams
 
 LAUNCH_HINT = "start one with: python -m sglang.launch_server --model-path <checkpoint> --port 30000"
 

@@ -1,0 +1,226 @@
+"""The `cleaner` subcommands that run Prefect flows: demo, train, report, schedule (and eval --flow)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+QUERIES = """\
+  cleaner inspect{args} --sql "SELECT iteration, avg(reward) AS reward, avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"
+  cleaner inspect{args} --sql "SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' GROUP BY 1 ORDER BY 2 DESC"
+  cleaner inspect{args} --sql "SELECT * FROM purify_compare"
+  duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"""
+
+
+def command_args(config: Path | None, overrides: list[str]) -> str:
+    """` -c FILE KEY=VALUE …` as the user ran them, shell-quoted: printed follow-up commands look at the
+    same workspace and settings."""
+    parts = (["-c", str(config)] if config else []) + list(overrides)
+    return "".join(" " + shlex.quote(p) for p in parts)
+
+
+def _load(args: argparse.Namespace):
+    cfg = load_config(args.config, args.overrides)
+    from flows.env import configure_prefect
+
+    configure_prefect(cfg.storage.root)
+    return cfg
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    from flows.server import start_temporary_server
+
+    start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
+    from flows.training import training_flow
+
+    ckpt = training_flow(str(args.config) if args.config else None, list(args.overrides))
+    print(f"final checkpoint: {ckpt}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import iteration_table, markdown_table, write_report
+
+    cfg = load_config(args.config, args.overrides)
+    run_id = args.run or cfg.flow.run_id
+    page = write_report(cfg.storage.root, run_id, gamma=cfg.train.gamma)
+    print(markdown_table(iteration_table(cfg.storage.root, run_id)))
+    print(f"report: {page}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    config = args.config or DEMO_CONFIG
+    cfg = load_config(config, args.overrides)
+    from flows.server import start_temporary_server
+
+    start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
+    if not (cfg.rollout.policy / "model.safetensors").exists():
+        from flows.bootstrap import BootstrapConfig, bootstrap
+
+        print(f"[demo] no policy at {cfg.rollout.policy}: bootstrapping one (about 20 minutes) ...")
+        bootstrap(cfg.rollout.policy, BootstrapConfig(world=cfg.world))
+    from flows.training import replay_flow, training_flow
+    from flows.report import iteration_table, markdown_table, write_report
+
+    print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
+          f"update (Prefect, temporary local server; a rerun resumes)")
+    training_flow(str(config), list(args.overrides))
+    print(f"[demo] replaying iteration 0 under γ = {cfg.flow.replay_gammas}")
+    replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
+    page = write_report(cfg.storage.root, cfg.flow.run_id, gamma=cfg.train.gamma)
+    run_dir = cfg.storage.root / "runs" / cfg.flow.run_id
+    again = command_args(config, args.overrides)
+    print("\n" + markdown_table(iteration_table(cfg.storage.root, cfg.flow.run_id)) + "\n")
+    print(f"""Where to look:
+  report      {page}
+  shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
+  checkpoints {run_dir}/checkpoints/
+  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {' '.join(map(str, cfg.flow.replay_gammas))}
+Try these queries:
+{QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}""")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    if not args.interval and not args.cron:
+        print("cleaner schedule: give --interval SECONDS or --cron 'EXPR'", file=sys.stderr)
+        return 2
+    cfg = _load(args)
+    started = False
+    if not os.environ.get("PREFECT_API_URL"):
+        # Prefect's temporary server cannot schedule (it dies with the command): run a real one.
+        from flows.server import start_server
+
+        print(f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
+              f"{cfg.storage.root / '.prefect' / 'server.log'}) ...", flush=True)
+        server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui)
+        os.environ["PREFECT_API_URL"] = server.url
+    url = os.environ["PREFECT_API_URL"]
+    print(f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
+          f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
+          + ("[schedule] the server stops when this command ends (Ctrl-C); `cleaner server stop` stops a "
+             "server left by a killed command" if started else ""), flush=True)
+    from flows.training import training_flow
+
+    try:
+        training_flow.serve(
+            name=args.name, interval=args.interval, cron=args.cron,
+            parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides)},
+        )
+    finally:
+        if started:
+            from flows.server import stop_server
+
+            stop_server(cfg.storage.root)
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    from flows.server import running_server, start_server, stop_server
+
+    root = load_config(args.config, args.overrides).storage.root
+    if args.action == "start":
+        state, started = start_server(root, port=args.port, ui=not args.no_ui)
+        print(f"{'started' if started else 'already running'}: pid {state.pid}, UI/API "
+              f"http://127.0.0.1:{state.port} (log: {state.log})\n  export PREFECT_API_URL={state.url}")
+    elif args.action == "stop":
+        state = stop_server(root)
+        print(f"stopped pid {state.pid}" if state else "no project server was running")
+    else:
+        state = running_server(root)
+        print(f"running: pid {state.pid}, {state.url}" if state else "not running")
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from purifier import dask_cluster
+
+    directory = dask_cluster.cluster_dir(load_config(args.config, args.overrides).storage.root)
+    if args.action == "start":
+        c = dask_cluster.start(directory, workers=args.workers, threads=args.threads, port=args.port,
+                               timeout=args.timeout, resources=args.resources or "")
+        print(f"started: scheduler pid {c.scheduler_pid} at {c.address}, worker pids "
+              f"{', '.join(map(str, c.worker_pids))} (logs in {c.directory})\n"
+              f"  purify with: purify.runner=dask   (or purify.dask_address={c.address})")
+    elif args.action == "stop":
+        c = dask_cluster.stop(directory)
+        print(f"stopped pids {', '.join(map(str, c.pids))}" if c else "no local Dask cluster was running")
+    else:
+        st = dask_cluster.status(directory)
+        print(st.line() if st else "not running")
+        return 0 if st and st.running else 1
+    return 0
+
+
+def add_flow_commands(sub, add_config_args, epilog: str) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("demo", help="the main job: a multi-iteration training flow on the embedded defaults",
+                       description="Build the tiny policy if absent, run the training flow of configs/demo.yaml, "
+                       "replay iteration 0 under three γ, write the report and print where to look.",
+                       epilog="Example:\n  cleaner demo flow.iterations=2\n\n" + epilog, formatter_class=fmt)
+    add_config_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="run the training flow: N iterations of rollout -> purify -> update (Prefect)",
+                       description="Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points "
+                       "at `prefect server start`). Stages whose output is committed are skipped: rerun to resume.",
+                       epilog="Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10\n\n"
+                       + epilog, formatter_class=fmt)
+    add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("report", help="write PNG plots and an HTML page for a run",
+                       epilog="Example:\n  cleaner report --run demo -c configs/demo.yaml\n\n" + epilog,
+                       formatter_class=fmt)
+    add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("schedule", help="serve the training flow as a Prefect deployment (interval or cron)",
+                       description="Blocks and serves the deployment. Without PREFECT_API_URL it first starts a "
+                       "local Prefect server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command "
+                       "ends), since Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers "
+                       "the deployment there.",
+                       epilog="Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml\n\n" + epilog,
+                       formatter_class=fmt)
+    add_config_args(p)
+    p.add_argument("--name", default="cleaner-training")
+    p.add_argument("--interval", type=float, help="seconds between runs")
+    p.add_argument("--cron", help="cron expression")
+    p.add_argument("--port", type=int, help="port of the local Prefect server it starts (default: a free one)")
+    p.add_argument("--no-ui", action="store_true", help="start the local server without its web UI")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("server", help="start/stop/status of the project's local Prefect server (127.0.0.1)",
+                       description="A real Prefect server with the project's Prefect home (<storage.root>/.prefect), "
+                       "started in the background and stopped by its recorded pid. Runs, deployments and schedules "
+                       "then show in its UI; commands use it when PREFECT_API_URL is exported as printed.",
+                       epilog="Example:\n  cleaner server start\n  cleaner server stop\n\n" + epilog,
+                       formatter_class=fmt)
+    p.add_argument("action", choices=["start", "stop", "status"])
+    add_config_args(p)
+    p.add_argument("--port", type=int, help="port (default: a free one)")
+    p.add_argument("--no-ui", action="store_true", help="without the web UI")
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("cluster", help="start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
+                       description="A Dask scheduler and N worker processes on 127.0.0.1, pids in "
+                       "<storage.root>/.dask/cluster.json, each stopped by its own pid. With purify.runner=dask and no "
+                       "purify.dask_address, purify uses this cluster. Many nodes: docs/scale_out.md.",
+                       epilog="Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo "
+                       "--iteration 0 purify.runner=dask\n  cleaner cluster stop\n\n" + epilog, formatter_class=fmt)
+    p.add_argument("action", choices=["start", "stop", "status"])
+    add_config_args(p)
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
+    p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every worker to join")
+    p.add_argument("--resources", help='worker resources, e.g. "GPU=1"')
+    p.set_defaults(func=cmd_cluster)

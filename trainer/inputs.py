@@ -1,0 +1,127 @@
+"""What an update of one iteration reads and how its checkpoint is written, the same for every
+strategy (trainer/stage.py: local; trainer/distributed.py: torchrun ranks)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from pipeline.config import CleanerConfig
+from pipeline.modes import live_measure, partition_gamma, partition_measure
+from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, policy_version
+from storage.layout import RunLayout
+from storage.schemas import METRICS, PURIFIED
+from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
+from trainer.batches import TRAINING_COLUMNS, training_rows
+from trainer.grpo import UpdateError
+
+TRAINER_STATE = "trainer_state.pt"  # the local strategy's optimizer/schedule state (DeepSpeed's: deepspeed/)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+@dataclass
+class UpdateInputs:
+    """What an update of one iteration reads; the same for every strategy."""
+
+    target: Path
+    src: Path
+    part: Path
+    manifest: object
+    rows: list
+    raw_manifest: object
+    metrics_dir: Path
+
+    def key(self, cfg: CleanerConfig) -> str:
+        """Identifies a partial update: resumable only with the same inputs and settings."""
+        return hashlib.blake2b(json.dumps([self.manifest.config_hash, cfg.train.model_dump(mode="json"), str(self.src)],
+                                          sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
+    layout = RunLayout(cfg.storage.root, run_id)
+    measure = live_measure(cfg.rollout.saar)  # a run trains on its own measure; purify.similarity only replays
+    part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma),
+                               partition_measure(cfg.train.mode, measure))
+    manifest = read_manifest(part)
+    if manifest is None:
+        raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
+                           f"(run `cleaner purify --iteration {iteration}` first)")
+    rows = training_rows(read_shard(part, PURIFIED, columns=TRAINING_COLUMNS))
+    return part, manifest, rows
+
+
+def check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifest) -> None:
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = max((max(r.prompt_ids + r.response_ids) for r in rows), default=0)
+    if top >= vocab:
+        raise UpdateError(f"{checkpoint}: token id {top} in the purified shard is outside the model's vocabulary "
+                          f"({vocab}); the shard was tokenized for another tokenizer")
+    sampled_by = (raw_manifest.extra or {}).get("policy_version") if raw_manifest else None
+    if sampled_by and sampled_by != policy_version(checkpoint):
+        raise UpdateError(f"{checkpoint}: weights {policy_version(checkpoint)} are not the policy that sampled this "
+                          f"iteration ({sampled_by}); GRPO's old log-probs would not match")
+
+
+def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
+    layout = RunLayout(cfg.storage.root, run_id)
+    source = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    check_checkpoint(source)  # whole weight files before any is loaded
+    part, manifest, rows = load_rows(cfg, run_id, iteration)
+    return UpdateInputs(layout.checkpoint_dir(iteration + 1), source, part, manifest,
+                        rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
+
+
+# The update trains with torch's scaled_dot_product_attention: eager attention keeps a length × length
+# score and probability tensor per head and layer for backward (2.8 vs 1.8 GiB peak for two 4k rows on
+# the Qwen3-shaped policy); SDPA's fused kernel does not.
+UPDATE_ATTENTION = "sdpa"
+
+
+def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(inputs.src, dtype=torch.float32, attn_implementation=UPDATE_ATTENTION)
+    check_compatible(inputs.src, model, inputs.rows, inputs.raw_manifest)
+    torch.set_num_threads(max(1, cfg.rollout.threads))
+    return model
+
+
+def log_steps(metrics: list, log) -> None:
+    for m in metrics:
+        entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
+        log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
+            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}")
+
+
+def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
+    records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
+                "value": None if getattr(m, name) is None else float(getattr(m, name))}  # null: not measured
+               for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
+                                             "tokens", "lr", "seconds")]
+    if not is_committed(inputs.metrics_dir):
+        write_shard(inputs.metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+
+
+def staging_dir(target: Path) -> Path:
+    return target.with_name(target.name + ".tmp")
+
+
+def start_checkpoint(target: Path) -> Path:
+    """A fresh staging folder (staging_dir) beside `target` for the new checkpoint's files."""
+    tmp = staging_dir(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_checkpoint(tmp: Path, target: Path, record: dict) -> None:
+    """The one way a checkpoint is committed, whatever the strategy: the record as `_CHECKPOINT.json`,
+    then the staging folder renamed into place, so a checkpoint appears whole or not at all."""
+    (tmp / DONE_MARKER).write_text(json.dumps(record, indent=1))
+    tmp.rename(target)
