@@ -24,7 +24,7 @@ from rollout_gen.stage import run_rollout_stage
 from pipeline.chat import load_chat
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
-from storage.shards import read_shard
+from storage.shards import read_manifest, read_shard, write_shard
 
 
 def _real_rollouts(root: Path, tasks: int = 32):
@@ -43,6 +43,12 @@ def _replicate(trajs, n: int) -> pa.Table:
     return pa.Table.from_pylist(rows[:n], schema=RAW)
 
 
+def _committed(directory: Path, table: pa.Table) -> list[tuple[str, dict]]:
+    """The table as a committed raw shard, and its parts as the stage hands them to the pipeline."""
+    write_shard(directory, table, RAW, "bench", inputs=[str(DEFAULT_POLICY)])
+    return [(str(directory), dataclasses.asdict(p)) for p in read_manifest(directory).parts]
+
+
 def run(n: int = 50_000) -> BenchResult:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="bench-purify-"))
@@ -54,6 +60,7 @@ def run(n: int = 50_000) -> BenchResult:
         table = _replicate(trajs, n)
         raw_file = tmp / "raw.parquet"
         pq.write_table(table, raw_file)
+        raw_parts = _committed(tmp / "raw-shard", table)
         mask_share = float(unspliced_mask(table).mean())
 
         def plain() -> None:
@@ -63,19 +70,19 @@ def run(n: int = 50_000) -> BenchResult:
 
         counter = iter(range(100))
 
-        def beam(rows_file: Path = raw_file) -> Path:
+        def beam(parts: list = raw_parts) -> Path:
             out = tmp / f"staging-{next(counter)}"
-            beam_pipeline.run([str(rows_file)], [("saar", 0.5)], out, str(DEFAULT_POLICY), "group_norm", False, "none",
+            out.mkdir()
+            beam_pipeline.run(parts, [("saar", 0.5)], out, str(DEFAULT_POLICY), "group_norm", False, "none",
                               None, 1.0, "FnApiRunner", [])
             return out
 
         staged = beam()  # warm-up, and the output compared with the plain loop's
         plain()
-        beam_out = pq.read_table(next(staged.glob("saar-0.50.purified-*.parquet"))).cast(PURIFIED)
+        beam_out = pq.read_table(beam_pipeline.staged_file(staged, "saar-0.50.purified")).cast(PURIFIED)
         same = beam_out.sort_by(SORT).equals(pq.read_table(tmp / "plain-out.parquet").cast(PURIFIED).sort_by(SORT))
         t_beam, t_plain = interleaved_best(beam, plain, repeat=5)
-        small = tmp / "small.parquet"
-        pq.write_table(table.slice(0, len(trajs)), small)
+        small = _committed(tmp / "small-shard", table.slice(0, len(trajs)))
         t_start = best_of(lambda: beam(small), 2)
         rows_out.append(Row("purification throughput on Beam FnApiRunner (splice + advantages, no recompute)",
                             n / t_beam, n / t_plain, "traj/s", target=">= 5,000 traj/s and plain/Beam ratio <= 1.5",

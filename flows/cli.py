@@ -186,6 +186,17 @@ def cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_filter(args: argparse.Namespace) -> int:
+    from flows.filter_cmd import run_filter
+
+    cfg = _config(args)
+    run_id = args.run or cfg.flow.run_id
+    n, seen = run_filter(cfg.storage.root, run_id, args.iterations, args.min_pass, args.max_pass, args.out)
+    print(f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
+          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train rollout.tasks={args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="cleaner",
@@ -203,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect",
         help="summarise runs from the DuckDB catalog, or run SQL on its views",
-        description="Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters.",
+        description="Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters, metrics, "
+        "raw_kinds, trajectory_kinds, failed_call_advantage.",
         epilog="Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
         "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + EPILOG_OVERRIDES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -296,6 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
                 "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
                 "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on)"))
         p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
+
+    p = sub.add_parser(
+        "filter", help="a task file of the tasks whose logged pass rate is strictly between two bounds",
+        description="Per task of a run, the share of its committed rollouts with a positive reward (from the raw "
+        "shards, through the DuckDB catalog: uncommitted shards are never read); tasks with min-pass < pass rate "
+        "< max-pass are written as a task file that rollout.tasks accepts. The defaults keep tasks neither "
+        "always nor never solved.",
+        epilog="Example:\n  cleaner filter --run demo --min-pass 0.1 --max-pass 0.9 --out tasks.parquet\n"
+        "  cleaner train rollout.tasks=tasks.parquet flow.run_id=filtered\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iterations", type=int, nargs="+", help="only these iterations (default: all committed)")
+    p.add_argument("--min-pass", type=float, default=0.0, help="keep tasks whose pass rate is above this [0]")
+    p.add_argument("--max-pass", type=float, default=1.0, help="keep tasks whose pass rate is below this [1]")
+    p.add_argument("--out", type=Path, required=True, help="task file to write (Parquet)")
+    p.set_defaults(func=cmd_filter)
 
     p = sub.add_parser(
         "update", help="phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",

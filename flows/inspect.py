@@ -20,6 +20,12 @@ EXAMPLE_QUERIES = {
         "GROUP BY ALL ORDER BY n DESC"
     ),
     "raw vs purified per γ": "SELECT * FROM purify_compare",
+    "does purification help here? (recovered mean advantage > 0 predicts yes)": (
+        "SELECT * FROM trajectory_kinds ORDER BY ALL"
+    ),
+    "failed-call tokens trained under negative vs positive advantage, per mode": (
+        "SELECT * FROM failed_call_advantage ORDER BY ALL"
+    ),
     "similarity of splices": (
         "SELECT mode, gamma, kind, count(*) AS n, avg(similarity) AS mean_similarity FROM splices GROUP BY ALL ORDER BY ALL"
     ),
@@ -90,5 +96,5 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
             print_table(console, f"per iteration: {run}",
                         cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table())
     console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, purified, splices, "
-                  "purify_compare, dead_letters, metrics)")
+                  "purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, failed_call_advantage)")
     return 0

@@ -1,7 +1,8 @@
-"""`cleaner replay`: re-purify an iteration's stored raw shard under other γ (written as partitions
-beside the others), or `--sweep` a γ grid in memory, and print what a person needs to choose γ:
-decisions per γ against the lived ones and the reference measure's, tokens removed/recomputed, the
-similarity histogram with the γ cuts, example pairs around each γ, and a PNG under the run's report/.
+"""`cleaner replay`: re-purify an iteration's stored raw shard under other γ or modes (written as
+partitions beside the others), or `--sweep` a γ grid in memory, and print what a person needs to choose
+γ: decisions per γ against the lived ones and the reference measure's, tokens removed/recomputed, the
+similarity histogram with the γ cuts, example pairs around each γ, and a PNG under the run's report/;
+and whether to purify at all: the premise table (flows/premise.py) with the rule's prediction.
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     chat = load_chat(Path(read_manifest(raw_dir).inputs[0]))
     saar = lived_saar(cfg, layout.run_json)
     live, measure = live_measure(saar), purify_measure(saar, cfg.purify.similarity, cfg.purify.similarity_on)
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
     table = Table(title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
                         f"{len(with_retries(raws))} with retries; measure {measure.key}, lived with {live.key} "
@@ -62,6 +65,11 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed,
                                                  s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
     console.print(table)
+    from flows.premise import print_premise
+    from storage.catalog import Catalog
+
+    with Catalog(cfg.storage.root) as cat:  # in memory: the partitions just written, nothing else touched
+        print_premise(console, cat, run_id, iteration)
     if not sweep:
         return 0
     cands = candidates(raws, chat.decode, measure, live)

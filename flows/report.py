@@ -1,9 +1,13 @@
-"""`cleaner report`: per-iteration numbers from the DuckDB catalog, PNG plots and one HTML page."""
+"""`cleaner report`: per-iteration numbers from the DuckDB catalog, PNG plots and one HTML page, with the
+premise panel: trajectories by kind, failed-call tokens by advantage sign per mode, and the rule's
+prediction per iteration (flows/premise.py)."""
 from __future__ import annotations
 
 import html
 from pathlib import Path
 
+from flows.premise import RULE, prediction, premise_rows
+from pipeline.modes import SPLICING_MODES
 from storage.catalog import Catalog
 from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
 from storage.shards import ShardError, ShardMissing
@@ -63,7 +67,7 @@ CAPTIONS = {
 
 
 def _variant(r: dict) -> str:
-    name = r["mode"] if r["mode"] != "saar" else f"saar γ={r['gamma']:g}"
+    name = r["mode"] if r["mode"] not in SPLICING_MODES else f"{r['mode']} γ={r['gamma']:g}"
     measure = r.get("measure")
     return name + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
 
@@ -89,6 +93,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
                        "WHERE run_id = $run AND mode = 'saar'", run_id)
         compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, measure",
                      run_id)
+        kinds, failed_calls = premise_rows(cat, run_id)
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
     if not its:
@@ -172,6 +177,10 @@ figcaption{{font-size:0.85em;color:#444}}pre{{background:#f6f6f6;padding:1em;ove
 <h2>Per iteration</h2>{table(its)}
 <h2>Plots</h2>{plots}
 <h2>Raw vs purified (per mode, γ and similarity measure)</h2>{table(compare)}
+<h2>Does purification help? The premise, measured</h2><p>{html.escape(RULE)}</p>
+<ul>{"".join(f"<li>{html.escape(prediction(kinds, i))}</li>" for i in x)}</ul>
+<h3>Trajectories by kind (raw shards)</h3>{table(kinds)}
+<h3>Failed-call tokens each purified partition trains, by the sign of their advantage</h3>{table(failed_calls)}
 <h2>Run config (run.json)</h2><pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.modes import Mode
 from storage.errors import CleanerError
@@ -132,6 +132,10 @@ class RolloutConfig(Section):
 # (flows/run_config.py).
 PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "runner", "dask_address", "beam_options", "similarity",
                                     "similarity_on"})
+# purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
+# mode's partitions only (purifier/stage.py), so partitions of the other modes committed before the setting
+# existed keep their config hash and stay valid.
+PURIFY_MODE_SETTINGS = frozenset({"roc_group_size"})
 
 
 class PurifyConfig(Section):
@@ -153,6 +157,9 @@ class PurifyConfig(Section):
         "beside, e.g. gamma=0.50-difflib-segment"))
     similarity_on: Literal["segment", "code"] | None = Field(None, description=(
         "target for the purified partitions (None: the run's rollout.saar.similarity_on)"))
+    roc_group_size: int | None = Field(None, ge=1, description=(
+        "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
+        "rollout.samples_per_prompt"))
 
     @field_validator("dask_address")
     @classmethod
@@ -204,10 +211,24 @@ class CleanerConfig(Section):
     train: TrainConfig = TrainConfig()
     flow: FlowConfig = FlowConfig()
 
+    @model_validator(mode="after")
+    def _roc_group_fits(self) -> "CleanerConfig":
+        size = self.purify.roc_group_size
+        if size is not None and size > self.rollout.samples_per_prompt:
+            raise ValueError(f"purify.roc_group_size ({size}) must be at most rollout.samples_per_prompt "
+                             f"({self.rollout.samples_per_prompt}): RoC down-samples each prompt's group")
+        return self
+
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections: what a stage's manifest records as its config."""
         data = {s: getattr(self, s).model_dump(mode="json") for s in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def roc_group_size(cfg: CleanerConfig) -> int:
+    """Rows mode roc keeps per prompt group: purify.roc_group_size, by default half the samples per prompt
+    (RoC samples twice the group it trains on)."""
+    return cfg.purify.roc_group_size or max(1, cfg.rollout.samples_per_prompt // 2)
 
 
 class ConfigError(CleanerError, ValueError):
@@ -275,7 +296,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         return CleanerConfig.model_validate(data)
     except ValidationError as e:
         where = f" in {path}" if path else ""
-        lines = [f"{'.'.join(str(x) for x in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+        lines = [f"{'.'.join(str(x) for x in err['loc']) + ': ' if err['loc'] else ''}"
+                 f"{err['msg'].removeprefix('Value error, ')}"
                  + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else "") for err in e.errors()]
         raise ConfigError(f"invalid config{where}: " + "; ".join(lines)) from None
 

@@ -13,21 +13,30 @@ class MeasureSettings(Protocol):
     similarity: str
     similarity_on: str
 
-# saar: the SAAR splice; raw: the lived sequence as is; void_turn: failed turns voided (masked).
-Mode = Literal["saar", "raw", "void_turn"]
+# One line per mode (docs/saar.md, "Purification modes", says more):
+#   saar          the SAAR splice at γ on every trajectory (CLEANER)
+#   raw           every attempt and error kept: no purification
+#   void_turn     raw, with the whole loss zeroed when a turn has neither a complete call nor an answer (SimpleTIR)
+#   saar_correct  SAAR at γ on trajectories whose reward is positive; every other trajectory exactly raw
+#   mask_failed   raw, with the failed-call turns of recovered-and-correct trajectories masked instead of removed
+#   roc           raw, each prompt group down-sampled GRPO-RoC style to purify.roc_group_size before advantages
+Mode = Literal["saar", "raw", "void_turn", "saar_correct", "mask_failed", "roc"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 Variant = tuple[Mode, float]  # one purified partition of an iteration: (mode, γ)
+# Modes that splice, so γ and the similarity measure decide what they hold and name their partitions
+# (storage/catalog.py keeps a copy of this list for its SQL; a test holds them equal).
+SPLICING_MODES: tuple[Mode, ...] = ("saar", "saar_correct")
 
 
 def partition_gamma(mode: str, gamma: float) -> float:
-    """γ only matters for `saar`; the other modes live under gamma=0.00 whatever γ was asked."""
-    return float(gamma) if mode == "saar" else 0.0
+    """γ only matters for the splicing modes; the others live under gamma=0.00 whatever γ was asked."""
+    return float(gamma) if mode in SPLICING_MODES else 0.0
 
 
 def partition_measure(mode: str, measure: Measure) -> str:
     """The measure's part of a partition name: '' for the default measure and for modes without
     splices (their partitions stay where they always were), else e.g. 'difflib-segment'."""
-    return measure.key if mode == "saar" and measure != DEFAULT_MEASURE else ""
+    return measure.key if mode in SPLICING_MODES and measure != DEFAULT_MEASURE else ""
 
 
 def live_measure(saar: MeasureSettings) -> Measure:

@@ -3,7 +3,8 @@ bucket (and that a plain loop can call directly).
 
 `purify_batch`: raw rows → purified rows per (mode, γ) plus dead letters; rows with nothing to splice
 are built column-wise (purifier/unspliced.py), the others go through `purify()` one by one.
-`with_advantages`: whole prompt groups → GRPO advantages (`group_plan`), dynamic filtering.
+`with_advantages`: whole prompt groups → GRPO advantages (`group_plan`), dynamic filtering; for `roc`,
+GRPO-RoC's down-sampling first (purifier/roc.py), so advantages are those of the kept group.
 `buckets`: split a batch by a stable hash of the prompt, so one prompt's rows always meet in one group.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pipeline.trajectory import purified_from_row, purified_to_row, row_key, tra
 from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from purifier.advantages import group_plan
+from purifier.roc import ROC_PENALTY, roc_plan, roc_seed, with_roc_penalty
 from purifier.saar import LIVED_COLUMNS, PurifyError, purify
 from purifier.unspliced import UNSPLICED_MODES, purified_table, unspliced_mask
 from storage.schemas import PURIFIED
@@ -67,7 +69,11 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
     for v in variants:
         if rows[v]:
             tables[v].append(pa.Table.from_pylist(rows[v], schema=PURIFIED))
-    return {v: (pa.concat_tables(tables[v]) if tables[v] else PURIFIED.empty_table(), dead[v]) for v in variants}
+    out = {v: (pa.concat_tables(tables[v]) if tables[v] else PURIFIED.empty_table(), dead[v]) for v in variants}
+    for v in variants:  # RoC selects per group by a penalty read from the attempt tree, which only this batch has
+        if v[0] == "roc" and out[v][0].num_rows:
+            out[v] = (with_roc_penalty(out[v][0], raw), dead[v])
+    return out
 
 
 def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
@@ -89,22 +95,32 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     return [(int(bucket[s]), table.slice(s, e - s)) for s, e in zip(starts, ends)]
 
 
-def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool) -> tuple[pa.Table, int]:
+def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool,
+                    roc_group_size: int | None = None) -> tuple[pa.Table, int]:
     """Whole prompt groups → rows in (prompt, sample) order with their advantage; filtered groups dropped.
-    Returns the table and the number of groups filtered out."""
+    With `roc_group_size` (mode roc; rows carry ROC_PENALTY) each group is first down-sampled by
+    `roc_plan`. Returns the table (PURIFIED columns) and the number of groups filtered out."""
+    if roc_group_size is not None and ROC_PENALTY not in table.column_names and table.num_rows:
+        raise ValueError(f"RoC selection needs the {ROC_PENALTY} column purify_batch adds to roc rows")
     if table.num_rows == 0:
         return table, 0
     table = table.sort_by(SORT)
     prompts = table["prompt_id"].to_pylist()
     samples, rewards = table["sample_idx"].to_pylist(), table["reward"].to_pylist()
+    roc = roc_group_size is not None
+    penalties, iterations = (table[ROC_PENALTY].to_pylist(), table["iteration"].to_pylist()) if roc else ([], [])
     keep, advantages, filtered, start = [], [], 0, 0
     for end in [*np.flatnonzero([a != b for a, b in zip(prompts, prompts[1:])]) + 1, len(prompts)]:
-        plan = group_plan(list(zip(samples[start:end], rewards[start:end])), estimator, dynamic_filter)
+        rows = list(range(start, end))
+        if roc:
+            rows = [start + k for k in roc_plan(samples[start:end], rewards[start:end], penalties[start:end],
+                                                roc_group_size, roc_seed(iterations[start], prompts[start]))]
+        plan = group_plan([(samples[i], rewards[i]) for i in rows], estimator, dynamic_filter)
         filtered += not plan
-        keep += [start + k for k, _ in plan]
+        keep += [rows[k] for k, _ in plan]
         advantages += [a for _, a in plan]
         start = end
-    out = table.take(pa.array(keep, pa.int64()))
+    out = table.take(pa.array(keep, pa.int64())).select(PURIFIED.names)
     return out.set_column(PURIFIED.get_field_index("advantage"), PURIFIED.field("advantage"),
                           pa.array(advantages, pa.float64())), filtered
 

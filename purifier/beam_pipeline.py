@@ -43,6 +43,7 @@ from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
+from storage.shards import atomic_write_parquet
 
 BUCKETS = 8
 # Parts that failed validation, with the reason: the driver refuses the shard when any is staged.
@@ -248,8 +249,8 @@ class GroupStage(beam.DoFn):
     (purified destination, table) and (COUNTS_DESTINATION, counts)."""
 
     def __init__(self, estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None,
-                 temperature: float, sglang_url: str = "") -> None:
-        self.estimator, self.dynamic_filter = estimator, dynamic_filter
+                 temperature: float, sglang_url: str = "", roc_group_size: int = 1) -> None:
+        self.estimator, self.dynamic_filter, self.roc_group_size = estimator, dynamic_filter, roc_group_size
         self.recompute, self.checkpoint, self.temperature, self.sglang_url = recompute, checkpoint, temperature, sglang_url
 
     def setup(self) -> None:
@@ -267,7 +268,8 @@ class GroupStage(beam.DoFn):
         from purifier.batch import recompute_groups, with_advantages
 
         (variant, _), parts = element
-        table, filtered = with_advantages(pa.concat_tables(list(parts)), self.estimator, self.dynamic_filter)
+        table, filtered = with_advantages(pa.concat_tables(list(parts)), self.estimator, self.dynamic_filter,
+                                          self.roc_group_size if variant[0] == "roc" else None)
         counts = {}
         if filtered:
             counts[f"filtered_groups/{variant_name(*variant)}"] = filtered
@@ -293,13 +295,7 @@ class WriteStaged(beam.DoFn):
         dest, tables = element
         schema = schema_of(dest)
         table = pa.concat_tables([t.select(schema.names).cast(schema) for t in tables])
-        final = staged_file(Path(self.staging), dest)
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            pq.write_table(table, tmp)
-            os.replace(tmp, final)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write_parquet(staged_file(Path(self.staging), dest), table)
         yield dest, table.num_rows
 
 
@@ -329,7 +325,7 @@ def _is_group(record) -> bool:
 
 def build(p: beam.Pipeline, raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str,
           estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
-          sglang_url: str = "", measure: Measure = DEFAULT_MEASURE) -> None:
+          sglang_url: str = "", measure: Measure = DEFAULT_MEASURE, roc_group_size: int = 1) -> None:
     purified = (p | "RawParts" >> beam.Create(raw_parts)
                 | "ReadRaw" >> beam.ParDo(ReadRawParts())
                 | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir, measure=measure)))
@@ -338,7 +334,7 @@ def build(p: beam.Pipeline, raw_parts: list[tuple[str, dict]], variants: list[Va
         | "Groups" >> beam.Filter(_is_group).with_output_types(KeyedTable)
         | "ByPromptBucket" >> beam.GroupByKey()
         | "GroupStage" >> beam.ParDo(GroupStage(estimator, dynamic_filter, recompute, checkpoint, temperature,
-                                                sglang_url))
+                                                sglang_url, roc_group_size))
     )
     letters = purified | "DeadAndRefused" >> beam.Filter(_is_destined).with_output_types(DestinedTable)
     written = (
@@ -391,11 +387,12 @@ def staged_counts(staging: Path) -> dict[str, int]:
 
 def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,
         dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float, runner: str,
-        beam_options: list[str], sglang_url: str = "", measure: Measure = DEFAULT_MEASURE) -> dict[str, int]:
+        beam_options: list[str], sglang_url: str = "", measure: Measure = DEFAULT_MEASURE,
+        roc_group_size: int = 1) -> dict[str, int]:
     options = PipelineOptions([f"--runner={runner}", *beam_options])
     p = beam.Pipeline(options=options)
     build(p, raw_parts, variants, staging, tokenizer_dir, estimator, dynamic_filter, recompute, checkpoint,
-          temperature, sglang_url, measure)
+          temperature, sglang_url, measure, roc_group_size)
     # Beam logs every failing DoFn's traceback before re-raising it; the exception itself reaches the
     # stage (which turns a full disk into one line) and the CLI (which keeps a bug's traceback).
     # Dask's client logs its lost connections with tracebacks; the stage says it in one line.

@@ -11,6 +11,12 @@ row, whatever live mode produced it:
 - `raw`: every attempt and every error kept: the no-purification baseline.
 - `void_turn`: the raw sequence with its loss zeroed if any turn has neither a complete call nor
   a final answer (SimpleTIR's filter).
+- `saar_correct`: `saar` on a row whose reward is positive, `raw` on every other row (see
+  `sequence_rule`).
+- `mask_failed`: the raw sequence; in a recovered-and-correct row every failed-call turn gets loss
+  mask 0 (its error feedback already has it), so the row reinforces its working path without being
+  rewritten, and failing rows keep the negative signal on their failed calls.
+- `roc`: the raw sequence; GRPO-RoC's down-sampling happens per prompt group (purifier/roc.py).
 
 Each emitted token remembers which attempt sampled it; its sampled log-prob is kept only if the
 purified sequence before it equals the context it was sampled under (fingerprint in the raw row).
@@ -25,6 +31,7 @@ from pipeline.similarity import DEFAULT_MEASURE, Measure
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
 from pipeline.answers import last_boxed
+from pipeline.kinds import failed_call, trajectory_kind
 from pipeline.modes import MODES, partition_gamma
 
 # Purification rebuilds every sequence from the attempt tree: it never needs the lived sequence,
@@ -107,6 +114,23 @@ def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
     return a.call_status == "no_call" and last_boxed(decode(a.turn_ids), window=10**9) is None
 
 
+def sequence_rule(raw: Trajectory, mode: str) -> str:
+    """How a mode rebuilds one row: "saar" (splice retries over failed turns) or "raw" (every attempt as
+    sampled; void_turn and mask_failed then change its loss mask, roc selects whole rows per group).
+
+    `saar_correct` splices only rows whose reward is positive, i.e. correct: correctness is a property
+    of the row alone, so a row's purification does not move when the other rows of its group change
+    (an "above the group mean" rule would, and in a group whose rows are all wrong it would still
+    purify the least wrong ones), and it is the paper's motivation: purify the trajectories whose
+    outcome the update reinforces, so a recovered-and-correct row stops rewarding its failed call,
+    while a failing row keeps its failed call under the negative advantage it earned.
+
+    No mode changes a reward, and GRPO advantages depend only on a group's rewards, so advantages
+    computed before or after purification are the same numbers; the group stage computes them after,
+    on the rows each mode keeps (only `roc` keeps fewer)."""
+    return "saar" if mode == "saar" or (mode == "saar_correct" and raw.reward > 0) else "raw"
+
+
 def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],
            measure: Measure = DEFAULT_MEASURE) -> PurifiedTrajectory:
     if mode not in MODES:
@@ -117,7 +141,8 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         attempts[_key(len(raw.positions), 0)] = raw.final_turn
     b = _Builder(list(raw.prompt_ids), attempts)
     splices: list[Splice] = []
-    saar_on = mode == "saar" and raw.saar_gate
+    saar_on = sequence_rule(raw, mode) == "saar" and raw.saar_gate
+    masking = mode == "mask_failed" and raw.reward > 0 and trajectory_kind(raw) == "recovered"
     void = False
 
     def whole(pos_idx: int, a: Attempt) -> TurnPiece:
@@ -135,7 +160,10 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         infra_first = p.attempts[0].result is not None and p.attempts[0].result.error_class == "infra"
         if not saar_on or not retries or infra_first:
             for i, a in enumerate(p.attempts):  # kept exactly as sampled, every error included
+                start = len(b.ids)
                 b.turn(whole(p.position_idx, a), p.position_idx)
+                if masking and failed_call(a):  # kept in the sequence, out of the loss
+                    b.mask[start:] = [0] * (len(b.ids) - start)
                 b.feedback(a.feedback_ids if i < len(p.attempts) - 1 else last_feedback)
             continue
         current = whole(p.position_idx, p.attempts[0])

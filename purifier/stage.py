@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import PURIFY_REPLAY_SETTINGS, CleanerConfig
+from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig, roc_group_size
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
@@ -53,8 +53,10 @@ class VariantResult:
 
 
 def purify_config_hash(cfg: CleanerConfig, mode: str, gamma: float, raw_hash: str) -> str:
-    settings = cfg.purify.model_dump(mode="json", exclude=set(PURIFY_REPLAY_SETTINGS))
+    settings = cfg.purify.model_dump(mode="json", exclude=PURIFY_REPLAY_SETTINGS | PURIFY_MODE_SETTINGS)
     record = {"purify": settings, "temperature": cfg.rollout.temperature, "mode": mode, "gamma": gamma, "raw": raw_hash}
+    if mode == "roc":  # a setting of one mode only: the other modes' partitions hash as before it existed
+        record["roc_group_size"] = roc_group_size(cfg)
     measure = partition_measure(mode, purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on))
     if measure:  # the default measure hashes as before, so partitions committed earlier stay valid
         record["measure"] = measure
@@ -211,7 +213,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
         counters = _run_pipeline(
             staging, raw_parts, [(m, g) for m, g, _ in variants], staging, str(checkpoint),
             cfg.purify.advantage, cfg.purify.dynamic_filter, cfg.purify.recompute, str(checkpoint),
-            cfg.rollout.temperature, runner, runner_options, cfg.rollout.sglang_url, measure)
+            cfg.rollout.temperature, runner, runner_options, cfg.rollout.sglang_url, measure, roc_group_size(cfg))
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())

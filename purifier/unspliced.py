@@ -3,8 +3,10 @@
 A raw row in which every position has exactly one attempt gives SAAR nothing to splice: in `saar`
 and in `raw` mode its purified sequence is the lived sequence, and every token was sampled in the
 context it has there, so every old log-prob stands (tests/test_unspliced.py checks this row for row
-against `purify()` on real rollouts). That is about two thirds of an iteration's rows; building
-them column-wise skips the Python objects per row that dominate the stage's time. A row that fails
+against `purify()` on real rollouts). The same holds for `saar_correct` (saar or raw, both the lived
+sequence here), `roc` (the raw sequence; its selection is per group, later) and `mask_failed` (it
+masks only rows with a recovered failure, which have a retry; tests/test_new_modes.py checks these).
+That is about two thirds of an iteration's rows; building them column-wise skips the Python objects per row that dominate the stage's time. A row that fails
 any structural check `validate_raw` makes stays on the `purify()` path, whose dead letter names
 the reason.
 """
@@ -19,7 +21,7 @@ import pyarrow.compute as pc
 from pipeline.modes import partition_gamma
 from storage.schemas import PURIFIED, SPLICE
 
-UNSPLICED_MODES = ("saar", "raw")
+UNSPLICED_MODES = ("saar", "raw", "saar_correct", "mask_failed", "roc")
 
 
 def _any_per_row(flags: np.ndarray, row_of: np.ndarray, n: int) -> np.ndarray:

@@ -86,6 +86,82 @@ def _sql_list(paths: list[Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
+# The premise of purification (issue 19 §1; the rule is pipeline/kinds.py's, tested equal row for row):
+# raw_kinds: one row per raw trajectory, its kind and its GRPO advantage in its prompt group, computed
+#   from raw rewards exactly as purifier/advantages.py `group_norm` does: (r - mean) / (std + 1e-6), std
+#   over the group (population). No mode changes a reward, so this is every mode's advantage except roc's,
+#   whose groups are smaller; and every estimator gives it the same sign.
+# trajectory_kinds: per run, iteration and kind: trajectories, mean reward, share correct, mean advantage.
+# failed_call_advantage: per purified partition, the failed-call tokens (the call segments of failed
+#   attempts, raw_attempts.turn_tokens from call_start) that stay trained in its rows, split by the sign of
+#   the advantage they are trained with. A failed call stays unless a later retry at its position was
+#   spliced over it (every splice takes the retry's call), its row trains no token (void_turn), or its row is
+#   recovered and correct in mode mask_failed; rows a mode left out (roc, dead letters, filtered groups)
+#   train nothing. Shares are of all failed-call tokens of the iteration's raw rows, the same for every mode.
+PREMISE_SQL = """
+CREATE OR REPLACE VIEW raw_kinds AS
+WITH positions AS (
+    SELECT run_id, iteration, prompt_id, sample_idx, position_idx,
+           bool_or(error_class = 'infra') AS infra,
+           bool_or(status = 'failure' AND error_class = 'model') AS failed,
+           arg_max(coalesce(status = 'success', false), attempt_idx) AS last_ran
+    FROM raw_attempts GROUP BY ALL
+), kinds AS (
+    SELECT run_id, iteration, prompt_id, sample_idx,
+           CASE WHEN bool_or(infra) THEN 'infra' WHEN bool_or(failed AND NOT last_ran) THEN 'not_recovered'
+                WHEN bool_or(failed) THEN 'recovered' ELSE 'clean' END AS kind
+    FROM positions GROUP BY ALL
+), groups AS (
+    SELECT run_id, iteration, prompt_id, sum(reward) / count(*) AS mean FROM raw_trajectories GROUP BY ALL
+), spread AS (
+    SELECT t.run_id, t.iteration, t.prompt_id, g.mean, sqrt(sum((t.reward - g.mean) ** 2) / count(*)) AS std
+    FROM raw_trajectories t JOIN groups g USING (run_id, iteration, prompt_id) GROUP BY ALL
+)
+SELECT t.run_id, t.iteration, t.prompt_id, t.sample_idx, coalesce(k.kind, 'clean') AS kind, t.reward,
+       (t.reward - s.mean) / (s.std + 1e-6) AS advantage
+FROM raw_trajectories t JOIN spread s USING (run_id, iteration, prompt_id)
+LEFT JOIN kinds k USING (run_id, iteration, prompt_id, sample_idx);
+
+CREATE OR REPLACE VIEW trajectory_kinds AS
+SELECT run_id, iteration, kind, count(*) AS trajectories, avg(reward) AS mean_reward,
+       avg((reward > 0)::INT) AS correct, avg(advantage) AS mean_advantage
+FROM raw_kinds GROUP BY ALL ORDER BY ALL;
+
+CREATE OR REPLACE VIEW failed_call_advantage AS
+WITH failed AS (
+    SELECT run_id, iteration, prompt_id, sample_idx, position_idx, attempt_idx,
+           turn_tokens - greatest(call_start, 0) AS call_tokens
+    FROM raw_attempts WHERE status = 'failure' AND error_class = 'model'
+), totals AS (
+    SELECT t.run_id, t.iteration, coalesce(sum(f.call_tokens), 0)::BIGINT AS failed_call_tokens
+    FROM raw_trajectories t LEFT JOIN failed f USING (run_id, iteration, prompt_id, sample_idx) GROUP BY ALL
+), partitions AS (
+    SELECT DISTINCT run_id, iteration, mode, gamma, measure FROM purified
+), trained AS (
+    SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure, f.call_tokens, p.advantage
+    FROM purified p JOIN failed f USING (run_id, iteration, prompt_id, sample_idx)
+    JOIN raw_kinds k USING (run_id, iteration, prompt_id, sample_idx)
+    WHERE NOT coalesce(list_bool_or(list_transform(p.splices, lambda s: s.position_idx = f.position_idx
+                                                                        AND s.attempt_idx > f.attempt_idx)), false)
+      AND list_sum(p.loss_mask) > 0
+      AND NOT (p.mode = 'mask_failed' AND k.kind = 'recovered' AND p.reward > 0)
+), sums AS (
+    SELECT run_id, iteration, mode, gamma, measure, sum(call_tokens) AS trained,
+           coalesce(sum(call_tokens) FILTER (WHERE advantage < 0), 0) AS on_negative,
+           coalesce(sum(call_tokens) FILTER (WHERE advantage > 0), 0) AS on_positive
+    FROM trained GROUP BY ALL
+)
+SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure, t.failed_call_tokens,
+       coalesce(s.trained, 0)::BIGINT AS trained, coalesce(s.on_negative, 0)::BIGINT AS on_negative,
+       coalesce(s.on_positive, 0)::BIGINT AS on_positive,
+       coalesce(s.on_negative, 0) / nullif(t.failed_call_tokens, 0) AS share_negative,
+       coalesce(s.on_positive, 0) / nullif(t.failed_call_tokens, 0) AS share_positive
+FROM partitions p JOIN totals t USING (run_id, iteration)
+LEFT JOIN sums s ON s.run_id = p.run_id AND s.iteration = p.iteration AND s.mode = p.mode AND s.gamma = p.gamma
+                AND s.measure IS NOT DISTINCT FROM p.measure
+ORDER BY ALL;
+"""
+
 VIEWS_SQL = """
 CREATE OR REPLACE VIEW raw_attempts AS
 WITH pos AS (
@@ -126,12 +202,14 @@ FROM purified p JOIN raw_trajectories r
   ON p.run_id = r.run_id AND p.iteration = r.iteration AND p.prompt_id = r.prompt_id AND p.sample_idx = r.sample_idx
 GROUP BY ALL
 ORDER BY ALL;
-"""
+""" + PREMISE_SQL
 
 
-# The similarity measure of a SAAR partition: the name after γ (gamma=0.50-difflib-segment), else the
-# default measure; modes without splices have none.
-_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) <> 'saar' THEN NULL ELSE "
+# Modes that splice (pipeline.modes.SPLICING_MODES, tested equal): their partitions name a similarity measure.
+SPLICING_MODES = ("saar", "saar_correct")
+# The similarity measure of a splicing mode's partition: the name after γ (gamma=0.50-difflib-segment),
+# else the default measure; modes without splices have none.
+_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {SPLICING_MODES} THEN NULL ELSE "
                 f"coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
                 f"'{DEFAULT_MEASURE_KEY}') END")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +84,18 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not leave the temporary file behind
         raise
+
+
+def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+    """One Parquet file written under a unique temporary name beside `path`, then renamed over it: a
+    reader (or a retried writer) sees the whole file or none, never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_manifest(directory: Path) -> Manifest | None:

@@ -23,6 +23,18 @@ def world_rollout(tmp_path_factory):
     return cfg
 
 
+@pytest.fixture()
+def world_copy(world_rollout, tmp_path):
+    """A private copy of world_rollout's runs under tmp_path/ws: tests that write beside its shards."""
+    import shutil
+
+    root = tmp_path / "ws"
+    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = root
+    return cfg
+
+
 @pytest.fixture(scope="session")
 def purified_run(world_rollout, tmp_path_factory):
     """world_rollout purified (saar, γ=0.5): iteration 0 ready for an update."""

@@ -5,7 +5,6 @@ replay at given γ writes partitions beside the others, and another measure gets
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 
@@ -15,12 +14,8 @@ from storage.layout import RunLayout
 
 
 @pytest.fixture()
-def run(world_rollout, tmp_path):
-    root = tmp_path / "ws"
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
-    return cfg
+def run(world_copy):
+    return world_copy
 
 
 def _snapshot(d):
