@@ -46,7 +46,7 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         from storage.schemas import RAW
         from storage.shards import read_manifest, read_shard
 
-        run = next(r["run_id"] for r in results if r["arm"].startswith("saar_g0.5"))
+        run = next(r["run_id"] for r in results if r["arm"].startswith("saar"))
         cfg = load_config(None, [f"storage.root={root_hint}"])
         raw_dir = RunLayout(cfg.storage.root, run).raw_dir(0)
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
@@ -111,14 +111,14 @@ def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool) 
     return lines
 
 
-def _comparison(results: list[dict], n_tasks: int) -> list[str]:
-    """CLEANER (a) vs no purification (b): steps-to-target and the final gap against its noise."""
+def _comparison(results: list[dict], n_tasks: int, arm: str, baseline: str = "raw") -> list[str]:
+    """`arm` vs no purification (`baseline`): steps-to-target and the final gap against its noise."""
     lines = []
     for metric, label, hib in (("accuracy", "pass@1", True), ("first_call_failure_rate", "first-call failure rate", False)):
         for saar in (False, True):
-            a = _mean_curve(_series(results, "saar_g0.5", metric, saar))
-            b = _mean_curve(_series(results, "raw", metric, saar))
-            seeds = min(len(_series(results, "saar_g0.5", metric, saar)), len(_series(results, "raw", metric, saar)))
+            a = _mean_curve(_series(results, arm, metric, saar))
+            b = _mean_curve(_series(results, baseline, metric, saar))
+            seeds = min(len(_series(results, arm, metric, saar)), len(_series(results, baseline, metric, saar)))
             reach = steps_to_reach(a, b[-1][1], hib)
             last = b[-1][0]
             ratio = f"{reach}/{last} = {reach / last:.2f}" if reach is not None and last else "not reached"
@@ -126,13 +126,47 @@ def _comparison(results: list[dict], n_tasks: int) -> list[str]:
             se = sqrt(_se(a[-1][1], n_tasks * seeds) ** 2 + _se(b[-1][1], n_tasks * seeds) ** 2)
             tail = max(1, len(a) // 3)  # the last third of the evaluated checkpoints, to average out eval noise
             tail_gap = mean(v for _, v in a[-tail:]) - mean(v for _, v in b[-tail:])
-            lines.append(f"- {label}, SAAR {'on' if saar else 'off'} at test: raw ends at {b[-1][1]:.3f} (iteration {last}); "
-                         + (f"saar_g0.5 reaches it at iteration {reach} (steps ratio {ratio})" if reach is not None else
-                            f"saar_g0.5 does not reach it within {last} iterations")
-                         + f"; final gap saar − raw "
+            lines.append(f"- {label}, SAAR {'on' if saar else 'off'} at test: {baseline} ends at {b[-1][1]:.3f} "
+                         f"(iteration {last}); "
+                         + (f"{arm} reaches it at iteration {reach} (steps ratio {ratio})" if reach is not None else
+                            f"{arm} does not reach it within {last} iterations")
+                         + f"; final gap {arm} − {baseline} "
                          f"{gap:+.3f} ± {se:.3f} (1 s.e., {seeds} seeds × {n_tasks} tasks); mean gap over the last "
                          f"{tail} checkpoints {tail_gap:+.3f}")
     return lines
+
+
+def _premise_section(results: list[dict], root: Path) -> list[str]:
+    """The premise (issue 19 §1) per run: recovered trajectories' share, correctness and mean GRPO
+    advantage at the first and last iteration, from the catalog view trajectory_kinds."""
+    try:
+        from storage.catalog import Catalog
+
+        with Catalog(root) as cat:
+            rows = cat.query("SELECT run_id, iteration, kind, trajectories, correct, mean_advantage "
+                             "FROM trajectory_kinds ORDER BY ALL").to_pylist()
+    except Exception as e:  # noqa: BLE001 - the table is a bonus; say why it is missing
+        return [f"(premise figures unavailable: {e})"]
+    runs = {r["run_id"]: r["arm"] for r in results}
+    lines = ["| run | iteration | recovered / all | recovered correct | recovered mean advantage | "
+             "not recovered / all | clean correct |", "|---|---|---|---|---|---|---|"]
+    for run_id in sorted(runs):
+        mine = [r for r in rows if r["run_id"] == run_id]
+        if not mine:
+            continue
+        for it in sorted({min(r["iteration"] for r in mine), max(r["iteration"] for r in mine)}):
+            at = {r["kind"]: r for r in mine if r["iteration"] == it}
+            n = sum(r["trajectories"] for r in at.values())
+            rec, nrec, clean = at.get("recovered"), at.get("not_recovered"), at.get("clean")
+            cells = [run_id, str(it), f"{rec['trajectories'] if rec else 0}/{n}",
+                     f"{rec['correct']:.2f}" if rec else "—", f"{rec['mean_advantage']:+.3f}" if rec else "—",
+                     f"{nrec['trajectories'] if nrec else 0}/{n}", f"{clean['correct']:.2f}" if clean else "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _policy(exp: dict) -> str:
+    return next((o.split("=", 1)[1] for o in exp["base"] if o.startswith("rollout.policy=")), "policies/tiny-tool-policy")
 
 
 def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
@@ -141,7 +175,7 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
     _plot(results, arms, stem)
     lines = [f"# Experiment `{stem}` — results (generated)", "",
              f"Wall time: {wall_s / 60:.0f} min on this machine (arms {exp.get('parallel', 1)} at a time). "
-             f"Every arm starts from policies/tiny-tool-policy; evaluation every {exp.get('eval_every', 1)} iterations "
+             f"Every arm starts from {_policy(exp)}; evaluation every {exp.get('eval_every', 1)} iterations "
              f"on {exp['eval_tasks']} held-out tasks, T=1.0, mean over seeds. Solid/dashed lines in the plot are seeds 0/1.",
              "", f"![curves]({stem}.png)", ""]
     for saar in (False, True):
@@ -151,9 +185,13 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
         for saar in (False, True):
             lines += [f"## {label} per iteration, SAAR {'on' if saar else 'off'} at test time", "",
                       *_curve_table(results, arms, metric, saar), ""]
-    if "saar_g0.5" in arms and "raw" in arms:
-        lines += ["## CLEANER (saar_g0.5) vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"]), ""]
+    if "raw" in arms:
+        for arm in (a for a in arms if a != "raw"):
+            lines += [f"## {arm} vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"], arm), ""]
     root = next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
+    lines += ["## The premise: recovered trajectories' advantage (catalog view trajectory_kinds)", "",
+              "Purification is predicted to help when recovered trajectories' mean advantage is positive.", "",
+              *_premise_section(results, Path(__file__).resolve().parent.parent / root), ""]
     lines += ["## Replay statistics", "", _replay_section(results, str(Path(__file__).resolve().parent.parent / root)), ""]
     page = OUT / f"{stem}.md"
     page.write_text("\n".join(lines) + "\n")
