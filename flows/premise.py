@@ -48,6 +48,32 @@ def prediction(kinds: list[dict], iteration: int) -> str:
             f"{recovered[0]['trajectories']}: {verdict}")
 
 
+TOKEN_RULE = ("token-level rule (docs/results/when_purification_helps_writeup.md; it predicted each mode's direction "
+              "where the rule above did not): a mode that removes more failed-call tokens trained under negative "
+              "advantage than under positive, compared with raw, is predicted to reduce first-call tool errors more "
+              "slowly than raw")
+
+
+def token_predictions(failed: list[dict], iteration: int) -> list[str]:
+    """Per purified partition of the iteration: the failed-call tokens it no longer trains, compared with the
+    raw partition, by the sign of their advantage, and what the token-level rule predicts from them."""
+    rows = [r for r in failed if r["iteration"] == iteration]
+    raw = next((r for r in rows if r["mode"] == "raw"), None)
+    if raw is None:
+        return [f"iteration {iteration}: no raw partition to compare with (purify.modes needs raw), no prediction"]
+    out = []
+    for r in rows:
+        if r["mode"] == "raw" or r["mode"] == "roc":  # roc drops whole rows: not a removal of failed calls
+            continue
+        neg, pos = raw["on_negative"] - r["on_negative"], raw["on_positive"] - r["on_positive"]
+        verdict = ("slower first-call error reduction than raw predicted" if neg > pos else
+                   "not predicted to be slower than raw")
+        measure = f" {r['measure']}" if r.get("measure") else ""
+        out.append(f"iteration {iteration}: {r['mode']} γ={r['gamma']:g}{measure} removes {neg} negative- and {pos} "
+                   f"positive-advantage failed-call tokens: {verdict}")
+    return out
+
+
 def _cell(v: object) -> str:
     return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
 
@@ -73,3 +99,6 @@ def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -
     console.print(table)
     console.print(RULE, highlight=False)
     console.print(prediction(kinds, iteration), highlight=False)
+    console.print(TOKEN_RULE, highlight=False)
+    for line in token_predictions(failed, iteration):
+        console.print(line, highlight=False)

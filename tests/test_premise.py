@@ -196,3 +196,22 @@ def test_report_has_the_premise_panel(real):
     assert "iteration 0: recovered trajectories&#x27; mean advantage" in page
     assert page.count("<td>not_recovered</td>") + page.count("<td>recovered</td>") >= 1
     assert "<th>share_negative</th>" in page and "<td>mask_failed</td>" in page
+
+
+def test_token_level_prediction_compares_each_mode_with_raw():
+    """Hand-stated rows: saar stops training 30 negative- and 10 positive-advantage failed-call tokens that
+    raw trains (slower predicted); saar_correct stops only 10 positive ones (not slower); roc is not a
+    removal; without a raw partition nothing is predicted."""
+    from flows.premise import token_predictions
+
+    def row(mode, neg, pos, gamma=0.0):
+        return {"iteration": 0, "mode": mode, "gamma": gamma, "measure": None, "on_negative": neg, "on_positive": pos}
+
+    failed = [row("raw", 40, 10), row("saar", 10, 0, 0.5), row("saar_correct", 40, 0, 0.5), row("roc", 5, 5)]
+    lines = token_predictions(failed, 0)
+    assert len(lines) == 2
+    assert "saar γ=0.5 removes 30 negative- and 10 positive" in lines[0] and lines[0].endswith("predicted")
+    assert "slower" in lines[0]
+    assert "saar_correct γ=0.5 removes 0 negative- and 10 positive" in lines[1]
+    assert lines[1].endswith("not predicted to be slower than raw")
+    assert "no raw partition" in token_predictions([row("saar", 1, 0, 0.5)], 0)[0]
