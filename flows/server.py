@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from flows.env import configure_prefect
-from pipeline.processes import alive
+from pipeline.processes import alive, terminate
 from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
@@ -116,30 +116,13 @@ def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
     state = ServerState(proc.pid, port, url, str(log_path))
     problem = _wait_healthy(proc, url, timeout)
     if problem:
-        _terminate(proc.pid)
+        terminate(proc.pid)
         tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
         raise ServerError(f"prefect server {problem}: {tail[0]} (log: {log_path})")
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(state)))
     os.replace(tmp, _state_path(root))
     return state, True
-
-
-def _terminate(pid: int, grace: float = 10.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and alive(pid):
-            time.sleep(0.1)
-        try:
-            os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-        except ChildProcessError:
-            pass
-        if not alive(pid):
-            return
 
 
 def stop_server(root: Path) -> ServerState | None:
@@ -150,7 +133,7 @@ def stop_server(root: Path) -> ServerState | None:
     except (OSError, ValueError, TypeError):
         return None
     if alive(state.pid):
-        _terminate(state.pid)
+        terminate(state.pid)
     path.unlink(missing_ok=True)
     return state
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pipeline.processes import alive
+from pipeline.processes import alive, terminate
 from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
@@ -138,26 +137,6 @@ def _tail(log: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
-def _terminate(pid: int, grace: float) -> None:
-    """SIGTERM the process group led by `pid`, then SIGKILL after `grace` seconds; reap it if it is our child."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and alive(pid):
-            time.sleep(0.05)
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        if not alive(pid):
-            return
-
-
 def _wait_address(proc: subprocess.Popen, scheduler_file: Path, log: Path, deadline: float) -> str:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -242,7 +221,7 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         return cluster
     except BaseException:
         for proc in reversed(started):
-            _terminate(proc.pid, grace=5.0)
+            terminate(proc.pid, grace=5.0)
         raise
 
 
@@ -255,7 +234,7 @@ def stop(directory: Path, grace: float = 10.0) -> Cluster | None:
         return None
     for pid in cluster.pids:
         if alive(pid) and _ours(pid, directory):
-            _terminate(pid, grace)
+            terminate(pid, grace)
         try:
             os.waitpid(pid, os.WNOHANG)  # one that died earlier (kill -9) and is our child: reap it
         except ChildProcessError:
