@@ -15,6 +15,7 @@ from pipeline.trajectory import trajectory_to_row
 from rollout_gen.agent import AgentLoop, RolloutIdentity
 from pipeline.engines.base import Request, SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
+from rollout_gen.engines.kv_store import least_forwards
 from rollout_gen.sandbox import SandboxPool
 from pipeline.chat import load_chat
 from rollout_gen.tasks import Task
@@ -79,6 +80,33 @@ def test_cache_cap_evicts_and_results_do_not_change():
     assert two_turns(tight) == two_turns(roomy)
     assert tight.kept.evicted > 0 and tight.kept.tokens <= 80  # bounded: the oldest went first
     assert roomy.kept.evicted == 0 and tight.prefill_tokens > roomy.prefill_tokens
+
+
+def test_kv_reuse_forwards_no_more_than_any_prefix_cache_could_on_a_saar_rollout():
+    """Over a real multi-turn rollout with live SAAR splices, the engine forwards exactly the
+    workload's floor (`least_forwards`: each token of a context once per distinct prefix), up to the
+    rare token an older retry's branch shares beyond the last turn's (the engine keeps only the last)."""
+    cfg = load_config(None, ["rollout.samples_per_prompt=4", "rollout.saar.live_mode=purified"])
+    engine = CPUEngine(DEFAULT_POLICY)
+    engine.turn_log = []
+    with SandboxPool(cfg.rollout.sandbox) as pool:
+        trajs = AgentLoop(engine, pool, load_chat(DEFAULT_POLICY), cfg.rollout).run(
+            eval_tasks(cfg.world)[:8], RolloutIdentity("f", 0, "v"))
+    assert sum(t.stats.retries for t in trajs) > 0 and sum(t.stats.turns for t in trajs) > len(trajs)
+    forwarded = engine.prefill_tokens - engine.first_prefill_tokens + engine.decode_tokens
+    floor = least_forwards(engine.turn_log)
+    assert floor <= forwarded <= floor * 1.01
+    firsts = {k: len(c) for k, c, _ in reversed(engine.turn_log)}  # each key's first context
+    re_prefill = sum(len(c) + len(o) - 1 for _, c, o in engine.turn_log) - sum(firsts.values())
+    assert floor < 0.75 * re_prefill  # what re-prefilling every turn's whole context would forward
+
+
+def test_least_forwards_counts_new_prefixes_only():
+    a = [(1, [1, 2, 3], [4, 5, 9]),  # first prefill excluded; outputs 4, 5 forwarded (9 never)
+         (1, [1, 2, 3, 4, 5, 9, 7, 7], [8]),  # 9, 7, 7 are new
+         (1, [1, 2, 3, 6], [8, 8]),  # a splice back to [1, 2, 3]: 6 is new, then one output
+         (1, [1, 2, 3, 6], [0])]  # nothing new: one token still forwarded for its logits
+    assert least_forwards(a) == 2 + 3 + (1 + 1) + 1
 
 
 def _untimed(value):

@@ -124,6 +124,9 @@ class CPUEngine:
         # Tokens forwarded (shared prefixes count once); `first_prefill_tokens` is the part spent on
         # trajectories' first turns, which no cache can save.
         self.prefill_tokens = self.first_prefill_tokens = self.decode_tokens = self.generated_tokens = 0
+        # Set to a list to log each finished turn as (key, context, output ids): the input of
+        # kv_store.least_forwards, the floor any prefix cache would forward for the same turns.
+        self.turn_log: list[tuple[Hashable, tuple[int, ...], list[int]]] | None = None
 
     @staticmethod
     def _load(checkpoint: Path) -> torch.nn.Module:
@@ -301,6 +304,8 @@ class CPUEngine:
             stopped = t in r.req.params.stop_ids
             if stopped or len(r.out) >= r.req.params.max_new_tokens:
                 done.append((r.req, Generation(r.out, r.lps, "stop" if stopped else "length")))
+                if self.turn_log is not None:
+                    self.turn_log.append((r.req.key, r.req.context, list(r.out)))
                 leaving.add(i)
                 if self.reuse_kv:
                     m = self._mask[i].bool()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
@@ -65,3 +65,25 @@ class KVStore:
     def clear(self) -> None:
         self._entries.clear()
         self.tokens = 0
+
+
+def least_forwards(turns: Iterable[tuple[Hashable, Sequence[int], Sequence[int]]]) -> int:
+    """The fewest tokens any prefix cache forwards for these turns, after each key's first prefill.
+
+    `turns` are (trajectory key, context, sampled output) in the order each key's turns ran. A
+    turn's context costs only what no earlier turn of its key forwarded as a prefix (and at least
+    one token: its logits start sampling); its output costs one forward per sampled token but the
+    last (a token is forwarded when the next is sampled). A key's first context is the first prefill,
+    which no cache saves, and is not counted. Tool responses, generation prompts and SAAR's re-spliced
+    calls are new prefixes and count: this is the floor the workload sets, not the engine.
+    """
+    seen: dict[Hashable, list[Sequence[int]]] = {}
+    total = 0
+    for key, context, output in turns:
+        earlier = seen.setdefault(key, [])
+        if earlier:
+            shared = max(common_prefix(s, context, len(context) - 1) for s in earlier)
+            total += len(context) - shared
+        total += max(len(output) - 1, 0)
+        earlier.append(list(context) + list(output[:-1]))
+    return total
