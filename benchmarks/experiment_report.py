@@ -111,6 +111,14 @@ def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool) 
     return lines
 
 
+def _final_gap(results: list[dict], n_tasks: int, arm: str, baseline: str, metric: str, saar: bool) -> tuple[float, float]:
+    """Final value of `arm` minus `baseline` (means over seeds) and its standard error."""
+    a = _mean_curve(_series(results, arm, metric, saar))
+    b = _mean_curve(_series(results, baseline, metric, saar))
+    seeds = min(len(_series(results, arm, metric, saar)), len(_series(results, baseline, metric, saar)))
+    return a[-1][1] - b[-1][1], sqrt(_se(a[-1][1], n_tasks * seeds) ** 2 + _se(b[-1][1], n_tasks * seeds) ** 2)
+
+
 def _comparison(results: list[dict], n_tasks: int, arm: str, baseline: str = "raw") -> list[str]:
     """`arm` vs no purification (`baseline`): steps-to-target and the final gap against its noise."""
     lines = []
@@ -122,8 +130,7 @@ def _comparison(results: list[dict], n_tasks: int, arm: str, baseline: str = "ra
             reach = steps_to_reach(a, b[-1][1], hib)
             last = b[-1][0]
             ratio = f"{reach}/{last} = {reach / last:.2f}" if reach is not None and last else "not reached"
-            gap = a[-1][1] - b[-1][1]
-            se = sqrt(_se(a[-1][1], n_tasks * seeds) ** 2 + _se(b[-1][1], n_tasks * seeds) ** 2)
+            gap, se = _final_gap(results, n_tasks, arm, baseline, metric, saar)
             tail = max(1, len(a) // 3)  # the last third of the evaluated checkpoints, to average out eval noise
             tail_gap = mean(v for _, v in a[-tail:]) - mean(v for _, v in b[-tail:])
             lines.append(f"- {label}, SAAR {'on' if saar else 'off'} at test: {baseline} ends at {b[-1][1]:.3f} "
@@ -165,6 +172,48 @@ def _premise_section(results: list[dict], root: Path) -> list[str]:
     return lines
 
 
+def _arm_mode(exp: dict, arm: str) -> str | None:
+    return next((o.split("=", 1)[1] for o in exp["arms"][arm]["overrides"] if o.startswith("train.mode=")), None)
+
+
+def _token_rule_section(results: list[dict], exp: dict, root: Path) -> list[str]:
+    """The token-level rule (flows/premise.TOKEN_RULE) as a prediction made from the raw arm's shards
+    alone (what a user has before choosing a mode), then checked against each arm's measured gap."""
+    try:
+        from storage.catalog import Catalog
+
+        raw_runs = sorted(r["run_id"] for r in results if r["arm"] == "raw")
+        with Catalog(root) as cat:
+            rows = cat.con.sql("SELECT run_id, iteration, mode, on_negative, on_positive FROM failed_call_advantage "
+                               "WHERE list_contains($runs, run_id)", params={"runs": raw_runs}).to_arrow_table().to_pylist()
+    except Exception as e:  # noqa: BLE001 - the table is a bonus; say why it is missing
+        return [f"(token-level figures unavailable: {e})"]
+
+    def removed(mode: str, first_only: bool) -> tuple[int, int]:
+        pick = [r for r in rows if not first_only or r["iteration"] == 0]
+        sums = {m: (sum(r["on_negative"] for r in pick if r["mode"] == m),
+                    sum(r["on_positive"] for r in pick if r["mode"] == m)) for m in ("raw", mode)}
+        return sums["raw"][0] - sums[mode][0], sums["raw"][1] - sums[mode][1]
+
+    lines = [f"Prediction from the raw arm's shards only ({', '.join(raw_runs)}): failed-call tokens each mode "
+             "would stop training, compared with raw, by the sign of their advantage (negative / positive). Checked "
+             "against the arm's final first-call failure gap to raw, SAAR off at test (positive = slower error "
+             "reduction).", "",
+             "| arm | mode | removed at iteration 0 (neg / pos) | removed, all iterations (neg / pos) | predicted | "
+             "measured gap ± s.e. | held |", "|---|---|---|---|---|---|---|"]
+    for arm in (a for a in dict.fromkeys(r["arm"] for r in results) if a != "raw"):
+        mode = _arm_mode(exp, arm)
+        if mode not in {r["mode"] for r in rows} or mode == "raw":
+            continue
+        (n0, p0), (n, p) = removed(mode, True), removed(mode, False)
+        slower = n > p
+        gap, se = _final_gap(results, exp["eval_tasks"], arm, "raw", "first_call_failure_rate", False)
+        held = (gap > 0) == slower
+        lines.append(f"| {arm} | {mode} | {n0} / {p0} | {n} / {p} | {'slower' if slower else 'not slower'} | "
+                     f"{gap:+.3f} ± {se:.3f} ({gap / se if se else 0:+.1f} s.e.) | {'yes' if held else 'no'} |")
+    return lines
+
+
 def _policy(exp: dict) -> str:
     return next((o.split("=", 1)[1] for o in exp["base"] if o.startswith("rollout.policy=")), "policies/tiny-tool-policy")
 
@@ -192,6 +241,8 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
     lines += ["## The premise: recovered trajectories' advantage (catalog view trajectory_kinds)", "",
               "Purification is predicted to help when recovered trajectories' mean advantage is positive.", "",
               *_premise_section(results, Path(__file__).resolve().parent.parent / root), ""]
+    lines += ["## The token-level rule, tested", "",
+              *_token_rule_section(results, exp, Path(__file__).resolve().parent.parent / root), ""]
     lines += ["## Replay statistics", "", _replay_section(results, str(Path(__file__).resolve().parent.parent / root)), ""]
     page = OUT / f"{stem}.md"
     page.write_text("\n".join(lines) + "\n")
