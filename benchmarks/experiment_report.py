@@ -8,6 +8,7 @@ from statistics import mean
 OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
 METRICS = [("accuracy", "pass@1"), ("first_call_failure_rate", "first-call failure rate"),
            ("tool_calls_per_traj", "tool calls / trajectory"), ("response_tokens", "response tokens")]
+RATES = {"accuracy", "first_call_failure_rate"}  # per-task rates: binomial standard errors apply
 
 
 def _series(results: list[dict], arm: str, metric: str, saar: bool) -> list[list[tuple[int, float]]]:
@@ -97,8 +98,9 @@ def _summary_table(results: list[dict], arms: list[str], saar: bool) -> list[str
     return lines
 
 
-def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool) -> list[str]:
-    """Iteration × arm (mean over seeds, each seed in brackets where there are several)."""
+def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool, n_tasks: int) -> list[str]:
+    """Iteration × arm: mean over seeds ± its standard error (binomial, seeds × tasks), each seed in
+    brackets where there are several."""
     lines = ["| iteration | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
     per_arm = {a: _series(results, a, metric, saar) for a in arms}
     iterations = [i for i, _ in per_arm[arms[0]][0]]
@@ -106,7 +108,8 @@ def _curve_table(results: list[dict], arms: list[str], metric: str, saar: bool) 
         cells = []
         for a in arms:
             vals = [s[n][1] for s in per_arm[a] if n < len(s)]
-            cells.append(f"{mean(vals):.3f}" + (f" ({', '.join(f'{v:.3f}' for v in vals)})" if len(vals) > 1 else ""))
+            se = f" ± {_se(mean(vals), n_tasks * len(vals)):.3f}" if metric in RATES else ""
+            cells.append(f"{mean(vals):.3f}{se}" + (f" ({', '.join(f'{v:.3f}' for v in vals)})" if len(vals) > 1 else ""))
         lines.append(f"| {it} | " + " | ".join(cells) + " |")
     return lines
 
@@ -233,7 +236,7 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
     for metric, label in METRICS[:2]:
         for saar in (False, True):
             lines += [f"## {label} per iteration, SAAR {'on' if saar else 'off'} at test time", "",
-                      *_curve_table(results, arms, metric, saar), ""]
+                      *_curve_table(results, arms, metric, saar, exp["eval_tasks"]), ""]
     if "raw" in arms:
         for arm in (a for a in arms if a != "raw"):
             lines += [f"## {arm} vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"], arm), ""]
