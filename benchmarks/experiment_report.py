@@ -240,6 +240,8 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
     if "raw" in arms:
         for arm in (a for a in arms if a != "raw"):
             lines += [f"## {arm} vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"], arm), ""]
+    for arm, baseline in exp.get("compare", []):  # further pairs the experiment file asks for
+        lines += [f"## {arm} vs {baseline}", "", *_comparison(results, exp["eval_tasks"], arm, baseline), ""]
     root = next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     lines += ["## The premise: recovered trajectories' advantage (catalog view trajectory_kinds)", "",
               "Purification is predicted to help when recovered trajectories' mean advantage is positive.", "",
