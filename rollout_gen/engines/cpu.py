@@ -54,15 +54,6 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
-def _pad_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, width: int):
-    """Left-pad a batch's KV (per layer [B, H, W, D]) and mask [B, W] to `width` columns."""
-    extra = width - mask.shape[1]
-    if extra == 0:
-        return layers, mask
-    pad = lambda t: torch.cat([t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3]), t], dim=2)  # noqa: E731
-    return [(pad(k), pad(v)) for k, v in layers], torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
-
-
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -71,11 +62,11 @@ class _GrowingLayer(DynamicLayer):
     """A cache layer with spare room: a decoding step writes one column in place instead of
     copying the whole batch's KV (DynamicLayer concatenates, which cost a quarter of a step)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._k, self._v, self._n = keys, values, keys.shape[2]
-        self.keys, self.values = keys, values
+        self._k, self._v, self._n = keys, values, n  # buffers [B, H, n + spare, D]; the first n columns hold KV
+        self.keys, self.values = keys[:, :, :n], values[:, :, :n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n, q = self._n, key_states.shape[2]
@@ -89,10 +80,37 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> DynamicCache:
     cache = DynamicCache()
-    cache.layers = [_GrowingLayer(k, v) for k, v in layers]
+    cache.layers = [_GrowingLayer(k, v, n) for k, v in layers]
     return cache
+
+
+def _spare(width: int) -> int:
+    """Columns allocated beyond `width` whenever the batch's KV is rebuilt (rows join or leave), so
+    the decoding steps that follow write in place instead of copying the whole batch to grow it."""
+    return max(64, width // 2)
+
+
+def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int]:
+    """Rows of several batches (per layer KV [B, H, W, D] and mask [B, W]) in one, right-aligned, with
+    spare columns: (per-layer buffers, mask, width)."""
+    width = max(m.shape[1] for _, m in parts)
+    rows = sum(m.shape[0] for _, m in parts)
+    k0 = parts[0][0][0][0]
+    bufs = []
+    for li in range(len(parts[0][0])):
+        keys = k0.new_zeros(rows, k0.shape[1], width + _spare(width), k0.shape[3])
+        values = torch.zeros_like(keys)
+        r = 0
+        for layers, m in parts:
+            k, v = layers[li]
+            keys[r:r + m.shape[0], :, width - m.shape[1]:width] = k
+            values[r:r + m.shape[0], :, width - m.shape[1]:width] = v
+            r += m.shape[0]
+        bufs.append((keys, values))
+    mask = torch.cat([torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1) for _, m in parts])
+    return bufs, mask, width
 
 
 @dataclass
@@ -259,13 +277,9 @@ class CPUEngine:
         return self._record(range(len(self._rows) - len(rows), len(self._rows)), tokens, logps)
 
     def _join(self, layers, mask: torch.Tensor, rows: list[_Row], tokens: torch.Tensor) -> None:
-        if self._rows:
-            width = max(mask.shape[1], self._mask.shape[1])
-            old, old_mask = _pad_cache(_layers(self._cache), self._mask, width)
-            new, mask = _pad_cache(layers, mask, width)
-            layers = [(torch.cat([ko, kn]), torch.cat([vo, vn])) for (ko, vo), (kn, vn) in zip(old, new)]
-            mask = torch.cat([old_mask, mask])
-        self._cache, self._mask = _growing(layers), mask
+        parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
+        bufs, self._mask, width = _stack(parts)
+        self._cache = _growing(bufs, width)
         self._rows += rows
         self._pending = torch.cat([self._pending, tokens])
 
@@ -311,13 +325,27 @@ class CPUEngine:
                     m = self._mask[i].bool()
                     self.kept.put(r.req.key, r.ids, [(key[i][:, m], val[i][:, m]) for key, val in _layers(self._cache)])
         if leaving:
-            keep = [i for i in range(len(self._rows)) if i not in leaving]
-            index = torch.tensor(keep, dtype=torch.long)
-            self._rows = [self._rows[i] for i in keep]
-            self._mask, self._pending = self._mask[index], self._pending[index]
-            # columns that only the rows that left used are dropped
-            live = torch.nonzero(self._mask.any(0)).flatten()
-            start = int(live[0]) if len(live) else self._mask.shape[1]
-            self._mask = self._mask[:, start:]
-            self._cache = _growing([(k[index, :, start:], v[index, :, start:]) for k, v in _layers(self._cache)])
+            self._leave(leaving)
         return done
+
+    def _leave(self, leaving: set[int]) -> None:
+        """Remove rows from the batch without copying the rest: the kept rows beyond the new batch
+        size move into the holes, then every buffer is cut to size (views, written in place after)."""
+        size = len(self._rows) - len(leaving)
+        holes = [i for i in sorted(leaving) if i < size]
+        movers = [i for i in range(size, len(self._rows)) if i not in leaving]
+        if holes:
+            dst, src = torch.tensor(holes), torch.tensor(movers)
+            for layer in self._cache.layers:
+                layer._k[dst], layer._v[dst] = layer._k[src], layer._v[src]
+            self._mask[dst], self._pending[dst] = self._mask[src], self._pending[src]
+            for h, m in zip(holes, movers):
+                self._rows[h] = self._rows[m]
+        self._rows, self._mask, self._pending = self._rows[:size], self._mask[:size], self._pending[:size]
+        # columns that only the rows that left used are dropped (a view too)
+        live = torch.nonzero(self._mask.any(0)).flatten()
+        start = int(live[0]) if len(live) else self._mask.shape[1]
+        self._mask = self._mask[:, start:]
+        n = self._cache.layers[0]._n
+        self._cache = _growing([(layer._k[:size, :, start:], layer._v[:size, :, start:]) for layer in self._cache.layers],
+                               n - start)
