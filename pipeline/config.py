@@ -103,7 +103,10 @@ class RolloutConfig(Section):
     deterministic: bool = Field(True, description=(
         "async loop: fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
         "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
-    tool_delay_steps: int = Field(4, ge=1, description="deterministic schedule: engine steps between a call and its result")
+    tool_delay_steps: int = Field(4, ge=1, description=(
+        "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
+        "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories: 24.6 s at 4, 13.9 s at 32, lockstep "
+        "16.6 s); 4 keeps the committed experiments' schedule"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
     max_in_flight: int = Field(64, ge=1, description="SGLang: concurrent /generate requests")
