@@ -65,6 +65,25 @@ def test_turns_reuse_kept_kv_and_logprobs_equal_an_unpadded_forward():
     assert len(engine.kept) == 0 and engine.kept.tokens == 0
 
 
+def test_rows_leaving_mid_batch_and_joining_late_keep_exact_logprobs():
+    """Rows leave in another order than they joined (a hole in the middle of the batch is filled by a
+    later row) and new rows join a running batch: every row's log-probs still equal its own forward."""
+    engine = CPUEngine(DEFAULT_POLICY)
+    rng = random.Random(3)
+    ctx = {k: [rng.randrange(5, 1000) for _ in range(5 + 3 * k)] for k in range(6)}
+    budget = {0: 20, 1: 3, 2: 12, 3: 5, 4: 16, 5: 7}  # 1 and 3 leave first, from the middle
+    engine.add([Request(k, tuple(ctx[k]), SamplingParams(budget[k], 1.0, 1.0, ()), seed=k) for k in range(4)])
+    got: dict = {}
+    for step in range(40):
+        if step == 4:  # two more join while the first ones are decoding and leaving
+            engine.add([Request(k, tuple(ctx[k]), SamplingParams(budget[k], 1.0, 1.0, ()), seed=k) for k in (4, 5)])
+        got.update((r.key, g) for r, g in engine.step())
+        if not engine.busy():
+            break
+    assert sorted(got) == list(range(6)) and all(len(got[k].output_ids) == budget[k] for k in got)
+    assert max(_full_forward_error(engine.model, ctx[k], got[k]) for k in got) <= 1e-5
+
+
 def test_cache_cap_evicts_and_results_do_not_change():
     rng = random.Random(1)
     params = SamplingParams(16, 1.0, 1.0, ())
