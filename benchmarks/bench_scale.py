@@ -2,7 +2,7 @@
 
 Recompute (8 rows sharing a prompt, every response token recomputed) and one update step (one group
 of 8) at 1k/2k/4k/8k-token trajectories, each in its own child process so peak RSS is that of the
-measured work alone (`ru_maxrss`). The unchunked baseline (today's code before issue 16: one forward
+measured work alone (VmHWM). The unchunked baseline (today's code before issue 16: one forward
 with full-vocabulary float32 logits, then log_softmax) is measured on one row at 1k where it fits
 beside other work on this 24 GiB machine, and extrapolated (marked) elsewhere.
 `python -m benchmarks.bench_scale` or `python -m benchmarks.run scale`.
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import BenchResult, Row
+from benchmarks.common import BenchResult, Row, peak_rss_bytes
 
 LENGTHS = (1024, 2048, 4096, 8192)
 ROWS = 8
@@ -66,7 +65,7 @@ def child(kind: str, length: int, policy: str) -> dict:
             logits = model(torch.tensor([rows[0].prompt_ids + rows[0].response_ids])).logits
             torch.log_softmax(logits.float(), dim=-1)
     wall = time.perf_counter() - t0
-    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, "wall_s": wall}
+    return {"peak_rss_gib": peak_rss_bytes() / GIB, "wall_s": wall}
 
 
 def _measure(kind: str, length: int, policy: Path) -> dict:

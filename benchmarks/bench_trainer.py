@@ -3,7 +3,6 @@ batch, each side in its own process (for a clean peak-memory reading)."""
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import BenchResult, Row
+from benchmarks.common import BenchResult, Row, peak_rss_bytes
 
 STEPS = 5
 
@@ -37,7 +36,7 @@ def worker(side: str, root: Path) -> dict:
     tokens = sum(sum(r.loss_mask) for r in rows)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
     cfg = TrainConfig(mini_batches=1, lr=1e-5, warmup_steps=0)  # default micro-batch budget
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss_bytes()
     if side == "ours":
         from trainer.batches import mini_batches
         from trainer.grpo import GRPOUpdate
@@ -82,8 +81,8 @@ def worker(side: str, root: Path) -> dict:
     for _ in range(STEPS):
         step()
     dt = (time.perf_counter() - t0) / STEPS
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"tokens_per_s": tokens / dt, "peak_rss_mib": peak / 1024, "step_rss_mib": (peak - base) / 1024,
+    peak = peak_rss_bytes()
+    return {"tokens_per_s": tokens / dt, "peak_rss_mib": peak / 2**20, "step_rss_mib": (peak - base) / 2**20,
             "tokens": tokens, "rows": len(rows)}
 
 

@@ -66,6 +66,20 @@ def machine_info() -> dict[str, str]:
     }
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (VmHWM). Not `ru_maxrss`: Linux carries that
+    across exec, so a child started from a large benchmark process reports its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
     """Best wall time of `repeat` runs: the least disturbed by the shared machine."""
     best = float("inf")
