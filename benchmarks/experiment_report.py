@@ -183,6 +183,7 @@ def _token_rule_section(results: list[dict], exp: dict, root: Path) -> list[str]
     """The token-level rule (flows/premise.TOKEN_RULE) as a prediction made from the raw arm's shards
     alone (what a user has before choosing a mode), then checked against each arm's measured gap."""
     try:
+        from flows.premise import predicts_slower, removed_by_sign
         from storage.catalog import Catalog
 
         raw_runs = sorted(r["run_id"] for r in results if r["arm"] == "raw")
@@ -194,9 +195,9 @@ def _token_rule_section(results: list[dict], exp: dict, root: Path) -> list[str]
 
     def removed(mode: str, first_only: bool) -> tuple[int, int]:
         pick = [r for r in rows if not first_only or r["iteration"] == 0]
-        sums = {m: (sum(r["on_negative"] for r in pick if r["mode"] == m),
-                    sum(r["on_positive"] for r in pick if r["mode"] == m)) for m in ("raw", mode)}
-        return sums["raw"][0] - sums[mode][0], sums["raw"][1] - sums[mode][1]
+        sums = {m: {k: sum(r[k] for r in pick if r["mode"] == m) for k in ("on_negative", "on_positive")}
+                for m in ("raw", mode)}
+        return removed_by_sign(sums["raw"], sums[mode])
 
     lines = [f"Prediction from the raw arm's shards only ({', '.join(raw_runs)}): failed-call tokens each mode "
              "would stop training, compared with raw, by the sign of their advantage (negative / positive). Checked "
@@ -209,7 +210,7 @@ def _token_rule_section(results: list[dict], exp: dict, root: Path) -> list[str]
         if mode not in {r["mode"] for r in rows} or mode == "raw":
             continue
         (n0, p0), (n, p) = removed(mode, True), removed(mode, False)
-        slower = n > p
+        slower = predicts_slower(n, p)
         gap, se = _final_gap(results, exp["eval_tasks"], arm, "raw", "first_call_failure_rate", False)
         held = (gap > 0) == slower
         lines.append(f"| {arm} | {mode} | {n0} / {p0} | {n} / {p} | {'slower' if slower else 'not slower'} | "

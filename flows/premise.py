@@ -54,6 +54,18 @@ TOKEN_RULE = ("token-level rule (docs/results/when_purification_helps_writeup.md
               "slowly than raw")
 
 
+def removed_by_sign(raw: dict, mode: dict) -> tuple[int, int]:
+    """Failed-call tokens raw trains and `mode` does not: (under negative, under positive advantage).
+    Rows are `failed_call_advantage` rows, or sums of their on_negative/on_positive over iterations."""
+    return raw["on_negative"] - mode["on_negative"], raw["on_positive"] - mode["on_positive"]
+
+
+def predicts_slower(negative: int, positive: int) -> bool:
+    """The token-level rule: removing more negative- than positive-advantage failed-call tokens predicts
+    a slower fall of first-call tool errors than raw."""
+    return negative > positive
+
+
 def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     """Per purified partition of the iteration: the failed-call tokens it no longer trains, compared with the
     raw partition, by the sign of their advantage, and what the token-level rule predicts from them."""
@@ -65,8 +77,8 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     for r in rows:
         if r["mode"] == "raw" or r["mode"] == "roc":  # roc drops whole rows: not a removal of failed calls
             continue
-        neg, pos = raw["on_negative"] - r["on_negative"], raw["on_positive"] - r["on_positive"]
-        verdict = ("slower first-call error reduction than raw predicted" if neg > pos else
+        neg, pos = removed_by_sign(raw, r)
+        verdict = ("slower first-call error reduction than raw predicted" if predicts_slower(neg, pos) else
                    "not predicted to be slower than raw")
         measure = f" {r['measure']}" if r.get("measure") else ""
         out.append(f"iteration {iteration}: {r['mode']} γ={r['gamma']:g}{measure} removes {neg} negative- and {pos} "
