@@ -107,6 +107,11 @@ class RolloutConfig(Section):
         "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
         "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories: 24.6 s at 4, 13.9 s at 32, lockstep "
         "16.6 s); 4 keeps the committed experiments' schedule"))
+    tool_priority: Literal["most_calls", "fifo"] = Field("most_calls", description=(
+        "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
+        "trajectory that has made the most calls (a rollout ends with its longest chain; 64 trajectories, 0.2–2 s calls, 16 "
+        "workers: see benchmarks/RESULTS.md async rollout); fifo: first made. The deterministic schedule always "
+        "starts calls in the order they fall due"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
     max_in_flight: int = Field(64, ge=1, description="SGLang: concurrent /generate requests")

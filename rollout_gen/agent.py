@@ -262,10 +262,11 @@ class AgentLoop:
                progress: Callable[[int, int, str], None] | None) -> None:
         def report(p: Progress, elapsed: float) -> None:
             progress(p.finished, len(lives), f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
-                                             f"tokens/s, {p.tools_in_flight} tool calls in flight")
+                                             f"tokens/s, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued")
 
         sched = Scheduler(self.engine, self.cfg.deterministic, self.cfg.tool_delay_steps, self.cfg.max_in_flight,
-                          tool_threads=max(4, 2 * self.cfg.sandbox.workers), on_progress=report if progress else None)
+                          tool_slots=self.cfg.sandbox.workers, tool_priority=self.cfg.tool_priority,
+                          on_progress=report if progress else None)
         key = object()  # this run's trajectories: (key, i) names trajectory i's KV in the engine
 
         async def trajectory(i: int, lv: _Live) -> None:
@@ -277,7 +278,7 @@ class AgentLoop:
                     request = Request((key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt))
                     att = self._turn(lv, await sched.generate(i, request))
                     if att is not None:
-                        result = await sched.tool(self._run_one, att.code) if att.call_status == "ok" \
+                        result = await sched.tool(i, self._run_one, att.code) if att.call_status == "ok" \
                             else self._agent_failure(att)
                         self._on_result(lv, att, result)
             finally:

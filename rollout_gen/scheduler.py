@@ -13,14 +13,21 @@ Two schedules:
 - free: a result rejoins at the first step after it arrives. Faster when tools are slow or uneven,
   but the batch composition depends on timing, and so the floating-point results, slightly
   (benchmarks/RESULTS.md, section `async rollout`, measures how much).
+
+Tool calls run on at most `tool_slots` threads (one per sandbox worker); the rest wait here. The
+deterministic schedule starts them in call order (the order in which they fall due). The free one
+can start first the calls of the trajectories that have made the most calls (`most_calls`): a
+rollout ends when its longest chain of turns does, and in a first-come queue that chain's k-th call
+waits behind everyone's first.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import heapq
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Hashable, Literal
 
 from pipeline.engines.base import Generation, Request
 
@@ -88,22 +95,29 @@ class ConcurrentStepper:
 @dataclass
 class _ToolCall:
     due: int  # engine step at which the deterministic schedule delivers it
-    future: cf.Future
+    rank: tuple[int, ...]  # start order while every tool slot is taken: lowest first
+    call: tuple  # the function and its arguments
     waiter: asyncio.Future
+    future: cf.Future | None = None  # once started
+
+    def running(self) -> bool:
+        return self.future is not None and not self.future.done()
 
 
 @dataclass
 class Progress:
     finished: int = 0
     active: int = 0
-    tools_in_flight: int = 0
+    tools_in_flight: int = 0  # running in the sandbox
+    tools_queued: int = 0  # waiting for a sandbox worker
     generated_tokens: int = 0
     steps: int = 0
 
 
 class Scheduler:
     def __init__(self, engine, deterministic: bool = True, tool_delay_steps: int = 4, max_in_flight: int = 64,
-                 tool_threads: int = 64, on_progress: Callable[[Progress, float], None] | None = None) -> None:
+                 tool_slots: int = 64, tool_priority: Literal["most_calls", "fifo"] = "most_calls",
+                 on_progress: Callable[[Progress, float], None] | None = None) -> None:
         if hasattr(engine, "step"):
             self.engine = engine
         elif getattr(engine, "concurrent_requests", False):
@@ -111,12 +125,17 @@ class Scheduler:
         else:
             self.engine = BatchStepper(engine)
         self.deterministic, self.delay = deterministic, tool_delay_steps
-        self.tools = cf.ThreadPoolExecutor(max_workers=tool_threads, thread_name_prefix="tool")
+        self.tools = cf.ThreadPoolExecutor(max_workers=tool_slots, thread_name_prefix="tool")
+        self.slots = tool_slots
+        self.most_calls_first = tool_priority == "most_calls" and not deterministic
         self.on_progress = on_progress
         self.progress = Progress()
         self._asked: list[tuple[int, Request, asyncio.Future]] = []
         self._waiting: dict[Hashable, asyncio.Future] = {}
-        self._calls: list[_ToolCall] = []
+        self._calls: list[_ToolCall] = []  # made, not yet delivered, in call order
+        self._queued: list[tuple[tuple[int, ...], _ToolCall]] = []  # heap of calls not started
+        self._calls_made: dict[int, int] = {}  # per trajectory
+        self._seq = 0  # calls made, all trajectories
         self._running = 0
         self._settled: asyncio.Event | None = None
 
@@ -126,10 +145,30 @@ class Scheduler:
         self._asked.append((order, request, fut))
         return await self._block(fut)
 
-    async def tool(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def tool(self, order: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on a tool thread, for trajectory `order`."""
         fut = asyncio.get_running_loop().create_future()
-        self._calls.append(_ToolCall(self.progress.steps + self.delay, self.tools.submit(fn, *args), fut))
+        made = self._calls_made.get(order, 0)
+        self._calls_made[order] = made + 1
+        self._seq += 1
+        rank = (-made, self._seq) if self.most_calls_first else (self._seq,)
+        call = _ToolCall(self.progress.steps + self.delay, rank, (fn, *args), fut)
+        self._calls.append(call)
+        heapq.heappush(self._queued, (rank, call))
+        self._start_tools()
         return await self._block(fut)
+
+    def _start_tools(self) -> None:
+        free = self.slots - sum(c.running() for c in self._calls)
+        while free > 0 and self._queued:
+            _, c = heapq.heappop(self._queued)
+            c.future = self.tools.submit(*c.call)
+            free -= 1
+
+    def _wait_for_a_tool(self) -> None:
+        """Block until a running call ends, then start queued ones in the slots freed."""
+        cf.wait([c.future for c in self._calls if c.running()], return_when=cf.FIRST_COMPLETED)
+        self._start_tools()
 
     def release(self, key: Hashable) -> None:
         self.engine.release(key)
@@ -180,10 +219,12 @@ class Scheduler:
             elif self._calls:  # everyone waits on tools: skip to the next result
                 if self.deterministic:
                     self.progress.steps = min(c.due for c in self._calls)
-                else:
-                    cf.wait([c.future for c in self._calls], return_when=cf.FIRST_COMPLETED)
+                elif not any(c.future is not None and c.future.done() for c in self._calls):
+                    self._wait_for_a_tool()
+            self._start_tools()
             if self.on_progress:
-                self.progress.tools_in_flight = len(self._calls)
+                self.progress.tools_in_flight = sum(c.running() for c in self._calls)
+                self.progress.tools_queued = len(self._queued)
                 self.on_progress(self.progress, time.monotonic() - t0)
         for t in tasks:
             t.result()  # a trajectory's own exception is not swallowed
@@ -192,8 +233,10 @@ class Scheduler:
         if self.deterministic:
             ready = [c for c in self._calls if c.due <= self.progress.steps]
         else:
-            ready = [c for c in self._calls if c.future.done()]
+            ready = [c for c in self._calls if c.future is not None and c.future.done()]
         for c in ready:  # in call order; deterministic: waits for late ones
+            while c.future is None:  # not even started: every slot holds an earlier call
+                self._wait_for_a_tool()
             self._calls.remove(c)
             error = c.future.exception()
             self._wake(c.waiter, None if error else c.future.result(), error)

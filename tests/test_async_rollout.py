@@ -214,3 +214,18 @@ def test_a_slow_tool_call_does_not_hold_other_trajectories(chat, sandbox):
             assert order.index("quick3") < order.index("slow1"), order
             assert time.perf_counter() - t0 < 3.0
     assert any("tool calls in flight" in n and "tokens/s" in n and "active" in n for n in notes)
+
+
+def test_race_sampler_draws_the_tokens_torch_multinomial_draws():
+    """The engine samples a whole batch with one division and argmax; each row's tokens must stay those
+    torch.multinomial gives for the same generator, or every committed run would sample differently."""
+    from rollout_gen.engines.cpu import _race
+
+    torch.manual_seed(0)
+    logits = torch.cat([torch.randn(8, 1024) * s for s in (0.1, 1.0, 8.0)])  # flat to peaked rows
+    logits[::5, :900] = float("-inf")  # rows with zero-probability tokens (top-p leaves such rows)
+    probs = torch.softmax(logits, dim=-1)
+    for draw in range(20):
+        seeds = [1000 * draw + i for i in range(len(probs))]
+        expected = [torch.multinomial(p, 1, generator=torch.Generator().manual_seed(s))[0].item() for p, s in zip(probs, seeds)]
+        assert _race(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected

@@ -50,8 +50,19 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = sorted_p.cumsum(dim=-1) - sorted_p < params.top_p
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+        tokens = _race(probs, generators)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row: argmax(p / q), q ~ Exp(1) drawn from the row's own generator (an exact
+    sampler: the first of independent exponential clocks with rates p to ring). It is how
+    torch.multinomial draws one sample, so the tokens are those it gives for the same generators
+    (tests/test_async_rollout.py), with one division and argmax for the batch instead of one call per row."""
+    q = torch.empty_like(probs)
+    for row, g in zip(q, generators):
+        row.exponential_(1, generator=g)
+    return (probs / q).argmax(dim=-1)
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
