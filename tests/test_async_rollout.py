@@ -84,6 +84,30 @@ def test_rows_leaving_mid_batch_and_joining_late_keep_exact_logprobs():
     assert max(_full_forward_error(engine.model, ctx[k], got[k]) for k in got) <= 1e-5
 
 
+def test_rows_joining_a_running_batch_go_into_spare_rows_without_copying_it():
+    """Rows with contexts no wider than the batch are written into the batch's spare rows (the running
+    rows' KV is not copied), also after a row has left and taken the widest columns with it; every
+    row's log-probs still equal its own forward."""
+    engine = CPUEngine(DEFAULT_POLICY)
+    rng = random.Random(4)
+    ctx = {k: [rng.randrange(5, 1000) for _ in range(n)] for k, n in enumerate((30, 40, 25, 8, 12))}
+    budget = {0: 20, 1: 3, 2: 20, 3: 9, 4: 6}  # 1, the widest, leaves first: its columns are cut off
+    params = {k: SamplingParams(budget[k], 1.0, 1.0, ()) for k in budget}
+    engine.add([Request(k, tuple(ctx[k]), params[k], seed=k) for k in range(3)])
+    got: dict = {}
+    for _ in range(5):
+        got.update((r.key, g) for r, g in engine.step())
+    assert 1 in got and len(engine._rows) == 2
+    buffer = engine._cache.layers[0]._k
+    engine.add([Request(k, tuple(ctx[k]), params[k], seed=k) for k in (3, 4)])
+    got.update((r.key, g) for r, g in engine.step())
+    assert engine._cache.layers[0]._k is buffer and len(engine._rows) == 4  # joined in place
+    while engine.busy():
+        got.update((r.key, g) for r, g in engine.step())
+    assert sorted(got) == list(range(5)) and all(len(got[k].output_ids) == budget[k] for k in got)
+    assert max(_full_forward_error(engine.model, ctx[k], got[k]) for k in got) <= 1e-5
+
+
 def test_cache_cap_evicts_and_results_do_not_change():
     rng = random.Random(1)
     params = SamplingParams(16, 1.0, 1.0, ())

@@ -70,48 +70,83 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class _GrowingLayer(DynamicLayer):
-    """A cache layer with spare room: a decoding step writes one column in place instead of
-    copying the whole batch's KV (DynamicLayer concatenates, which cost a quarter of a step)."""
+    """The running batch's KV for one layer, in buffers [R, H, C, D] with spare rows and columns: rows
+    [0, b) and columns [c0, c0 + n) hold the batch. A decoding step writes one column in place
+    (DynamicLayer concatenates: a quarter of a step), rows that join are written into spare rows, and
+    rows that leave or columns no row uses any more are cut off as views, so the batch's KV is copied
+    only when the buffers run out of room."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, n: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._k, self._v, self._n = keys, values, n  # buffers [B, H, n + spare, D]; the first n columns hold KV
-        self.keys, self.values = keys[:, :, :n], values[:, :, :n]
+        self._k, self._v = keys, values
+        self._b, self._c0, self._n = rows, 0, n
+        self._view()
+
+    def _view(self) -> None:
+        b, c0, n = self._b, self._c0, self._n
+        self.keys, self.values = self._k[:b, :, c0:c0 + n], self._v[:b, :, c0:c0 + n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n, q = self._n, key_states.shape[2]
-        if n + q > self._k.shape[2]:
+        b, n, q = self._b, self._n, key_states.shape[2]
+        if self._c0 + n + q > self._k.shape[2]:
             room = max(n + q, 2 * n, 64)
-            grow = lambda t: torch.cat([t[:, :, :n], t.new_zeros(t.shape[0], t.shape[1], room - n, t.shape[3])], 2)  # noqa: E731
-            self._k, self._v = grow(self._k), grow(self._v)
-        self._k[:, :, n:n + q], self._v[:, :, n:n + q] = key_states, value_states
+            grow = lambda t: torch.cat([t[:, :, self._c0:self._c0 + n], t.new_zeros(t.shape[0], t.shape[1], room - n, t.shape[3])], 2)  # noqa: E731
+            self._k, self._v, self._c0 = grow(self._k), grow(self._v), 0
+        end = self._c0 + n
+        self._k[:b, :, end:end + q], self._v[:b, :, end:end + q] = key_states, value_states
         self._n = n + q
-        self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+        self._view()
         return self.keys, self.values
 
+    def fits(self, rows: int, width: int) -> bool:
+        return self._b + rows <= self._k.shape[0] and width <= self._n
 
-def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> DynamicCache:
+    def place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows (KV [j, H, m, D], m <= n) right-aligned with the batch, in spare rows."""
+        b, j, m, end = self._b, keys.shape[0], keys.shape[2], self._c0 + self._n
+        for buf, kv in ((self._k, keys), (self._v, values)):
+            buf[b:b + j, :, self._c0:end - m] = 0
+            buf[b:b + j, :, end - m:end] = kv
+        self._b = b + j
+        self._view()
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        c0, end = self._c0, self._c0 + self._n
+        self._k[dst, :, c0:end], self._v[dst, :, c0:end] = self._k[src, :, c0:end], self._v[src, :, c0:end]
+
+    def cut(self, rows: int, start: int) -> None:
+        """Keep rows [0, rows) and the columns from `start` on (as views)."""
+        self._b, self._c0, self._n = rows, self._c0 + start, self._n - start
+        self._view()
+
+
+def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, n: int) -> DynamicCache:
     cache = DynamicCache()
-    cache.layers = [_GrowingLayer(k, v, n) for k, v in layers]
+    cache.layers = [_GrowingLayer(k, v, rows, n) for k, v in layers]
     return cache
 
 
 def _spare(width: int) -> int:
-    """Columns allocated beyond `width` whenever the batch's KV is rebuilt (rows join or leave), so
-    the decoding steps that follow write in place instead of copying the whole batch to grow it."""
+    """Columns allocated beyond `width` whenever the batch's KV is rebuilt, so the decoding steps that
+    follow write in place instead of copying the whole batch to grow it."""
     return max(64, width // 2)
 
 
-def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int]:
+def _spare_rows(rows: int) -> int:
+    """Rows allocated beyond the batch whenever its KV is rebuilt, for requests that join later."""
+    return max(8, rows // 4)
+
+
+def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int, int]:
     """Rows of several batches (per layer KV [B, H, W, D] and mask [B, W]) in one, right-aligned, with
-    spare columns: (per-layer buffers, mask, width)."""
+    spare rows and columns: (per-layer buffers, mask, rows, width)."""
     width = max(m.shape[1] for _, m in parts)
     rows = sum(m.shape[0] for _, m in parts)
     k0 = parts[0][0][0][0]
     bufs = []
     for li in range(len(parts[0][0])):
-        keys = k0.new_zeros(rows, k0.shape[1], width + _spare(width), k0.shape[3])
+        keys = k0.new_zeros(rows + _spare_rows(rows), k0.shape[1], width + _spare(width), k0.shape[3])
         values = torch.zeros_like(keys)
         r = 0
         for layers, m in parts:
@@ -121,7 +156,7 @@ def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tens
             r += m.shape[0]
         bufs.append((keys, values))
     mask = torch.cat([torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1) for _, m in parts])
-    return bufs, mask, width
+    return bufs, mask, rows, width
 
 
 @dataclass
@@ -288,9 +323,16 @@ class CPUEngine:
         return self._record(range(len(self._rows) - len(rows), len(self._rows)), tokens, logps)
 
     def _join(self, layers, mask: torch.Tensor, rows: list[_Row], tokens: torch.Tensor) -> None:
-        parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
-        bufs, self._mask, width = _stack(parts)
-        self._cache = _growing(bufs, width)
+        running = self._cache.layers if self._rows else []
+        if running and running[0].fits(len(rows), mask.shape[1]):  # into spare rows, nothing copied
+            for layer, (k, v) in zip(running, layers):
+                layer.place(k, v)
+            pad = mask.new_zeros(len(rows), self._mask.shape[1] - mask.shape[1])
+            self._mask = torch.cat([self._mask, torch.cat([pad, mask], dim=1)])
+        else:
+            parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
+            bufs, self._mask, n_rows, width = _stack(parts)
+            self._cache = _growing(bufs, n_rows, width)
         self._rows += rows
         self._pending = torch.cat([self._pending, tokens])
 
@@ -348,7 +390,7 @@ class CPUEngine:
         if holes:
             dst, src = torch.tensor(holes), torch.tensor(movers)
             for layer in self._cache.layers:
-                layer._k[dst], layer._v[dst] = layer._k[src], layer._v[src]
+                layer.move_rows(dst, src)
             self._mask[dst], self._pending[dst] = self._mask[src], self._pending[src]
             for h, m in zip(holes, movers):
                 self._rows[h] = self._rows[m]
@@ -357,6 +399,5 @@ class CPUEngine:
         live = torch.nonzero(self._mask.any(0)).flatten()
         start = int(live[0]) if len(live) else self._mask.shape[1]
         self._mask = self._mask[:, start:]
-        n = self._cache.layers[0]._n
-        self._cache = _growing([(layer._k[:size, :, start:], layer._v[:size, :, start:]) for layer in self._cache.layers],
-                               n - start)
+        for layer in self._cache.layers:
+            layer.cut(size, start)
