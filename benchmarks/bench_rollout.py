@@ -256,15 +256,16 @@ def _eval_world(rows: list[Row], notes: list[str], cfg) -> None:
     held = eval_tasks(cfg.world)
     walls, metrics = {}, {}
     with SandboxPool(cfg.rollout.sandbox) as pool:
-        for kind in ("lockstep", "async-det"):
-            wall, trajs, _ = _loop(kind, held, pool, ["rollout.samples_per_prompt=1"])
-            walls[kind] = wall
-            metrics[kind] = {k: v for k, v in world_metrics(trajs, wall).items() if k not in TIMING_FIELDS}
+        for _ in range(3):  # interleaved, best of 3: a single lockstep run here ranges 9-13 s
+            for kind in ("lockstep", "async-det"):
+                wall, trajs, _ = _loop(kind, held, pool, ["rollout.samples_per_prompt=1"])
+                walls[kind] = min(walls.get(kind, wall), wall)
+                metrics[kind] = {k: v for k, v in world_metrics(trajs, wall).items() if k not in TIMING_FIELDS}
     ratio = walls["lockstep"] / walls["async-det"]
     rows.append(Row("eval --world (200 tasks) wall time, deterministic async", walls["async-det"], walls["lockstep"],
                     "s", higher_is_better=False, target=">= 2× faster, same outputs",
                     passed=ratio >= 2 and metrics["lockstep"] == metrics["async-det"]))
-    notes.append(f"eval --world: same metrics as lockstep: {metrics['lockstep'] == metrics['async-det']}")
+    notes.append(f"eval --world: best of 3 interleaved; same metrics as lockstep: {metrics['lockstep'] == metrics['async-det']}")
 
 
 def run() -> BenchResult:

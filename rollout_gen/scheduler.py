@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import heapq
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable, Literal
@@ -136,6 +137,8 @@ class Scheduler:
         self._queued: list[tuple[tuple[int, ...], _ToolCall]] = []  # heap of calls not started
         self._calls_made: dict[int, int] = {}  # per trajectory
         self._seq = 0  # calls made, all trajectories
+        self._active = 0  # calls started and not ended
+        self._slot_lock = threading.RLock()
         self._running = 0
         self._settled: asyncio.Event | None = None
 
@@ -154,21 +157,30 @@ class Scheduler:
         rank = (-made, self._seq) if self.most_calls_first else (self._seq,)
         call = _ToolCall(self.progress.steps + self.delay, rank, (fn, *args), fut)
         self._calls.append(call)
-        heapq.heappush(self._queued, (rank, call))
+        with self._slot_lock:
+            heapq.heappush(self._queued, (rank, call))
         self._start_tools()
         return await self._block(fut)
 
     def _start_tools(self) -> None:
-        free = self.slots - sum(c.running() for c in self._calls)
-        while free > 0 and self._queued:
-            _, c = heapq.heappop(self._queued)
-            c.future = self.tools.submit(*c.call)
-            free -= 1
+        # Also called from a tool thread the moment its call ends, so a freed sandbox worker gets the
+        # next call at once, not after the engine step under way (fast calls would leave it idle).
+        with self._slot_lock:
+            while self._active < self.slots and self._queued:
+                _, c = heapq.heappop(self._queued)
+                self._active += 1
+                future = self.tools.submit(*c.call)
+                c.future = future
+                future.add_done_callback(self._tool_ended)
+
+    def _tool_ended(self, _: cf.Future) -> None:
+        with self._slot_lock:
+            self._active -= 1
+        self._start_tools()
 
     def _wait_for_a_tool(self) -> None:
-        """Block until a running call ends, then start queued ones in the slots freed."""
+        """Block until a running call ends (its thread starts the next queued one)."""
         cf.wait([c.future for c in self._calls if c.running()], return_when=cf.FIRST_COMPLETED)
-        self._start_tools()
 
     def release(self, key: Hashable) -> None:
         self.engine.release(key)
