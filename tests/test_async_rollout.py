@@ -108,6 +108,25 @@ def test_rows_joining_a_running_batch_go_into_spare_rows_without_copying_it():
     assert max(_full_forward_error(engine.model, ctx[k], got[k]) for k in got) <= 1e-5
 
 
+def test_a_row_wider_than_the_batch_joins_in_place_through_the_spare_columns_on_the_left():
+    engine = CPUEngine(DEFAULT_POLICY)
+    rng = random.Random(5)
+    ctx = {k: [rng.randrange(5, 1000) for _ in range(n)] for k, n in enumerate((10, 14, 30))}
+    params = {k: SamplingParams(b, 1.0, 1.0, ()) for k, b in enumerate((12, 12, 6))}
+    engine.add([Request(k, tuple(ctx[k]), params[k], seed=k) for k in (0, 1)])
+    got: dict = {}
+    for _ in range(3):
+        got.update((r.key, g) for r, g in engine.step())
+    buffer, width = engine._cache.layers[0]._k, engine._mask.shape[1]
+    engine.add([Request(2, tuple(ctx[2]), params[2], seed=2)])
+    got.update((r.key, g) for r, g in engine.step())
+    assert engine._cache.layers[0]._k is buffer and engine._mask.shape[1] > width  # widened, not rebuilt
+    while engine.busy():
+        got.update((r.key, g) for r, g in engine.step())
+    assert sorted(got) == [0, 1, 2]
+    assert max(_full_forward_error(engine.model, ctx[k], got[k]) for k in got) <= 1e-5
+
+
 def test_cache_cap_evicts_and_results_do_not_change():
     rng = random.Random(1)
     params = SamplingParams(16, 1.0, 1.0, ())

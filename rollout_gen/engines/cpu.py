@@ -76,11 +76,11 @@ class _GrowingLayer(DynamicLayer):
     rows that leave or columns no row uses any more are cut off as views, so the batch's KV is copied
     only when the buffers run out of room."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, n: int) -> None:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, c0: int, n: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self._k, self._v = keys, values
-        self._b, self._c0, self._n = rows, 0, n
+        self._b, self._c0, self._n = rows, c0, n
         self._view()
 
     def _view(self) -> None:
@@ -90,9 +90,13 @@ class _GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         b, n, q = self._b, self._n, key_states.shape[2]
         if self._c0 + n + q > self._k.shape[2]:
-            room = max(n + q, 2 * n, 64)
-            grow = lambda t: torch.cat([t[:, :, self._c0:self._c0 + n], t.new_zeros(t.shape[0], t.shape[1], room - n, t.shape[3])], 2)  # noqa: E731
-            self._k, self._v, self._c0 = grow(self._k), grow(self._v), 0
+            left, room = _spare_left(n), max(n + q, 2 * n, 64)
+
+            def grow(t: torch.Tensor) -> torch.Tensor:
+                bigger = t.new_zeros(t.shape[0], t.shape[1], left + room, t.shape[3])
+                bigger[:, :, left:left + n] = t[:, :, self._c0:self._c0 + n]
+                return bigger
+            self._k, self._v, self._c0 = grow(self._k), grow(self._v), left
         end = self._c0 + n
         self._k[:b, :, end:end + q], self._v[:b, :, end:end + q] = key_states, value_states
         self._n = n + q
@@ -100,7 +104,16 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def fits(self, rows: int, width: int) -> bool:
-        return self._b + rows <= self._k.shape[0] and width <= self._n
+        return self._b + rows <= self._k.shape[0] and width <= self._n + self._c0
+
+    def widen(self, width: int) -> None:
+        """Take in spare columns on the left until the batch is `width` wide (zeros: padding)."""
+        extra = width - self._n
+        if extra > 0:
+            c0 = self._c0 - extra
+            self._k[:self._b, :, c0:self._c0], self._v[:self._b, :, c0:self._c0] = 0, 0
+            self._c0, self._n = c0, width
+            self._view()
 
     def place(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append rows (KV [j, H, m, D], m <= n) right-aligned with the batch, in spare rows."""
@@ -121,9 +134,9 @@ class _GrowingLayer(DynamicLayer):
         self._view()
 
 
-def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, n: int) -> DynamicCache:
+def _growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, c0: int, n: int) -> DynamicCache:
     cache = DynamicCache()
-    cache.layers = [_GrowingLayer(k, v, rows, n) for k, v in layers]
+    cache.layers = [_GrowingLayer(k, v, rows, c0, n) for k, v in layers]
     return cache
 
 
@@ -133,30 +146,37 @@ def _spare(width: int) -> int:
     return max(64, width // 2)
 
 
+def _spare_left(width: int) -> int:
+    """Columns allocated before the batch whenever its KV is rebuilt: rows with a wider context than
+    the batch's join by taking them in, without copying the running rows."""
+    return max(32, width // 4)
+
+
 def _spare_rows(rows: int) -> int:
     """Rows allocated beyond the batch whenever its KV is rebuilt, for requests that join later."""
     return max(8, rows // 4)
 
 
-def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int, int]:
+def _stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int, int, int]:
     """Rows of several batches (per layer KV [B, H, W, D] and mask [B, W]) in one, right-aligned, with
-    spare rows and columns: (per-layer buffers, mask, rows, width)."""
+    spare rows and columns: (per-layer buffers, mask, rows, first column, width)."""
     width = max(m.shape[1] for _, m in parts)
     rows = sum(m.shape[0] for _, m in parts)
+    left = _spare_left(width)
     k0 = parts[0][0][0][0]
     bufs = []
     for li in range(len(parts[0][0])):
-        keys = k0.new_zeros(rows + _spare_rows(rows), k0.shape[1], width + _spare(width), k0.shape[3])
+        keys = k0.new_zeros(rows + _spare_rows(rows), k0.shape[1], left + width + _spare(width), k0.shape[3])
         values = torch.zeros_like(keys)
         r = 0
         for layers, m in parts:
             k, v = layers[li]
-            keys[r:r + m.shape[0], :, width - m.shape[1]:width] = k
-            values[r:r + m.shape[0], :, width - m.shape[1]:width] = v
+            keys[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = k
+            values[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = v
             r += m.shape[0]
         bufs.append((keys, values))
     mask = torch.cat([torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1) for _, m in parts])
-    return bufs, mask, rows, width
+    return bufs, mask, rows, left, width
 
 
 @dataclass
@@ -325,14 +345,16 @@ class CPUEngine:
     def _join(self, layers, mask: torch.Tensor, rows: list[_Row], tokens: torch.Tensor) -> None:
         running = self._cache.layers if self._rows else []
         if running and running[0].fits(len(rows), mask.shape[1]):  # into spare rows, nothing copied
+            width = max(self._mask.shape[1], mask.shape[1])
             for layer, (k, v) in zip(running, layers):
+                layer.widen(width)
                 layer.place(k, v)
-            pad = mask.new_zeros(len(rows), self._mask.shape[1] - mask.shape[1])
-            self._mask = torch.cat([self._mask, torch.cat([pad, mask], dim=1)])
+            pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
+            self._mask = torch.cat([pad(self._mask), pad(mask)])
         else:
             parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
-            bufs, self._mask, n_rows, width = _stack(parts)
-            self._cache = _growing(bufs, n_rows, width)
+            bufs, self._mask, n_rows, c0, width = _stack(parts)
+            self._cache = _growing(bufs, n_rows, c0, width)
         self._rows += rows
         self._pending = torch.cat([self._pending, tokens])
 
