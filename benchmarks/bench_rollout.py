@@ -173,10 +173,11 @@ def _critical_path(trajs, engine) -> tuple[float, float]:
 def _async_rollout(rows: list[Row], notes: list[str]) -> None:
     cfg = load_config(None)
     tasks = eval_tasks(cfg.world)[:16]  # × 4 samples = 64 trajectories
-    # (latency, sandbox workers, judged against the target): sleeping calls need workers to overlap, in both
-    # loops alike; 64 workers (one per trajectory) is reported to show how the ratio depends on them
-    for latency, workers, judged in ((False, 2, True), (True, 16, True), (True, 64, False)):
-        kinds = ("lockstep", "async") + (("async-det", "async-fifo") if judged and latency else ("async-det",) if judged else ())
+    # (latency, sandbox workers, judged against the target, loops): sleeping calls need workers to overlap, in
+    # both loops alike; 64 workers (one per trajectory) is reported to show how the ratio depends on them
+    for latency, workers, judged, kinds in ((False, 2, True, ("lockstep", "async", "async-det")),
+                                            (True, 16, True, ("lockstep", "async", "async-det", "async-fifo")),
+                                            (True, 64, False, ("lockstep", "async"))):
         over = ["rollout.samples_per_prompt=4", f"rollout.sandbox.workers={workers}"]
         best: dict[str, float] = {}
         ids: dict[str, list] = {}

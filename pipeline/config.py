@@ -105,8 +105,8 @@ class RolloutConfig(Section):
         "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
     tool_delay_steps: int = Field(4, ge=1, description=(
         "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
-        "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories: 24.6 s at 4, 13.9 s at 32, lockstep "
-        "16.6 s); 4 keeps the committed experiments' schedule"))
+        "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories, 16 workers: 24.8 s at 4, 15.6 s at 16, "
+        "14.5 s at 32, lockstep 16.3 s); 4 keeps the committed experiments' schedule"))
     tool_priority: Literal["most_calls", "fifo"] = Field("most_calls", description=(
         "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
         "trajectory that has made the most calls (a rollout ends with its longest chain; 64 trajectories, 0.2–2 s calls, 16 "

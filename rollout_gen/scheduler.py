@@ -104,6 +104,9 @@ class _ToolCall:
     def running(self) -> bool:
         return self.future is not None and not self.future.done()
 
+    def ended(self) -> bool:
+        return self.future is not None and self.future.done()
+
 
 @dataclass
 class Progress:
@@ -231,9 +234,8 @@ class Scheduler:
             elif self._calls:  # everyone waits on tools: skip to the next result
                 if self.deterministic:
                     self.progress.steps = min(c.due for c in self._calls)
-                elif not any(c.future is not None and c.future.done() for c in self._calls):
+                elif not any(c.ended() for c in self._calls):
                     self._wait_for_a_tool()
-            self._start_tools()
             if self.on_progress:
                 self.progress.tools_in_flight = sum(c.running() for c in self._calls)
                 self.progress.tools_queued = len(self._queued)
@@ -245,7 +247,7 @@ class Scheduler:
         if self.deterministic:
             ready = [c for c in self._calls if c.due <= self.progress.steps]
         else:
-            ready = [c for c in self._calls if c.future is not None and c.future.done()]
+            ready = [c for c in self._calls if c.ended()]
         for c in ready:  # in call order; deterministic: waits for late ones
             while c.future is None:  # not even started: every slot holds an earlier call
                 self._wait_for_a_tool()
