@@ -236,12 +236,16 @@ class Scheduler:
                     self.progress.steps = min(c.due for c in self._calls)
                 elif not any(c.ended() for c in self._calls):
                     self._wait_for_a_tool()
-            if self.on_progress:
-                self.progress.tools_in_flight = sum(c.running() for c in self._calls)
-                self.progress.tools_queued = len(self._queued)
-                self.on_progress(self.progress, time.monotonic() - t0)
+            self._report(t0)
+        self._report(t0)  # the last trajectory has finished since the last report
         for t in tasks:
             t.result()  # a trajectory's own exception is not swallowed
+
+    def _report(self, t0: float) -> None:
+        if self.on_progress:
+            self.progress.tools_in_flight = sum(c.running() for c in self._calls)
+            self.progress.tools_queued = len(self._queued)
+            self.on_progress(self.progress, time.monotonic() - t0)
 
     def _deliver_tools(self) -> bool:
         if self.deterministic:

@@ -68,3 +68,16 @@ def test_a_failing_tool_call_reaches_its_trajectory_and_frees_its_slot():
 
     sched.run([failing(), fine()])
     assert sorted(seen) == ["failed", "ok"]
+
+
+def test_the_last_progress_report_counts_every_trajectory_finished():
+    seen: list[tuple[int, int]] = []
+    sched = Scheduler(None, deterministic=False, tool_slots=2,
+                      on_progress=lambda p, _: seen.append((p.finished, p.active)))
+
+    async def trajectory(i: int) -> None:
+        for _ in range(i + 1):
+            await sched.tool(i, time.sleep, 0.01)
+
+    sched.run([trajectory(i) for i in range(3)])
+    assert seen[-1] == (3, 0)  # a log or bar closed on this shows 3/3, not 2/3
