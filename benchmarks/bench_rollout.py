@@ -10,12 +10,13 @@ import time
 import torch
 from transformers import DynamicCache
 
-from benchmarks.common import BenchResult, Row, best_of
+from benchmarks.common import BenchResult, Row, best_of, interleaved_best
 from pipeline.config import DEFAULT_POLICY, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
 from pipeline.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 from rollout_gen.engines.kv_store import common_prefix, least_forwards
+from rollout_gen.engines.qwen3_forward import model_forward
 from rollout_gen.sandbox import SandboxPool, run_fresh_process
 from pipeline.chat import load_chat
 from rollout_gen.world.tasks import eval_tasks, training_tasks
@@ -142,18 +143,22 @@ def _loop(kind: str, tasks, sandbox, overrides: list[str]):
 
 
 @torch.inference_mode()
-def _alone_s(model, turns: list[tuple[tuple[int, ...], list[int]]]) -> float:
-    """Seconds to forward one trajectory's turns alone, batch of one, teacher-forced (no sampling): the
-    least generation time that trajectory can take on this engine, in any loop."""
+def _alone_s(forward, turns: list[tuple[tuple[int, ...], list[int]]]) -> float:
+    """Seconds to forward one trajectory's turns alone, batch of one, teacher-forced (no sampling), with the
+    engine's own forward: the least generation time that trajectory can take on this engine, in any loop."""
     seen: list[int] = []
     layers: list = []
+
+    def step(ids: list[int], cache: DynamicCache, past: int) -> None:
+        forward(torch.tensor([ids]), torch.ones(1, past + len(ids), dtype=torch.long),
+                torch.arange(past, past + len(ids))[None], cache)
     t0 = time.perf_counter()
     for context, output in turns:
         n = common_prefix(seen, context, len(context) - 1)
         cache = DynamicCache(ddp_cache_data=[(k[:, :, :n], v[:, :, :n]) for k, v in layers]) if n else DynamicCache()
-        model(input_ids=torch.tensor([list(context[n:])]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        for token in output[:-1]:
-            model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step(list(context[n:]), cache, n)
+        for i, token in enumerate(output[:-1]):
+            step([token], cache, len(context) + i)
         seen = list(context) + output[:-1]
         layers = [(layer.keys, layer.values) for layer in cache.layers]
     return time.perf_counter() - t0
@@ -167,7 +172,29 @@ def _critical_path(trajs, engine) -> tuple[float, float]:
     for key, context, output in engine.turn_log:
         turns.setdefault(key[1], []).append((context, output))
     longest = sorted(range(len(trajs)), key=lambda i: -tools[i])[:3]
-    return max(tools), max(tools[i] + _alone_s(engine.model, turns[i]) for i in longest)
+    return max(tools), max(tools[i] + _alone_s(engine.forward, turns[i]) for i in longest)
+
+
+def _engine_forward(rows: list[Row], notes: list[str]) -> None:
+    """The engine's own Qwen3 forward vs the model's (same logits, bit for bit): decoding speed with one
+    row, which bounds the longest trajectory's turns, and with 64."""
+    engine = CPUEngine(DEFAULT_POLICY)
+    ours, theirs = engine.forward, model_forward(engine.model)
+    params = SamplingParams(200, 1.0, 1.0, ())
+    context = [3 + i % 997 for i in range(300)]
+
+    def run(forward, n: int) -> None:
+        engine.forward = forward
+        engine.generate([context] * n, params, seeds=list(range(n)), shared_prefix=[len(context)] * n)
+    for n in (1, 64):
+        t_ours, t_theirs = interleaved_best(lambda: run(ours, n), lambda: run(theirs, n), repeat=3)  # noqa: B023
+        tokens = n * params.max_new_tokens
+        rows.append(Row(f"CPU engine decoding, {n} row{'s' if n > 1 else ''} (300-token context, 200 tokens each): "
+                        "the engine's Qwen3 forward", tokens / t_ours, tokens / t_theirs, "tokens/s",
+                        target="reported (baseline: the model's own forward, the same logits)"))
+    notes.append("engine forward: rollout_gen/engines/qwen3_forward.py does transformers' float operations in the "
+                 "same order with fewer calls (tests/test_qwen3_forward.py checks logits and KV bit for bit); best of "
+                 "3 interleaved")
 
 
 def _async_rollout(rows: list[Row], notes: list[str]) -> None:
@@ -286,6 +313,7 @@ def run_async() -> BenchResult:
     notes: list[str] = ["wall times are best of N interleaved runs; ratios are within one run. The ratios depend on "
                         "load: on 2 busy cores generation is slower and the async loop hides more of it (2026-11-23 "
                         "00:15, shared machine: 1.5× / 2.4× / eval 2.0×); this table is from a quiet machine."]
+    _engine_forward(rows, notes)
     _async_rollout(rows, notes)
     return BenchResult("async rollout", "Asynchronous agent loop vs today's lockstep loop (issue 17), tiny policy, "
                        "real sandbox, one torch thread.", rows, notes)

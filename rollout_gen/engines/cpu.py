@@ -8,6 +8,8 @@ Rows that start fresh and share a prompt get its KV computed once. Each row sits
 the batch behind explicit position ids and an attention mask (padding may sit between a kept
 prefix and new tokens), so its log-probs equal those of an unpadded forward of that row alone.
 Prefills go through the cache in chunks of positions and keep only the last position's logits.
+Qwen3 checkpoints are forwarded by rollout_gen/engines/qwen3_forward.py: the model's own floats with
+a fraction of its per-call work, which is most of a step when few rows are running.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pipeline.engines.base import Generation, Request, SamplingParams
 from storage.errors import CheckpointError
 from rollout_gen.engines.batch_kv import growing, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
+from rollout_gen.engines.qwen3_forward import engine_forward
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +88,7 @@ class CPUEngine:
             torch.set_num_threads(threads)
         self.checkpoint = Path(checkpoint)
         self.model = self._load(self.checkpoint)
+        self.forward = engine_forward(self.model)
         self.pad_id = pad_id if pad_id is not None else (self.model.config.pad_token_id or 0)
         self.chunk_tokens = chunk_tokens  # prefill positions per forward, over all rows
         self.reuse_kv = reuse_kv  # keep each trajectory's KV between its turns
@@ -113,12 +117,13 @@ class CPUEngine:
         if self.busy():
             raise RuntimeError("update_weights while requests are running")
         self.model = self._load(Path(checkpoint))
+        self.forward = engine_forward(self.model)
         self.checkpoint = Path(checkpoint)
         self.kept.clear()  # KV of the old weights is not the new policy's
 
     def close(self) -> None:
         self.kept.clear()
-        self.model = None
+        self.model = self.forward = None
 
     # ---- the continuous-batching protocol ------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
@@ -169,9 +174,7 @@ class CPUEngine:
         logits = None
         for a in range(0, ids.shape[1], step):
             b = min(ids.shape[1], a + step)
-            out = self.model(input_ids=ids[:, a:b], attention_mask=torch.cat([past_mask, mask[:, :b]], dim=-1),
-                             position_ids=pos[:, a:b], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1, :]
+            logits = self.forward(ids[:, a:b], torch.cat([past_mask, mask[:, :b]], dim=-1), pos[:, a:b], cache)
         return logits
 
     def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
@@ -252,12 +255,11 @@ class CPUEngine:
         n = len(self._rows)
         self._mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
         pos = torch.tensor([len(r.ids) for r in self._rows])
-        out = self.model(input_ids=self._pending[:, None], attention_mask=self._mask, position_ids=pos[:, None],
-                         past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        logits = self.forward(self._pending[:, None], self._mask, pos[:, None], self._cache)
         for r, t in zip(self._rows, self._pending.tolist()):
             r.ids.append(t)
         self.decode_tokens += n
-        tokens, logps = self._sample(out.logits[:, -1, :], self._rows)
+        tokens, logps = self._sample(logits, self._rows)
         self._pending = tokens
         return self._record(range(n), tokens, logps)
 
