@@ -128,10 +128,10 @@ class _LatencySandbox:
 
 
 def _loop(kind: str, tasks, sandbox, overrides: list[str]):
-    """One rollout; kind: lockstep (today's: lockstep loop, earlier engine), async (free, the default tool
-    priority), async-most-calls / async-fifo (free, those tool priorities), async-det."""
+    """One rollout; kind: lockstep (today's: lockstep loop, earlier engine), async (free), async-fifo (free,
+    tool calls started first come first served), async-det."""
     loop = "lockstep" if kind == "lockstep" else "async"
-    priority = {"async-fifo": "fifo", "async-most-calls": "most_calls"}.get(kind, "group_most_calls")
+    priority = "fifo" if kind == "async-fifo" else "most_calls"
     cfg = load_config(None, [f"rollout.loop={loop}", f"rollout.deterministic={kind == 'async-det'}",
                              f"rollout.tool_priority={priority}", *overrides])
     engine = LockstepCPUEngine(DEFAULT_POLICY) if kind == "lockstep" else CPUEngine(DEFAULT_POLICY)
@@ -203,8 +203,7 @@ def _async_rollout(rows: list[Row], notes: list[str]) -> None:
     # (latency, sandbox workers, judged against the target, loops): sleeping calls need workers to overlap, in
     # both loops alike; 64 workers (one per trajectory) is reported to show how the ratio depends on them
     for latency, workers, judged, kinds in ((False, 2, True, ("lockstep", "async", "async-det")),
-                                            (True, 16, True, ("lockstep", "async", "async-det", "async-most-calls",
-                                                              "async-fifo")),
+                                            (True, 16, True, ("lockstep", "async", "async-det", "async-fifo")),
                                             (True, 64, False, ("lockstep", "async"))):
         over = ["rollout.samples_per_prompt=4", f"rollout.sandbox.workers={workers}"]
         best: dict[str, float] = {}
@@ -223,17 +222,15 @@ def _async_rollout(rows: list[Row], notes: list[str]) -> None:
         tag = ("with 0.2–2 s tool latency" if latency else "no added latency") + f", {workers} sandbox workers"
         target = 2.0 if latency else 1.3
         names = {"async": "free async loop", "async-det": "deterministic async loop",
-                 "async-most-calls": "free async loop, tool calls by own calls made (not the group's)",
                  "async-fifo": "free async loop, tool calls first come first served"}
         for kind in kinds[1:]:
             ratio = best["lockstep"] / best[kind]
-            if judged and kind in ("async", "async-det"):
+            if judged and kind != "async-fifo":
                 rows.append(Row(f"rollout 64 traj, {tag}: {names[kind]}", best[kind], best["lockstep"], "s",
                                 higher_is_better=False, target=f">= {target}× faster than lockstep", passed=ratio >= target))
             else:
-                why = ("the free loop above starts first the calls of the groups (a prompt's samples) whose "
-                       "trajectories have made the most (rollout.tool_priority=group_most_calls)"
-                       if kind.startswith("async-") else "one worker per trajectory")
+                why = ("the free loop above starts first the calls of the trajectories that have made the most "
+                       "(rollout.tool_priority=most_calls)" if kind == "async-fifo" else "one worker per trajectory")
                 rows.append(Row(f"rollout 64 traj, {tag}: {names[kind]}", best[kind], best["lockstep"], "s",
                                 higher_is_better=False, target=f"reported ({ratio:.2f}× faster; {why})"))
         if latency:

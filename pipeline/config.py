@@ -107,13 +107,11 @@ class RolloutConfig(Section):
         "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
         "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories, 16 workers: 24.8 s at 4, 15.6 s at 16, "
         "14.5 s at 32, lockstep 16.3 s); 4 keeps the committed experiments' schedule"))
-    tool_priority: Literal["group_most_calls", "most_calls", "fifo"] = Field("group_most_calls", description=(
+    tool_priority: Literal["most_calls", "fifo"] = Field("most_calls", description=(
         "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
-        "trajectory that has made the most calls (a rollout ends with its longest chain); group_most_calls: first "
-        "the one whose group (the samples of its prompt) holds the trajectory with the most calls, then as "
-        "most_calls (a prompt's samples share its difficulty); fifo: first made. 64 trajectories, 0.2–2 s calls, "
-        "16 workers: benchmarks/RESULTS.md async rollout. The deterministic schedule always starts calls in the "
-        "order they fall due"))
+        "trajectory that has made the most calls (a rollout ends with its longest chain; 64 trajectories, 0.2–2 s calls, 16 "
+        "workers: see benchmarks/RESULTS.md async rollout); fifo: first made. The deterministic schedule always "
+        "starts calls in the order they fall due"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
     max_in_flight: int = Field(64, ge=1, description="SGLang: concurrent /generate requests")

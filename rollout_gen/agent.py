@@ -266,7 +266,6 @@ class AgentLoop:
 
         sched = Scheduler(self.engine, self.cfg.deterministic, self.cfg.tool_delay_steps, self.cfg.max_in_flight,
                           tool_slots=self.cfg.sandbox.workers, tool_priority=self.cfg.tool_priority,
-                          group_size=self.cfg.samples_per_prompt,  # lives are task-major: i // g is i's prompt
                           on_progress=report if progress else None)
         key = object()  # this run's trajectories: (key, i) names trajectory i's KV in the engine
 

@@ -18,14 +18,13 @@ Tool calls run on at most `tool_slots` threads (one per sandbox worker); the res
 deterministic schedule starts them in call order (the order in which they fall due). The free one
 can start first the calls of the trajectories that have made the most calls (`most_calls`): a
 rollout ends when its longest chain of turns does, and in a first-come queue that chain's k-th call
-waits behind everyone's first. `group_most_calls` ranks a call first by the most calls any
-trajectory of its group (the samples of one prompt) has made: the samples of a prompt share its
-difficulty, so a first call whose sibling is deep in retries likely starts a long chain too.
+waits behind everyone's first.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import heapq
 import threading
 import time
 from dataclasses import dataclass
@@ -97,9 +96,7 @@ class ConcurrentStepper:
 @dataclass
 class _ToolCall:
     due: int  # engine step at which the deterministic schedule delivers it
-    order: int  # the trajectory's
-    seq: int  # calls made before it, all trajectories
-    made: int  # calls its trajectory has made, this one included
+    rank: tuple[int, ...]  # start order while every tool slot is taken: lowest first
     call: tuple  # the function and its arguments
     waiter: asyncio.Future
     future: cf.Future | None = None  # once started
@@ -123,8 +120,8 @@ class Progress:
 
 class Scheduler:
     def __init__(self, engine, deterministic: bool = True, tool_delay_steps: int = 4, max_in_flight: int = 64,
-                 tool_slots: int = 64, tool_priority: Literal["group_most_calls", "most_calls", "fifo"] = "group_most_calls",
-                 group_size: int = 1, on_progress: Callable[[Progress, float], None] | None = None) -> None:
+                 tool_slots: int = 64, tool_priority: Literal["most_calls", "fifo"] = "most_calls",
+                 on_progress: Callable[[Progress, float], None] | None = None) -> None:
         if hasattr(engine, "step"):
             self.engine = engine
         elif getattr(engine, "concurrent_requests", False):
@@ -134,16 +131,14 @@ class Scheduler:
         self.deterministic, self.delay = deterministic, tool_delay_steps
         self.tools = cf.ThreadPoolExecutor(max_workers=tool_slots, thread_name_prefix="tool")
         self.slots = tool_slots
-        self.priority = "fifo" if deterministic else tool_priority
-        self.group_size = group_size  # trajectory i belongs to group i // group_size
+        self.most_calls_first = tool_priority == "most_calls" and not deterministic
         self.on_progress = on_progress
         self.progress = Progress()
         self._asked: list[tuple[int, Request, asyncio.Future]] = []
         self._waiting: dict[Hashable, asyncio.Future] = {}
         self._calls: list[_ToolCall] = []  # made, not yet delivered, in call order
-        self._queued: list[_ToolCall] = []  # not started (at most one per trajectory)
+        self._queued: list[tuple[tuple[int, ...], _ToolCall]] = []  # heap of calls not started
         self._calls_made: dict[int, int] = {}  # per trajectory
-        self._group_made: dict[int, int] = {}  # per group: the most calls one of its trajectories has made
         self._seq = 0  # calls made, all trajectories
         self._active = 0  # calls started and not ended
         self._slot_lock = threading.RLock()
@@ -159,14 +154,14 @@ class Scheduler:
     async def tool(self, order: int, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on a tool thread, for trajectory `order`."""
         fut = asyncio.get_running_loop().create_future()
-        made = self._calls_made[order] = self._calls_made.get(order, 0) + 1
-        group = order // self.group_size
+        made = self._calls_made.get(order, 0)
+        self._calls_made[order] = made + 1
         self._seq += 1
-        call = _ToolCall(self.progress.steps + self.delay, order, self._seq, made, (fn, *args), fut)
+        rank = (-made, self._seq) if self.most_calls_first else (self._seq,)
+        call = _ToolCall(self.progress.steps + self.delay, rank, (fn, *args), fut)
         self._calls.append(call)
         with self._slot_lock:
-            self._group_made[group] = max(made, self._group_made.get(group, 0))
-            self._queued.append(call)
+            heapq.heappush(self._queued, (rank, call))
         self._start_tools()
         return await self._block(fut)
 
@@ -175,20 +170,11 @@ class Scheduler:
         # next call at once, not after the engine step under way (fast calls would leave it idle).
         with self._slot_lock:
             while self._active < self.slots and self._queued:
-                c = min(self._queued, key=self._rank)  # ranks change as siblings make calls: no heap
-                self._queued.remove(c)
+                _, c = heapq.heappop(self._queued)
                 self._active += 1
                 future = self.tools.submit(*c.call)
                 c.future = future
                 future.add_done_callback(self._tool_ended)
-
-    def _rank(self, c: _ToolCall) -> tuple[int, ...]:
-        """Start order while every tool slot is taken: lowest first."""
-        if self.priority == "group_most_calls":
-            return (-self._group_made[c.order // self.group_size], -c.made, c.seq)
-        if self.priority == "most_calls":
-            return (-c.made, c.seq)
-        return (c.seq,)
 
     def _tool_ended(self, _: cf.Future) -> None:
         with self._slot_lock:

@@ -1,10 +1,8 @@
 """The scheduler's tool queue (issue 17): calls beyond the sandbox's workers wait in the scheduler,
-and the free schedule starts first the calls of the trajectories that have made the most calls (or
-whose group has).
+and the free schedule starts first the calls of the trajectories that have made the most calls.
 Real Scheduler, real threads; the trajectories here only call tools (no engine is stepped)."""
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -13,10 +11,8 @@ import pytest
 from rollout_gen.scheduler import Scheduler
 
 
-def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1, sleep_s: float = 0.05,
-         group_size: int = 1, late: int | None = None) -> list[str]:
-    """Trajectory i makes calls[i] tool calls one after another (trajectory `late` makes its first
-    0.02 s after the others, as after a longer first turn); returns the order the calls started."""
+def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1, sleep_s: float = 0.05) -> list[str]:
+    """Trajectory i makes calls[i] tool calls one after another; returns the order the calls started."""
     started: list[str] = []
     lock = threading.Lock()
 
@@ -26,12 +22,9 @@ def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1, s
         time.sleep(sleep_s)
         return name
 
-    sched = Scheduler(None, deterministic=deterministic, tool_delay_steps=1, tool_slots=slots, tool_priority=priority,
-                      group_size=group_size)
+    sched = Scheduler(None, deterministic=deterministic, tool_delay_steps=1, tool_slots=slots, tool_priority=priority)
 
     async def trajectory(i: int) -> None:
-        if i == late:
-            await asyncio.sleep(0.02)
         for k in range(calls[i]):
             assert await sched.tool(i, tool, f"t{i}c{k}") == f"t{i}c{k}"
 
@@ -50,17 +43,7 @@ def test_most_calls_first_moves_the_long_chain_ahead():
     assert order == ["t0c0", "t1c0", "t0c1", "t2c0", "t0c2", "t3c0", "t4c0"]
 
 
-def test_group_most_calls_starts_a_late_first_call_when_its_sibling_is_deep_in_its_chain():
-    # groups of two: (t0, t1), (t2, t3), (t4, t5); t0's chain is long and its sibling t1 calls last.
-    # Once t0 has made its second call, t1's first outranks the older first calls of the other groups
-    order = _run("group_most_calls", False, [3, 1, 1, 1, 1, 1], group_size=2, late=1)
-    assert order == ["t0c0", "t2c0", "t0c1", "t1c0", "t0c2", "t3c0", "t4c0", "t5c0"]
-    # most_calls looks at t1's own count only: its first call waits behind every other first call
-    order = _run("most_calls", False, [3, 1, 1, 1, 1, 1], group_size=2, late=1)
-    assert order == ["t0c0", "t2c0", "t0c1", "t3c0", "t0c2", "t4c0", "t5c0", "t1c0"]
-
-
-@pytest.mark.parametrize("priority", ["group_most_calls", "most_calls", "fifo"])
+@pytest.mark.parametrize("priority", ["most_calls", "fifo"])
 def test_deterministic_schedule_starts_calls_in_the_order_they_fall_due(priority):
     # more calls than slots, each due one step after it is made: the loop waits for calls that have not
     # even started (no deadlock), and results come back to the right trajectory
