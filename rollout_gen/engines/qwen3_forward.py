@@ -29,7 +29,7 @@ def engine_forward(model: torch.nn.Module) -> Forward:
     cfg = model.config
     plain = (cfg.model_type == "qwen3" and cfg._attn_implementation == "eager"
              and set(cfg.layer_types) == {"full_attention"} and cfg.hidden_act == "silu"
-             and cfg.rope_parameters.get("rope_type", "default") == "default")
+             and (cfg.rope_parameters or {}).get("rope_type", "default") == "default")
     return Qwen3Forward(model) if plain else model_forward(model)
 
 
