@@ -315,8 +315,9 @@ def run_async() -> BenchResult:
     torch.set_num_threads(1)
     rows: list[Row] = []
     notes: list[str] = ["wall times are best of N interleaved runs; ratios are within one run. The ratios depend on "
-                        "load: on 2 busy cores generation is slower and the async loop hides more of it (2026-11-23 "
-                        "00:15, shared machine: 1.5× / 2.4× / eval 2.0×); this table is from a quiet machine."]
+                        "load: on 2 busy cores generation is slower and the async loop hides more of it. This machine's "
+                        "speed varies by up to 2× between hours: the one-row decoding row gives this run's (839 tokens/s "
+                        "on a quiet hour of 2026-11-23)."]
     _engine_forward(rows, notes)
     _async_rollout(rows, notes)
     return BenchResult("async rollout", "Asynchronous agent loop vs today's lockstep loop (issue 17), tiny policy, "
