@@ -100,13 +100,14 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
         print(f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
               f"{cfg.storage.root / '.prefect' / 'server.log'}) ...", flush=True)
-        server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui)
+        # bound: even a killed command (kill -9, a CI timeout) takes its server down with it
+        server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui, bound=True)
         os.environ["PREFECT_API_URL"] = server.url
     url = os.environ["PREFECT_API_URL"]
     print(f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
           f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
-          + ("[schedule] the server stops when this command ends (Ctrl-C); `cleaner server stop` stops a "
-             "server left by a killed command" if started else ""), flush=True)
+          + ("[schedule] the server stops when this command ends (Ctrl-C, or even kill -9)" if started else ""),
+          flush=True)
     from flows.training import training_flow
 
     try:

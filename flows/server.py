@@ -96,8 +96,10 @@ def server_env(root: Path) -> dict[str, str]:
 
 
 def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
-                 ui: bool = True) -> tuple[ServerState, bool]:
-    """Start (or reuse) the project's Prefect server once /health answers: (state, started by this call)."""
+                 ui: bool = True, bound: bool = False) -> tuple[ServerState, bool]:
+    """Start (or reuse) the project's Prefect server once /health answers: (state, started by this call).
+    bound: the server dies with this process, however it dies (kill -9 included): for a command that
+    owns its server (`cleaner schedule`), not for `cleaner server start`."""
     current = running_server(root)
     if current is not None:
         return current, False
@@ -112,7 +114,8 @@ def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
            "--ui" if ui else "--no-ui", "--analytics-off"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)  # its own group: stopped as a whole, by our pid
+                                start_new_session=True,  # its own group: stopped as a whole, by our pid
+                                preexec_fn=_die_with(os.getpid()) if bound else None)
     state = ServerState(proc.pid, port, url, str(log_path))
     problem = _wait_healthy(proc, url, timeout)
     if problem:

@@ -76,12 +76,43 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         assert ran.returncode == 0, ran.stdout + ran.stderr
     finally:
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
+        t0, hung = time.time(), False
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
+            hung = True
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
         if server_pid is not None and _alive(server_pid):
             os.killpg(server_pid, signal.SIGKILL)
             raise AssertionError("the Prefect server outlived `cleaner schedule`")
-    assert not state_file.exists()
+    tail = (tmp_path / "schedule.log").read_text()[-3000:]
+    assert not hung, f"`cleaner schedule` still ran 60 s after Ctrl-C:\n{tail}"
+    assert not state_file.exists(), f"stopped after {time.time() - t0:.1f} s without removing {state_file}:\n{tail}"
+
+
+def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
+    """kill -9 of `cleaner schedule` (a CI timeout, an OOM kill) leaves no Prefect server running."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.format(root=tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with open(tmp_path / "schedule.log", "w") as log:
+        p = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", "3600", "--no-ui",
+                              "--name", "killed", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    state_file = tmp_path / ".prefect" / "server.json"
+    deadline = time.time() + 180
+    while time.time() < deadline and not state_file.exists():
+        assert p.poll() is None, (tmp_path / "schedule.log").read_text()[-3000:]
+        time.sleep(0.5)
+    server_pid = json.loads(state_file.read_text())["pid"]
+    assert _alive(server_pid)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.time() + 30
+    while time.time() < deadline and _alive(server_pid):
+        time.sleep(0.2)
+    if _alive(server_pid):
+        os.killpg(server_pid, signal.SIGKILL)
+        raise AssertionError("the Prefect server outlived a killed `cleaner schedule`")
