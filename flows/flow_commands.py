@@ -106,7 +106,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     url = os.environ["PREFECT_API_URL"]
     print(f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
           f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
-          + ("[schedule] the server stops when this command ends (Ctrl-C, or even kill -9)" if started else ""),
+          + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
           flush=True)
     from flows.training import training_flow
 

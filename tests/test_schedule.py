@@ -35,6 +35,20 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split(") ")[-1][0] != "Z"
 
 
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.2)
+    return not _alive(pid)
+
+
+def _as_from_a_terminal() -> None:
+    """preexec_fn: Ctrl-C reaches the command as it would from a terminal. A parent without job control
+    (a CI script, `cmd &` in a shell script) starts its children with SIGINT ignored, and then Python
+    installs no KeyboardInterrupt handler: the command would rightly ignore the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _completed_runs(url: str) -> list[dict]:
     body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
     req = urllib.request.Request(f"{url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
@@ -50,7 +64,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
     log = open(tmp_path / "schedule.log", "w+")
     p = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", "20", "--no-ui",
                           "--name", "sched-test", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_as_from_a_terminal)
     state_file = tmp_path / ".prefect" / "server.json"
     server_pid, url, completed = None, None, []
     try:
@@ -83,7 +97,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
             hung = True
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
-        if server_pid is not None and _alive(server_pid):
+        if server_pid is not None and not _gone(server_pid):
             os.killpg(server_pid, signal.SIGKILL)
             raise AssertionError("the Prefect server outlived `cleaner schedule`")
     tail = (tmp_path / "schedule.log").read_text()[-3000:]
@@ -110,9 +124,6 @@ def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
     assert _alive(server_pid)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
-    deadline = time.time() + 30
-    while time.time() < deadline and _alive(server_pid):
-        time.sleep(0.2)
-    if _alive(server_pid):
+    if not _gone(server_pid):
         os.killpg(server_pid, signal.SIGKILL)
         raise AssertionError("the Prefect server outlived a killed `cleaner schedule`")
