@@ -49,6 +49,19 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _start_schedule(tmp_path: Path, interval: int, name: str) -> subprocess.Popen:
+    """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
+    schedule.log."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.format(root=tmp_path))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    with open(tmp_path / "schedule.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", str(interval), "--no-ui",
+                                 "--name", name, "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_as_from_a_terminal)
+
+
 def _completed_runs(url: str) -> list[dict]:
     body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
     req = urllib.request.Request(f"{url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
@@ -57,14 +70,7 @@ def _completed_runs(url: str) -> list[dict]:
 
 
 def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(TINY.format(root=tmp_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    log = open(tmp_path / "schedule.log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", "20", "--no-ui",
-                          "--name", "sched-test", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_as_from_a_terminal)
+    p = _start_schedule(tmp_path, 20, "sched-test")
     state_file = tmp_path / ".prefect" / "server.json"
     server_pid, url, completed = None, None, []
     try:
@@ -107,14 +113,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
 
 def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
     """kill -9 of `cleaner schedule` (a CI timeout, an OOM kill) leaves no Prefect server running."""
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(TINY.format(root=tmp_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    with open(tmp_path / "schedule.log", "w") as log:
-        p = subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", "3600", "--no-ui",
-                              "--name", "killed", "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+    p = _start_schedule(tmp_path, 3600, "killed")
     state_file = tmp_path / ".prefect" / "server.json"
     deadline = time.time() + 180
     while time.time() < deadline and not state_file.exists():

@@ -79,6 +79,11 @@ def growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, c0: int,
     return cache
 
 
+def pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
+    """A batch's mask [B, W] right-aligned in `width` columns (zeros on the left: padding)."""
+    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
+
+
 def _spare(width: int) -> int:
     """Columns allocated beyond `width` whenever the batch's KV is rebuilt, so the decoding steps that
     follow write in place instead of copying the whole batch to grow it."""
@@ -114,5 +119,5 @@ def stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tenso
             values[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = v
             r += m.shape[0]
         bufs.append((keys, values))
-    mask = torch.cat([torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1) for _, m in parts])
+    mask = torch.cat([pad_left(m, width) for _, m in parts])
     return bufs, mask, rows, left, width

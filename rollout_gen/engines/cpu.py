@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from pipeline.engines.base import Generation, Request, SamplingParams
 from storage.errors import CheckpointError
-from rollout_gen.engines.batch_kv import growing, stack
+from rollout_gen.engines.batch_kv import growing, pad_left, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
 from rollout_gen.engines.qwen3_forward import engine_forward
 
@@ -242,8 +242,7 @@ class CPUEngine:
             for layer, (k, v) in zip(running, layers):
                 layer.widen(width)
                 layer.place(k, v)
-            pad = lambda m: torch.cat([m.new_zeros(m.shape[0], width - m.shape[1]), m], dim=1)  # noqa: E731
-            self._mask = torch.cat([pad(self._mask), pad(mask)])
+            self._mask = torch.cat([pad_left(self._mask, width), pad_left(mask, width)])
         else:
             parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
             bufs, self._mask, n_rows, c0, width = stack(parts)
