@@ -43,7 +43,9 @@ SUMMARY_SQL = {
 
 
 def print_table(console: Console, title: str, table: pa.Table) -> None:
-    out = Table(title=title)
+    # its own line: a table's title is wrapped to the table's width, a query to a column of 5 characters
+    console.print(title, style="italic", markup=False, highlight=False)
+    out = Table()
     for name in table.column_names:
         out.add_column(name)
     for row in table.to_pylist():

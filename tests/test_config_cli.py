@@ -64,4 +64,6 @@ def test_inspect_on_an_empty_root(tmp_path, capsys):
     assert main(["inspect", f"storage.root={tmp_path}"]) == 0
     assert "raw trajectories" in capsys.readouterr().out
     assert main(["inspect", f"storage.root={tmp_path}", "--sql", "SELECT 41 + 1 AS answer"]) == 0
-    assert "42" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "42" in out
+    assert "SELECT 41 + 1 AS answer" in out  # the query heads its table whole, not wrapped to the table's width
