@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pipeline.config import CleanerConfig, check_gamma, dump_config, load_config
 from pipeline.modes import MODES
+from pipeline.qwen3_tokenizer import TEMPLATE_FAMILIES
 from storage.errors import CleanerError, describe_os_error
 
 EPILOG_OVERRIDES = (
@@ -97,7 +98,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 def cmd_init_policy(args: argparse.Namespace) -> int:
     from flows.init_policy import InitPolicyConfig, init_policy
 
-    init_policy(args.out, InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(), retrain=args.retrain)
+    init_policy(args.out, InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(), retrain=args.retrain,
+                template=args.template)
     print(f"next: cleaner rollout rollout.policy={args.out} rollout.max_prompt_tokens=512")
     return 0
 
@@ -255,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="output folder (an HF checkpoint directory)")
     p.add_argument("--random", action="store_true", help="random weights (never emits a tool call)")
     p.add_argument("--retrain", action="store_true", help="rerun the SFT (minutes) instead of the committed weights")
+    p.add_argument("--template", choices=TEMPLATE_FAMILIES, default="qwen3",
+                   help="chat template family: qwen3 (Qwen3-4B, Instruct-2507's generation prompt) or thinking-2507 "
+                   "(opens every assistant turn with <think>, as Qwen3-4B-Thinking-2507)")
     p.set_defaults(func=cmd_init_policy)
 
     p = sub.add_parser(

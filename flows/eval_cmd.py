@@ -27,18 +27,20 @@ def evaluate(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], show_progr
     """pass@1 and tool metrics of one sample per task with the real agent loop."""
     cfg = cfg.model_copy(deep=True)
     cfg.rollout.samples_per_prompt = 1
-    chat = load_chat(checkpoint)
+    chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
     engine = make_engine(cfg, checkpoint, chat)
     identity = RolloutIdentity("eval", 0, policy_version(checkpoint), cfg.rollout.seed)
     t0 = time.perf_counter()
-    trajectories = roll_out(cfg, engine, chat, tasks, identity, show_progress)
+    try:
+        trajectories = roll_out(cfg, engine, chat, tasks, identity, show_progress)
+    finally:
+        engine.close()
     metrics = world_metrics(trajectories, time.perf_counter() - t0)
     metrics["settings"] = {
         "tasks": len(tasks), "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed,
         "saar_live_mode": cfg.rollout.saar.live_mode, "max_retries": cfg.rollout.saar.max_retries,
         "world": cfg.world.model_dump(), "policy_version": identity.policy_version,
     }
-    engine.close()
     return metrics
 
 

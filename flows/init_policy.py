@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 
 from pipeline.chat import CALL_OPEN, ChatFormat
 from pipeline.config import SandboxConfig, WorldConfig
-from pipeline.qwen3_tokenizer import MODEL_VOCAB, TOKENIZER_DIR
+from pipeline.qwen3_tokenizer import MODEL_VOCAB, TOKENIZER_DIR, chat_template
 from storage.errors import CleanerError
 
 COMPACT_DIR = TOKENIZER_DIR.parent / "qwen3-tiny-calls"
@@ -159,13 +159,18 @@ def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausal
     return small.eval(), meta["used_token_ids"]
 
 
-def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = False, log=print) -> dict:
+def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = False, log=print,
+                template: str = "qwen3") -> dict:
     """Write the policy to `out` (an HF directory: config, safetensors, tokenizer, chat template).
 
     The briefly trained weights are committed in compact form (the used vocabulary rows only,
     policies/qwen3-tiny-calls/, < 1 MB): expanding them takes a second, so tests and users do not
-    pay for the SFT (minutes on 2 cores). `retrain` runs it again and rewrites the compact weights."""
+    pay for the SFT (minutes on 2 cores). `retrain` runs it again and rewrites the compact weights.
+    `template` picks the chat template family written beside the weights (pipeline/qwen3_tokenizer.py):
+    the same weights serve both, since a Thinking-2507 generation prompt ends with the `<think>\n` this
+    policy writes itself after Qwen3's."""
     cfg = cfg or InitPolicyConfig()
+    template_text = chat_template(template)  # an unknown family fails before anything is written
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -192,11 +197,12 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / name, out / name)
+    (out / "chat_template.jinja").write_text(template_text, encoding="utf-8")
     provenance = {"recipe": "cleaner init-policy (flows/init_policy.py)", "settings": asdict(cfg),
                   "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
                   "parameters": sum(p.numel() for p in model.parameters()),
                   "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,
-                  "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)",
+                  "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)", "chat_template": template,
                   "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "PROVENANCE.json").write_text(json.dumps(provenance, indent=1) + "\n")
     log(f"[init-policy] wrote {out} ({provenance['parameters']:,} parameters, {provenance['wall_s']} s)")

@@ -185,9 +185,73 @@ def format_tool_response(
     return middle_truncate("\n".join(lines), limit)
 
 
-def tool_response_turn(text: str) -> str:
+@dataclass(frozen=True)
+class TurnFrame:
+    """The text a chat template writes between two sampled assistant turns, around a tool result.
+
+    `before` follows the sampled stop token (the template's "\n" after <|im_end|>, then the tool turn's
+    opening), `after` closes the tool turn, and `generation_prompt` opens the next assistant turn: it is
+    `<|im_start|>assistant\n` for Qwen3 and Instruct-2507, `…assistant\n<think>\n` for Thinking-2507 and
+    `…<think>\n\n</think>\n\n` for Qwen3 with enable_thinking=False. `ChatFormat` reads them from the
+    checkpoint's own template (`derive_frame`), so every turn after a tool result opens as the template's
+    full render does at that point.
+    """
+
+    before: str = f"\n{IM_START}user\n{RESPONSE_OPEN}\n"
+    after: str = f"\n{RESPONSE_CLOSE}{IM_END}\n"
+    generation_prompt: str = f"{IM_START}assistant\n"
+
+    def tool_turn(self, text: str) -> str:
+        return self.before + text + self.after + self.generation_prompt
+
+
+HERMES_FRAME = TurnFrame()  # the Qwen/Hermes tool turn of the tool-use world's own template
+
+
+def tool_response_turn(text: str, frame: TurnFrame = HERMES_FRAME) -> str:
     """The tool turn appended after an assistant turn (whose sampled ids end at <|im_end|>)."""
-    return f"\n{IM_START}user\n{RESPONSE_OPEN}\n{text}\n{RESPONSE_CLOSE}{IM_END}\n{IM_START}assistant\n"
+    return frame.tool_turn(text)
+
+
+class TemplateError(CheckpointError):
+    """The checkpoint's chat template is missing or does not say how a turn opens."""
+
+
+def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "the checkpoint") -> TurnFrame:
+    """The turn frame the tokenizer's chat template renders, found once by rendering probe conversations.
+
+    The generation prompt is what `add_generation_prompt=True` adds to a render without it; the tool turn
+    is what a tool message adds after an assistant message, split at a probe result. Renders are compared
+    as text, and the frame is applied on token ids afterwards, so the running sequence is never re-rendered.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise TemplateError(f"{where} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template): cleaner renders the prompt and every tool turn with it")
+    kwargs = dict(template_kwargs or {})
+    sentinel_a, sentinel_t = "CLEANER-PROBE-ASSISTANT", "CLEANER-PROBE-TOOL"
+
+    def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                 **kwargs)
+        except Exception as e:  # jinja2 raises its own errors (and templates raise on unsupported roles)
+            raise TemplateError(f"the chat template of {where} failed to render a probe conversation: "
+                                f"{type(e).__name__}: {e}") from None
+
+    user = [{"role": "user", "content": "Q"}]
+    plain, prompted = render(user, False), render(user, True)
+    if not prompted.startswith(plain) or len(prompted) == len(plain):
+        raise TemplateError(f"cannot derive the generation prompt from the chat template of {where}: rendering "
+                            "with add_generation_prompt=True does not extend the render without it")
+    with_tool = render(user + [{"role": "assistant", "content": sentinel_a}, {"role": "tool", "content": sentinel_t}],
+                       False)
+    a_end = with_tool.find(sentinel_a) + len(sentinel_a)
+    t_at = with_tool.find(sentinel_t)
+    if a_end < len(sentinel_a) or t_at < a_end or not with_tool[a_end:].startswith(IM_END):
+        raise TemplateError(f"cannot derive the tool turn from the chat template of {where}: an assistant turn "
+                            f"must end with {IM_END} and be followed by the tool result")
+    return TurnFrame(before=with_tool[a_end + len(IM_END):t_at], after=with_tool[t_at + len(sentinel_t):],
+                     generation_prompt=prompted[len(plain):])
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -259,9 +323,12 @@ def find_call_start(turn_ids: list[int], marker_ids: list[int], token_bytes: lis
 class ChatFormat:
     """The chat format bound to one tokenizer: everything the agent loop needs on token ids."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM) -> None:
+    def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM,
+                 template_kwargs: dict[str, Any] | None = None, where: str = "the checkpoint") -> None:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. {"enable_thinking": False} for Qwen3
+        self.frame = derive_frame(tokenizer, self.template_kwargs, where)
         self.im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
         self.eos_id = tokenizer.convert_tokens_to_ids(EOS)
         self.stop_ids = {i for i in (self.im_end_id, self.eos_id) if i is not None and i >= 0}
@@ -283,14 +350,14 @@ class ChatFormat:
     def prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
         out = self.tokenizer.apply_chat_template(
-            messages, tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True, tokenize=True
+            messages, tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True, tokenize=True, **self.template_kwargs
         )
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
 
     def feedback_ids(self, response_text: str) -> list[int]:
-        return self.encode(tool_response_turn(response_text))
+        return self.encode(self.frame.tool_turn(response_text))
 
     def call_start(self, turn_ids: list[int]) -> int:
         return find_call_start(turn_ids, self.marker_ids, self.token_bytes)
@@ -301,9 +368,10 @@ class ChatFormat:
         return self.call_start(turn_ids), parse_tool_call(text, malformed)
 
 
-def load_chat(checkpoint: Path) -> ChatFormat:
+def load_chat(checkpoint: Path, template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
     from transformers import AutoTokenizer
 
     if not (Path(checkpoint) / "tokenizer_config.json").is_file():
         raise CheckpointError(f"no tokenizer in checkpoint {checkpoint}")
-    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint))
+    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint), template_kwargs=template_kwargs,
+                      where=f"checkpoint {checkpoint}")

@@ -126,6 +126,10 @@ class RolloutConfig(Section):
     max_response_tokens: int = Field(1024, gt=0)
     max_prompt_tokens: int = Field(256, gt=0)
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "extra variables for the checkpoint's chat template, as verl's apply_chat_template_kwargs "
+        "(e.g. {enable_thinking: false} for Qwen3): the prompt and the turn opened after every tool result are "
+        "rendered with them"))
     malformed_call: Literal["no_call", "failure"] = Field("no_call", description=(
         "an unclosed or unrepairable <tool_call>: no_call = the turn is final (the reference); failure = a failed "
         "call, shown to the model and retried"))

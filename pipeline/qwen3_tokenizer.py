@@ -96,6 +96,30 @@ def build(sdist_dir: Path, out: Path) -> None:
         shutil.copyfile(models / name, out / "vectors" / name)
 
 
+# Qwen3's generation prompt (the end of the committed template), and the one Qwen3-4B-Thinking-2507 ships
+# instead: the 2507 thinking models' template opens every assistant turn with `<think>\n` and has no
+# enable_thinking switch; the rest of the template (tools, tool turns, reasoning in history) is Qwen3's.
+QWEN3_GENERATION_BLOCK = (
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}\n{%- endif %}"
+)
+THINKING_2507_GENERATION_BLOCK = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
+TEMPLATE_FAMILIES = ("qwen3", "thinking-2507")
+
+
+def chat_template(family: str = "qwen3") -> str:
+    """The chat template text of a Qwen3 family, from the committed Qwen3 template."""
+    text = (TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+    if family == "qwen3":
+        return text
+    if family != "thinking-2507":
+        raise ValueError(f"unknown chat template family {family!r}; one of {', '.join(TEMPLATE_FAMILIES)}")
+    if not text.endswith(QWEN3_GENERATION_BLOCK):
+        raise ValueError(f"{TOKENIZER_DIR / 'chat_template.jinja'} does not end with Qwen3's generation prompt block")
+    return text[: -len(QWEN3_GENERATION_BLOCK)] + THINKING_2507_GENERATION_BLOCK
+
+
 def fetch_sdist(dest: Path, requirement: str = SDIST) -> Path:
     """Download the sdist with pip (the ordinary registry client) and unpack only what is needed."""
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", requirement,

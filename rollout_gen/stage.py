@@ -77,13 +77,15 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
                              f"{done.config_hash}, now {config_hash}); use a new flow.run_id — raw shards are never "
                              "overwritten")
         return done
-    chat = load_chat(checkpoint)
+    chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
     engine = make_engine(cfg, checkpoint, chat)
     identity = RolloutIdentity(run_id, iteration, version, cfg.rollout.seed)
     t0 = time.perf_counter()
-    trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress, log)
+    try:
+        trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress, log)
+    finally:
+        engine.close()
     wall = time.perf_counter() - t0
-    engine.close()
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
     with ShardWriter(out, RAW, config_hash, inputs=[str(checkpoint)], rows_per_part=cfg.storage.rows_per_part,
                      compression=cfg.storage.compression) as w:
