@@ -59,8 +59,8 @@ def run(n: int = 50_000, parts: int = 8, repeat: int = 2) -> BenchResult:
         def purify(runner: str, options: list[str], some=raw_parts) -> Path:
             out = tmp / f"staging-{next(counter)}"
             out.mkdir()
-            beam_pipeline.run(some, VARIANTS, out, str(DEFAULT_POLICY), "group_norm", False, "none", None, 1.0,
-                              runner, options)
+            beam_pipeline.run(beam_pipeline.PurifyJob(tuple(some), tuple(VARIANTS), str(out), str(DEFAULT_POLICY),
+                                                      runner=runner, beam_options=tuple(options)))
             return out
 
         def staged(out: Path) -> pa.Table:

@@ -73,8 +73,7 @@ def run(n: int = 50_000) -> BenchResult:
         def beam(parts: list = raw_parts) -> Path:
             out = tmp / f"staging-{next(counter)}"
             out.mkdir()
-            beam_pipeline.run(parts, [("saar", 0.5)], out, str(DEFAULT_POLICY), "group_norm", False, "none",
-                              None, 1.0, "FnApiRunner", [])
+            beam_pipeline.run(beam_pipeline.PurifyJob(tuple(parts), (("saar", 0.5),), str(out), str(DEFAULT_POLICY)))
             return out
 
         staged = beam()  # warm-up, and the output compared with the plain loop's

@@ -36,6 +36,16 @@ def check_gamma(g: float) -> float:
 Gamma = Annotated[float, AfterValidator(check_gamma)]
 
 
+def check_is_threshold(tau: float) -> float:
+    """saar_is's τ: a positive finite ratio (IS ≥ τ replaces the failed turn; τ > 1 favours appending)."""
+    if not math.isfinite(tau) or tau <= 0:
+        raise ValueError("the importance-ratio threshold τ must be a finite number > 0")
+    return float(tau)
+
+
+IsThreshold = Annotated[float, AfterValidator(check_is_threshold)]
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -142,8 +152,8 @@ class RolloutConfig(Section):
 # a run may change them between invocations (replay under more γ or another measure, another runner),
 # and they stay out of the partitions' config hash (purifier/stage.py) and the frozen run config
 # (flows/run_config.py).
-PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "runner", "dask_address", "beam_options", "similarity",
-                                    "similarity_on"})
+PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options",
+                                    "similarity", "similarity_on"})
 # purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
 # mode's partitions only (purifier/stage.py), so partitions of the other modes committed before the setting
 # existed keep their config hash and stay valid.
@@ -153,6 +163,10 @@ PURIFY_MODE_SETTINGS = frozenset({"roc_group_size"})
 class PurifyConfig(Section):
     modes: list[Mode] = ["saar", "raw"]
     gammas: list[Gamma] = [0.5]
+    is_thresholds: list[IsThreshold] = Field([0.5], description=(
+        "mode saar_is (Open-CLEANER's Plan B): a retry replaces the failed turn when its importance ratio "
+        "π(retry | context without the failed turn) / π_b(retry | as sampled) is ≥ τ, else both stay; one "
+        "partition per τ (tau=0.50)"))
     advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
     dynamic_filter: bool = False
     recompute: Literal["cpu", "sglang"] = "cpu"

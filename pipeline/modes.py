@@ -20,17 +20,24 @@ class MeasureSettings(Protocol):
 #   saar_correct  SAAR at γ on trajectories whose reward is positive; every other trajectory exactly raw
 #   mask_failed   raw, with the failed-call turns of recovered-and-correct trajectories masked instead of removed
 #   roc           raw, each prompt group down-sampled GRPO-RoC style to purify.roc_group_size before advantages
-Mode = Literal["saar", "raw", "void_turn", "saar_correct", "mask_failed", "roc"]
+#   saar_is       Open-CLEANER's Plan B: a retry replaces the failed turn when its importance ratio is ≥ τ, else
+#                 the failed turn, its error and the retry all stay (purifier/saar.py)
+Mode = Literal["saar", "raw", "void_turn", "saar_correct", "mask_failed", "roc", "saar_is"]
 MODES: tuple[Mode, ...] = get_args(Mode)
-Variant = tuple[Mode, float]  # one purified partition of an iteration: (mode, γ)
+# one purified partition of an iteration: (mode, threshold), the threshold being γ for the modes that
+# splice by similarity, τ for the modes that decide by importance ratio, 0 for the others
+Variant = tuple[Mode, float]
+# Modes whose threshold is an importance-ratio τ (partition tau=…; storage/layout.py keeps a copy, tested equal)
+IS_MODES: tuple[Mode, ...] = ("saar_is",)
 # Modes that splice, so γ and the similarity measure decide what they hold and name their partitions
 # (storage/catalog.py keeps a copy of this list for its SQL; a test holds them equal).
 SPLICING_MODES: tuple[Mode, ...] = ("saar", "saar_correct")
 
 
 def partition_gamma(mode: str, gamma: float) -> float:
-    """γ only matters for the splicing modes; the others live under gamma=0.00 whatever γ was asked."""
-    return float(gamma) if mode in SPLICING_MODES else 0.0
+    """A variant's threshold, the `gamma` of its rows: γ for the splicing modes, τ for the importance-ratio
+    modes (partition tau=…); the others live under gamma=0.00 whatever was asked."""
+    return float(gamma) if mode in SPLICING_MODES or mode in IS_MODES else 0.0
 
 
 def partition_measure(mode: str, measure: Measure) -> str:

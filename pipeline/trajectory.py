@@ -12,6 +12,7 @@ Vocabulary (one name per concept, everywhere):
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -147,6 +148,22 @@ class Splice:
     tokens_removed: int  # failed turns + error feedback dropped by this splice
     first_recomputed: int  # index in the purified response of the first token needing recompute
     split_failed: bool = False
+    # The position's moved retry tokens (response indices first_recomputed … + moved_tokens − 1: sampled
+    # after the failed call, trained without it) and log π(them | purified context) − log π_b(them | sampled
+    # context), summed: the log importance ratio of Open-CLEANER's Plan B (NaN until recomputed).
+    moved_tokens: int = 0
+    log_is_ratio: float = math.nan
+
+
+class TokenOrigin:
+    """Where a purified response token was sampled (the purified row's `token_origin`, one per token)."""
+
+    NOT_SAMPLED = 0  # a tool response or other template text: never sampled, never trained
+    IN_PLACE = 1  # sampled after exactly the context it has in this row: its behaviour log-prob is its old one
+    SHALLOW = 2  # a retry's call moved over a failed call's (shallow splice): sampled after the error
+    DEEP = 3  # a retry turn moved over a failed turn (deep splice, or saar_is's replace)
+    MOVED = 4  # sampled in another context and not spliced itself: a later turn of a row purified otherwise than lived
+    NAMES = {0: "not_sampled", 1: "in_place", 2: "shallow", 3: "deep", 4: "moved"}
 
 
 @dataclass
@@ -171,6 +188,9 @@ class PurifiedTrajectory:
     recompute_from: int  # first response index forwarded by the recompute (-1 = none needed)
     tokens_forwarded: int
     gate: bool
+    behaviour_logprobs: list[float] = field(default_factory=list)  # per response token: as sampled (0: not sampled)
+    token_origin: list[int] = field(default_factory=list)  # per response token: a TokenOrigin value
+    is_threshold: float | None = None  # τ of a saar_is row (its `gamma` holds it too: the partition's threshold)
 
 
 # ---- Arrow row conversion -------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from purifier.advantages import group_plan
 from purifier.roc import ROC_PENALTY, roc_plan, roc_seed, with_roc_penalty
-from purifier.saar import LIVED_COLUMNS, PurifyError, purify
+from purifier.saar import LIVED_COLUMNS, PurifyError, Scorer, purify, with_splice_ratios
 from purifier.unspliced import UNSPLICED_MODES, purified_table, unspliced_mask
 from storage.schemas import PURIFIED
 
@@ -33,9 +33,10 @@ def _dead(key: str, source_file: str, reason: str) -> dict:
 
 
 def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
-                 source_file: str = "", measure: Measure = DEFAULT_MEASURE) -> dict[Variant, tuple[pa.Table, list[dict]]]:
+                 source_file: str = "", measure: Measure = DEFAULT_MEASURE,
+                 score: Scorer | None = None) -> dict[Variant, tuple[pa.Table, list[dict]]]:
     """Every variant of every row of a raw batch: (purified table, dead letters) per variant, with one
-    shallow/deep measure (rows with nothing to splice do not depend on it)."""
+    shallow/deep measure (rows with nothing to splice do not depend on it); `score` for saar_is."""
     columnar = [v for v in variants if v[0] in UNSPLICED_MODES]
     others = [v for v in variants if v[0] not in UNSPLICED_MODES]
     mask = unspliced_mask(raw) if columnar else np.zeros(raw.num_rows, dtype=bool)
@@ -55,7 +56,7 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
                 continue
             for v in wanted:
                 try:
-                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode, measure)))
+                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode, measure, score)))
                 except PurifyError as e:
                     dead[v].append(_dead(traj.key, source_file, str(e)))
 
@@ -134,5 +135,6 @@ def recompute_groups(table: pa.Table, backend) -> pa.Table:
     groups: dict[str, list] = {}
     for row in table.filter(needs).to_pylist():
         groups.setdefault(row["prompt_id"], []).append(purified_from_row(row))
-    done = pa.Table.from_pylist([purified_to_row(t) for g in groups.values() for t in backend.group(g)], schema=PURIFIED)
+    done = pa.Table.from_pylist([purified_to_row(with_splice_ratios(t)) for g in groups.values() for t in backend.group(g)],
+                                schema=PURIFIED)
     return pa.concat_tables([table.filter(pc.invert(needs)), done])  # the stage sorts what it commits

@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.modes import Variant
+from pipeline.modes import IS_MODES, Variant
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -55,6 +56,35 @@ COUNTS = pa.schema([("name", pa.string()), ("value", pa.int64())])
 COUNTS_DESTINATION = "counts"
 SUMMARY = "_STAGED.json"  # {destination: rows staged}, written by the pipeline's last transform
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
+
+
+@dataclass(frozen=True)
+class PurifyJob:
+    """One purification of one raw shard, everything the pipeline needs: built once by the stage
+    (purifier/stage.py), passed whole to `build` and `run` and to the DoFns that need part of it."""
+
+    raw_parts: tuple[tuple[str, dict], ...]  # (raw shard directory, its manifest's PartInfo as a dict)
+    variants: tuple[Variant, ...]
+    staging: str  # where the pipeline stages its files (on a cluster: a path every worker shares)
+    tokenizer_dir: str
+    estimator: str = "group_norm"
+    dynamic_filter: bool = False
+    recompute: str = "none"  # cpu | sglang | none
+    checkpoint: str | None = None  # the policy that sampled the raw shard (recompute and saar_is score with it)
+    temperature: float = 1.0
+    sglang_url: str = ""
+    measure: Measure = DEFAULT_MEASURE
+    roc_group_size: int = 1
+    runner: str = "FnApiRunner"
+    beam_options: tuple[str, ...] = ()
+
+    def backend_key(self) -> tuple:
+        return (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url)
+
+    def backend(self):
+        """The recompute backend of this job, once per process (None: recompute off)."""
+        return per_process("recompute", self.backend_key(), lambda: _recompute_backend(
+            self.recompute, self.checkpoint, self.temperature, self.sglang_url))
 
 
 class StagingIncomplete(CleanerError, RuntimeError):
@@ -204,15 +234,15 @@ class PurifyBatches(beam.DoFn):
     One output for both (a tuple key is a group, a str key a destination; see `build`): tagged outputs
     are not kept apart by every runner. A refused part (INVALID_DESTINATION) passes through to staging."""
 
-    def __init__(self, variants: list[Variant], tokenizer_dir: str, n_buckets: int = BUCKETS,
-                 measure: Measure = DEFAULT_MEASURE) -> None:
-        self.variants, self.tokenizer_dir, self.n_buckets = variants, tokenizer_dir, n_buckets
-        self.measure = measure  # shallow/deep similarity of this purification (one per stage run)
+    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS) -> None:
+        self.job, self.n_buckets = job, n_buckets
 
     def setup(self) -> None:
-        tokenizer = str(Path(self.tokenizer_dir) / "tokenizer.json")
-        self.decode = per_process("tokenizer", (tokenizer, _files_key(self.tokenizer_dir)),
-                                  lambda: _tokenizer_decode(self.tokenizer_dir))
+        tokenizer_dir = self.job.tokenizer_dir
+        self.decode = per_process("tokenizer", (str(Path(tokenizer_dir) / "tokenizer.json"), _files_key(tokenizer_dir)),
+                                  lambda: _tokenizer_decode(tokenizer_dir))
+        # saar_is scores every rollback with the recompute model (the same one GroupStage uses, once per process)
+        self.score = self.job.backend().score if any(m in IS_MODES for m, _ in self.job.variants) else None
 
     def infer_output_type(self, input_type):
         return KeyedTable
@@ -224,8 +254,8 @@ class PurifyBatches(beam.DoFn):
         if filename == INVALID_DESTINATION:
             yield element
             return
-        for variant, (table, dead) in purify_batch(raw, self.variants, self.decode, str(filename),
-                                                   self.measure).items():
+        for variant, (table, dead) in purify_batch(raw, list(self.job.variants), self.decode, str(filename),
+                                                   self.job.measure, self.score).items():
             if dead:
                 yield destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)
             for bucket, part in buckets(table, self.n_buckets):
@@ -248,16 +278,11 @@ class GroupStage(beam.DoFn):
     """Advantages + dynamic filtering + log-prob recompute for the prompt groups of one bucket →
     (purified destination, table) and (COUNTS_DESTINATION, counts)."""
 
-    def __init__(self, estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None,
-                 temperature: float, sglang_url: str = "", roc_group_size: int = 1) -> None:
-        self.estimator, self.dynamic_filter, self.roc_group_size = estimator, dynamic_filter, roc_group_size
-        self.recompute, self.checkpoint, self.temperature, self.sglang_url = recompute, checkpoint, temperature, sglang_url
+    def __init__(self, job: PurifyJob) -> None:
+        self.job = job
 
     def setup(self) -> None:
-        # once per process and checkpoint, not per bundle: Dask calls setup for every bundle
-        key = (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url)
-        self.backend = per_process("recompute", key, lambda: _recompute_backend(
-            self.recompute, self.checkpoint, self.temperature, self.sglang_url))
+        self.backend = self.job.backend()  # once per process and checkpoint: Dask calls setup for every bundle
 
     def infer_output_type(self, input_type):
         return DestinedTable
@@ -268,8 +293,9 @@ class GroupStage(beam.DoFn):
         from purifier.batch import recompute_groups, with_advantages
 
         (variant, _), parts = element
-        table, filtered = with_advantages(pa.concat_tables(list(parts)), self.estimator, self.dynamic_filter,
-                                          self.roc_group_size if variant[0] == "roc" else None)
+        job = self.job
+        table, filtered = with_advantages(pa.concat_tables(list(parts)), job.estimator, job.dynamic_filter,
+                                          job.roc_group_size if variant[0] == "roc" else None)
         counts = {}
         if filtered:
             counts[f"filtered_groups/{variant_name(*variant)}"] = filtered
@@ -323,18 +349,16 @@ def _is_group(record) -> bool:
     return not isinstance(record[0], str)
 
 
-def build(p: beam.Pipeline, raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str,
-          estimator: str, dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float,
-          sglang_url: str = "", measure: Measure = DEFAULT_MEASURE, roc_group_size: int = 1) -> None:
-    purified = (p | "RawParts" >> beam.Create(raw_parts)
+def build(p: beam.Pipeline, job: PurifyJob) -> None:
+    staging = job.staging
+    purified = (p | "RawParts" >> beam.Create(list(job.raw_parts))
                 | "ReadRaw" >> beam.ParDo(ReadRawParts())
-                | "Purify" >> beam.ParDo(PurifyBatches(variants, tokenizer_dir, measure=measure)))
+                | "Purify" >> beam.ParDo(PurifyBatches(job)))
     grouped = (
         purified
         | "Groups" >> beam.Filter(_is_group).with_output_types(KeyedTable)
         | "ByPromptBucket" >> beam.GroupByKey()
-        | "GroupStage" >> beam.ParDo(GroupStage(estimator, dynamic_filter, recompute, checkpoint, temperature,
-                                                sglang_url, roc_group_size))
+        | "GroupStage" >> beam.ParDo(GroupStage(job))
     )
     letters = purified | "DeadAndRefused" >> beam.Filter(_is_destined).with_output_types(DestinedTable)
     written = (
@@ -385,14 +409,9 @@ def staged_counts(staging: Path) -> dict[str, int]:
     return counters
 
 
-def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Path, tokenizer_dir: str, estimator: str,
-        dynamic_filter: bool, recompute: str, checkpoint: str | None, temperature: float, runner: str,
-        beam_options: list[str], sglang_url: str = "", measure: Measure = DEFAULT_MEASURE,
-        roc_group_size: int = 1) -> dict[str, int]:
-    options = PipelineOptions([f"--runner={runner}", *beam_options])
-    p = beam.Pipeline(options=options)
-    build(p, raw_parts, variants, staging, tokenizer_dir, estimator, dynamic_filter, recompute, checkpoint,
-          temperature, sglang_url, measure, roc_group_size)
+def run(job: PurifyJob) -> dict[str, int]:
+    p = beam.Pipeline(options=PipelineOptions([f"--runner={job.runner}", *job.beam_options]))
+    build(p, job)
     # Beam logs every failing DoFn's traceback before re-raising it; the exception itself reaches the
     # stage (which turns a full disk into one line) and the CLI (which keeps a bug's traceback).
     # Dask's client logs its lost connections with tracebacks; the stage says it in one line.
@@ -414,4 +433,4 @@ def run(raw_parts: list[tuple[str, dict]], variants: list[Variant], staging: Pat
         for log, level in zip(quiet, levels):
             log.setLevel(level)
         release_per_process()  # an in-process runner built the model here: do not keep it past the stage
-    return staged_counts(staging)
+    return staged_counts(Path(job.staging))

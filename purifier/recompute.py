@@ -90,6 +90,23 @@ class CPURecompute:
         return result
 
 
+    @torch.inference_mode()
+    def score(self, context: list[int], turn: list[int]) -> list[float]:
+        """log π(turn[k] | context, turn[:k]) for every k: one rollback's importance-ratio numerator (saar_is),
+        forwarded in chunks through a cache like `group`."""
+        seq = list(context) + list(turn)
+        cache, out = DynamicCache(), []
+        for a in range(0, len(seq) - 1, self.chunk_tokens):
+            b = min(len(seq) - 1, a + self.chunk_tokens)
+            hidden = self.body(input_ids=torch.tensor([seq[a:b]]), past_key_values=cache, use_cache=True).last_hidden_state
+            lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1], the first turn token from len(context) − 1
+            if lo < b:
+                targets = torch.tensor([seq[lo + 1: b + 1]])
+                out += token_logprobs(hidden[:, lo - a:], targets, self.head, self.temperature)[0].tolist()
+        self.prefix_tokens += len(seq) - 1
+        return out
+
+
 class SGLangRecompute:
     def __init__(self, url: str, temperature: float = 1.0) -> None:
         from pipeline.engines.sglang import SGLangEngine
@@ -112,3 +129,7 @@ class SGLangRecompute:
                 lps[i] = s[len(t.prompt_ids) + i - start]
             result[k] = replace(t, old_logprobs=lps, tokens_forwarded=len(s))
         return result
+
+    def score(self, context: list[int], turn: list[int]) -> list[float]:
+        """As CPURecompute.score, by a prefill that reuses the server's cached prefix."""
+        return self.engine.score([list(context) + list(turn)], [len(context)], self.temperature)[0]

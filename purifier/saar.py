@@ -17,9 +17,15 @@ row, whatever live mode produced it:
   mask 0 (its error feedback already has it), so the row reinforces its working path without being
   rewritten, and failing rows keep the negative signal on their failed calls.
 - `roc`: the raw sequence; GRPO-RoC's down-sampling happens per prompt group (purifier/roc.py).
+- `saar_is`: Open-CLEANER's Plan B, decided offline. At each rollback, the retry's importance ratio
+  IS = π(retry | context without the failed turn) / π_b(retry | context it was sampled in) is scored
+  (`score`, the recompute model); IS ≥ τ replaces the whole failed turn (deep), IS < τ appends: the
+  failed turn, its error and the retry all stay, where they were sampled. Positions are decided in
+  order, each scored in the context the earlier decisions built.
 
-Each emitted token remembers which attempt sampled it; its sampled log-prob is kept only if the
-purified sequence before it equals the context it was sampled under (fingerprint in the raw row).
+Each emitted token remembers which attempt sampled it: its sampled log-prob is its behaviour log-prob,
+and it is also its old log-prob only if the purified sequence before it equals the context it was sampled
+under (fingerprint in the raw row); `token_origin` says which (pipeline.trajectory.TokenOrigin).
 """
 from __future__ import annotations
 
@@ -29,10 +35,15 @@ from typing import Callable
 
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
-from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, Trajectory, fingerprint
+from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, TokenOrigin, Trajectory, fingerprint
 from pipeline.answers import last_boxed
 from pipeline.kinds import failed_call, trajectory_kind
-from pipeline.modes import MODES, partition_gamma
+from pipeline.modes import IS_MODES, MODES, partition_gamma
+
+# score(context ids, turn ids) -> log π(each turn id | context and the turn ids before it), under the
+# temperature the rollout sampled with (saar_is; purifier/recompute.py provides it)
+Scorer = Callable[[list[int], list[int]], list[float]]
+_SPLICED_ORIGIN = {"shallow": TokenOrigin.SHALLOW, "deep": TokenOrigin.DEEP}
 
 # Purification rebuilds every sequence from the attempt tree: it never needs the lived sequence,
 # which is about half of a raw row's values, so the stage does not read it.
@@ -51,25 +62,35 @@ class _Builder:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     valid: list[int] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
 
     def feedback(self, ids: list[int]) -> None:
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.valid += [1] * len(ids)
+        self.behaviour += [0.0] * len(ids)
+        self.origin += [TokenOrigin.NOT_SAMPLED] * len(ids)
 
-    def turn(self, piece: TurnPiece, position: int) -> int:
-        """Append an assistant turn; returns the response index of its first invalid token (or -1)."""
+    def turn(self, piece: TurnPiece, position: int, spliced: dict[int, str] | None = None) -> int:
+        """Append an assistant turn; returns the response index of its first invalid token (or -1).
+        `spliced`: attempt_idx → kind of the splice that moved that attempt's tokens here."""
         first_invalid = -1
         at_piece = 0
         for attempt_idx, j0, j1 in piece.sources:
             n = j1 - j0
             at = len(self.ids)
             ok = self._context_matches(self.attempts[_key(position, attempt_idx)], j0)
+            sampled = piece.logprobs[at_piece: at_piece + n]
             self.ids += piece.ids[at_piece: at_piece + n]
             self.mask += [1] * n
-            self.logprobs += piece.logprobs[at_piece: at_piece + n] if ok else [0.0] * n
+            self.logprobs += sampled if ok else [0.0] * n
             self.valid += [int(ok)] * n
+            self.behaviour += sampled
+            kind = (spliced or {}).get(attempt_idx)
+            origin = TokenOrigin.IN_PLACE if ok else _SPLICED_ORIGIN[kind] if kind else TokenOrigin.MOVED
+            self.origin += [origin] * n
             if not ok and first_invalid < 0:
                 first_invalid = at
             at_piece += n
@@ -115,8 +136,9 @@ def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
 
 
 def sequence_rule(raw: Trajectory, mode: str) -> str:
-    """How a mode rebuilds one row: "saar" (splice retries over failed turns) or "raw" (every attempt as
-    sampled; void_turn and mask_failed then change its loss mask, roc selects whole rows per group).
+    """How a mode rebuilds one row: "saar" (splice retries over failed turns; saar_is decides each by its
+    importance ratio) or "raw" (every attempt as sampled; void_turn and mask_failed then change its loss
+    mask, roc selects whole rows per group).
 
     `saar_correct` splices only rows whose reward is positive, i.e. correct: correctness is a property
     of the row alone, so a row's purification does not move when the other rows of its group change
@@ -128,13 +150,17 @@ def sequence_rule(raw: Trajectory, mode: str) -> str:
     No mode changes a reward, and GRPO advantages depend only on a group's rewards, so advantages
     computed before or after purification are the same numbers; the group stage computes them after,
     on the rows each mode keeps (only `roc` keeps fewer)."""
-    return "saar" if mode == "saar" or (mode == "saar_correct" and raw.reward > 0) else "raw"
+    return "saar" if mode in ("saar", "saar_is") or (mode == "saar_correct" and raw.reward > 0) else "raw"
 
 
 def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],
-           measure: Measure = DEFAULT_MEASURE) -> PurifiedTrajectory:
+           measure: Measure = DEFAULT_MEASURE, score: Scorer | None = None) -> PurifiedTrajectory:
+    """One raw row purified under `mode`; `gamma` is γ for the splicing modes and τ for `saar_is`, which
+    also needs `score`."""
     if mode not in MODES:
         raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
+    if mode == "saar_is" and score is None:
+        raise ValueError("mode saar_is scores each rollback: pass score= (a recompute backend's score)")
     validate_raw(raw)
     attempts = {_key(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
     if raw.final_turn is not None:
@@ -169,21 +195,39 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         current = whole(p.position_idx, p.attempts[0])
         previous = p.attempts[0]
         gave_up = None
+        spliced: dict[int, str] = {}
         for r in retries:
             if not r.has_call:
                 gave_up = r
                 break
+            if mode == "saar_is":  # Plan B: the ratio decides replace (deep) or append
+                log_is = sum(score(b.prompt + b.ids, r.turn_ids)) - sum(r.logprobs)
+                if not log_is >= math.log(gamma):  # append: the failed turn and its error stay
+                    b.turn(current, p.position_idx, spliced)
+                    b.feedback(previous.feedback_ids)
+                    current, previous = whole(p.position_idx, r), r
+                    continue
+                removed = len(current.ids) + len(previous.feedback_ids)
+                splices.append(Splice(p.position_idx, r.attempt_idx, "deep", math.nan, removed, -1, False,
+                                      len(r.turn_ids), log_is))
+                spliced[r.attempt_idx] = "deep"
+                current, previous = whole(p.position_idx, r), r
+                continue
             decision = decide(current, whole(p.position_idx, r), gamma, decode, measure)
             new = splice(current, whole(p.position_idx, r), decision)
             removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
             splices.append(Splice(p.position_idx, r.attempt_idx, decision.kind, decision.similarity, removed, -1,
                                   decision.split_failed))
+            spliced[r.attempt_idx] = decision.kind
             current, previous = new, r
         start = len(b.ids)
-        first_invalid = b.turn(current, p.position_idx)
+        first_invalid = b.turn(current, p.position_idx, spliced)
+        moved = sum(1 for o in b.origin[start:] if o in (TokenOrigin.SHALLOW, TokenOrigin.DEEP))
         for s in splices:
             if s.position_idx == p.position_idx:
                 s.first_recomputed = first_invalid if first_invalid >= 0 else start
+                if mode != "saar_is":  # a saar_is splice moves its whole retry, scored when decided
+                    s.moved_tokens = moved
         b.feedback(last_feedback if previous is p.attempts[-1] else previous.feedback_ids)
         if gave_up is not None:  # no purification beyond what was spliced before the give-up
             b.turn(whole(p.position_idx, gave_up), p.position_idx)
@@ -200,4 +244,25 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         mode=mode, gamma=partition_gamma(mode, gamma), raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
         loss_mask=loss_mask, old_logprobs=b.logprobs, logprob_valid=b.valid, reward=raw.reward, advantage=math.nan,
         splices=splices, recompute_from=invalid[0] if invalid else -1, tokens_forwarded=0, gate=raw.saar_gate,
+        behaviour_logprobs=b.behaviour, token_origin=b.origin,
+        is_threshold=float(gamma) if mode in IS_MODES else None,
     )
+
+
+def moved_range(t: PurifiedTrajectory, s: Splice) -> range:
+    """Response indices of a splice's moved retry tokens: the first `moved_tokens` spliced ones from
+    `first_recomputed` on (a position's spliced tokens are contiguous: the tail of its final turn)."""
+    spliced = (TokenOrigin.SHALLOW, TokenOrigin.DEEP)
+    at = next((i for i in range(max(s.first_recomputed, 0), len(t.token_origin)) if t.token_origin[i] in spliced),
+              len(t.token_origin))
+    return range(at, at + s.moved_tokens)
+
+
+def with_splice_ratios(t: PurifiedTrajectory) -> PurifiedTrajectory:
+    """Each splice's log importance ratio from the row's recomputed old log-probs (the target policy in the
+    purified context) and its behaviour log-probs; splices already scored (saar_is) keep theirs."""
+    for s in t.splices:
+        if s.moved_tokens and s.log_is_ratio is not None and math.isnan(s.log_is_ratio):
+            idx = moved_range(t, s)
+            s.log_is_ratio = float(sum(t.old_logprobs[i] - t.behaviour_logprobs[i] for i in idx))
+    return t

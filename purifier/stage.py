@@ -22,7 +22,7 @@ from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, Cleane
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
-from pipeline.modes import partition_gamma, partition_measure, purify_measure
+from pipeline.modes import IS_MODES, partition_gamma, partition_measure, purify_measure
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
@@ -152,11 +152,11 @@ def _dask_failure(e: BaseException) -> BaseException | None:
     return None
 
 
-def _run_pipeline(staging: Path, *args) -> dict[str, int]:
+def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
+    staging, runner, options = Path(job.staging), job.runner, job.beam_options
     try:
-        return beam_pipeline.run(*args)
+        return beam_pipeline.run(job)
     except Exception as e:  # noqa: BLE001 - only environment failures are translated; the rest propagate
-        runner, options = args[9], args[10]  # beam_pipeline.run's runner and beam_options
         lost = _dask_failure(e) if runner == beam_pipeline.DASK_RUNNER else None
         if lost is not None:
             address = next((o.split("=", 1)[1] for o in options if o.startswith("--dask_client_address=")), "?")
@@ -172,8 +172,16 @@ def _run_pipeline(staging: Path, *args) -> dict[str, int]:
         raise os_error(cause, f"purification staging in {staging}") from None
 
 
+def wanted_variants(modes: list[str], gammas: list[float], is_thresholds: list[float]) -> list[tuple[str, float]]:
+    """The (mode, threshold) partitions asked for: each γ for the similarity modes, each τ for the
+    importance-ratio modes, one partition for the others."""
+    return list(dict.fromkeys((m, partition_gamma(m, v)) for m in modes
+                              for v in (is_thresholds if m in IS_MODES else gammas)))
+
+
 def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
-                     gammas: list[float] | None = None, checkpoint: Path | None = None) -> list[VariantResult]:
+                     gammas: list[float] | None = None, checkpoint: Path | None = None,
+                     is_thresholds: list[float] | None = None) -> list[VariantResult]:
     layout = RunLayout(cfg.storage.root, run_id)
     raw_dir = layout.raw_dir(iteration)
     if read_manifest(raw_dir) is None:
@@ -186,7 +194,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     gammas = gammas or cfg.purify.gammas
     variants, results = [], []
     measure = purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on)
-    wanted = dict.fromkeys((m, partition_gamma(m, g)) for m in modes for g in gammas)
+    wanted = wanted_variants(modes, gammas, is_thresholds or cfg.purify.is_thresholds)
     for mode, gamma in wanted:
         h = purify_config_hash(cfg, mode, gamma, raw_manifest.config_hash)
         out = layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure))
@@ -210,10 +218,12 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     try:
         staging.mkdir()  # before the pipeline runs: an unfinished purification leaves a trace
         raw_parts = [(str(raw_dir), asdict(p)) for p in raw_manifest.parts]
-        counters = _run_pipeline(
-            staging, raw_parts, [(m, g) for m, g, _ in variants], staging, str(checkpoint),
-            cfg.purify.advantage, cfg.purify.dynamic_filter, cfg.purify.recompute, str(checkpoint),
-            cfg.rollout.temperature, runner, runner_options, cfg.rollout.sglang_url, measure, roc_group_size(cfg))
+        counters = _run_pipeline(beam_pipeline.PurifyJob(
+            raw_parts=tuple(raw_parts), variants=tuple((m, g) for m, g, _ in variants), staging=str(staging),
+            tokenizer_dir=str(checkpoint), estimator=cfg.purify.advantage, dynamic_filter=cfg.purify.dynamic_filter,
+            recompute=cfg.purify.recompute, checkpoint=str(checkpoint), temperature=cfg.rollout.temperature,
+            sglang_url=cfg.rollout.sglang_url, measure=measure, roc_group_size=roc_group_size(cfg), runner=runner,
+            beam_options=tuple(runner_options)))
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())

@@ -4,7 +4,7 @@ A raw row in which every position has exactly one attempt gives SAAR nothing to 
 and in `raw` mode its purified sequence is the lived sequence, and every token was sampled in the
 context it has there, so every old log-prob stands (tests/test_unspliced.py checks this row for row
 against `purify()` on real rollouts). The same holds for `saar_correct` (saar or raw, both the lived
-sequence here), `roc` (the raw sequence; its selection is per group, later) and `mask_failed` (it
+sequence here), `saar_is` (no rollback to decide), `roc` (the raw sequence; its selection is per group, later) and `mask_failed` (it
 masks only rows with a recovered failure, which have a retry; tests/test_new_modes.py checks these).
 That is about two thirds of an iteration's rows; building them column-wise skips the Python objects per row that dominate the stage's time. A row that fails
 any structural check `validate_raw` makes stays on the `purify()` path, whose dead letter names
@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.modes import partition_gamma
+from pipeline.modes import IS_MODES, partition_gamma
 from storage.schemas import PURIFIED, SPLICE
 
-UNSPLICED_MODES = ("saar", "raw", "saar_correct", "mask_failed", "roc")
+UNSPLICED_MODES = ("saar", "raw", "saar_correct", "mask_failed", "roc", "saar_is")
 
 
 def _any_per_row(flags: np.ndarray, row_of: np.ndarray, n: int) -> np.ndarray:
@@ -77,6 +77,8 @@ def purified_table(raw: pa.Table, mode: str, gamma: float) -> pa.Table:
                                     pa.array(np.ones(len(pc.list_flatten(lived)), dtype=np.int8)))
     key = pc.binary_join_element_wise(raw["run_id"], pc.cast(raw["iteration"], pa.string()), raw["prompt_id"],
                                       pc.cast(raw["sample_idx"], pa.string()), "/")  # = pipeline.trajectory.row_key
+    flat_mask = pc.list_flatten(raw["lived_mask"].combine_chunks())
+    origin = pa.ListArray.from_arrays(ones.offsets, pc.cast(flat_mask, pa.int8()))  # mask 1: sampled in place
     columns = {
         "run_id": raw["run_id"], "iteration": raw["iteration"], "prompt_id": raw["prompt_id"],
         "sample_idx": raw["sample_idx"], "mode": pa.array([mode] * n, pa.string()),
@@ -86,5 +88,7 @@ def purified_table(raw: pa.Table, mode: str, gamma: float) -> pa.Table:
         "advantage": pa.array(np.full(n, math.nan)), "splices": pa.array([[]] * n, pa.list_(SPLICE)),
         "recompute_from": pa.array(np.full(n, -1, dtype=np.int32)),
         "tokens_forwarded": pa.array(np.zeros(n, dtype=np.int32)), "gate": raw["saar_gate"],
+        "behaviour_logprobs": raw["lived_logprobs"], "token_origin": origin,
+        "is_threshold": pa.array(np.full(n, float(gamma))) if mode in IS_MODES else pa.nulls(n, pa.float64()),
     }
     return pa.table([columns[f.name] for f in PURIFIED], schema=PURIFIED)

@@ -183,8 +183,27 @@ FROM att;
 CREATE OR REPLACE VIEW splices AS
 SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, s.position_idx AS position_idx,
        s.attempt_idx AS attempt_idx, s.kind AS kind, s.similarity AS similarity,
-       s.tokens_removed AS tokens_removed, s.first_recomputed AS first_recomputed, s.split_failed AS split_failed
+       s.tokens_removed AS tokens_removed, s.first_recomputed AS first_recomputed, s.split_failed AS split_failed,
+       s.moved_tokens AS moved_tokens, s.log_is_ratio AS log_is_ratio, exp(s.log_is_ratio) AS is_ratio
 FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, UNNEST(splices) AS s FROM purified);
+
+-- How far each purified partition trains tokens from the distribution that sampled them, by where the token
+-- was sampled (pipeline.trajectory.TokenOrigin): per trained token, d = old log-prob (the policy in the trained
+-- context) − behaviour log-prob (as sampled). kl_k3 estimates KL(π_b ‖ π) (Schulman's k3: e^d − 1 − d);
+-- beyond_bounds is the share whose ratio e^d is outside [0.5, 2] (verl's default TIS/MIS bounds). Rows of
+-- version-1 shards carry no behaviour log-probs and are left out.
+CREATE OR REPLACE VIEW off_policy AS
+WITH tokens AS (
+    SELECT run_id, iteration, mode, gamma, measure, UNNEST(token_origin) AS origin, UNNEST(loss_mask) AS trained,
+           UNNEST(old_logprobs) - UNNEST(behaviour_logprobs) AS d
+    FROM purified WHERE behaviour_logprobs IS NOT NULL
+)
+SELECT run_id, iteration, mode, gamma, measure,
+       CASE origin WHEN 1 THEN 'in_place' WHEN 2 THEN 'shallow' WHEN 3 THEN 'deep' WHEN 4 THEN 'moved' END AS origin,
+       count(*) AS tokens, avg(abs(d)) AS mean_abs_delta, max(abs(d)) AS max_abs_delta,
+       avg(exp(d) - 1 - d) AS kl_k3, avg((exp(d) < 0.5 OR exp(d) > 2)::INT) AS beyond_bounds
+FROM tokens WHERE trained = 1 AND origin > 0
+GROUP BY ALL ORDER BY ALL;
 
 CREATE OR REPLACE VIEW purify_compare AS
 SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure,
@@ -234,8 +253,8 @@ class Catalog:
     def refresh(self) -> None:
         sources = {
             "raw_trajectories": ("runs/*/iteration=*/raw", RAW),
-            "purified": ("runs/*/iteration=*/purified/mode=*/gamma=*", PURIFIED),
-            "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/gamma=*", DEAD_LETTER),
+            "purified": ("runs/*/iteration=*/purified/mode=*/*=*", PURIFIED),
+            "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/*=*", DEAD_LETTER),
             "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
         }
         self.problems = []

@@ -25,6 +25,16 @@ def gamma_partition(gamma: float, measure: str = "") -> str:
     return f"gamma={format_gamma(gamma)}" + (f"-{measure}" if measure else "")
 
 
+# Modes whose partitions are named by an importance-ratio threshold τ (tau=0.50) instead of γ
+# (pipeline.modes.IS_MODES, tested equal).
+IS_MODES = ("saar_is",)
+
+
+def threshold_partition(mode: str, value: float, measure: str = "") -> str:
+    """A variant's partition folder name: tau=… for the importance-ratio modes, else gamma_partition."""
+    return f"tau={format_gamma(value)}" if mode in IS_MODES else gamma_partition(value, measure)
+
+
 def partition_measure_of(path: Path) -> str:
     """The measure part of a gamma partition's name ('' = the default measure)."""
     name = Path(path).name
@@ -55,10 +65,10 @@ class RunLayout:
         return self.iteration_dir(iteration) / "raw"
 
     def purified_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
-        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / gamma_partition(gamma, measure)
+        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / threshold_partition(mode, gamma, measure)
 
     def dead_letter_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
-        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / gamma_partition(gamma, measure)
+        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / threshold_partition(mode, gamma, measure)
 
     def metrics_dir(self, iteration: int, stage: str) -> Path:
         return self.iteration_dir(iteration) / "metrics" / f"stage={stage}"

@@ -49,7 +49,7 @@ STATS = pa.struct([(name, pa.int32()) for name in (
     "generated_tokens",
 )])
 
-SPLICE = pa.struct([
+SPLICE_V1 = pa.struct([
     ("position_idx", pa.int32()),
     ("attempt_idx", pa.int32()),
     ("kind", pa.string()),
@@ -58,6 +58,9 @@ SPLICE = pa.struct([
     ("first_recomputed", pa.int32()),
     ("split_failed", pa.bool_()),
 ])
+# v2: the moved retry's importance ratio π(retry | purified context) / π_b(retry | sampled context), as
+# log Σ over its `moved_tokens` tokens from `first_recomputed` on (NaN until the log-probs are recomputed)
+SPLICE = pa.struct(list(SPLICE_V1) + [("moved_tokens", pa.int32()), ("log_is_ratio", pa.float64())])
 
 
 def _versioned(name: str, version: int, fields: list[tuple[str, pa.DataType]]) -> pa.Schema:
@@ -91,7 +94,7 @@ RAW = _versioned("raw", 1, [
     ("stats", STATS),
 ])
 
-PURIFIED = _versioned("purified", 1, [
+_PURIFIED_V1_FIELDS = [
     ("run_id", pa.string()),
     ("iteration", pa.int32()),
     ("prompt_id", pa.string()),
@@ -106,10 +109,20 @@ PURIFIED = _versioned("purified", 1, [
     ("logprob_valid", mask),
     ("reward", pa.float64()),
     ("advantage", pa.float64()),
-    ("splices", pa.list_(SPLICE)),
+    ("splices", pa.list_(SPLICE_V1)),
     ("recompute_from", pa.int32()),
     ("tokens_forwarded", pa.int32()),
     ("gate", pa.bool_()),
+]
+PURIFIED_V1 = _versioned("purified", 1, _PURIFIED_V1_FIELDS)
+# v2 (off-policy-aware purification, docs/saar.md): per response token the log-prob it was sampled with and
+# where it was sampled (pipeline.trajectory.TokenOrigin), per splice its importance ratio, and τ of saar_is.
+PURIFIED = _versioned("purified", 2, [
+    (name, pa.list_(SPLICE) if name == "splices" else kind) for name, kind in _PURIFIED_V1_FIELDS
+] + [
+    ("behaviour_logprobs", logprobs),
+    ("token_origin", mask),
+    ("is_threshold", pa.float64()),
 ])
 
 DEAD_LETTER = _versioned("dead_letter", 1, [
@@ -128,6 +141,41 @@ METRICS = _versioned("metrics", 1, [
 ])
 
 SCHEMAS: dict[str, pa.Schema] = {"raw": RAW, "purified": PURIFIED, "dead_letter": DEAD_LETTER, "metrics": METRICS}
+# Earlier versions readers still accept, by the version they are read as; `upgrade` brings their rows to it.
+EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/2": {"purified/1": PURIFIED_V1}}
+
+
+def readable_as(found: str, want: pa.Schema) -> pa.Schema | None:
+    """The schema a part of version `found` was written with, if it can be read as `want` (else None)."""
+    if found == schema_id(want):
+        return want
+    return EARLIER.get(schema_id(want), {}).get(found)
+
+
+def upgrade(table: pa.Table, want: pa.Schema) -> pa.Table:
+    """Rows of an earlier version as `want`'s: columns it lacks are null (a v1 purified row has no behaviour
+    log-probs: what needs them says so), nested structs gain their new fields as nulls."""
+    columns = []
+    for field in want:
+        if field.name not in table.column_names:
+            columns.append(pa.nulls(table.num_rows, field.type))
+        elif not table.schema.field(field.name).type.equals(field.type):
+            columns.append(_widen(table[field.name], field.type))
+        else:
+            columns.append(table[field.name])
+    return pa.table(columns, schema=want)
+
+
+def _widen(column: pa.ChunkedArray, kind: pa.DataType) -> pa.ChunkedArray:
+    # list<struct> with fewer fields -> list<struct> with more: rebuild the structs with null new fields
+    chunks = []
+    for chunk in column.chunks:
+        values = chunk.flatten()
+        fields = [values.field(f.name) if values.type.get_field_index(f.name) >= 0 else pa.nulls(len(values), f.type)
+                  for f in kind.value_type]
+        structs = pa.StructArray.from_arrays(fields, fields=list(kind.value_type))
+        chunks.append(pa.ListArray.from_arrays(chunk.offsets, structs, type=kind, mask=chunk.is_null()))
+    return pa.chunked_array(chunks, type=kind)
 
 
 def schema_id(schema: pa.Schema) -> str:

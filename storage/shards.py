@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.errors import CleanerError, os_error
-from storage.schemas import SCHEMA_META_KEY, schema_id
+from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
@@ -235,17 +235,20 @@ def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash
         return w.commit(extra)
 
 
-def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> None:
+def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> pa.Schema:
+    """The schema the part was written with (`want`, or an earlier version `want` still reads), checked."""
     meta = (got.metadata or {}).get(SCHEMA_META_KEY)
-    if meta is None or meta != want.metadata[SCHEMA_META_KEY]:
+    written = readable_as(meta.decode(), want) if meta else None
+    if written is None:
         found = meta.decode() if meta else "none"
         raise ShardError(f"{path}: schema version {found}, expected {schema_id(want)}")
-    for f in want:
+    for f in written:
         idx = got.get_field_index(f.name)
         if idx < 0:
             raise ShardError(f"{path}: missing column {f.name!r}")
         if not got.field(idx).type.equals(f.type):
             raise ShardError(f"{path}: column {f.name!r} has type {got.field(idx).type}, expected {f.type}")
+    return written
 
 
 def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
@@ -254,7 +257,7 @@ def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
     manifest = read_manifest(directory)
     if manifest is None:
         raise ShardMissing(f"{directory}: no {MANIFEST} (stage not run, or crashed before committing)")
-    if manifest.schema != schema_id(schema):
+    if readable_as(manifest.schema, schema) is None:
         raise ShardError(f"{directory / MANIFEST}: schema version {manifest.schema}, expected {schema_id(schema)}")
     extra = {p.name for p in directory.glob(PART_GLOB)} - {p.name for p in manifest.parts}
     if extra:
@@ -262,8 +265,10 @@ def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
     return manifest
 
 
-def _open_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool) -> pq.ParquetFile:
-    """One part checked against its manifest entry: size, crc32, schema version, columns and types, rows."""
+def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
+               verify_checksums: bool) -> tuple[pq.ParquetFile, pa.Schema]:
+    """One part checked against its manifest entry: size, crc32, schema version, columns and types, rows;
+    with the schema it was written with (`schema` or an earlier version of it)."""
     path = Path(directory) / part.name
     try:
         data = path.read_bytes()
@@ -277,10 +282,10 @@ def _open_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checks
         pf = pq.ParquetFile(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: corrupt Parquet ({e})") from None
-    _check_schema(path, pf.schema_arrow, schema)
+    written = _check_schema(path, pf.schema_arrow, schema)
     if pf.metadata.num_rows != part.rows:
         raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
-    return pf
+    return pf, written
 
 
 def check_part(directory: Path, part: PartInfo, schema: pa.Schema) -> None:
@@ -292,13 +297,17 @@ def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksu
               columns: list[str] | None = None) -> pa.Table:
     """One validated part of a committed shard (readers that spread parts over workers, e.g. Beam)."""
     path = Path(directory) / part.name
-    pf = _open_part(directory, part, schema, verify_checksums)
+    pf, written = _open_part(directory, part, schema, verify_checksums)
+    stored = columns if columns is None or written is schema else [c for c in columns if c in written.names]
     try:
-        table = pf.read(columns=columns)
+        table = pf.read(columns=stored)
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: corrupt Parquet ({e})") from None
     if table.num_rows != part.rows:
         raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
+    if written is not schema:  # an earlier version: read as this one (storage.schemas.upgrade)
+        want = schema if columns is None else pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+        table = upgrade(table, want)
     return table
 
 

@@ -218,8 +218,7 @@ def test_pipeline_uses_no_construct_the_dask_runner_drops():
     import apache_beam as beam
 
     p = beam.Pipeline()
-    beam_pipeline.build(p, [], [("saar", 0.5)], Path("/nonexistent"), str(DEFAULT_POLICY), "group_norm", False,
-                        "none", None, 1.0)
+    beam_pipeline.build(p, beam_pipeline.PurifyJob((), (("saar", 0.5),), "/nonexistent", str(DEFAULT_POLICY)))
     found = []
 
     class Visitor(beam.pipeline.PipelineVisitor):

@@ -12,11 +12,12 @@ import pytest
 from flows.premise import RULE, prediction
 from flows.replay_cmd import run_replay
 from flows.report import write_report
-from pipeline.config import load_config
 from pipeline.kinds import failed_call, trajectory_kind
-from pipeline.modes import MODES
+from pipeline.config import DEFAULT_POLICY, load_config
+from pipeline.modes import MODES, partition_gamma
 from pipeline.trajectory import purified_from_row, trajectory_from_row
 from purifier.advantages import group_advantages
+from purifier.recompute import CPURecompute
 from purifier.saar import purify
 from purifier.stage import run_purify_stage
 from storage.catalog import Catalog
@@ -59,7 +60,7 @@ def _query(cfg, sql: str) -> list[dict]:
 
 
 def _partition(cfg, run_id: str, mode: str):
-    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, GAMMA if mode in ("saar", "saar_correct") else 0.0)
+    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, partition_gamma(mode, GAMMA))  # saar_is: τ = 0.5
     return [purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()]
 
 
@@ -149,13 +150,16 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
     cfg, run_id = (cfg[0], "s") if isinstance(cfg, tuple) else (cfg, "w")
     raws = {t.key: t for t in (trajectory_from_row(r) for r in
                                read_shard(RunLayout(cfg.storage.root, run_id).raw_dir(0), RAW).to_pylist())}
-    decode = lambda ids: chat.decode([i - TAG if i >= TAG else i for i in ids])  # noqa: E731
+    untag = lambda ids: [i - TAG if i >= TAG else i for i in ids]  # noqa: E731
+    decode = lambda ids: chat.decode(untag(ids))  # noqa: E731
+    backend = CPURecompute(DEFAULT_POLICY)
+    score = lambda context, turn: backend.score(untag(context), untag(turn))  # noqa: E731 - saar_is, as the stage
     view = {r["mode"]: r for r in _query(cfg, "SELECT * FROM failed_call_advantage")}
     assert set(view) == set(MODES)
     for mode in MODES:
         trained = negative = positive = 0
         for p in _partition(cfg, run_id, mode):
-            q = purify(_tagged(raws[p.raw_key]), GAMMA, mode, decode)
+            q = purify(_tagged(raws[p.raw_key]), GAMMA, mode, decode, score=score)
             n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
             trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
         assert (view[mode]["trained"], view[mode]["on_negative"], view[mode]["on_positive"]) == (

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -152,9 +153,9 @@ def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stag
                     tmp_path / "runs" / "w" / "iteration=0000" / "raw")
     real_run = beam_pipeline.run
 
-    def run_then_lose_a_file(raw_files, variants, staging, *args, **kwargs):
-        counters = real_run(raw_files, variants, staging, *args, **kwargs)
-        (lost,) = staging.glob("saar-0.50.purified-*.parquet")
+    def run_then_lose_a_file(job):
+        counters = real_run(job)
+        (lost,) = Path(job.staging).glob("saar-0.50.purified-*.parquet")
         lost.unlink()
         return counters
 

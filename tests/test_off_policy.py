@@ -1,0 +1,173 @@
+"""Off-policy-aware purification (issue #29): behaviour log-probs and token origins in every purified row,
+importance ratios per splice, Plan B (`saar_is`) decided by them, v1 shards still read."""
+from __future__ import annotations
+
+import math
+import shutil
+
+import pyarrow as pa
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.config import DEFAULT_POLICY
+from pipeline.logprobs import sequence_logprobs
+from pipeline.trajectory import TokenOrigin, purified_from_row
+from purifier.recompute import CPURecompute
+from purifier.saar import purify, with_splice_ratios
+from purifier.stage import run_purify_stage
+from storage.catalog import Catalog
+from storage.layout import RunLayout
+from storage.schemas import PURIFIED, PURIFIED_V1, schema_id
+from storage.shards import read_shard, write_shard
+from tests.doubles import call
+from tests.test_purify_golden import FIX, raw
+
+FAILED = call("prnt(6 * 7)", reasoning="Let me compute the product.")
+SPLICED = (TokenOrigin.SHALLOW, TokenOrigin.DEEP)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return CPURecompute(DEFAULT_POLICY)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def plain_forward(model, t) -> list[float]:
+    """log π of every response token after the purified context, by one plain forward (no cache, no chunks)."""
+    return sequence_logprobs(model, t.prompt_ids + t.response_ids, start=len(t.prompt_ids))
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.01], ids=["shallow", "deep"])
+def test_a_retry_sampled_after_an_error_keeps_its_behaviour_logprobs(chat, sandbox, backend, model, gamma):
+    t = raw(chat, sandbox, [FAILED, FIX], live_mode="raw")  # lived raw: the retry saw the failed call and its error
+    retry = t.positions[0].attempts[1]
+    p = purify(t, gamma, "saar", chat.decode)
+    (s,) = p.splices
+    assert s.kind == ("shallow" if gamma == 0.0 else "deep")
+    moved = [i for i, o in enumerate(p.token_origin) if o in SPLICED]
+    assert moved and s.moved_tokens == len(moved) and set(p.token_origin[i] for i in moved) == {
+        TokenOrigin.SHALLOW if gamma == 0.0 else TokenOrigin.DEEP}
+    # the spliced tokens are the retry's, with the log-probs it was sampled with
+    assert [p.response_ids[i] for i in moved] == retry.turn_ids[-len(moved):]
+    assert [p.behaviour_logprobs[i] for i in moved] == retry.logprobs[-len(moved):]
+    # tool responses were never sampled
+    assert all(o == TokenOrigin.NOT_SAMPLED for o, m in zip(p.token_origin, p.loss_mask) if m == 0)
+    (q,) = backend.group([p])
+    q = with_splice_ratios(q)
+    plain = plain_forward(model, q)
+    for i in moved:
+        assert abs(q.old_logprobs[i] - plain[i]) <= 1e-5
+    want = sum(q.old_logprobs[i] - q.behaviour_logprobs[i] for i in moved)
+    assert q.splices[0].log_is_ratio == pytest.approx(want, abs=1e-9) and math.isfinite(want)
+
+
+def test_in_place_tokens_on_real_rollouts(purified_run, model):
+    """Tokens sampled in the context they are trained in: the engine's sampling log-prob is what a plain forward
+    of the purified sequence gives (≤ 1e-3); the moved ones are only reported."""
+    layout = RunLayout(purified_run.storage.root, "w")
+    rows = [purified_from_row(r) for r in read_shard(layout.purified_dir(0, "saar", 0.5), PURIFIED).to_pylist()]
+    checked, moved = 0, []
+    for t in rows[:24]:
+        plain = plain_forward(model, t)
+        for i, (o, m) in enumerate(zip(t.token_origin, t.loss_mask)):
+            if m and o == TokenOrigin.IN_PLACE:
+                assert abs(plain[i] - t.behaviour_logprobs[i]) <= 1e-3, (t.raw_key, i)
+                assert t.old_logprobs[i] == t.behaviour_logprobs[i]
+                checked += 1
+            elif m and o in SPLICED:
+                moved.append(abs(t.old_logprobs[i] - t.behaviour_logprobs[i]))
+    assert checked > 1000
+    print(f"in place: {checked} tokens ≤ 1e-3; moved: {len(moved)} tokens, mean |Δ| "
+          f"{sum(moved) / max(1, len(moved)):.3f}")
+    with Catalog(purified_run.storage.root) as cat:
+        view = cat.query("SELECT origin, tokens, mean_abs_delta FROM off_policy WHERE mode = 'saar'").to_pylist()
+    by = {r["origin"]: r for r in view}
+    assert by["in_place"]["mean_abs_delta"] == 0.0 and by["in_place"]["tokens"] > checked
+
+
+def _scorer(log_is: float):
+    """A scorer whose retry log-prob sum is the sampled one (−0.5 per token, the scripted engine's) + log_is."""
+    def score(context, turn):
+        return [-0.5] * (len(turn) - 1) + [-0.5 + log_is]
+    return score
+
+
+def test_saar_is_decides_append_or_replace_exactly_at_tau(chat, sandbox):
+    t = raw(chat, sandbox, [FAILED, FIX], live_mode="raw")
+    tau = math.exp(-1.0)
+    assert math.log(tau) == -1.0  # the boundary is exactly representable in log space
+    as_raw = purify(t, 0.0, "raw", chat.decode)
+    replaced = purify(t, tau, "saar_is", chat.decode, score=_scorer(-1.0))  # IS = τ: replace
+    (s,) = replaced.splices
+    assert s.kind == "deep" and s.log_is_ratio == -1.0 and s.moved_tokens == len(t.positions[0].attempts[1].turn_ids)
+    assert "prnt" not in chat.decode(replaced.response_ids) and replaced.gamma == tau == replaced.is_threshold
+    below = -1.0 - 2.0 ** -40  # a hair below τ, and still that after the sums (their ulp is ~2^-49)
+    appended = purify(t, tau, "saar_is", chat.decode, score=_scorer(below))
+    assert appended.splices == [] and appended.response_ids == as_raw.response_ids
+    assert appended.loss_mask == as_raw.loss_mask and appended.old_logprobs == as_raw.old_logprobs
+    assert set(appended.token_origin) == {TokenOrigin.NOT_SAMPLED, TokenOrigin.IN_PLACE}  # fully on-policy
+    assert purify(t, tau * 0.999, "saar_is", chat.decode, score=_scorer(below)).splices
+
+
+def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
+    cfg = world_copy
+    cfg.purify.modes, cfg.purify.is_thresholds = ["saar_is", "saar"], [0.5, 2.0]
+    results = run_purify_stage(cfg, "w", 0)
+    assert {(r.mode, r.gamma) for r in results} == {("saar_is", 0.5), ("saar_is", 2.0), ("saar", 0.5)}
+    layout = RunLayout(cfg.storage.root, "w")
+    assert layout.purified_dir(0, "saar_is", 0.5).name == "tau=0.50"
+    with Catalog(cfg.storage.root) as cat:
+        got = cat.query("SELECT gamma, count(*) AS n, count(*) FILTER (WHERE is_threshold = gamma) AS tau "
+                        "FROM purified WHERE mode = 'saar_is' GROUP BY ALL ORDER BY gamma").to_pylist()
+        ratios = cat.query("SELECT gamma, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'").to_pylist()
+        saar = cat.query("SELECT count(*) AS n, count(log_is_ratio) AS scored FROM splices "
+                         "WHERE mode = 'saar'").to_pylist()[0]
+    assert [(g["gamma"], g["n"] == g["tau"]) for g in got] == [(0.5, True), (2.0, True)]
+    assert all(r["kind"] == "deep" and r["log_is_ratio"] >= math.log(r["gamma"]) for r in ratios)
+    assert saar["n"] > 0 and saar["scored"] == saar["n"]  # every SAAR splice carries its ratio after recompute
+    n = {g: sum(1 for r in ratios if r["gamma"] == g) for g in (0.5, 2.0)}
+    assert n[0.5] >= n[2.0]  # a higher τ replaces no more
+
+
+def test_v1_purified_shards_still_read(purified_run, tmp_path):
+    layout = RunLayout(purified_run.storage.root, "w")
+    v2 = read_shard(layout.purified_dir(0, "saar", 0.5), PURIFIED)
+    v1 = pa.Table.from_pylist([{k: (
+        [{f: s[f] for f in PURIFIED_V1.field("splices").type.value_type.names} for s in v]
+        if k == "splices" else v) for k, v in row.items() if k in PURIFIED_V1.names} for row in v2.to_pylist()],
+        schema=PURIFIED_V1)
+    out = tmp_path / "runs" / "old" / "iteration=0000" / "purified" / "mode=saar" / "gamma=0.50"
+    write_shard(out, v1, PURIFIED_V1, "h")
+    back = read_shard(out, PURIFIED)
+    assert back.schema.equals(PURIFIED, check_metadata=False) and schema_id(back.schema) == "purified/2"
+    assert back["response_ids"].to_pylist() == v2["response_ids"].to_pylist()
+    assert back["behaviour_logprobs"].null_count == back.num_rows
+    assert back["splices"].to_pylist()[0] == [] or back["splices"].to_pylist()[0][0]["log_is_ratio"] is None
+    assert read_shard(out, PURIFIED, columns=["response_ids", "token_origin"]).column("token_origin").null_count == v1.num_rows
+    shutil.copytree(layout.run_dir, tmp_path / "runs" / "w")
+    with Catalog(tmp_path) as cat:  # old and new partitions in one catalog
+        assert not cat.problems
+        n = cat.query("SELECT count(*) AS n, count(behaviour_logprobs) AS b, count(token_origin) AS o FROM purified")
+        off = cat.query("SELECT sum(tokens) AS t FROM off_policy").to_pylist()[0]["t"]
+    assert n.to_pylist() == [{"n": v1.num_rows + v2.num_rows, "b": v2.num_rows, "o": v2.num_rows}]  # v1 rows: NULL
+    assert off == sum(sum(m) for m in v2["loss_mask"].to_pylist())  # the view reads the v2 rows only
+
+
+def test_storage_knows_the_importance_ratio_modes():
+    from pipeline import modes
+    from storage import layout
+
+    assert layout.IS_MODES == modes.IS_MODES
+
+
+def test_bad_thresholds_are_one_line_errors():
+    from pipeline.config import ConfigError, load_config
+
+    for bad in ("0", "-0.5", "nan", "inf"):
+        with pytest.raises(ConfigError, match="τ must be a finite number > 0"):
+            load_config(None, [f"purify.is_thresholds=[{bad}]"])
