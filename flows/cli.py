@@ -11,8 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.config import CleanerConfig, check_gamma, dump_config, load_config
-from pipeline.modes import MODES
+from pipeline.config import CleanerConfig, check_gamma, check_is_threshold, dump_config, load_config
+from pipeline.modes import IS_MODES, MODES
 from pipeline.qwen3_tokenizer import TEMPLATE_FAMILIES
 from storage.errors import CleanerError, describe_os_error
 
@@ -38,6 +38,13 @@ def gamma_arg(text: str) -> float:
         return check_gamma(float(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"invalid γ {text!r}: {e}") from None
+
+
+def is_threshold_arg(text: str) -> float:
+    try:
+        return check_is_threshold(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid τ {text!r}: {e}") from None
 
 
 def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
@@ -161,11 +168,13 @@ def cmd_purify(args: argparse.Namespace) -> int:
     from purifier.stage import run_purify_stage
 
     cfg = _config(args)
-    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma,
+                               is_thresholds=args.is_threshold)
     _publish_catalog(cfg)
     for r in results:
         state = "kept (already committed)" if r.skipped else "written"
-        print(f"mode={r.mode} gamma={r.gamma:g}: {r.rows} rows, {r.dead} dead letters — {state}")
+        threshold = f"tau={r.gamma:g}" if r.mode in IS_MODES else f"gamma={r.gamma:g}"
+        print(f"mode={r.mode} {threshold}: {r.rows} rows, {r.dead} dead letters — {state}")
     return 0
 
 
@@ -173,7 +182,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from flows.replay_cmd import run_replay
 
     cfg = _config(args)
-    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep)
+    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep,
+                      args.is_threshold)
     _publish_catalog(cfg)
     return code
 
@@ -308,10 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--iteration", type=int, default=0)
         p.add_argument("--gamma", type=gamma_arg, nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
         p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
+        p.add_argument("--is-threshold", type=is_threshold_arg, nargs="+", metavar="TAU", help=(
+            "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds); with --sweep, "
+            "also the importance-ratio histogram and the decisions per τ"))
         if name == "replay":
             p.add_argument("--sweep", action="store_true", help=(
                 "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
-                "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on)"))
+                "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on); "
+                "with --mode saar_is or --is-threshold: the importance-ratio histogram and decisions per τ"))
         p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
 
     p = sub.add_parser(

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.config import CleanerConfig, SaarConfig
 from pipeline.similarity import REFERENCE_MEASURE
 from purifier.replay import (candidates, examples_around, histogram_lines, plot, replay_stats, sweep_gammas,
-                             with_retries)
+                             sweep_taus, with_retries)
 from pipeline.modes import live_measure, purify_measure
 
 
@@ -30,8 +30,34 @@ def _short(call: str, n: int = 70) -> str:
     return one if len(one) <= n else one[: n - 1] + "…"
 
 
+def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, cfg: CleanerConfig,
+                    histogram: bool) -> None:
+    """saar_is (Plan B) at each τ: rollbacks replaced and appended, and the importance-ratio histogram."""
+    from rich.table import Table
+
+    from purifier.recompute import CPURecompute, SGLangRecompute
+    from purifier.replay import log_histogram_lines, replay_is
+
+    console.print(f"scoring the rollbacks with {checkpoint} (purify.recompute={cfg.purify.recompute}) …")
+    backend = (SGLangRecompute(cfg.rollout.sglang_url, cfg.rollout.temperature) if cfg.purify.recompute == "sglang"
+               else CPURecompute(checkpoint, cfg.rollout.temperature))
+    stats, log_ratios = replay_is(raws, taus, decode, backend.score)
+    table = Table(title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
+                        f"{len(log_ratios)} rollbacks scored")
+    for col in ("τ", "rollbacks", "replaced", "appended", "tokens removed", "≠ τ=0.5"):
+        table.add_column(col, justify="right")
+    for s in stats:
+        table.add_row(f"{s.tau:g}", *map(str, (s.rollbacks, s.replaced, s.appended, s.tokens_removed,
+                                                 s.differ_from_reference)))
+    console.print(table)
+    if histogram:
+        console.print("importance ratio π(retry | without the failed turn) / π_b(retry | as sampled), per rollback:")
+        for line in log_histogram_lines(log_ratios, taus):
+            console.print(line, highlight=False)
+
+
 def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[float] | None, modes: list[str] | None,
-               sweep: bool) -> int:
+               sweep: bool, taus: list[float] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -44,8 +70,10 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 
     layout = RunLayout(cfg.storage.root, run_id)
     gammas = (gammas or sweep_gammas()) if sweep else (gammas or cfg.flow.replay_gammas)
-    if not sweep:  # partitions for the asked γ; a sweep stays in memory (21 partitions would be clutter)
-        run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas)
+    if taus and not modes:
+        modes = ["saar_is"]
+    if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
+        run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas, is_thresholds=taus)
     raw_dir = layout.raw_dir(iteration)
     raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
     chat = load_chat(Path(read_manifest(raw_dir).inputs[0]))
@@ -65,6 +93,9 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed,
                                                  s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
     console.print(table)
+    if taus or (sweep and "saar_is" in (modes or [])):
+        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, Path(read_manifest(raw_dir).inputs[0]), cfg,
+                        histogram=sweep)
     from flows.premise import print_premise
     from storage.catalog import Catalog
 

@@ -1,16 +1,19 @@
-"""Replay statistics: what a γ (and a similarity measure) does to one iteration's raw trajectories,
-computed from the stored attempt trees only (nothing is regenerated). `cleaner replay` prints them;
+"""Replay statistics: what a γ (and a similarity measure), or saar_is's τ, does to one iteration's raw
+trajectories, computed from the stored attempt trees (nothing is regenerated; τ scores rollbacks with the
+policy that sampled them). `cleaner replay` prints them;
 `cleaner replay --sweep` adds the similarity histogram, a PNG and example pairs around each γ.
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from pipeline.similarity import REFERENCE_MEASURE, Measure
-from pipeline.trajectory import Trajectory
-from purifier.saar import purify
+from pipeline.trajectory import Trajectory, fingerprint
+from purifier.saar import Scorer, purify
 
 Decode = Callable[[list[int]], str]
 
@@ -60,6 +63,89 @@ def replay_stats(raws: list[Trajectory], gamma: float, decode: Decode, measure: 
             s.differ_from_reference += ref.get((x.position_idx, x.attempt_idx)) != x.kind
         s.tokens_recomputed += sum(1 for m, v in zip(ours.loss_mask, ours.logprob_valid) if m and not v)
     return s
+
+
+@dataclass
+class ISStats:
+    """What a τ does to an iteration under saar_is (Plan B): rollbacks decided, replaced, appended, and how
+    many decisions differ from those at the reference τ."""
+
+    tau: float
+    rollbacks: int
+    replaced: int
+    appended: int
+    tokens_removed: int
+    differ_from_reference: int
+
+
+def replay_is(raws: list[Trajectory], taus: list[float], decode: Decode, score: Scorer,
+              reference_tau: float = 0.5) -> tuple[list[ISStats], list[float]]:
+    """saar_is at each τ on the stored attempt trees, in memory, and the log importance ratio of every rollback
+    scored. Decisions depend on earlier ones only through their contexts, so a memo of (context, turn) scores
+    makes a τ grid cost about one τ's scoring."""
+    memo: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+    ratios: dict[tuple[str, tuple[int, ...]], float] = {}
+    # (a retry's turn ids name it: two attempts with the very same ids would share one sampled sum)
+    sampled = {tuple(a.turn_ids): sum(a.logprobs) for r in raws for p in r.positions for a in p.attempts}
+
+    def scored(context: list[int], turn: list[int]) -> list[float]:
+        key = (fingerprint(context), tuple(turn))
+        if key not in memo:
+            memo[key] = score(context, turn)
+            ratios[key] = sum(memo[key]) - sampled[tuple(turn)]
+        return memo[key]
+
+    def decisions(raw: Trajectory, tau: float) -> tuple[dict[tuple[int, int], bool], int]:
+        seen: list[tuple[str, tuple[int, ...]]] = []
+
+        def counting(context: list[int], turn: list[int]) -> list[float]:
+            seen.append((fingerprint(context), tuple(turn)))
+            return scored(context, turn)
+
+        p = purify(raw, tau, "saar_is", decode, score=counting)
+        replaced = {(x.position_idx, x.attempt_idx) for x in p.splices}
+        by_turn = {tuple(a.turn_ids): (q.position_idx, a.attempt_idx) for q in raw.positions for a in q.attempts}
+        return ({by_turn[t]: by_turn[t] in replaced for _, t in seen},
+                sum(x.tokens_removed for x in p.splices))
+
+    rows = with_retries(raws)
+    reference = {r.key: decisions(r, reference_tau)[0] for r in rows}
+    out = []
+    for tau in taus:
+        st = ISStats(tau, 0, 0, 0, 0, 0)
+        for r in rows:
+            got, removed = decisions(r, tau)
+            st.rollbacks += len(got)
+            st.replaced += sum(got.values())
+            st.tokens_removed += removed
+            st.differ_from_reference += sum(reference[r.key].get(k) != v for k, v in got.items())
+        st.appended = st.rollbacks - st.replaced
+        out.append(st)
+    return out, sorted(ratios.values())
+
+
+def sweep_taus() -> list[float]:
+    """τ from 0.1 to 2 (a ratio: below 1 tolerates a retry the clean context finds less likely)."""
+    return [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0]
+
+
+IS_EDGES = (0.0, 1e-4, 1e-2, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 4.0, math.inf)
+
+
+def log_histogram_lines(log_ratios: list[float], taus: list[float], width: int = 40) -> list[str]:
+    """A terminal histogram of importance ratios (log ratios given) in bins fine where τ is chosen, coarse in
+    the tails, with the τ values that fall in each bin marked."""
+    counts = [0] * (len(IS_EDGES) - 1)
+    for v in log_ratios:
+        counts[min(len(counts) - 1, max(0, bisect.bisect_right(IS_EDGES, math.exp(v)) - 1))] += 1
+    top = max(counts) or 1
+    lines = []
+    for i, c in enumerate(counts):
+        lo, hi = IS_EDGES[i], IS_EDGES[i + 1]
+        cuts = [t for t in taus if lo <= t < hi]
+        mark = f"  ← τ={', '.join(f'{t:g}' for t in cuts)}" if cuts else ""
+        lines.append(f"IS {lo:>6g}–{hi:<6g}│{'█' * round(width * c / top):<{width}}│ {c:4d}{mark}")
+    return lines
 
 
 def candidates(raws: list[Trajectory], decode: Decode, measure: Measure, live: Measure) -> list[Candidate]:

@@ -171,3 +171,40 @@ def test_bad_thresholds_are_one_line_errors():
     for bad in ("0", "-0.5", "nan", "inf"):
         with pytest.raises(ConfigError, match="τ must be a finite number > 0"):
             load_config(None, [f"purify.is_thresholds=[{bad}]"])
+
+
+def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
+    import subprocess
+    import sys
+
+    cfg = world_copy
+    root = cfg.storage.root
+    cmd = [sys.executable, "-m", "flows.cli", "replay", "--run", "w", "--iteration", "0", "--is-threshold", "0.3",
+           "0.7", f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "saar_is (Plan B)" in run.stdout and "rollbacks" in run.stdout
+    import duckdb
+
+    con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)  # the published catalog, at once
+    got = con.sql("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar_is' ORDER BY 1").fetchall()
+    con.close()
+    assert got == [(0.3,), (0.7,)]
+    for bad in ("0", "nan", "-1"):
+        r = subprocess.run(cmd[:6] + ["--is-threshold", bad, f"storage.root={root}"], capture_output=True, text=True)
+        assert r.returncode == 2 and f"invalid τ '{bad}'" in r.stderr
+
+
+def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
+    from pipeline.trajectory import trajectory_from_row
+    from purifier.replay import log_histogram_lines, replay_is
+    from storage.schemas import RAW
+
+    raws = [trajectory_from_row(r) for r in read_shard(RunLayout(world_rollout.storage.root, "w").raw_dir(0),
+                                                       RAW).to_pylist()]
+    stats, ratios = replay_is(raws, [0.01, 0.5, 100.0], chat.decode, backend.score)
+    lo, mid, hi = stats
+    assert lo.rollbacks > 0 and len(ratios) >= lo.rollbacks
+    assert mid.differ_from_reference == 0 and lo.replaced >= mid.replaced >= hi.replaced
+    assert all(s.replaced + s.appended == s.rollbacks for s in stats)
+    assert sum(int(line.rsplit("│", 1)[1].split()[0]) for line in log_histogram_lines(ratios, [0.5])) == len(ratios)
