@@ -100,6 +100,13 @@ class SaarConfig(Section):
         "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); docs/saar.md"))
     similarity_on: Literal["segment", "code"] = Field("segment", description=(
         "compare the whole call segment (the reference) or only the code arguments; docs/saar.md"))
+    rollback: Literal["similarity", "importance"] = Field("similarity", description=(
+        "live_mode=purified: how a retry joins the lived sequence. similarity: SAAR's shallow/deep splice at "
+        "gamma_live; importance: Open-CLEANER's Plan B, the retry replaces the failed turn when its importance "
+        "ratio π(retry | without the failed turn) / π_b(retry | as sampled) is ≥ is_threshold, else the failed "
+        "turn, its error and the retry all stay (one extra prefill per rollback; purify mode saar_is at the same τ "
+        "relives it)"))
+    is_threshold: IsThreshold = 0.5
 
 
 class RolloutConfig(Section):
@@ -218,6 +225,40 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(8192, gt=0)
     log_entropy: bool = Field(False, description="log the policy entropy per step (one more pass over the vocabulary)")
     seed: int = 0
+    rollout_correction: Literal["off", "token_tis", "token_mis", "seq_mis", "geo_rs"] = Field("off", description=(
+        "train-time correction for tokens trained in another context than they were sampled in: verl's presets on "
+        "OpenRLHF's PolicyLoss gate over pi_old/pi_behaviour (the purified rows' behaviour_logprobs). token_tis: "
+        "token weights truncated at 2 (verl decoupled_token_is); token_mis: tokens outside [0.5, 5] masked (IcePop, "
+        "verl decoupled_token_icepop); seq_mis: rows whose per-token geometric-mean ratio is outside [0.5, 2] "
+        "masked (verl's sequence MIS band, gated on OpenRLHF's geometric mean); geo_rs: the same gate at "
+        "[0.999, 1.001] (verl decoupled_geo_rs). trainer/correction.py; saar + token_tis is the reference's Plan C"))
+    rollout_correction_bounds: tuple[float, float] | None = Field(None, description=(
+        "[lower, upper] on the gated ratio, replacing the preset's (None: the preset's own)"))
+    use_dpo_on_tool_calls: bool = Field(False, description=(
+        "negative-sample DPO side loss (the reference's option; its paper reports it destabilised training): each "
+        "failed call and the working retry at its position, scored in the failed call's context, from the raw shard"))
+    dpo_beta: float = Field(15.0, gt=0, description="DPO beta on the length-normalised call log-prob gap (reference recipe: 15)")
+    dpo_max_adjustment_ratio: float = Field(0.1, gt=0, description=(
+        "cap on the DPO side loss's per-token weight, as the reference caps its per-token advantage adjustment"))
+
+    @field_validator("rollout_correction_bounds")
+    @classmethod
+    def _bounds_in_order(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is None:
+            return value
+        lower, upper = value
+        if not (math.isfinite(lower) and math.isfinite(upper)):
+            raise ValueError(f"bounds must be finite numbers, got [{lower}, {upper}]")
+        if lower < 0 or lower >= upper:
+            raise ValueError(f"expected 0 <= lower < upper on the importance ratio, got [{lower}, {upper}]")
+        return value
+
+    @model_validator(mode="after")
+    def _correction_needs_ppo(self) -> "TrainConfig":
+        if self.rollout_correction != "off" and self.policy_loss_type != "ppo":
+            raise ValueError(f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
+                             f"(OpenRLHF's {self.policy_loss_type} loss does not apply the correction gate)")
+        return self
 
 
 class FlowConfig(Section):

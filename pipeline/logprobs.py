@@ -86,3 +86,24 @@ def sequence_logprobs(model: torch.nn.Module, ids: list[int], start: int = 1, te
         hidden = body(input_ids=torch.tensor([ids])).last_hidden_state[0]
         targets = torch.tensor(ids[start:])
         return token_logprobs(hidden[start - 1: len(ids) - 1], targets, head, temperature, chunk).tolist()
+
+
+def score_turn(body: torch.nn.Module, head: torch.nn.Module, context: list[int], turn: list[int],
+               temperature: float = 1.0, chunk_tokens: int = 1024) -> list[float]:
+    """log π(turn[k] | context, turn[:k]) for every k, at the sampling temperature: a rollback's importance-
+    ratio numerator (saar_is). The live loop (CPU engine) and the purifier (CPU recompute) both call this one
+    function, so the same weights give them the same numbers. Chunks go through a KV cache: memory is
+    bounded at any context length."""
+    from transformers import DynamicCache
+
+    seq = list(context) + list(turn)
+    cache, out = DynamicCache(), []
+    with torch.inference_mode():
+        for a in range(0, len(seq) - 1, chunk_tokens):
+            b = min(len(seq) - 1, a + chunk_tokens)
+            hidden = body(input_ids=torch.tensor([seq[a:b]]), past_key_values=cache, use_cache=True).last_hidden_state
+            lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1]; the turn starts at len(context)
+            if lo < b:
+                targets = torch.tensor([seq[lo + 1: b + 1]])
+                out += token_logprobs(hidden[:, lo - a:], targets, head, temperature)[0].tolist()
+    return out

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pipeline.logprobs import split_causal_lm, token_logprobs
+from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
 from pipeline.trajectory import PurifiedTrajectory
 
 
@@ -90,21 +90,10 @@ class CPURecompute:
         return result
 
 
-    @torch.inference_mode()
     def score(self, context: list[int], turn: list[int]) -> list[float]:
-        """log π(turn[k] | context, turn[:k]) for every k: one rollback's importance-ratio numerator (saar_is),
-        forwarded in chunks through a cache like `group`."""
-        seq = list(context) + list(turn)
-        cache, out = DynamicCache(), []
-        for a in range(0, len(seq) - 1, self.chunk_tokens):
-            b = min(len(seq) - 1, a + self.chunk_tokens)
-            hidden = self.body(input_ids=torch.tensor([seq[a:b]]), past_key_values=cache, use_cache=True).last_hidden_state
-            lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1], the first turn token from len(context) − 1
-            if lo < b:
-                targets = torch.tensor([seq[lo + 1: b + 1]])
-                out += token_logprobs(hidden[:, lo - a:], targets, self.head, self.temperature)[0].tolist()
-        self.prefix_tokens += len(seq) - 1
-        return out
+        """log π(turn[k] | context, turn[:k]) for every k: one rollback's importance-ratio numerator (saar_is)."""
+        self.prefix_tokens += len(context) + len(turn) - 1
+        return score_turn(self.body, self.head, context, turn, self.temperature, self.chunk_tokens)
 
 
 class SGLangRecompute:
@@ -132,4 +121,4 @@ class SGLangRecompute:
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
         """As CPURecompute.score, by a prefill that reuses the server's cached prefix."""
-        return self.engine.score([list(context) + list(turn)], [len(context)], self.temperature)[0]
+        return self.engine.score_turn(context, turn, self.temperature)

@@ -14,6 +14,7 @@ purifier can rebuild any variant offline.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,8 +108,9 @@ class AgentLoop:
 
     def _budget(self, lv: _Live) -> int:
         """Tokens the next turn may take. A retry replaces the open turn: it may use that turn's room,
-        less the reasoning prefix a shallow splice would keep (so the lived sequence stays in budget)."""
-        if lv.retry_pending and lv.open_pos is not None:
+        less the reasoning prefix a shallow splice would keep (so the lived sequence stays in budget); a
+        retry that an importance-ratio rollback may append after it has only the room left."""
+        if lv.retry_pending and lv.open_pos is not None and self.saar.rollback != "importance":
             return self.cfg.max_response_tokens - lv.open_start - max(lv.current.call_start, 0)
         return self.cfg.max_response_tokens - len(lv.ids)
 
@@ -138,7 +140,9 @@ class AgentLoop:
                 lv.finish(gen.finish_reason)
                 return None
             piece = piece_from_attempt(att.attempt_idx, att.turn_ids, att.logprobs, call_start)
-            if self.saar.live_mode == "purified":
+            if self.saar.live_mode == "purified" and self.saar.rollback == "importance":
+                self._importance_rollback(lv, att, piece)
+            elif self.saar.live_mode == "purified":
                 decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode, self.measure)
                 lv.current = splice(lv.current, piece, decision)
                 del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
@@ -168,6 +172,21 @@ class AgentLoop:
             lv.finish(limit)
             return None
         return att
+
+    def _importance_rollback(self, lv: _Live, att: Attempt, piece: TurnPiece) -> None:
+        """Plan B, live: score the retry in the context without the open (failed) turn, with the engine's own
+        weights; IS ≥ τ replaces that turn and its error, else the retry follows them where it was sampled. The
+        same rule as purify mode saar_is, which decides again from the stored tree (same scoring function)."""
+        clean = lv.prompt + lv.ids[: lv.open_start]
+        log_is = sum(self.engine.score_turn(clean, att.turn_ids, self.cfg.temperature)) - sum(att.logprobs)
+        if log_is >= math.log(self.saar.is_threshold):  # replace: the failed turn and its error leave
+            del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
+            lv.stats.live_deep += 1
+        else:  # append: the retry is a turn of its own after the failed one
+            lv.open_start = len(lv.ids)
+            lv.turns += 1
+        lv.current = piece
+        lv.append(att.turn_ids, True, att.logprobs)
 
     def _on_result(self, lv: _Live, att: Attempt, result: ToolResult) -> None:
         att.result = result

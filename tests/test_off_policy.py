@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.config import DEFAULT_POLICY
+from pipeline.config import DEFAULT_POLICY, load_config
 from pipeline.logprobs import sequence_logprobs
 from pipeline.trajectory import TokenOrigin, purified_from_row
 from purifier.recompute import CPURecompute
@@ -208,3 +208,29 @@ def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
     assert mid.differ_from_reference == 0 and lo.replaced >= mid.replaced >= hi.replaced
     assert all(s.replaced + s.appended == s.rollbacks for s in stats)
     assert sum(int(line.rsplit("│", 1)[1].split()[0]) for line in log_histogram_lines(ratios, [0.5])) == len(ratios)
+
+
+def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_path, backend, chat):
+    """rollout.saar.rollback=importance (Plan B live, scored with the engine's weights) on the real policy and
+    sandbox; purifying the raw shard with saar_is at the same τ rebuilds every lived sequence exactly: the same
+    decisions, and off the sampled context only the retries that replaced their failed turn."""
+    from pipeline.trajectory import trajectory_from_row
+    from rollout_gen.stage import run_rollout_stage
+    from storage.schemas import RAW
+
+    cfg = load_config(None, [f"storage.root={tmp_path}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
+                             "rollout.seed=3", "rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.5"])
+    run_rollout_stage(cfg, "live", 0, DEFAULT_POLICY, show_progress=False)
+    raws = [trajectory_from_row(r) for r in read_shard(RunLayout(tmp_path, "live").raw_dir(0), RAW).to_pylist()]
+    replaced = appended = 0
+    for t in raws:
+        p = purify(t, 0.5, "saar_is", chat.decode, score=backend.score)
+        assert p.response_ids == t.lived_ids and p.loss_mask == t.lived_mask, t.key
+        # lived log-probs are as sampled: in place they are the old ones; a replaced retry's are its behaviour ones
+        assert p.behaviour_logprobs == t.lived_logprobs
+        assert all(o == lp for o, lp, v in zip(p.old_logprobs, t.lived_logprobs, p.logprob_valid) if v)
+        assert set(p.token_origin) <= {TokenOrigin.NOT_SAMPLED, TokenOrigin.IN_PLACE, TokenOrigin.DEEP}
+        assert p.token_origin.count(TokenOrigin.DEEP) == sum(s.moved_tokens for s in p.splices)
+        replaced += len(p.splices)
+        appended += sum(len(q.attempts) - 1 for q in t.positions if t.saar_gate) - len(p.splices)
+    assert replaced > 0 and appended > 0 and replaced == sum(t.stats.live_deep for t in raws)

@@ -121,6 +121,10 @@ class SGLangEngine:
         }
         return [parse_scores(r, s) for r, s in zip(self._generate(payload), starts)]
 
+    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0) -> list[float]:
+        """log π(turn | context) per token (live importance-ratio rollbacks): a prefill on the cached prefix."""
+        return self.score([list(context) + list(turn)], [len(context)], temperature)[0]
+
     def update_weights(self, checkpoint: Path) -> None:
         if self._engine is not None:
             self._engine.update_weights_from_disk(str(checkpoint))

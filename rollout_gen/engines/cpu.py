@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from pipeline.engines.base import Generation, Request, SamplingParams
+from pipeline.logprobs import score_turn, split_causal_lm
 from storage.errors import CheckpointError
 from rollout_gen.engines.batch_kv import growing, pad_left, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
@@ -124,6 +125,12 @@ class CPUEngine:
     def close(self) -> None:
         self.kept.clear()
         self.model = self.forward = None
+
+    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0) -> list[float]:
+        """log π(turn | context) per token (live importance-ratio rollbacks): the purifier's own scoring
+        function on this engine's weights, so an offline replay decides exactly as the live loop did."""
+        body, head = split_causal_lm(self.model)
+        return score_turn(body, head, context, turn, temperature, self.chunk_tokens)
 
     # ---- the continuous-batching protocol ------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
