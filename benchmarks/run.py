@@ -6,7 +6,8 @@ import sys
 
 from benchmarks.common import RESULTS_MD, record
 
-BENCHMARKS = ["storage", "world", "rollout", "async_rollout", "purify", "dask", "measures", "trainer", "e2e", "scale"]
+BENCHMARKS = ["storage", "world", "rollout", "async_rollout", "purify", "off_policy", "dask", "measures", "trainer", "e2e",
+              "scale"]
 
 
 def main(argv: list[str]) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Hashable
 
 from pipeline.chat import RETRY_NOTE, ChatFormat, format_tool_response
 from pipeline.similarity import Measure
@@ -71,6 +71,7 @@ class _Live:
     retry_pending: bool = False
     done: bool = False
     finish_reason: str = ""
+    engine_key: Hashable | None = None  # names this trajectory's cached KV in the engine (async loop)
     stats: TrajectoryStats = field(default_factory=TrajectoryStats)
 
     def append(self, ids: list[int] | tuple[int, ...], trained: bool, logprobs=None) -> None:
@@ -178,7 +179,7 @@ class AgentLoop:
         weights; IS ≥ τ replaces that turn and its error, else the retry follows them where it was sampled. The
         same rule as purify mode saar_is, which decides again from the stored tree (same scoring function)."""
         clean = lv.prompt + lv.ids[: lv.open_start]
-        log_is = sum(self.engine.score_turn(clean, att.turn_ids, self.cfg.temperature)) - sum(att.logprobs)
+        log_is = sum(self.engine.score_turn(clean, att.turn_ids, self.cfg.temperature, lv.engine_key)) - sum(att.logprobs)
         if log_is >= math.log(self.saar.is_threshold):  # replace: the failed turn and its error leave
             del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
             lv.stats.live_deep += 1
@@ -294,6 +295,7 @@ class AgentLoop:
                     self._check_limits(lv)
                     if lv.done:
                         break
+                    lv.engine_key = (key, i)
                     request = Request((key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt))
                     att = self._turn(lv, await sched.generate(i, request))
                     if att is not None:

@@ -234,3 +234,23 @@ def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_pa
         replaced += len(p.splices)
         appended += sum(len(q.attempts) - 1 for q in t.positions if t.saar_gate) - len(p.splices)
     assert replaced > 0 and appended > 0 and replaced == sum(t.stats.live_deep for t in raws)
+
+
+def test_cpu_engine_scores_a_retry_on_the_kept_prefix(chat, backend):
+    """A live rollback's scoring forward reuses the trajectory's KV in the engine: only the retry is forwarded,
+    and its log-probs are the full forward's (1e-5)."""
+    from pipeline.engines.base import Request, SamplingParams
+    from rollout_gen.engines.cpu import CPUEngine
+
+    engine = CPUEngine(DEFAULT_POLICY, pad_id=chat.tokenizer.pad_token_id)
+    context = chat.prompt_ids("What is 6 * 7?")
+    engine.add([Request("t", tuple(context), SamplingParams(48, stop_ids=tuple(chat.stop_ids)), 7)])
+    while engine.busy():
+        engine.step()
+    turn = chat.encode(call("print(6 * 7)")) + [chat.im_end_id]
+    before = engine.prefill_tokens
+    cached = engine.score_turn(context, turn, 1.0, key="t")
+    assert engine.prefill_tokens - before == len(turn)  # the context's KV came from the store
+    full = backend.score(context, turn)
+    assert len(cached) == len(full) == len(turn) and max(abs(a - b) for a, b in zip(cached, full)) <= 1e-5
+    assert engine.score_turn(context, turn, 1.0, key="unknown") == full  # nothing kept: the purifier's function

@@ -41,9 +41,11 @@ class Engine(Protocol):
         have the same ones (the prompt of a group), so an engine may compute them once."""
         ...
 
-    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0) -> list[float]:
+    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0,
+                   key: Hashable | None = None) -> list[float]:
         """log softmax(logits / temperature) of each turn token after the context and the turn tokens before
-        it: what a live importance-ratio rollback scores a retry with in the context without its failed turn."""
+        it: what a live importance-ratio rollback scores a retry with in the context without its failed turn.
+        `key`: the trajectory (as in `Request`) whose cached prefix the engine may reuse."""
         ...
 
     def update_weights(self, checkpoint: Path) -> None: ...

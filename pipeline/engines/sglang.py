@@ -11,7 +11,7 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Hashable
 
 from storage.errors import CleanerError
 from pipeline.engines.base import Generation, SamplingParams
@@ -121,8 +121,10 @@ class SGLangEngine:
         }
         return [parse_scores(r, s) for r, s in zip(self._generate(payload), starts)]
 
-    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0) -> list[float]:
-        """log π(turn | context) per token (live importance-ratio rollbacks): a prefill on the cached prefix."""
+    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0,
+                   key: Hashable | None = None) -> list[float]:
+        """log π(turn | context) per token (live importance-ratio rollbacks): a prefill on the prefix the
+        server's radix cache holds (whatever `key`)."""
         return self.score([list(context) + list(turn)], [len(context)], temperature)[0]
 
     def update_weights(self, checkpoint: Path) -> None:

@@ -59,6 +59,10 @@ class KVStore:
             self.tokens -= len(kept.ids)
         return kept
 
+    def peek(self, key: Hashable) -> Kept | None:
+        """The entry of `key` left in place (a reader that only needs a prefix of it)."""
+        return self._entries.get(key)
+
     def drop(self, key: Hashable) -> None:
         self.take(key)
 

@@ -87,6 +87,15 @@ class Qwen3Forward:
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        h = self._residual(ids, mask, pos, cache)
+        return F.linear(F.rms_norm(h[:, -1:], (self.hidden,), self.norm, self.eps), self.lm_head)[:, -1, :]
+
+    @torch.inference_mode()
+    def hidden_states(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """The final (normalised) hidden state of every position: what lm_head turns into each one's logits."""
+        return F.rms_norm(self._residual(ids, mask, pos, cache), (self.hidden,), self.norm, self.eps)
+
+    def _residual(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         b, q = ids.shape
         hq, hk, d, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         h = F.embedding(ids, self.embed)
@@ -110,4 +119,4 @@ class Qwen3Forward:
             h = h + F.linear(att.transpose(1, 2).contiguous().reshape(b, q, -1), *o)
             x = F.rms_norm(h, (self.hidden,), norm_post, eps)
             h = h + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-        return F.linear(F.rms_norm(h[:, -1:], (self.hidden,), self.norm, eps), self.lm_head)[:, -1, :]
+        return h
