@@ -63,6 +63,9 @@ CAPTIONS = {
     "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
                "each purification variant.",
     "failed_tokens": "Share of generated tokens spent in failed attempts and their error feedback.",
+    "is_ratio": "Importance ratio of every splice: π(moved retry | purified context) / π_b(retry | as sampled), "
+                "log10; left of the dashed line a splice trains its retry at less than half the probability it "
+                "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5).",
 }
 
 
@@ -94,6 +97,10 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, measure",
                      run_id)
         kinds, failed_calls = premise_rows(cat, run_id)
+        off_policy = _q(cat, "SELECT iteration, mode, gamma, measure, origin, tokens, mean_abs_delta, kl_k3, "
+                             "beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
+        ratios = _q(cat, "SELECT mode, gamma, log_is_ratio FROM splices WHERE run_id = $run "
+                         "AND log_is_ratio IS NOT NULL AND NOT isnan(log_is_ratio)", run_id)
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
     if not its:
@@ -153,6 +160,16 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
     ax.plot(x, [r["response_tokens"] for r in its], "k--", label="raw (lived)")  # on top: mode=raw equals it
     ax.set_ylim(bottom=0), ax.legend(fontsize=7)
     save("lengths", fig)
+    if ratios:
+        import math
+
+        fig, ax = axes("importance ratio of each splice", "splices", xlabel="log10 IS (moved retry, as trained vs as sampled)")
+        for name in sorted({_variant(r) for r in ratios}):
+            ax.hist([r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name], bins=30, alpha=0.6,
+                    label=name)
+        ax.axvline(math.log10(0.5), color="k", linestyle="--", label="IS = 0.5")
+        ax.legend(fontsize=7)
+        save("is_ratio", fig)
     fig, ax = axes("tokens spent on failed attempts", "share of generated tokens")
     ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
     ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
@@ -181,6 +198,11 @@ figcaption{{font-size:0.85em;color:#444}}pre{{background:#f6f6f6;padding:1em;ove
 <ul>{"".join(f"<li>{html.escape(prediction(kinds, i))}</li>" for i in x)}</ul>
 <h3>Trajectories by kind (raw shards)</h3>{table(kinds)}
 <h3>Failed-call tokens each purified partition trains, by the sign of their advantage</h3>{table(failed_calls)}
+<h2>Off-policy: how far each partition trains tokens from where they were sampled</h2>
+<p>Per trained token, Δ = old log-prob (the policy in the context it is trained in) − behaviour log-prob (as
+sampled); origins: in_place (same context), shallow / deep (moved by a splice), moved (a later turn of a row
+purified otherwise than lived). kl_k3 estimates KL(π_b‖π); beyond_bounds is the share with e^Δ outside
+[0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>{table(off_policy)}
 <h2>Run config (run.json)</h2><pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)

@@ -200,6 +200,9 @@ def test_report_has_the_premise_panel(real):
     assert "iteration 0: recovered trajectories&#x27; mean advantage" in page
     assert page.count("<td>not_recovered</td>") + page.count("<td>recovered</td>") >= 1
     assert "<th>share_negative</th>" in page and "<td>mask_failed</td>" in page
+    # the off-policy panel: every partition's in-place tokens and the splices' importance ratios
+    assert "Off-policy: how far each partition trains tokens" in page and "<td>in_place</td>" in page
+    assert "<td>deep</td>" in page and '<img src="is_ratio.png"' in page
 
 
 def test_token_level_prediction_compares_each_mode_with_raw():
