@@ -83,7 +83,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from flows.inspect import run_inspect
 
     cfg = _config(args)
-    return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries)
+    return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries, verify=args.verify)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="summarise runs from the DuckDB catalog, or run SQL on its views",
         description="Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters, metrics, "
-        "raw_kinds, trajectory_kinds, failed_call_advantage.",
+        "raw_kinds, trajectory_kinds, failed_call_advantage, off_policy. Every part is checked in full once "
+        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.",
         epilog="Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
         "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + EPILOG_OVERRIDES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -236,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sql", help="run this SQL against the catalog and print the result")
     p.add_argument("--run", help="restrict the summary to one run id")
     p.add_argument("--queries", action="store_true", help="print example queries to try")
+    p.add_argument("--verify", action="store_true", help=(
+        "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
+        "name each bad file, and exit 1 if any is bad"))
     p.set_defaults(func=cmd_inspect)
 
     from flows.flow_commands import add_flow_commands  # prefect is imported only when a flow command runs

@@ -60,11 +60,31 @@ def _duckdb_error(e: Exception, db) -> InspectError:
     return InspectError(f"SQL error: {first}")
 
 
-def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False) -> int:
+def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False,
+                verify: bool = False) -> int:
     try:
+        if verify:
+            return _verify(cfg)
         return _inspect(cfg, sql, run_id, print_queries)
     except duckdb.Error as e:
         raise _duckdb_error(e, cfg.storage.root / cfg.storage.catalog) from None
+
+
+def _verify(cfg: CleanerConfig) -> int:
+    """Every committed part checked in full; each bad shard named with what is wrong."""
+    import sys
+
+    if not cfg.storage.root.is_dir():
+        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (check storage.root or --config)")
+    from storage import shards
+
+    before = shards.FULL_READS
+    with Catalog(cfg.storage.root, verify=True) as cat:
+        bad = [p for p in cat.problems if p.committed]
+        for problem in cat.problems:
+            print(f"cleaner inspect --verify: {'BAD' if problem.committed else 'uncommitted'} {problem}", file=sys.stderr)
+    print(f"verified {cfg.storage.root}: {shards.FULL_READS - before} parts read in full, {len(bad)} bad shard(s)")
+    return 1 if bad else 0
 
 
 def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool) -> int:

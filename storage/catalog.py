@@ -26,9 +26,6 @@ from storage.layout import DEFAULT_MEASURE_KEY
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
 from storage.shards import MANIFEST, PART_GLOB, ShardError, check_part, committed_manifest
 
-# Parts validated by this process, by (path, size, mtime): a flow refreshes the catalog every iteration
-# and must not re-read every earlier shard each time. A changed file has another size or mtime.
-_VERIFIED: set[tuple[str, int, int]] = set()
 CLI_STORAGE_VERSION = "v1.5.0"
 
 
@@ -44,21 +41,16 @@ class Problem:
         return self.message
 
 
-def _validated_files(directory: Path, schema: pa.Schema) -> list[Path]:
+def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> list[Path]:
+    """The shard's parts, each checked in full once and then by identity (storage.verified), or in full
+    again with `force`: a part changed after its check is caught either way."""
     manifest = committed_manifest(directory, schema)
-    files = []
     for part in manifest.parts:
-        path = directory / part.name
-        st = path.stat() if path.is_file() else None
-        key = (str(path), st.st_size, st.st_mtime_ns) if st else None
-        if key not in _VERIFIED:
-            check_part(directory, part, schema)
-            _VERIFIED.add((str(path), path.stat().st_size, path.stat().st_mtime_ns))
-        files.append(path)
-    return files
+        check_part(directory, part, schema, force)
+    return [directory / part.name for part in manifest.parts]
 
 
-def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem]) -> list[Path]:
+def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem], force: bool = False) -> list[Path]:
     files: list[Path] = []
     for directory in sorted(p for p in Path(root).glob(pattern) if p.is_dir()):
         if not (directory / MANIFEST).is_file():
@@ -67,7 +59,7 @@ def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem]) 
                                         "writing it or crashed before committing; rerun the stage)", False))
             continue
         try:
-            files.extend(_validated_files(directory, schema))
+            files.extend(_validated_files(directory, schema, force))
         except (ShardError, OSError) as e:
             problems.append(Problem(directory, str(e), True))
     return files
@@ -236,8 +228,9 @@ _MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN
 class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
-    def __init__(self, root: Path, database: str | Path | None = None) -> None:
+    def __init__(self, root: Path, database: str | Path | None = None, verify: bool = False) -> None:
         self.root = Path(root).resolve()  # views hold absolute paths: usable from any directory
+        self.verify = verify  # check every part in full, whatever the verification records say
         self.database = str(database) if database is not None else ":memory:"
         self.problems: list[Problem] = []
         # Written in a format the duckdb CLI that set-up installs (duckdb-cli 1.5.x; the registry has no
@@ -259,7 +252,7 @@ class Catalog:
         }
         self.problems = []
         for view, (pattern, schema) in sources.items():
-            files = _scan(self.root, pattern, schema, self.problems)
+            files = _scan(self.root, pattern, schema, self.problems, self.verify)
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
             if files:
                 source = (f"read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false"

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage import verified
 from storage.errors import CleanerError, os_error
 from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
 
@@ -59,6 +60,11 @@ class Manifest:
             return cls(**data)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ShardError(f"{path}: unreadable manifest ({e})") from None
+
+
+# Parts read in full to check them, by this process (tests count them: a part verified once, by any process,
+# is not read again by the catalog).
+FULL_READS = 0
 
 
 def _crc32(data: bytes | memoryview) -> str:
@@ -215,6 +221,8 @@ class ShardWriter:
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
         _fsync_dir(self.directory)
         self._committed = True
+        # the parts' checksums were taken from the bytes just written: readers need not read them again
+        verified.remember(self.directory, [(p.name, p.crc32) for p in self._parts])
         return manifest
 
     def abort(self) -> None:
@@ -269,11 +277,13 @@ def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
                verify_checksums: bool) -> tuple[pq.ParquetFile, pa.Schema]:
     """One part checked against its manifest entry: size, crc32, schema version, columns and types, rows;
     with the schema it was written with (`schema` or an earlier version of it)."""
+    global FULL_READS
     path = Path(directory) / part.name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing") from None
+    FULL_READS += 1
     if len(data) != part.bytes:
         raise ShardError(f"{path}: {len(data)} bytes, manifest says {part.bytes}")
     if verify_checksums and _crc32(data) != part.crc32:
@@ -288,9 +298,14 @@ def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
     return pf, written
 
 
-def check_part(directory: Path, part: PartInfo, schema: pa.Schema) -> None:
-    """Validate one committed part without decoding its rows (what the catalog does before a view reads it)."""
+def check_part(directory: Path, part: PartInfo, schema: pa.Schema, force: bool = False) -> None:
+    """Validate one committed part without decoding its rows (what the catalog does before a view reads it):
+    in full the first time, then only its identity while the file is unchanged (storage.verified); `force`
+    checks in full whatever the record says (`cleaner inspect --verify`)."""
+    if not force and verified.is_verified(directory, part.name, part.bytes, part.crc32):
+        return
     _open_part(directory, part, schema, True)
+    verified.remember(directory, [(part.name, part.crc32)])
 
 
 def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool = True,
