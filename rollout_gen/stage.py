@@ -39,7 +39,9 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
     if cfg.rollout.engine == "sglang":
         from pipeline.engines.sglang import SGLangEngine
 
-        return SGLangEngine(cfg.rollout.sglang_url, checkpoint)
+        engine = SGLangEngine(cfg.rollout.sglang_url, checkpoint)
+        engine.serve(checkpoint)  # after an update, the server still holds the previous weights
+        return engine
     from rollout_gen.engines.cpu import CPUEngine
 
     return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id,

@@ -43,7 +43,12 @@ class SGLangContractDouble:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._reply(200, {}) if self.path == "/health" else self._reply(404, {"error": "no route"})
+                if self.path == "/health":
+                    self._reply(200, {})
+                elif self.path == "/get_model_info":  # SGLang's http_server: the path the server loaded
+                    self._reply(200, {"model_path": str(double.engine.checkpoint), "is_generation": True})
+                else:
+                    self._reply(404, {"error": "no route"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

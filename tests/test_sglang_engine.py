@@ -81,3 +81,25 @@ def test_unreachable_server_is_one_clear_error():
         port = s.getsockname()[1]  # closed again: nothing listens there
     with pytest.raises(SGLangUnavailable, match=r"unreachable.*sglang\.launch_server"):
         SGLangEngine(f"http://127.0.0.1:{port}")
+
+
+def test_each_rollout_makes_the_server_serve_its_checkpoint(server, tmp_path):
+    """The flow's rollout of iteration N samples from checkpoint N: the server's weights are reloaded when it
+    serves another path (it never was before: iterations ≥ 1 sampled from the initial weights), and left
+    alone when it already serves that one."""
+    import shutil
+
+    from rollout_gen.stage import run_rollout_stage
+
+    updated = tmp_path / "checkpoints" / "iteration=0001"
+    shutil.copytree(DEFAULT_POLICY, updated)
+    cfg = load_config(None, [f"storage.root={tmp_path / 'ws'}", "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
+                             "rollout.tasks_per_iteration=2", "rollout.samples_per_prompt=1"])
+    server.engine.update_weights(DEFAULT_POLICY)
+    reloads = lambda: [r["model_path"] for r in server.requests if r["path"] == "/update_weights_from_disk"]  # noqa: E731
+    before = len(reloads())
+    run_rollout_stage(cfg, "s", 0, DEFAULT_POLICY, show_progress=False)
+    assert len(reloads()) == before  # it already serves the initial policy
+    run_rollout_stage(cfg, "s", 1, updated, show_progress=False)
+    assert reloads()[before:] == [str(updated)] and server.engine.checkpoint == updated
+    server.engine.update_weights(DEFAULT_POLICY)  # leave the module's server as it was

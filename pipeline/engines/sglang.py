@@ -127,6 +127,21 @@ class SGLangEngine:
         server's radix cache holds (whatever `key`)."""
         return self.score([list(context) + list(turn)], [len(context)], temperature)[0]
 
+    def serve(self, checkpoint: Path) -> None:
+        """Make the server sample from `checkpoint`: its weights are reloaded unless `/get_model_info` says it
+        already serves that path (a rollout after an update must not sample from the previous policy)."""
+        served = None
+        if self._engine is None:
+            try:
+                served = (self._post("/get_model_info", method="GET") or {}).get("model_path")
+            except RuntimeError:  # a server without the route: reload to be sure
+                served = None
+        elif self.checkpoint is not None:
+            served = str(self.checkpoint)
+        if served is None or Path(served).resolve() != Path(checkpoint).resolve():
+            self.update_weights(checkpoint)
+        self.checkpoint = checkpoint
+
     def update_weights(self, checkpoint: Path) -> None:
         if self._engine is not None:
             self._engine.update_weights_from_disk(str(checkpoint))
