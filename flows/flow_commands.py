@@ -104,16 +104,25 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui, bound=True)
         os.environ["PREFECT_API_URL"] = server.url
     url = os.environ["PREFECT_API_URL"]
-    print(f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
+    each = (f"a new run named {args.new_run!r}" if args.new_run else
+            f"{cfg.flow.iterations} more iteration(s) of run {cfg.flow.run_id!r} from its last checkpoint")
+    print(f"[schedule] every firing trains {each}\n"
+          f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
           f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
           + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
           flush=True)
+    import warnings
+
     from flows.training import training_flow
 
+    # Prefect's runner leaves its stop coroutine unawaited when the process is told to end
+    warnings.filterwarnings("ignore", message="coroutine 'Runner.astop' was never awaited")
     try:
         training_flow.serve(
             name=args.name, interval=args.interval, cron=args.cron,
-            parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides)},
+            parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides),
+                        "more": not args.new_run, "run_id_template": args.new_run},
+            print_starting_message=False,  # its banner's trigger command lacks PREFECT_API_URL; ours above works
         )
     finally:
         if started:
@@ -188,7 +197,8 @@ def add_flow_commands(sub, add_config_args, epilog: str) -> None:
                        description="Blocks and serves the deployment. Without PREFECT_API_URL it first starts a "
                        "local Prefect server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command "
                        "ends), since Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers "
-                       "the deployment there.",
+                       "the deployment there. Each firing does new work: by default it trains flow.iterations more "
+                       "iterations of flow.run_id from its last checkpoint (--new-run: a new run per firing).",
                        epilog="Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml\n\n" + epilog,
                        formatter_class=fmt)
     add_config_args(p)
@@ -197,6 +207,10 @@ def add_flow_commands(sub, add_config_args, epilog: str) -> None:
     p.add_argument("--cron", help="cron expression")
     p.add_argument("--port", type=int, help="port of the local Prefect server it starts (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="start the local server without its web UI")
+    p.add_argument("--new-run", metavar="TEMPLATE", help=(
+        "each firing starts a new run named from TEMPLATE ({run_id}, {date}, {time}; e.g. 'nightly-{date}') "
+        "and trains flow.iterations on it; default: each firing continues flow.run_id for flow.iterations more "
+        "iterations from its last checkpoint"))
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("server", help="start/stop/status of the project's local Prefect server (127.0.0.1)",

@@ -100,18 +100,45 @@ def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:
                              description=f"cleaner metrics of iteration {iteration}")
 
 
+def trained_iterations(cfg: CleanerConfig, run_id: str) -> int:
+    """How many iterations of the run are done: their update's checkpoint is committed (done marker)."""
+    from storage.checkpoints import DONE_MARKER
+
+    layout = RunLayout(cfg.storage.root, run_id)
+    n = 0
+    while (layout.checkpoint_dir(n + 1) / DONE_MARKER).is_file():
+        n += 1
+    return n
+
+
+def run_id_for(template: str, run_id: str, now: float | None = None) -> str:
+    """A firing's run id from a template: {run_id} the configured one, {date} / {time} the firing's local
+    date (YYYYMMDD) and time (HHMMSS); e.g. 'nightly-{date}'."""
+    import time
+
+    t = time.localtime(now)
+    return template.format(run_id=run_id, date=time.strftime("%Y%m%d", t), time=time.strftime("%H%M%S", t))
+
+
 @flow(name="cleaner-training")
-def training_flow(config_file: str | None = None, overrides: list[str] | None = None) -> str:
-    """N iterations of rollout → purify → update; resumes where a previous attempt stopped."""
+def training_flow(config_file: str | None = None, overrides: list[str] | None = None, more: bool = False,
+                  run_id_template: str | None = None) -> str:
+    """N iterations of rollout → purify → update; resumes where a previous attempt stopped. `more` (what a
+    schedule's firings use): N more iterations after the run's last trained one. `run_id_template`: a new
+    run per firing, named from the template (`run_id_for`)."""
     cfg = _cfg(config_file, overrides)
-    run_id = cfg.flow.run_id
+    run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     retries = cfg.flow.task_retries
     modes = list(dict.fromkeys([*cfg.purify.modes, cfg.train.mode]))
     gammas = list(dict.fromkeys([*cfg.purify.gammas, cfg.train.gamma]))
     checkpoint = ""
-    for i in range(cfg.flow.iterations):
+    start = trained_iterations(cfg, run_id) if more else 0
+    if start:
+        log.info(f"run {run_id}: {start} iterations trained; training iterations {start} to "
+                 f"{start + cfg.flow.iterations - 1}")
+    for i in range(start, start + cfg.flow.iterations):
         again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
         n = _value(rollout_task.with_options(**again)(cfg, run_id, i))
         publish_catalog(cfg, log.warning)  # every committed shard is queryable at once

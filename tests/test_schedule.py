@@ -94,6 +94,16 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
                  trigger.group(1).split("=", 1)[0]: trigger.group(1).split("=", 1)[1]}
         ran = subprocess.run(["bash", "-c", trigger.group(2)], env=plain, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stdout + ran.stderr
+        # the next firing (scheduled or that trigger) does new work: iteration 1, from checkpoint 1
+        layout = RunLayout(tmp_path, "sched")
+        deadline = time.time() + 300
+        while time.time() < deadline and read_manifest(layout.raw_dir(1)) is None:
+            assert p.poll() is None, (tmp_path / "schedule.log").read_text()[-3000:]
+            time.sleep(2)
+        raw1 = read_manifest(layout.raw_dir(1))
+        assert raw1 is not None, (tmp_path / "schedule.log").read_text()[-3000:]
+        assert raw1.inputs[0].endswith("checkpoints/iteration=0001")
+        assert "prefect deployment run" not in out.replace(trigger.group(0), "")  # only the command that works
     finally:
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
         t0, hung = time.time(), False
@@ -126,3 +136,11 @@ def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
     if not _gone(server_pid):
         os.killpg(server_pid, signal.SIGKILL)
         raise AssertionError("the Prefect server outlived a killed `cleaner schedule`")
+
+
+def test_run_ids_from_a_template():
+    from flows.training import run_id_for
+
+    t = time.mktime((2026, 11, 24, 23, 5, 9, 0, 0, -1))
+    assert run_id_for("nightly-{date}", "demo", t) == "nightly-20261124"
+    assert run_id_for("{run_id}-{date}-{time}", "demo", t) == "demo-20261124-230509"
