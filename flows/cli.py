@@ -112,37 +112,33 @@ def cmd_init_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from flows.console import print_metrics
-    from flows.eval_cmd import METRICS_FILE, evaluate, evaluate_world, write_metrics
+    from flows.eval_cmd import run_eval
+    from rollout_gen.eval_run import check_samples
 
     cfg = _config(args)
     if not args.world and not args.tasks:
         print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
         return 2
-    policy = cfg.rollout.policy
-    if args.tasks:
-        from rollout_gen.tasks import load_task_parquet
-
-        tasks = load_task_parquet(args.tasks)[: args.limit]
-        metrics = evaluate(cfg, policy, tasks)
-        print_metrics(f"{policy} on {args.tasks}", {k: v for k, v in metrics.items() if k != "settings"}, args.json)
-        return 0
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
+        if args.export_lcb:
+            print("cleaner eval: --export-lcb runs without --flow (one setting, one file)", file=sys.stderr)
+            return 2
+        check_samples(cfg, args.samples)  # refused before a server starts
+        if args.tasks:
+            from rollout_gen.tasks import load_task_parquet
+
+            load_task_parquet(args.tasks)  # a bad file is one line here, not a failed flow run
         from flows.server import start_temporary_server
 
         start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
+        from flows.console import print_metrics
         from flows.training import eval_flow
 
-        result = eval_flow(str(args.config) if args.config else None, list(args.overrides))
-        print_metrics(f"{policy}: SAAR at test time on vs off", result, args.json)
+        result = eval_flow(str(args.config) if args.config else None, list(args.overrides),
+                           tasks_file=str(args.tasks) if args.tasks else None, samples=args.samples, limit=args.limit)
+        print_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.json)
         return 0
-    metrics = evaluate_world(cfg, policy, limit=args.limit)
-    print_metrics(f"{policy} on the world's held-out tasks", {k: v for k, v in metrics.items() if k != "settings"},
-                  args.json)
-    if args.write:
-        write_metrics(metrics, policy / METRICS_FILE)
-        print(f"wrote {policy / METRICS_FILE}", file=sys.stderr)
-    return 0
+    return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
 
 
 def _publish_catalog(cfg: CleanerConfig) -> None:
@@ -151,6 +147,14 @@ def _publish_catalog(cfg: CleanerConfig) -> None:
 
     publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog,
                     lambda message: print(f"cleaner: {message}", file=sys.stderr))
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from flows.gc_cmd import run_gc
+
+    cfg = _config(args)
+    return run_gc(cfg, args.run or cfg.flow.run_id, args.keep_last, args.keep or [], args.remove_partition or [],
+                  args.dry_run)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -278,19 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "eval", help="measure a policy on held-out tasks with the real agent loop",
-        description="Roll out the policy (rollout.policy) once per held-out task of the tool-use world, with "
-        "SAAR retries as configured, and print well-formed call rate, first-call failures by label, retry "
-        "success, accuracy and generated tokens/s.",
-        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
+        description="Roll out the policy (rollout.policy) --samples times per held-out task of the tool-use world "
+        "(or of --tasks FILE), with SAAR retries as configured, and print well-formed call rate, first-call "
+        "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
+        "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
+        "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
+        "LiveCodeBench counts them (docs/eval.md).",
+        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --samples 16\n"
+        "  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
+        "  cleaner eval --tasks aime_2024_problems.parquet --samples 16 rollout.policy=/ckpt\n"
+        "  cleaner eval --tasks lcb_v6.parquet --samples 4 --export-lcb generations.json\n"
+        "  cleaner eval --world --samples 4 --flow   # Prefect flow: SAAR at test time on vs off\n"
         "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + EPILOG_OVERRIDES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
     p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
-    p.add_argument("--tasks", type=Path, help="evaluate on a task parquet (Open-AgentRL, AIME, GPQA, LiveCodeBench layouts)")
+    p.add_argument("--tasks", type=Path, help="evaluate on a task file: Open-AgentRL-Eval (AIME2024, AIME2025, "
+                   "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="samples per task (seeds rollout.seed … +K-1), at most rollout.max_in_flight [1]")
     p.add_argument("--limit", type=int, help="only the first N held-out tasks")
-    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy")
+    p.add_argument("--export-lcb", type=Path, metavar="FILE",
+                   help="write the code tasks' generations in LiveCodeBench's custom-evaluation format "
+                   "([{question_id, code_list}], for lcb_runner.runner.custom_evaluator --custom_output_file)")
+    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy (--world)")
     p.add_argument("--flow", action="store_true",
-                   help="run as the Prefect eval flow: pass@1, tool-error rate and latency with SAAR on and off")
+                   help="run as the Prefect eval flow: pass@k, tool errors and latency with SAAR on and off")
     p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
     p.set_defaults(func=cmd_eval)
 
@@ -331,6 +348,26 @@ def build_parser() -> argparse.ArgumentParser:
                 "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: purify.similarity(_on); "
                 "with --mode saar_is or --is-threshold: the importance-ratio histogram and decisions per τ"))
         p.set_defaults(func=cmd_purify if name == "purify" else cmd_replay)
+
+    p = sub.add_parser(
+        "gc", help="remove a run's old checkpoints and named replay partitions, keeping what it needs",
+        description="Keeps the newest --keep-last checkpoints, those given with --keep, any checkpoint an update is "
+        "still writing, every raw shard and the partition the run trains on; removes the other checkpoints and the "
+        "purified/dead-letter partitions named with --remove-partition in every iteration. Each item goes in one "
+        "rename (never half-removed); the catalog is republished. Replays of an iteration whose checkpoint was "
+        "removed cannot recompute log-probs (keep it with --keep).",
+        epilog="Examples:\n  cleaner gc --run demo --keep-last 2 --dry-run\n  cleaner gc --run demo --keep-last 3 "
+        "--keep 10 --remove-partition mode=saar/gamma=0.30 mode=saar_is/tau=0.70\n\n" + EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--keep-last", type=int, default=2, help="newest committed checkpoints to keep (≥ 1; default 2)")
+    p.add_argument("--keep", type=int, nargs="+", metavar="ITERATION", help="also keep these iterations' checkpoints")
+    p.add_argument("--remove-partition", nargs="+", metavar="MODE/THRESHOLD",
+                   help="replay partitions to remove from every iteration, as named under purified/ "
+                   "(e.g. mode=saar/gamma=0.30); never the one the run trains on")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed and change nothing")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser(
         "filter", help="a task file of the tasks whose logged pass rate is strictly between two bounds",

@@ -54,13 +54,16 @@ def _value(result: object) -> object:
 @task(name="rollout", cache_policy=NONE)
 def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
     from rollout_gen.stage import run_rollout_stage
-    from storage.shards import is_committed
     from storage.checkpoints import checkpoint_for
 
-    committed = is_committed(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
+    from storage.shards import read_manifest
+
+    done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
+    if done is not None:  # resumed: its checkpoint may have been removed by `cleaner gc` since
+        return _result(done.rows, True)
     manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy),
                                  log=get_run_logger().info)
-    return _result(manifest.rows, committed)
+    return _result(manifest.rows, False)
 
 
 @task(name="purify", cache_policy=NONE)
@@ -128,6 +131,12 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     run per firing, named from the template (`run_id_for`)."""
     cfg = _cfg(config_file, overrides)
     run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
+    if cfg.flow.eval_every:  # a bad k or eval task file is refused before anything is written
+        from rollout_gen.eval_run import check_samples
+        from rollout_gen.eval_stage import held_out_tasks
+
+        check_samples(cfg, cfg.flow.eval_samples, "flow.eval_samples")
+        held_out_tasks(cfg)
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     retries = cfg.flow.task_retries
@@ -138,8 +147,11 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     if start:
         log.info(f"run {run_id}: {start} iterations trained; training iterations {start} to "
                  f"{start + cfg.flow.iterations - 1}")
+    again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
     for i in range(start, start + cfg.flow.iterations):
-        again = {"retries": retries, "retry_condition_fn": retry_unless_user_error}
+        if cfg.flow.eval_every and i % cfg.flow.eval_every == 0:  # the policy this iteration rolls out from
+            _value(eval_stage_task.with_options(**again)(cfg, run_id, i))
+            publish_catalog(cfg, log.warning)
         n = _value(rollout_task.with_options(**again)(cfg, run_id, i))
         publish_catalog(cfg, log.warning)  # every committed shard is queryable at once
         purified = _value(purify_task.with_options(**again)(cfg, run_id, i, modes, gammas))
@@ -148,6 +160,9 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
         publish_catalog(cfg, log.warning)
         log.info(f"iteration {i}: {n} trajectories; purified {describe_purified(purified)}; checkpoint {checkpoint}")
         _artifact(cfg, run_id, i)
+    if cfg.flow.eval_every:  # the last checkpoint, always
+        _value(eval_stage_task.with_options(**again)(cfg, run_id, start + cfg.flow.iterations))
+        publish_catalog(cfg, log.warning)
     return checkpoint
 
 
@@ -164,30 +179,55 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
     return out
 
 
+@task(name="eval", cache_policy=NONE)
+def eval_stage_task(cfg: CleanerConfig, run_id: str, iteration: int) -> dict:
+    """Checkpoint `iteration` on flow.eval_tasks, SAAR at test time on and off, into iteration's metrics shard."""
+    from rollout_gen.eval_stage import STAGE, run_eval_stage
+    from storage.checkpoints import checkpoint_for
+    from storage.shards import read_manifest
+
+    done = read_manifest(RunLayout(cfg.storage.root, run_id).metrics_dir(iteration, STAGE))
+    if done is not None:  # resumed: kept as committed (its checkpoint may be gone since)
+        return _result(done.extra, True)
+    ckpt = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    manifest, _ = run_eval_stage(cfg, run_id, iteration, ckpt, log=get_run_logger().info)
+    return _result(manifest.extra, False)
+
+
 @task(name="evaluate", cache_policy=NONE)
-def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool) -> dict:
-    from flows.eval_cmd import evaluate_world
+def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool, tasks_file: str | None = None, samples: int = 1,
+              limit: int | None = None) -> dict:
+    from flows.eval_cmd import evaluate, evaluate_world
+    from rollout_gen.tasks import load_task_parquet
 
     c = cfg.model_copy(deep=True)
-    if not saar:
-        c.rollout.saar.gate_p = 0.0
-    return evaluate_world(c, Path(checkpoint), show_progress=False)
+    c.rollout.saar.gate_p = 1.0 if saar else 0.0  # at test time SAAR is on for every trajectory, or off
+    if tasks_file:
+        return evaluate(c, Path(checkpoint), load_task_parquet(tasks_file)[:limit], show_progress=False, samples=samples)
+    return evaluate_world(c, Path(checkpoint), limit=limit, show_progress=False, samples=samples)
 
 
 @flow(name="cleaner-eval")
-def eval_flow(config_file: str | None = None, overrides: list[str] | None = None, checkpoint: str | None = None) -> dict:
-    """pass@1, tool-error rate and latency of a checkpoint, with SAAR at test time on and off."""
+def eval_flow(config_file: str | None = None, overrides: list[str] | None = None, checkpoint: str | None = None,
+              tasks_file: str | None = None, samples: int = 1, limit: int | None = None) -> dict:
+    """avg@k pass@1, pass@k, tool errors and latency of a checkpoint, with SAAR at test time on and off."""
     cfg = _cfg(config_file, overrides)
     ckpt = checkpoint or str(cfg.rollout.policy)
     result = {}
     for saar in (True, False):
-        m = eval_task(cfg, ckpt, saar)
+        m = eval_task(cfg, ckpt, saar, tasks_file, samples, limit)
+        overall = m["benchmarks"]["all"]
         result["saar_on" if saar else "saar_off"] = {
-            "pass@1": m["accuracy"], "first_call_failure_rate": m["first_call_failure_rate"], "wall_s": m["wall_s"]}
+            "pass@1": m["accuracy"], **{k: v for k, v in overall.items() if k.startswith("pass@") and k != "pass@1"},
+            "tool_failures_per_trajectory": overall["tool_failures_per_trajectory"],
+            "first_call_failure_rate": m["first_call_failure_rate"], "generated_tokens": m["generated_tokens"],
+            "generated_tokens_per_s": m["generated_tokens_per_s"], "latency_p50_s": m["latency_s"]["p50"],
+            "wall_s": m["wall_s"]}
     on, off = result["saar_on"], result["saar_off"]
     result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
-    create_markdown_artifact(key="cleaner-eval", markdown="| setting | pass@1 | first-call failure rate | wall s |\n"
-                             "|---|---|---|---|\n" + "\n".join(
-                                 f"| {k} | {v['pass@1']:.3f} | {v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
+    create_markdown_artifact(key="cleaner-eval", markdown="| setting | pass@1 | tool failures / trajectory | "
+                             "first-call failure rate | wall s |\n|---|---|---|---|---|\n" + "\n".join(
+                                 f"| {k} | {v['pass@1']:.3f} | {v['tool_failures_per_trajectory']:.3f} | "
+                                 f"{v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
                                  for k, v in result.items() if isinstance(v, dict)))
     return result

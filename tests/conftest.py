@@ -67,3 +67,14 @@ def sandbox():
 
     with SandboxPool() as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """`cleaner train` on a tiny config (run `tiny`, 2 iterations), once per session, never modified: tests
+    that change a run work on a copy."""
+    from tests.flow_helpers import train
+
+    root = tmp_path_factory.mktemp("flow-a")
+    train(root)
+    return root

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from storage.catalog import Catalog
 from storage.layout import RunLayout
@@ -17,29 +16,7 @@ from pipeline.trajectory import trajectory_from_row
 from storage.schemas import RAW
 from storage.shards import read_manifest, read_shard
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = """\
-storage: {{root: {root}}}
-flow: {{run_id: tiny, iterations: 2, tensorboard: true}}
-rollout: {{tasks_per_iteration: 4, samples_per_prompt: 4}}
-purify: {{modes: [saar, raw], gammas: [0.5]}}
-train: {{mini_batches: 2, lr: 1.0e-4}}
-"""
-
-
-def cleaner(args: list[str], root: Path, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
-
-
-def train(root: Path, timeout: float = 600) -> str:
-    cfg = root / "tiny.yaml"
-    cfg.write_text(TINY.format(root=root))
-    p = cleaner(["train", "-c", str(cfg)], root)
-    out, _ = p.communicate(timeout=timeout)
-    assert p.returncode == 0, out[-3000:]
-    return out
+from tests.flow_helpers import ROOT, TINY, cleaner, train
 
 
 def fingerprint(root: Path) -> dict:
@@ -65,13 +42,6 @@ def fingerprint(root: Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("flow-a")
-    train(root)
-    return root
-
-
 def test_flow_outputs_exist_and_add_up(uninterrupted):
     root = uninterrupted
     layout = RunLayout(root, "tiny")
@@ -95,9 +65,9 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert (layout.run_dir / "report" / "index.html").is_file()
-    assert len(list((layout.run_dir / "report").glob("*.png"))) == 6
+    assert len(list((layout.run_dir / "report").glob("*.png"))) == 7  # is_ratio.png too
     page = (layout.run_dir / "report" / "index.html").read_text()
-    assert page.count("<figcaption>") == 6 and "Run config (run.json)" in page and '"run_id": "tiny"' in page
+    assert page.count("<figcaption>") == 7 and "Run config (run.json)" in page and '"run_id": "tiny"' in page
     assert "0.5" in page and "rapidfuzz-segment" in page  # every variant with its γ and measure
     assert list((layout.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 

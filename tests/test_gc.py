@@ -1,0 +1,103 @@
+"""`cleaner gc` (issue #31 §4): a long run's store kept to what it needs, one whole item at a time."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.catalog import Catalog
+from storage.checkpoints import DONE_MARKER
+from storage.layout import RunLayout
+from tests.flow_helpers import ROOT, TINY, cleaner
+
+
+def _gc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flows.cli", "gc", "--run", "tiny", *args, f"storage.root={root}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.blake2b(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def run(uninterrupted, tmp_path) -> Path:
+    root = tmp_path / "store"
+    shutil.copytree(uninterrupted, root, symlinks=True, ignore=shutil.ignore_patterns(".prefect"))
+    # a replay beside the run's own partitions, as `cleaner replay --gamma 0.3` writes it
+    layout = RunLayout(root, "tiny")
+    for i in (0, 1):
+        shutil.copytree(layout.purified_dir(i, "saar", 0.5), layout.purified_dir(i, "saar", 0.3))
+    return root
+
+
+def test_dry_run_changes_nothing(run):
+    before = _tree(run)
+    out = _gc(run, "--keep-last", "1", "--remove-partition", "mode=saar/gamma=0.30", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "would remove checkpoint" in out.stdout and "would remove partition" in out.stdout
+    assert _tree(run) == before
+
+
+def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run):
+    layout = RunLayout(run, "tiny")
+    # plenty to delete, so that the kill lands while gc is at work
+    for k in range(4000):
+        (layout.purified_dir(1, "saar", 0.3) / f"padding-{k}.bin").write_bytes(b"x" * 64)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "gc", "--run", "tiny", "--keep-last", "1",
+                          "--remove-partition", "mode=saar/gamma=0.30", f"storage.root={run}"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any((run / ".trash").glob("*")) and p.poll() is None:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    with Catalog(run) as cat:  # whatever the kill left, the store reads: every item is there whole or gone
+        assert not cat.problems
+    out = _gc(run, "--keep-last", "1", "--remove-partition", "mode=saar/gamma=0.30")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert not any((run / ".trash").glob("*"))
+    assert not layout.checkpoint_dir(1).exists() and (layout.checkpoint_dir(2) / DONE_MARKER).is_file()
+    assert not list(layout.run_dir.glob("iteration=*/purified/mode=saar/gamma=0.30"))
+    assert layout.purified_dir(1, "saar", 0.5).is_dir() and layout.raw_dir(1).is_dir()
+    with Catalog(run) as cat:
+        assert not cat.problems
+        assert cat.query("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar'").to_pylist() == [{"gamma": 0.5}]
+    # the run resumes and continues: a third iteration from the kept checkpoint
+    cfg = run / "tiny.yaml"
+    cfg.write_text(TINY.format(root=run).replace("iterations: 2", "iterations: 3"))
+    p = cleaner(["train", "-c", str(cfg)], run)
+    text, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, text[-3000:]
+    assert (layout.checkpoint_dir(3) / DONE_MARKER).is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--run", "nope", "--keep-last", "1"], "run 'nope' does not exist"),
+    (["--keep-last", "0"], "--keep-last 0: at least 1"),
+    (["--remove-partition", "mode=saar/gamma=0.50"], "the run's own flow writes it"),
+    (["--remove-partition", "saar"], "expected the form mode=MODE/gamma=G"),
+])
+def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
+    before = _tree(run)
+    out = _gc(run, *args) if args[0] != "--run" else subprocess.run(
+        [sys.executable, "-m", "flows.cli", "gc", *args, f"storage.root={run}"], cwd=ROOT, capture_output=True,
+        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert _tree(run) == before
+
+
+def test_a_root_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    out = _gc(tmp_path / "file" / "root", "--keep-last", "1")
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
