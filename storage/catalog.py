@@ -23,7 +23,7 @@ import duckdb
 import pyarrow as pa
 
 from storage.layout import DEFAULT_MEASURE_KEY
-from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
+from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW, schema_id
 from storage.shards import MANIFEST, PART_GLOB, ShardError, check_part, committed_manifest
 
 CLI_STORAGE_VERSION = "v1.5.0"
@@ -41,17 +41,18 @@ class Problem:
         return self.message
 
 
-def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> list[Path]:
-    """The shard's parts, each checked in full once and then by identity (storage.verified), or in full
-    again with `force`: a part changed after its check is caught either way."""
+def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> list[tuple[Path, str]]:
+    """The shard's parts with its schema version, each checked in full once and then by identity
+    (storage.verified), or in full again with `force`: a part changed after its check is caught either way."""
     manifest = committed_manifest(directory, schema)
     for part in manifest.parts:
         check_part(directory, part, schema, force)
-    return [directory / part.name for part in manifest.parts]
+    return [(directory / part.name, manifest.schema) for part in manifest.parts]
 
 
-def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem], force: bool = False) -> list[Path]:
-    files: list[Path] = []
+def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
+          force: bool = False) -> list[tuple[Path, str]]:
+    files: list[tuple[Path, str]] = []
     for directory in sorted(p for p in Path(root).glob(pattern) if p.is_dir()):
         if not (directory / MANIFEST).is_file():
             if any(directory.glob(PART_GLOB)) or any(directory.glob(".part-*")):
@@ -65,12 +66,25 @@ def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem], 
     return files
 
 
+_SQL_TYPES = {pa.string(): "VARCHAR", pa.int8(): "TINYINT", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
+              pa.float32(): "FLOAT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
+
+
+def _sql_type(kind: pa.DataType) -> str:
+    if pa.types.is_list(kind):
+        return _sql_type(kind.value_type) + "[]"
+    if pa.types.is_struct(kind):
+        return "STRUCT(" + ", ".join(f'"{f.name}" {_sql_type(f.type)}' for f in kind) + ")"
+    return _SQL_TYPES[kind]
+
+
 def _empty_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema) -> str:
     # DuckDB cannot read an empty file list: a typed empty table (kept inside the catalog, so nothing is
-    # written beside the shards) gives the view its columns.
+    # written beside the shards) gives the view its columns. Declared in SQL: handing DuckDB an Arrow table
+    # makes it import pandas, most of a small catalog's build time.
     table = f"_empty_{name}"
-    empty = schema.empty_table()  # noqa: F841 - read by DuckDB through the Python frame
-    con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM empty")
+    columns = ", ".join(f'"{f.name}" {_sql_type(f.type)}' for f in schema)
+    con.execute(f"CREATE OR REPLACE TABLE {table} ({columns})")
     return table
 
 
@@ -255,8 +269,16 @@ class Catalog:
             files = _scan(self.root, pattern, schema, self.problems, self.verify)
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
             if files:
-                source = (f"read_parquet({_sql_list(files)}, union_by_name=true, hive_partitioning=false"
-                          + (", filename=true)" if partitioned else ")"))
+                # One read per schema version, each binding only its first file's footer: union_by_name over
+                # every file would read every footer each time a view over it is bound (seconds at 2,000
+                # iterations); versions are combined by column name (older ones get NULL for newer columns).
+                versions: dict[str, list[Path]] = {}
+                for path, version in files:
+                    versions.setdefault(version, []).append(path)
+                reads = [f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
+                         + (", filename=true)" if partitioned else ")") for _, paths in sorted(
+                             versions.items(), key=lambda kv: kv[0] != schema_id(schema))]
+                source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
             else:
                 source = _empty_table(self.con, view, schema)
             select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned and files else (
