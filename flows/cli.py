@@ -111,36 +111,6 @@ def cmd_init_policy(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from flows.eval_cmd import run_eval
-    from rollout_gen.eval_run import check_samples
-
-    cfg = _config(args)
-    if not args.world and not args.tasks:
-        print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
-        return 2
-    if args.flow:  # as a Prefect flow, SAAR at test time on and off
-        if args.export_lcb:
-            print("cleaner eval: --export-lcb runs without --flow (one setting, one file)", file=sys.stderr)
-            return 2
-        check_samples(cfg, args.samples)  # refused before a server starts
-        if args.tasks:
-            from rollout_gen.tasks import load_task_parquet
-
-            load_task_parquet(args.tasks)  # a bad file is one line here, not a failed flow run
-        from flows.server import start_temporary_server
-
-        start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
-        from flows.console import print_metrics
-        from flows.training import eval_flow
-
-        result = eval_flow(str(args.config) if args.config else None, list(args.overrides),
-                           tasks_file=str(args.tasks) if args.tasks else None, samples=args.samples, limit=args.limit)
-        print_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.json)
-        return 0
-    return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
-
-
 def _publish_catalog(cfg: CleanerConfig) -> None:
     """A stage run alone republishes the catalog file too (one warning if it cannot)."""
     from storage.catalog import publish_quietly
@@ -280,36 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(opens every assistant turn with <think>, as Qwen3-4B-Thinking-2507)")
     p.set_defaults(func=cmd_init_policy)
 
-    p = sub.add_parser(
-        "eval", help="measure a policy on held-out tasks with the real agent loop",
-        description="Roll out the policy (rollout.policy) --samples times per held-out task of the tool-use world "
-        "(or of --tasks FILE), with SAAR retries as configured, and print well-formed call rate, first-call "
-        "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
-        "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
-        "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
-        "LiveCodeBench counts them (docs/eval.md).",
-        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --samples 16\n"
-        "  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
-        "  cleaner eval --tasks aime_2024_problems.parquet --samples 16 rollout.policy=/ckpt\n"
-        "  cleaner eval --tasks lcb_v6.parquet --samples 4 --export-lcb generations.json\n"
-        "  cleaner eval --world --samples 4 --flow   # Prefect flow: SAAR at test time on vs off\n"
-        "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + EPILOG_OVERRIDES,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_args(p)
-    p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
-    p.add_argument("--tasks", type=Path, help="evaluate on a task file: Open-AgentRL-Eval (AIME2024, AIME2025, "
-                   "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
-    p.add_argument("--samples", type=int, default=1, metavar="K",
-                   help="samples per task (seeds rollout.seed … +K-1), at most rollout.max_in_flight [1]")
-    p.add_argument("--limit", type=int, help="only the first N held-out tasks")
-    p.add_argument("--export-lcb", type=Path, metavar="FILE",
-                   help="write the code tasks' generations in LiveCodeBench's custom-evaluation format "
-                   "([{question_id, code_list}], for lcb_runner.runner.custom_evaluator --custom_output_file)")
-    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy (--world)")
-    p.add_argument("--flow", action="store_true",
-                   help="run as the Prefect eval flow: pass@k, tool errors and latency with SAAR on and off")
-    p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
-    p.set_defaults(func=cmd_eval)
+    from flows.eval_cmd import add_eval_command  # the rollout stack is imported only when eval runs
+
+    add_eval_command(sub, _add_config_args, EPILOG_OVERRIDES)
 
     p = sub.add_parser(
         "rollout", help="phase 1 alone: sample trajectories with retries and write a raw shard",

@@ -1,48 +1,142 @@
-"""`cleaner eval --world`: a policy on the world's held-out tasks with the real agent loop."""
+"""`cleaner eval`: a policy on the world's held-out tasks or a task file, k samples per task, with the real
+agent loop (rollout_gen/eval_run.py); avg@k, pass@k and tool metrics per benchmark; LiveCodeBench export.
+The rollout stack is imported inside the functions, so building the command line stays fast."""
 from __future__ import annotations
 
+import argparse
 import json
-import time
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
-from pipeline.config import CleanerConfig
-from rollout_gen.agent import RolloutIdentity
-from rollout_gen.evaluate import world_metrics
-from rollout_gen.stage import make_engine, roll_out
-from pipeline.chat import load_chat
-from storage.checkpoints import policy_version
-from rollout_gen.tasks import Task
-from rollout_gen.world.tasks import eval_tasks
+from pipeline.config import CleanerConfig, load_config
+
+if TYPE_CHECKING:
+    from rollout_gen.tasks import Task
 
 METRICS_FILE = "metrics.json"
 # Fields that depend on wall-clock time, not on the policy: excluded when comparing reruns.
-TIMING_FIELDS = ("generated_tokens_per_s", "wall_s")
+TIMING_FIELDS = ("generated_tokens_per_s", "wall_s", "latency_s")
 
 
-def evaluate_world(cfg: CleanerConfig, checkpoint: Path, limit: int | None = None, show_progress: bool = True) -> dict:
-    return evaluate(cfg, checkpoint, eval_tasks(cfg.world)[:limit], show_progress)
+def evaluate_world(cfg: CleanerConfig, checkpoint: Path, limit: int | None = None, show_progress: bool = True,
+                   samples: int = 1) -> dict:
+    from rollout_gen.world.tasks import eval_tasks
+
+    return evaluate(cfg, checkpoint, eval_tasks(cfg.world)[:limit], show_progress, samples)
 
 
-def evaluate(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], show_progress: bool = True) -> dict:
-    """pass@1 and tool metrics of one sample per task with the real agent loop."""
-    cfg = cfg.model_copy(deep=True)
-    cfg.rollout.samples_per_prompt = 1
-    chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
-    engine = make_engine(cfg, checkpoint, chat)
-    identity = RolloutIdentity("eval", 0, policy_version(checkpoint), cfg.rollout.seed)
-    t0 = time.perf_counter()
-    try:
-        trajectories = roll_out(cfg, engine, chat, tasks, identity, show_progress)
-    finally:
-        engine.close()
-    metrics = world_metrics(trajectories, time.perf_counter() - t0)
-    metrics["settings"] = {
-        "tasks": len(tasks), "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed,
-        "saar_live_mode": cfg.rollout.saar.live_mode, "max_retries": cfg.rollout.saar.max_retries,
-        "world": cfg.world.model_dump(), "policy_version": identity.policy_version,
-    }
-    return metrics
+def evaluate(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], show_progress: bool = True,
+             samples: int = 1) -> dict:
+    """avg@k / pass@k and tool metrics of `samples` samples per task with the real agent loop."""
+    from rollout_gen.eval_run import evaluate_tasks
+
+    return evaluate_tasks(cfg, checkpoint, tasks, samples, show_progress).metrics
 
 
 def write_metrics(metrics: dict, path: Path) -> None:
     path.write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+
+
+def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: int, limit: int | None,
+             export_lcb: Path | None, as_json: bool, write: bool) -> int:
+    """The command's work, with every refusal before any rollout (nothing is written on bad input)."""
+    from flows.console import print_metrics
+    from rollout_gen.eval_run import EvalError, check_exportable, check_samples, evaluate_tasks
+    from rollout_gen.lcb import custom_output
+    from rollout_gen.tasks import load_task_parquet
+    from rollout_gen.world.tasks import eval_tasks
+    from storage.shards import atomic_write_json
+
+    check_samples(cfg, samples)
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit {limit}: must be at least 1")
+    if write and samples != 1:  # metrics.json beside a policy records its one-sample evaluation
+        raise EvalError(f"--write records the one-sample evaluation in {METRICS_FILE}; run it without --samples {samples}")
+    policy = cfg.rollout.policy
+    tasks = load_task_parquet(tasks_file)[:limit] if tasks_file else eval_tasks(cfg.world)[:limit]
+    where = str(tasks_file) if tasks_file else "the world's held-out tasks"
+    if export_lcb is not None:
+        check_exportable(tasks, where)
+        if export_lcb.is_dir() or not export_lcb.parent.is_dir():
+            raise EvalError(f"--export-lcb {export_lcb}: " + ("is a folder; give a file name such as generations.json"
+                            if export_lcb.is_dir() else f"folder {export_lcb.parent} does not exist"))
+    run = evaluate_tasks(cfg, policy, tasks, samples)
+    metrics = run.metrics
+    if as_json:
+        print_metrics(where, {k: v for k, v in metrics.items() if k != "settings"}, True)
+    else:
+        print_metrics(f"{policy} on {where}", {k: v for k, v in metrics.items() if k not in ("settings", "benchmarks")})
+        print_metrics(f"avg@{samples} (pass@1), pass@k ± standard error over tasks, per benchmark",
+                      metrics["benchmarks"])
+    if export_lcb is not None:
+        entries = run.lcb_entries()
+        atomic_write_json(export_lcb, custom_output(entries))
+        print(f"wrote {export_lcb}: {len(entries)} LiveCodeBench problems × {samples} generations "
+              f"(python -m lcb_runner.runner.custom_evaluator --custom_output_file {export_lcb})", file=sys.stderr)
+    if write and world:
+        write_metrics(metrics, policy / METRICS_FILE)
+        print(f"wrote {policy / METRICS_FILE}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rollout_gen.eval_run import check_samples
+
+    cfg = load_config(args.config, args.overrides)
+    if not args.world and not args.tasks:
+        print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
+        return 2
+    if args.flow:  # as a Prefect flow, SAAR at test time on and off
+        if args.export_lcb:
+            print("cleaner eval: --export-lcb runs without --flow (one setting, one file)", file=sys.stderr)
+            return 2
+        check_samples(cfg, args.samples)  # refused before a server starts
+        if args.tasks:
+            from rollout_gen.tasks import load_task_parquet
+
+            load_task_parquet(args.tasks)  # a bad file is one line here, not a failed flow run
+        from flows.server import start_temporary_server
+
+        start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
+        from flows.console import print_metrics
+        from flows.training import eval_flow
+
+        result = eval_flow(str(args.config) if args.config else None, list(args.overrides),
+                           tasks_file=str(args.tasks) if args.tasks else None, samples=args.samples, limit=args.limit)
+        print_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.json)
+        return 0
+    return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
+
+
+def add_eval_command(sub, add_config_args: Callable[[argparse.ArgumentParser], None], epilog: str) -> None:
+    p = sub.add_parser(
+        "eval", help="measure a policy on held-out tasks with the real agent loop",
+        description="Roll out the policy (rollout.policy) --samples times per held-out task of the tool-use world "
+        "(or of --tasks FILE), with SAAR retries as configured, and print well-formed call rate, first-call "
+        "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
+        "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
+        "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
+        "LiveCodeBench counts them (docs/eval.md).",
+        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --samples 16\n"
+        "  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
+        "  cleaner eval --tasks aime_2024_problems.parquet --samples 16 rollout.policy=/ckpt\n"
+        "  cleaner eval --tasks lcb_v6.parquet --samples 4 --export-lcb generations.json\n"
+        "  cleaner eval --world --samples 4 --flow   # Prefect flow: SAAR at test time on vs off\n"
+        "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
+    p.add_argument("--tasks", type=Path, help="evaluate on a task file: Open-AgentRL-Eval (AIME2024, AIME2025, "
+                   "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="samples per task (seeds rollout.seed … +K-1), at most rollout.max_in_flight [1]")
+    p.add_argument("--limit", type=int, help="only the first N held-out tasks")
+    p.add_argument("--export-lcb", type=Path, metavar="FILE",
+                   help="write the code tasks' generations in LiveCodeBench's custom-evaluation format "
+                   "([{question_id, code_list}], for lcb_runner.runner.custom_evaluator --custom_output_file)")
+    p.add_argument("--write", action="store_true", help="write metrics.json next to the policy (--world)")
+    p.add_argument("--flow", action="store_true",
+                   help="run as the Prefect eval flow: pass@k, tool errors and latency with SAAR on and off")
+    p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
+    p.set_defaults(func=cmd_eval)

@@ -42,6 +42,29 @@ def iteration_table(root: Path, run_id: str) -> list[dict]:
         return _q(cat, ITERATIONS_SQL, run_id)
 
 
+EVAL_SQL = "SELECT iteration, name, value FROM metrics WHERE run_id = $run AND stage = 'eval' ORDER BY ALL"
+
+
+def eval_curves(rows: list[dict]) -> list[dict]:
+    """Per evaluated checkpoint (flow.eval_every; metric names in rollout_gen/eval_stage.py), over all held-out
+    tasks: avg@k pass@1 with its standard error, the largest pass@k, tool failures per trajectory; SAAR at test
+    time on and off. Every row has every column (None where a setting was not evaluated)."""
+    by_it: dict[int, dict[str, float | None]] = {}
+    for r in rows:
+        by_it.setdefault(r["iteration"], {})[r["name"]] = r["value"]
+    out = []
+    for it, m in sorted(by_it.items()):
+        ks = sorted({int(n.rsplit("@", 1)[1]) for n in m if "/all/pass@" in n and not n.endswith("_se")})
+        row: dict = {"iteration": it, "largest k": ks[-1] if ks else None}
+        for s in ("saar_on", "saar_off"):
+            row[f"{s} pass@1"] = m.get(f"{s}/all/pass@1")
+            row[f"{s} pass@1 se"] = m.get(f"{s}/all/pass@1_se")
+            row[f"{s} pass@largest k"] = m.get(f"{s}/all/pass@{ks[-1]}") if ks else None
+            row[f"{s} tool failures/traj"] = m.get(f"{s}/all/tool_failures_per_trajectory")
+        out.append(row)
+    return out
+
+
 def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
@@ -63,6 +86,10 @@ CAPTIONS = {
     "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
                "each purification variant.",
     "failed_tokens": "Share of generated tokens spent in failed attempts and their error feedback.",
+    "eval_pass1": "Held-out avg@k pass@1 of checkpoint i (the policy iteration i rolls out from; flow.eval_every), "
+                  "SAAR at test time on and off; bars: ± one standard error over tasks.",
+    "eval_tool_errors": "Failed tool executions (retries included) per held-out trajectory of checkpoint i, SAAR at "
+                        "test time on and off.",
     "is_ratio": "Importance ratio of every splice: π(moved retry | purified context) / π_b(retry | as sampled), "
                 "log10; left of the dashed line a splice trains its retry at less than half the probability it "
                 "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5).",
@@ -101,6 +128,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
                              "beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
         ratios = _q(cat, "SELECT mode, gamma, log_is_ratio FROM splices WHERE run_id = $run "
                          "AND log_is_ratio IS NOT NULL AND NOT isnan(log_is_ratio)", run_id)
+        curves = eval_curves(_q(cat, EVAL_SQL, run_id))
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
     if not its:
@@ -174,6 +202,22 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
     ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
     ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
     save("failed_tokens", fig)
+    for name, title, ylabel, key in (("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
+                                     ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory",
+                                      "tool failures/traj")):
+        if not curves:
+            break
+        fig, ax = axes(title, ylabel, xlabel="checkpoint (iteration it rolls out)")
+        for setting, style in (("saar_on", "o-"), ("saar_off", "s--")):
+            pts = [r for r in curves if r[f"{setting} {key}"] is not None]
+            err = [r[f"{setting} pass@1 se"] or 0.0 for r in pts] if key == "pass@1" else None
+            if pts:
+                ax.errorbar([r["iteration"] for r in pts], [r[f"{setting} {key}"] for r in pts], yerr=err, fmt=style,
+                            capsize=3, label=f"SAAR {setting.split('_')[1]} at test")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, 1.05) if key == "pass@1" else ax.set_ylim(bottom=0)  # pass@1: the whole range
+        ax.legend(fontsize=8)
+        save(name, fig)
 
     def table(rows: list[dict]) -> str:
         if not rows:
@@ -193,6 +237,7 @@ figcaption{{font-size:0.85em;color:#444}}pre{{background:#f6f6f6;padding:1em;ove
 <h1>cleaner run <code>{html.escape(run_id)}</code></h1>
 <h2>Per iteration</h2>{table(its)}
 <h2>Plots</h2>{plots}
+<h2>Held-out evaluation (flow.eval_every)</h2>{table(curves)}
 <h2>Raw vs purified (per mode, γ and similarity measure)</h2>{table(compare)}
 <h2>Does purification help? The premise, measured</h2><p>{html.escape(RULE)}</p>
 <ul>{"".join(f"<li>{html.escape(prediction(kinds, i))}</li>" for i in x)}</ul>

@@ -197,14 +197,14 @@ def eval_stage_task(cfg: CleanerConfig, run_id: str, iteration: int) -> dict:
 @task(name="evaluate", cache_policy=NONE)
 def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool, tasks_file: str | None = None, samples: int = 1,
               limit: int | None = None) -> dict:
-    from flows.eval_cmd import evaluate, evaluate_world
+    from rollout_gen.eval_run import evaluate_tasks
     from rollout_gen.tasks import load_task_parquet
+    from rollout_gen.world.tasks import eval_tasks
 
     c = cfg.model_copy(deep=True)
     c.rollout.saar.gate_p = 1.0 if saar else 0.0  # at test time SAAR is on for every trajectory, or off
-    if tasks_file:
-        return evaluate(c, Path(checkpoint), load_task_parquet(tasks_file)[:limit], show_progress=False, samples=samples)
-    return evaluate_world(c, Path(checkpoint), limit=limit, show_progress=False, samples=samples)
+    tasks = load_task_parquet(tasks_file) if tasks_file else eval_tasks(cfg.world)
+    return evaluate_tasks(c, Path(checkpoint), tasks[:limit], samples, show_progress=False).metrics
 
 
 @flow(name="cleaner-eval")

@@ -268,6 +268,14 @@ class FlowConfig(Section):
     replay_gammas: list[Gamma] = [0.3, 0.5, 0.7]
     tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
     wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
+    eval_every: int = Field(0, ge=0, description=(
+        "evaluate checkpoint i (the policy iteration i rolls out from) when i is a multiple of this, and the "
+        "last one, as a Prefect task before iteration i's rollout; metrics in the run's metrics shard, stage=eval "
+        "(0 = off; docs/eval.md)"))
+    eval_tasks: str = Field("world", description="held-out tasks of that evaluation: 'world' or a task file")
+    eval_samples: int = Field(1, ge=1, description="samples per task of that evaluation (avg@k, pass@k)")
+    eval_limit: int | None = Field(None, ge=1, description="only the first N tasks of eval_tasks")
+    eval_saar_off: bool = Field(True, description="also evaluate with SAAR off at test time (beside SAAR on)")
 
 
 class CleanerConfig(Section):

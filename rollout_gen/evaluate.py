@@ -1,8 +1,10 @@
-"""Policy metrics from rolled-out trajectories: call format, tool errors, retries, accuracy, speed."""
+"""Policy metrics from rolled-out trajectories: call format, tool errors, retries, accuracy, speed; avg@k and
+pass@k per benchmark (pipeline/passk.py)."""
 from __future__ import annotations
 
 from collections import Counter
 
+from pipeline.passk import summarize
 from pipeline.trajectory import Trajectory
 
 
@@ -42,3 +44,42 @@ def world_metrics(trajectories: list[Trajectory], wall_s: float, decode=None) ->
         "wall_s": wall_s,
         "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),
     }
+
+
+def solved(t: Trajectory, kind: str) -> bool:
+    """A code problem counts only when every test passes (its reward is the share of tests passed, so 1.0),
+    as LiveCodeBench counts it; a math or GPQA one when its boxed answer is right (+1)."""
+    return t.reward >= 1.0 if kind == "code" else t.reward > 0
+
+
+def group_metrics(trajectories: list[Trajectory], counts: list[tuple[int, int]]) -> dict:
+    """avg@k / pass@k with standard errors over tasks ((n, c) per task), tool failures and tokens of a group."""
+    n = max(1, len(trajectories))
+    attempts = [a for t in trajectories for p in t.positions for a in p.attempts]
+    firsts = [p.attempts[0] for t in trajectories for p in t.positions]
+    return {
+        "tasks": len(counts),
+        "trajectories": len(trajectories),
+        **summarize(counts),
+        # every failed execution counts, retries included: what a trajectory paid in tool errors
+        "tool_failures_per_trajectory": sum(a.failed for a in attempts) / n,
+        "first_call_failure_rate": sum(a.failed for a in firsts) / max(1, len(firsts)),
+        "tool_calls_per_trajectory": sum(a.has_call for a in attempts) / n,
+        "mean_response_tokens": sum(len(t.lived_ids or ()) for t in trajectories) / n,
+        "generated_tokens": sum(t.stats.generated_tokens for t in trajectories),
+        "reward_errors": sum(t.finish_reason.startswith("reward_error") for t in trajectories),
+    }
+
+
+def benchmark_metrics(kinds: list[tuple[str, str]], trajectories: list[Trajectory], samples: int) -> dict[str, dict]:
+    """{"all": …, source: …}: group_metrics overall and per benchmark (task source). `kinds` is (source, kind)
+    per task; the trajectories are task-major, task i's samples at [i*samples, (i+1)*samples)."""
+    groups: dict[str, tuple[list[Trajectory], list[tuple[int, int]]]] = {"all": ([], [])}
+    for i, (source, kind) in enumerate(kinds):
+        mine = trajectories[i * samples:(i + 1) * samples]
+        count = (len(mine), sum(solved(t, kind) for t in mine))
+        for key in ("all", source):
+            trajs, counts = groups.setdefault(key, ([], []))
+            trajs.extend(mine)
+            counts.append(count)
+    return {key: group_metrics(trajs, counts) for key, (trajs, counts) in groups.items()}

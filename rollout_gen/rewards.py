@@ -10,10 +10,10 @@ against the box's letter, with or without `(...)` or `\\text{...}` around it.
 """
 from __future__ import annotations
 
-import json
 import re
 
 from pipeline.answers import last_boxed
+from rollout_gen import lcb
 from rollout_gen.math_verify_worker import MathVerifier
 from rollout_gen.tasks import Task
 
@@ -55,28 +55,10 @@ def math_reward(response_text: str, ground_truth: str) -> float:
     return 1.0 if answer is not None and answers_match(answer, ground_truth) else -1.0
 
 
-CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)```", re.S)
-
-
 def code_reward(response_text: str, ground_truth: str, sandbox) -> float:
-    """Fraction of tests passed (each `{"input": stdin, "output": expected}`); −1 without a code block."""
-    blocks = CODE_BLOCK.findall(response_text)
-    if not blocks:
-        return -1.0
-    try:
-        tests = json.loads(ground_truth)
-    except json.JSONDecodeError:
-        return -1.0
-    if not tests:
-        return -1.0
-    program = blocks[-1]
-    codes = [
-        f"import sys, io\nsys.stdin = io.StringIO({t.get('input', '')!r})\n" + program for t in tests
-    ]
-    results = sandbox.run_many(codes)
-    passed = sum(r.status == "success" and r.text.split("stdout: ", 1)[-1].strip() == str(t.get("output", "")).strip()
-                 for r, t in zip(results, tests))
-    return passed / len(tests)
+    """Share of the tests passed, each judged as LiveCodeBench judges it and run in the sandbox
+    (rollout_gen/lcb.py); 1.0 is a problem LiveCodeBench counts as solved; −1 without a code block."""
+    return lcb.score(response_text, ground_truth, sandbox)
 
 
 def reward(task: Task, response_text: str, sandbox=None) -> float:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from storage.errors import CleanerError
@@ -39,13 +40,27 @@ def _user_text(prompt: object, path: Path, row: int) -> str:
 
 
 def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]:
-    """Open-AgentRL / verl style parquet: `prompt` (chat messages or text), `data_source`,
-    `reward_model.ground_truth`; eval layouts (AIME24/25, GPQA-diamond, LiveCodeBench-v6) use the
-    same fields, or flat `question`/`problem` + `answer` columns, which are accepted too."""
+    """A task file: one of the published evaluation layouts (rollout_gen/eval_layouts.py: Open-AgentRL-Eval
+    AIME24/25, GPQA-diamond, LiveCodeBench-v6; LiveCodeBench's code_generation_lite), or Open-AgentRL / verl
+    style: `prompt` (chat messages or text), `data_source`, `reward_model.ground_truth`, or flat
+    `question`/`problem` + `answer` columns."""
+    from rollout_gen.eval_layouts import LayoutError, detect
+
     path = Path(path)
     if not path.is_file():
         raise TaskFileError(f"{path}: task file does not exist")
-    rows = pq.read_table(path).to_pylist()
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise TaskFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})") from None
+    layout = detect(table)
+    if layout is not None:
+        try:
+            rows = layout.load(table, path, source)
+        except LayoutError as e:
+            raise TaskFileError(str(e)) from None
+        return [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind) for r in rows]
+    rows = table.to_pylist()
     tasks: list[Task] = []
     for i, r in enumerate(rows):
         if "prompt" in r:

@@ -1,0 +1,172 @@
+"""Evaluation as the paper reports it: k samples per task through the real agent loop and sandbox, scored
+as each benchmark scores (rollout_gen/evaluate.py, pipeline/passk.py), for `cleaner eval` and the training
+flow's eval stage (rollout_gen/eval_stage.py).
+
+The k samples of every task run as one batch on the asynchronous loop. Sample s of a task is drawn exactly
+as a one-sample evaluation at `rollout.seed + s` draws it (the same SAAR gate coin and per-turn seeds), so
+avg@k is the mean of k single-sample evaluations with those seeds (tests/test_eval_avgk.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from pipeline.chat import load_chat
+from pipeline.config import CleanerConfig
+from pipeline.engines.base import SamplingParams
+from pipeline.progress import StageProgress
+from pipeline.trajectory import Trajectory
+from rollout_gen.agent import AgentLoop, RolloutIdentity, _Live, unit_hash
+from rollout_gen.evaluate import benchmark_metrics, world_metrics
+from rollout_gen.lcb import LCBFormatError, extract_code, parse_tests
+from rollout_gen.sandbox import SandboxPool
+from rollout_gen.stage import make_engine
+from rollout_gen.tasks import Task
+from storage.checkpoints import policy_version
+from storage.errors import CleanerError
+
+class EvalError(CleanerError, ValueError):
+    """An evaluation asked for with values that cannot run (k, tasks, an export target); nothing was run."""
+
+    exit_code = 2
+
+
+def check_samples(cfg: CleanerConfig, samples: int, name: str = "--samples") -> None:
+    """k must be at least 1 and fit the engine's batch: a task's k samples run together."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise EvalError(f"{name} {samples!r}: the number of samples per task must be an integer >= 1")
+    if samples > cfg.rollout.max_in_flight:
+        raise EvalError(f"{name} {samples}: above rollout.max_in_flight ({cfg.rollout.max_in_flight}), the most "
+                        f"requests the engine runs at once (a task's samples are batched together); lower {name} "
+                        "or raise rollout.max_in_flight")
+
+
+class SampledLoop(AgentLoop):
+    """AgentLoop with k samples per task in one batch, each seeded as its own one-sample run."""
+
+    @staticmethod
+    def _seed(lv: _Live, identity: RolloutIdentity) -> int:
+        # AgentLoop seeds from the run's seed and the sample index; here every sample is index 0 of the
+        # run at its own seed (lv.seed = rollout.seed + s), which is what a one-sample run at that seed uses
+        return int(unit_hash("sample", lv.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
+
+    def run_samples(self, tasks: list[Task], identity: RolloutIdentity, samples: int,
+                    progress: Callable[[int, int, str], None] | None = None) -> list[Trajectory]:
+        """Task-major trajectories: task i's sample s at i * samples + s (its sample_idx is s)."""
+        lives: list[_Live] = []
+        for task in tasks:
+            prompt = self.chat.prompt_ids(task.question)
+            for s in range(samples):
+                seed = identity.seed + s
+                coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, 0, seed)
+                lv = _Live(task, 0, seed, coin < self.saar.gate_p, prompt)
+                if len(prompt) > self.cfg.max_prompt_tokens:
+                    lv.finish("prompt_too_long")
+                lives.append(lv)
+        params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
+                                tuple(sorted(self.chat.stop_ids)))
+        (self._lockstep if self.cfg.loop == "lockstep" else self._async)(lives, params, identity, progress)
+        out = []
+        for i, lv in enumerate(lives):
+            t = self._trajectory(lv, replace(identity, seed=lv.seed))
+            t.sample_idx = i % samples
+            out.append(t)
+        return out
+
+
+class _Clock:
+    """When each trajectory finished, from the loop's progress reports (finished counts per engine step)."""
+
+    def __init__(self, bar: StageProgress | None) -> None:
+        self.t0, self.bar, self.done_at = time.perf_counter(), bar, []
+
+    def __call__(self, done: int, total: int, note: str) -> None:
+        self.done_at += [time.perf_counter() - self.t0] * (done - len(self.done_at))
+        if self.bar is not None:
+            self.bar.update(done, note)
+
+    def latency(self, total: int, wall: float) -> dict[str, float]:
+        times = sorted(self.done_at + [wall] * (total - len(self.done_at)))
+        if not times:
+            return {"p50": 0.0, "p90": 0.0, "max": 0.0}
+        return {"p50": times[len(times) // 2], "p90": times[int(0.9 * (len(times) - 1))], "max": times[-1]}
+
+
+@dataclass
+class EvalRun:
+    metrics: dict
+    tasks: list[Task]
+    samples: int
+    trajectories: list[Trajectory]
+    codes: list[str]  # per trajectory: the program LiveCodeBench would extract ("" for a math task)
+
+    def lcb_entries(self) -> list[tuple[str, list[str]]]:
+        """(question_id, the k programs) of every LiveCodeBench task, in sample order."""
+        k = self.samples
+        return [(qid, self.codes[i * k:(i + 1) * k]) for i, task in enumerate(self.tasks)
+                if (qid := question_id(task)) is not None]
+
+
+def question_id(task: Task) -> str | None:
+    if task.kind != "code":
+        return None
+    try:
+        return parse_tests(task.ground_truth).question_id
+    except LCBFormatError:
+        return None
+
+
+def check_exportable(tasks: list[Task], where: str) -> None:
+    """Every code task must carry its LiveCodeBench question_id, and there must be one: refused before running."""
+    code = [(i, t) for i, t in enumerate(tasks) if t.kind == "code"]
+    if not code:
+        raise EvalError(f"--export-lcb: {where} has no code task (LiveCodeBench layouts: code_generation_lite rows, "
+                        "or Open-AgentRL-Eval's LiveCodeBench_v6)")
+    missing = [i for i, t in code if question_id(t) is None]
+    if missing:
+        raise EvalError(f"--export-lcb: {where}: row {missing[0]} ({tasks[missing[0]].source}) has no question_id "
+                        f"({len(missing)} of {len(code)} code tasks lack one); LiveCodeBench aligns generations by it")
+
+
+def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samples: int = 1,
+                   show_progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
+    """k samples per task with SAAR as configured; metrics overall and per benchmark (task source)."""
+    check_samples(cfg, samples)
+    if not tasks:
+        raise EvalError("no tasks to evaluate")
+    cfg = cfg.model_copy(deep=True)
+    cfg.rollout.samples_per_prompt = 1
+    cfg.rollout.overlong_buffer = 0  # scored as the benchmark scores: no length shaping
+    chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
+    engine = make_engine(cfg, checkpoint, chat)
+    identity = RolloutIdentity("eval", 0, policy_version(checkpoint), cfg.rollout.seed)
+    total = len(tasks) * samples
+    bar = StageProgress("eval", "trajectories", total, log=log) if show_progress else None
+    clock = _Clock(bar)
+    t0 = time.perf_counter()
+    try:
+        with SandboxPool(cfg.rollout.sandbox) as sandbox, (bar or contextlib.nullcontext()):
+            trajectories = SampledLoop(engine, sandbox, chat, cfg.rollout).run_samples(tasks, identity, samples, clock)
+    finally:
+        engine.close()
+    wall = time.perf_counter() - t0
+    metrics = world_metrics(trajectories, wall)
+    bench = benchmark_metrics([(t.source, t.kind) for t in tasks], trajectories, samples)
+    metrics.update({
+        "accuracy": bench["all"]["pass@1"],  # avg@k: a code task counts only when every test passes
+        "samples": samples,
+        "tool_failures_per_trajectory": bench["all"]["tool_failures_per_trajectory"],
+        "benchmarks": bench,
+        "latency_s": clock.latency(total, wall),
+    })
+    metrics["settings"] = {  # the keys policies/*/metrics.json records (a test compares them)
+        "tasks": len(tasks), "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed,
+        "saar_live_mode": cfg.rollout.saar.live_mode, "max_retries": cfg.rollout.saar.max_retries,
+        "world": cfg.world.model_dump(), "policy_version": identity.policy_version,
+    }
+    codes = [extract_code(chat.decode(t.lived_ids)) if tasks[i // samples].kind == "code" else ""
+             for i, t in enumerate(trajectories)]
+    return EvalRun(metrics, tasks, samples, trajectories, codes)
