@@ -35,8 +35,8 @@ SUMMARY_SQL = {
     "raw trajectories": (
         "SELECT run_id, iteration, count(*) AS trajectories, avg(reward) AS mean_reward, "
         "avg(stats.tool_calls) AS tool_calls, avg(stats.first_attempt_failures) AS first_failures, "
-        "sum(stats.recovered) AS recovered, avg(len(lived_ids)) AS response_tokens "
-        "FROM raw_trajectories {where} GROUP BY ALL ORDER BY ALL"
+        "sum(stats.recovered) AS recovered, avg(response_tokens) AS response_tokens "
+        "FROM raw_summary {where} GROUP BY ALL ORDER BY ALL"
     ),
     "purified shards": "SELECT * FROM purify_compare {where} ORDER BY ALL",
 }
@@ -113,7 +113,7 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         from flows.report import ITERATIONS_SQL
 
         runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
-            "SELECT DISTINCT run_id FROM raw_trajectories ORDER BY 1").to_pylist()]
+            "SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]
         for run in runs:  # the numbers `cleaner report` plots
             print_table(console, f"per iteration: {run}",
                         cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table())

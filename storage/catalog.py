@@ -24,7 +24,9 @@ import pyarrow as pa
 
 from storage.layout import DEFAULT_MEASURE_KEY
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW, schema_id
-from storage.shards import MANIFEST, PART_GLOB, ShardError, check_part, committed_manifest
+from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_summary, committed_manifest,
+                            summary_parts)
+from storage.summaries import summarizer
 
 CLI_STORAGE_VERSION = "v1.5.0"
 
@@ -41,18 +43,29 @@ class Problem:
         return self.message
 
 
-def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> list[tuple[Path, str]]:
-    """The shard's parts with its schema version, each checked in full once and then by identity
-    (storage.verified), or in full again with `force`: a part changed after its check is caught either way."""
+@dataclass(frozen=True)
+class ShardFiles:
+    parts: list[Path]
+    version: str  # the schema version it was written with
+    summaries: list[Path] | None  # its row summaries (storage/summaries.py); None: committed without them
+
+
+def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> ShardFiles:
+    """The shard's parts and summaries, each checked in full once and then by identity (storage.verified),
+    or in full again with `force`: a file changed after its check is caught either way."""
     manifest = committed_manifest(directory, schema)
     for part in manifest.parts:
         check_part(directory, part, schema, force)
-    return [(directory / part.name, manifest.schema) for part in manifest.parts]
+    summaries = summary_parts(manifest)
+    for part in summaries:
+        check_summary(directory, part, force)
+    return ShardFiles([directory / p.name for p in manifest.parts], manifest.schema,
+                      [directory / p.name for p in summaries] if summaries else None)
 
 
 def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
-          force: bool = False) -> list[tuple[Path, str]]:
-    files: list[tuple[Path, str]] = []
+          force: bool = False) -> list[ShardFiles]:
+    files: list[ShardFiles] = []
     for directory in sorted(p for p in Path(root).glob(pattern) if p.is_dir()):
         if not (directory / MANIFEST).is_file():
             if any(directory.glob(PART_GLOB)) or any(directory.glob(".part-*")):
@@ -60,7 +73,7 @@ def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
                                         "writing it or crashed before committing; rerun the stage)", False))
             continue
         try:
-            files.extend(_validated_files(directory, schema, force))
+            files.append(_validated_files(directory, schema, force))
         except (ShardError, OSError) as e:
             problems.append(Problem(directory, str(e), True))
     return files
@@ -214,16 +227,16 @@ GROUP BY ALL ORDER BY ALL;
 CREATE OR REPLACE VIEW purify_compare AS
 SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure,
        count(*) AS trajectories,
-       avg(len(r.lived_ids)) AS raw_response_tokens,
-       avg(len(p.response_ids)) AS purified_response_tokens,
-       avg(list_sum(p.loss_mask)) AS trained_tokens,
-       sum(len(p.splices)) AS splices,
-       sum(len(list_filter(p.splices, lambda s: s.kind = 'shallow'))) AS shallow,
-       sum(len(list_filter(p.splices, lambda s: s.kind = 'deep'))) AS deep,
-       sum(list_sum(list_transform(p.splices, lambda s: s.tokens_removed))) AS tokens_removed,
+       avg(r.response_tokens) AS raw_response_tokens,
+       avg(p.response_tokens) AS purified_response_tokens,
+       avg(p.trained_tokens) AS trained_tokens,
+       sum(p.splices) AS splices,
+       sum(p.shallow) AS shallow,
+       sum(p.deep) AS deep,
+       sum(p.tokens_removed) AS tokens_removed,
        avg(p.tokens_forwarded) AS tokens_forwarded,
        avg(p.reward) AS mean_reward
-FROM purified p JOIN raw_trajectories r
+FROM purified_summary p JOIN raw_summary r
   ON p.run_id = r.run_id AND p.iteration = r.iteration AND p.prompt_id = r.prompt_id AND p.sample_idx = r.sample_idx
 GROUP BY ALL
 ORDER BY ALL;
@@ -237,6 +250,24 @@ SPLICING_MODES = ("saar", "saar_correct")
 _MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {SPLICING_MODES} THEN NULL ELSE "
                 f"coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
                 f"'{DEFAULT_MEASURE_KEY}') END")
+
+
+# The row summaries (storage/summaries.py) of a shard committed without them, computed from its parts
+# (the select list over its read_parquet).
+SUMMARY_SQL = {
+    "raw_trajectories": (
+        "run_id, iteration, prompt_id, sample_idx, reward, stats, len(lived_ids)::BIGINT AS response_tokens, "
+        "coalesce(list_sum(list_transform(flatten(list_transform(positions, lambda p: p.attempts)), lambda a: CASE WHEN "
+        "a.result.status = 'failure' THEN len(a.turn_ids) + len(a.feedback_ids) ELSE 0 END)), 0)::BIGINT "
+        "AS failed_attempt_tokens"),
+    "purified": (
+        "run_id, iteration, prompt_id, sample_idx, mode, gamma, reward, advantage, "
+        "len(response_ids)::BIGINT AS response_tokens, coalesce(list_sum(loss_mask), 0)::BIGINT AS trained_tokens, "
+        "len(splices)::BIGINT AS splices, len(list_filter(splices, lambda s: s.kind = 'shallow'))::BIGINT AS shallow, "
+        "len(list_filter(splices, lambda s: s.kind = 'deep'))::BIGINT AS deep, "
+        "coalesce(list_sum(list_transform(splices, lambda s: s.tokens_removed)), 0)::BIGINT AS tokens_removed, "
+        "tokens_forwarded"),
+}
 
 
 class Catalog:
@@ -266,8 +297,11 @@ class Catalog:
         }
         self.problems = []
         for view, (pattern, schema) in sources.items():
-            files = _scan(self.root, pattern, schema, self.problems, self.verify)
+            shards = _scan(self.root, pattern, schema, self.problems, self.verify)
+            files = [(path, shard.version) for shard in shards for path in shard.parts]
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
+            if view in SUMMARY_SQL:
+                self._summary_view(view, schema, shards)
             if files:
                 # One read per schema version, each binding only its first file's footer: union_by_name over
                 # every file would read every footer each time a view over it is bound (seconds at 2,000
@@ -285,6 +319,29 @@ class Catalog:
                 "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *")
             self.con.execute(f"CREATE OR REPLACE VIEW {view} AS {select} FROM {source}")
         self.con.execute(VIEWS_SQL)
+
+    def _summary_view(self, view: str, schema: pa.Schema, shards: list[ShardFiles]) -> None:
+        """`<view>_summary`: the row summaries written at commit, and for shards committed without them the
+        same columns computed from their parts (SUMMARY_SQL)."""
+        summary_schema = summarizer(schema)(schema.empty_table()).schema
+        with_files = [p for s in shards if s.summaries for p in s.summaries]
+        parts_only = [p for s in shards if not s.summaries for p in s.parts]
+        partitioned = view == "purified"  # its partition's measure, from the file's path as in `purified`
+        options = "hive_partitioning=false" + (", filename=true" if partitioned else "")
+        reads = []
+        if with_files:
+            reads.append(f"SELECT * FROM read_parquet({_sql_list(with_files)}, {options})")
+        if parts_only:
+            columns = SUMMARY_SQL[view] + (", filename" if partitioned else "")
+            reads.append(f"SELECT {columns} FROM read_parquet({_sql_list(parts_only)}, union_by_name=true, {options})")
+        name = "raw_summary" if view == "raw_trajectories" else "purified_summary"
+        if not reads:
+            source = _empty_table(self.con, name, summary_schema)
+            select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
+        else:
+            source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
+            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned else "SELECT *"
+        self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}")
 
     def query(self, sql: str) -> pa.Table:
         return self.con.sql(sql).to_arrow_table()

@@ -67,11 +67,11 @@ def _versioned(name: str, version: int, fields: list[tuple[str, pa.DataType]]) -
     return pa.schema(fields, metadata={SCHEMA_META_KEY: f"{name}/{version}".encode()})
 
 
+# A trajectory's identity, the first columns of every row kind that describes one trajectory.
+IDENTITY = [("run_id", pa.string()), ("iteration", pa.int32()), ("prompt_id", pa.string()), ("sample_idx", pa.int32())]
+
 RAW = _versioned("raw", 1, [
-    ("run_id", pa.string()),
-    ("iteration", pa.int32()),
-    ("prompt_id", pa.string()),
-    ("sample_idx", pa.int32()),
+    *IDENTITY,
     ("policy_version", pa.string()),
     ("seed", pa.int64()),
     ("task_source", pa.string()),
@@ -95,10 +95,7 @@ RAW = _versioned("raw", 1, [
 ])
 
 _PURIFIED_V1_FIELDS = [
-    ("run_id", pa.string()),
-    ("iteration", pa.int32()),
-    ("prompt_id", pa.string()),
-    ("sample_idx", pa.int32()),
+    *IDENTITY,
     ("mode", pa.string()),
     ("gamma", pa.float64()),
     ("raw_key", pa.string()),

@@ -18,12 +18,13 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import verified
+from storage import summaries, verified
 from storage.errors import CleanerError, os_error
 from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
+SUMMARY_GLOB = "summary-*.parquet"  # per-part row summaries (storage/summaries.py), listed in the manifest
 
 
 class ShardError(CleanerError, RuntimeError):
@@ -138,6 +139,8 @@ class ShardWriter:
         self.rows_per_part = rows_per_part
         self.compression = compression
         self._parts: list[PartInfo] = []
+        self._summaries: list[PartInfo] = []
+        self._summarize = summaries.summarizer(schema)
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
         self._committed = False
@@ -167,8 +170,8 @@ class ShardWriter:
             self.abort()
 
     def _leftovers(self) -> list[Path]:
-        return [*self.directory.glob(PART_GLOB), *self.directory.glob(".part-*"),
-                *self.directory.glob(f".{MANIFEST}.tmp-*")]
+        return [*self.directory.glob(PART_GLOB), *self.directory.glob(".part-*"), *self.directory.glob(SUMMARY_GLOB),
+                *self.directory.glob(".summary-*"), *self.directory.glob(f".{MANIFEST}.tmp-*")]
 
     def write(self, data: pa.Table | pa.RecordBatch | list[dict[str, Any]]) -> None:
         if isinstance(data, list):
@@ -204,6 +207,25 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise os_error(e, f"writing {final}") from None
         self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
+        if self._summarize is not None:
+            self._summaries.append(self._write_summary(self._summarize(head), len(self._parts) - 1))
+
+    def _write_summary(self, table: pa.Table, index: int) -> PartInfo:
+        name = f"summary-{index:05d}.parquet"
+        tmp = self.directory / f".{name}.tmp-{os.getpid()}"
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression=self.compression)
+        data = sink.getvalue().to_pybytes()
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.directory / name)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise os_error(e, f"writing {self.directory / name}") from None
+        return PartInfo(name=name, rows=table.num_rows, bytes=len(data), crc32=_crc32(data))
 
     def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
         if self._pending_rows or not self._parts:
@@ -215,20 +237,20 @@ class ShardWriter:
             config_hash=self.config_hash,
             inputs=self.inputs,
             created_at=time.time(),
-            extra=extra or {},
+            extra={**(extra or {}), **({"summaries": [asdict(p) for p in self._summaries]} if self._summaries else {})},
         )
         _fsync_dir(self.directory)
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
         _fsync_dir(self.directory)
         self._committed = True
         # the parts' checksums were taken from the bytes just written: readers need not read them again
-        verified.remember(self.directory, [(p.name, p.crc32) for p in self._parts])
+        verified.remember(self.directory, [(p.name, p.crc32) for p in [*self._parts, *self._summaries]])
         return manifest
 
     def abort(self) -> None:
         for p in self._leftovers():
             p.unlink(missing_ok=True)
-        self._parts, self._pending, self._pending_rows = [], [], 0
+        self._parts, self._summaries, self._pending, self._pending_rows = [], [], [], 0
         for d in self._created:  # innermost first; a folder something else wrote into stays
             try:
                 d.rmdir()
@@ -296,6 +318,25 @@ def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
     if pf.metadata.num_rows != part.rows:
         raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
     return pf, written
+
+
+def summary_parts(manifest: Manifest) -> list[PartInfo]:
+    """The per-part row summaries a manifest lists ([] for shards committed without them)."""
+    return [PartInfo(**p) for p in manifest.extra.get("summaries", [])]
+
+
+def check_summary(directory: Path, part: PartInfo, force: bool = False) -> None:
+    """A summary file as its manifest lists it (size, crc32; once, then by identity, like a part)."""
+    if not force and verified.is_verified(directory, part.name, part.bytes, part.crc32):
+        return
+    path = Path(directory) / part.name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing") from None
+    if len(data) != part.bytes or _crc32(data) != part.crc32:
+        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+    verified.remember(directory, [(part.name, part.crc32)])
 
 
 def check_part(directory: Path, part: PartInfo, schema: pa.Schema, force: bool = False) -> None:
