@@ -31,8 +31,8 @@ def _cli(root: Path, *args: str) -> float:
     return time.perf_counter() - t0
 
 
-def _best(fn, repeat: int = 3) -> float:
-    return min(fn() for _ in range(repeat))
+def _best(root: Path, *args: str, repeat: int = 3) -> float:
+    return min(_cli(root, *args) for _ in range(repeat))
 
 
 def _republish(root: Path, iteration: int, tokens: int) -> float:
@@ -58,8 +58,8 @@ def run() -> BenchResult:
             built = time.perf_counter() - t0
             size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
             _cli(root, "--sql", "SELECT 1")  # first process: every part checked once and recorded
-            sql = _best(lambda: _cli(root, "--sql", "SELECT count(*) FROM raw_trajectories"))
-            summary = _best(lambda: _cli(root))
+            sql = _best(root, "--sql", "SELECT count(*) FROM raw_trajectories")
+            summary = _best(root)
             republish = min(_republish(root, n + k, tokens) for k in range(3))
             measured[n] = (sql, summary, republish, size)
             notes.append(f"{n} iterations × 64 rows × {tokens:,} tokens: {size / 2**30:.2f} GiB, built in {built:.0f} s")
