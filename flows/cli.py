@@ -83,7 +83,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from flows.inspect import run_inspect
 
     cfg = _config(args)
-    return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries, verify=args.verify)
+    return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries, verify=args.verify,
+                       show_all=args.all)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sql", help="run this SQL against the catalog and print the result")
     p.add_argument("--run", help="restrict the summary to one run id")
     p.add_argument("--queries", action="store_true", help="print example queries to try")
+    p.add_argument("--all", action="store_true", help="summary tables of every iteration (default: each run's last 10)")
     p.add_argument("--verify", action="store_true", help=(
         "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
         "name each bad file, and exit 1 if any is bad"))

@@ -40,6 +40,9 @@ SUMMARY_SQL = {
     ),
     "purified shards": "SELECT * FROM purify_compare {where} ORDER BY ALL",
 }
+RECENT = 10  # iterations per run the default tables show: their length does not grow with the run's history
+# the rows of a run's last RECENT iterations (the tables' {where}); --all drops it
+RECENT_SQL = ("iteration > (SELECT max(iteration) FROM raw_summary r WHERE r.run_id = {table}.run_id) - {n}")
 
 
 def print_table(console: Console, title: str, table: pa.Table) -> None:
@@ -61,11 +64,11 @@ def _duckdb_error(e: Exception, db) -> InspectError:
 
 
 def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False,
-                verify: bool = False) -> int:
+                verify: bool = False, show_all: bool = False) -> int:
     try:
         if verify:
             return _verify(cfg)
-        return _inspect(cfg, sql, run_id, print_queries)
+        return _inspect(cfg, sql, run_id, print_queries, show_all)
     except duckdb.Error as e:
         raise _duckdb_error(e, cfg.storage.root / cfg.storage.catalog) from None
 
@@ -87,7 +90,8 @@ def _verify(cfg: CleanerConfig) -> int:
     return 1 if bad else 0
 
 
-def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool) -> int:
+def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool,
+             show_all: bool = False) -> int:
     import sys
 
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
@@ -100,23 +104,35 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
     if not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
         raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
                              "storage.root or --config)")
-    publish_quietly(cfg.storage.root, db, lambda m: print(f"cleaner inspect: {m}", file=sys.stderr))
-    with Catalog(cfg.storage.root) as cat:  # in memory: another process holding the file blocks nothing
+    from storage.catalog import scan
+
+    scanned = scan(cfg.storage.root)  # once, for the published file and the in-memory catalog alike
+    publish_quietly(cfg.storage.root, db, lambda m: print(f"cleaner inspect: {m}", file=sys.stderr), scanned)
+    with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
         if sql:
             print_table(console, sql, cat.query(sql))
             return 0
-        where = "WHERE run_id = '{}'".format(run_id.replace("'", "''")) if run_id else ""
+        conditions = ["run_id = '{}'".format(run_id.replace("'", "''"))] if run_id else []
+        longest = cat.query("SELECT coalesce(max(n), 0) AS n FROM (SELECT count(DISTINCT iteration) AS n "
+                            "FROM raw_summary GROUP BY run_id)").to_pylist()[0]["n"]
+        cut = not show_all and longest > RECENT
         for title, q in SUMMARY_SQL.items():
-            print_table(console, title, cat.query(q.format(where=where)))
+            table = "raw_summary" if "raw_summary" in q else "purify_compare"
+            where = conditions + ([RECENT_SQL.format(table=table, n=RECENT)] if cut else [])
+            print_table(console, title, cat.query(q.format(where=("WHERE " + " AND ".join(where)) if where else "")))
         from flows.report import ITERATIONS_SQL
 
         runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
             "SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]
         for run in runs:  # the numbers `cleaner report` plots
-            print_table(console, f"per iteration: {run}",
-                        cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table())
-    console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, purified, splices, "
-                  "purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, failed_call_advantage)")
+            its = cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table()
+            print_table(console, f"per iteration: {run}", its.slice(max(0, its.num_rows - RECENT)) if cut else its)
+        if cut:
+            console.print(f"(the last {RECENT} iterations of each run; `cleaner inspect --all` shows every one)",
+                          style="italic", highlight=False)
+    console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, raw_summary, purified, "
+                  "purified_summary, splices, purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, "
+                  "failed_call_advantage, off_policy)")
     return 0

@@ -16,19 +16,17 @@ ITERATIONS_SQL = """
 WITH raw AS (
   SELECT iteration, count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy,
          avg(stats.first_attempt_failures) AS tool_errors_per_traj, avg(stats.tool_calls) AS tool_calls,
-         avg(len(lived_ids)) AS response_tokens, sum(stats.generated_tokens) AS generated_tokens
-  FROM raw_trajectories WHERE run_id = $run GROUP BY iteration
-), failed AS (
-  SELECT iteration, sum(turn_tokens + feedback_tokens) AS failed_attempt_tokens
-  FROM raw_attempts WHERE run_id = $run AND status = 'failure' GROUP BY iteration
+         avg(response_tokens) AS response_tokens, sum(stats.generated_tokens) AS generated_tokens,
+         sum(failed_attempt_tokens) AS failed_attempt_tokens
+  FROM raw_summary WHERE run_id = $run GROUP BY iteration
 ), upd AS (
   SELECT iteration, avg(value) FILTER (WHERE name = 'loss') AS update_loss,
          avg(value) FILTER (WHERE name = 'clip_ratio') AS clip_ratio
   FROM metrics WHERE run_id = $run AND stage = 'update' GROUP BY iteration
 )
-SELECT raw.*, coalesce(failed.failed_attempt_tokens, 0) / raw.generated_tokens AS failed_token_share,
+SELECT raw.* EXCLUDE (failed_attempt_tokens), raw.failed_attempt_tokens / raw.generated_tokens AS failed_token_share,
        upd.update_loss, upd.clip_ratio
-FROM raw LEFT JOIN failed USING (iteration) LEFT JOIN upd USING (iteration)
+FROM raw LEFT JOIN upd USING (iteration)
 ORDER BY iteration
 """
 

@@ -14,6 +14,7 @@ shard. Views list absolute paths, so the file works from any working directory.
 """
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,8 @@ def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) ->
 def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
           force: bool = False) -> list[ShardFiles]:
     files: list[ShardFiles] = []
-    for directory in sorted(p for p in Path(root).glob(pattern) if p.is_dir()):
+    # glob.glob, not Path.glob: at thousands of shards pathlib's pattern matching was most of a scan
+    for directory in map(Path, sorted(d for d in glob.glob(os.path.join(root, pattern)) if os.path.isdir(d))):
         if not (directory / MANIFEST).is_file():
             if any(directory.glob(PART_GLOB)) or any(directory.glob(".part-*")):
                 problems.append(Problem(directory, f"{directory}: not committed (no {MANIFEST}: its stage is "
@@ -270,14 +272,40 @@ SUMMARY_SQL = {
 }
 
 
+SOURCES = {
+    "raw_trajectories": ("runs/*/iteration=*/raw", RAW),
+    "purified": ("runs/*/iteration=*/purified/mode=*/*=*", PURIFIED),
+    "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/*=*", DEAD_LETTER),
+    "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
+}
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The committed, validated shards of a root per view, and what was left out: what a catalog is built
+    from. One scan can build several catalogs (`cleaner inspect` publishes the file and queries in memory)."""
+
+    shards: dict[str, list[ShardFiles]]
+    problems: list[Problem]
+
+
+def scan(root: Path, verify: bool = False) -> Scan:
+    problems: list[Problem] = []
+    shards = {view: _scan(Path(root).resolve(), pattern, schema, problems, verify)
+              for view, (pattern, schema) in SOURCES.items()}
+    return Scan(shards, problems)
+
+
 class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
-    def __init__(self, root: Path, database: str | Path | None = None, verify: bool = False) -> None:
+    def __init__(self, root: Path, database: str | Path | None = None, verify: bool = False,
+                 scanned: Scan | None = None) -> None:
         self.root = Path(root).resolve()  # views hold absolute paths: usable from any directory
         self.verify = verify  # check every part in full, whatever the verification records say
         self.database = str(database) if database is not None else ":memory:"
         self.problems: list[Problem] = []
+        self._scanned = scanned  # the first refresh uses it; later ones scan again
         # Written in a format the duckdb CLI that set-up installs (duckdb-cli 1.5.x; the registry has no
         # 2.x CLI) can open: the 2.0 client's default storage version is newer than it reads.
         config = {} if self.database == ":memory:" else {"storage_compatibility_version": CLI_STORAGE_VERSION}
@@ -289,15 +317,10 @@ class Catalog:
             raise
 
     def refresh(self) -> None:
-        sources = {
-            "raw_trajectories": ("runs/*/iteration=*/raw", RAW),
-            "purified": ("runs/*/iteration=*/purified/mode=*/*=*", PURIFIED),
-            "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/*=*", DEAD_LETTER),
-            "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
-        }
-        self.problems = []
-        for view, (pattern, schema) in sources.items():
-            shards = _scan(self.root, pattern, schema, self.problems, self.verify)
+        scanned, self._scanned = self._scanned or scan(self.root, self.verify), None
+        self.problems = list(scanned.problems)
+        for view, (_, schema) in SOURCES.items():
+            shards = scanned.shards[view]
             files = [(path, shard.version) for shard in shards for path in shard.parts]
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
             if view in SUMMARY_SQL:
@@ -356,7 +379,7 @@ class Catalog:
         self.close()
 
 
-def publish(root: Path, database: Path) -> list[Problem]:
+def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Problem]:
     """Rebuild the catalog file: built under a temporary name beside it, then renamed over it (atomic).
 
     The published file is never opened here, so whoever holds it open keeps working (on the views it
@@ -367,7 +390,7 @@ def publish(root: Path, database: Path) -> list[Problem]:
     for path in leftovers:
         path.unlink(missing_ok=True)
     try:
-        with Catalog(root, tmp) as cat:
+        with Catalog(root, tmp, scanned=scanned) as cat:
             problems = cat.problems
             cat.con.execute("CHECKPOINT")
         os.replace(tmp, database)
@@ -377,11 +400,11 @@ def publish(root: Path, database: Path) -> list[Problem]:
     return problems
 
 
-def publish_quietly(root: Path, database: Path, warn: Callable[[str], None]) -> None:
+def publish_quietly(root: Path, database: Path, warn: Callable[[str], None], scanned: Scan | None = None) -> None:
     """`publish`, for callers that must not fail because of the catalog (a training flow): a failure is
     one warning, and the next commit or `cleaner inspect` publishes again."""
     try:
-        publish(root, database)
+        publish(root, database, scanned)
     except Exception as e:  # noqa: BLE001 - the shards are committed whatever happens to their catalog
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warn(f"catalog {database} not refreshed ({first}); `cleaner inspect` rebuilds it")

@@ -6,6 +6,7 @@ crashed leaves no manifest, so readers treat it as absent and a rerun rewrites i
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import time
@@ -289,7 +290,7 @@ def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
         raise ShardMissing(f"{directory}: no {MANIFEST} (stage not run, or crashed before committing)")
     if readable_as(manifest.schema, schema) is None:
         raise ShardError(f"{directory / MANIFEST}: schema version {manifest.schema}, expected {schema_id(schema)}")
-    extra = {p.name for p in directory.glob(PART_GLOB)} - {p.name for p in manifest.parts}
+    extra = set(fnmatch.filter(os.listdir(directory), PART_GLOB)) - {p.name for p in manifest.parts}
     if extra:
         raise ShardError(f"{directory}: parts not in the manifest: {sorted(extra)}")
     return manifest
