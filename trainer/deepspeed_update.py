@@ -23,6 +23,7 @@ from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
 from trainer.grpo import (GRPOUpdate, UpdateError, UpdateProgress, load_schedule_state, make_actor,
                           policy_loss, warmup_schedule)
+from trainer.correction import correction_of
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
 
@@ -95,6 +96,8 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.loss_fn = policy_loss(cfg)
+        self.correction = correction_of(cfg)
+        self.dpo_pairs = {}
         prep = {"optim": "adam", "adam": {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8,
                                           "weight_decay": cfg.weight_decay},
                 "lr_scheduler": "constant", "scheduler_steps": 1, "max_norm": cfg.grad_clip}
@@ -115,6 +118,11 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         t = torch.tensor(values, dtype=torch.float64)
         self.dist.all_reduce(t)
         return t.tolist()
+
+    def most(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return int(t.item())
 
     def zero_grad(self) -> None:
         pass  # the engine zeroes (partitioned) gradients after each step

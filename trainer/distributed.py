@@ -26,8 +26,8 @@ from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError
 from storage.layout import RunLayout
 from trainer.grpo import UpdateError, UpdateProgress
-from trainer.inputs import (TOKENIZER_FILES, finish_checkpoint, load_policy, log_steps, staging_dir, start_checkpoint,
-                            update_inputs, write_update_metrics)
+from trainer.inputs import (TOKENIZER_FILES, dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir,
+                            start_checkpoint, update_inputs, write_update_metrics)
 from trainer.resume import partial_dir
 
 LOG_PREFIX = "[update]"
@@ -79,6 +79,9 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     log = print if rank == 0 else (lambda *_: None)
     model = load_policy(cfg, inputs)
     update = DeepSpeedGRPOUpdate(model, cfg.train, strategy, cfg.rollout.temperature)
+    if cfg.train.use_dpo_on_tool_calls:
+        update.set_dpo_pairs(inputs.dpo_pairs)
+        log(dpo_note(inputs))
     if update.load_state(inputs.src / DS_STATE, STATE_TAG):
         log(f"[update] optimizer and schedule continue from {inputs.src / DS_STATE}")
     key = inputs.key(cfg)

@@ -18,8 +18,10 @@ from transformers import get_constant_schedule_with_warmup
 from pipeline.config import TrainConfig
 from storage.errors import CleanerError
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.batches import micro_batches, mini_batches
+from trainer.batches import MicroBatch, micro_batches, mini_batches
 from trainer.chunked_actor import action_log_probs
+from trainer.correction import correction_of, policy_loss_kwargs
+from trainer.dpo import CallPair, DPOWeights, dpo_weights, pair_rows
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.optim import param_groups
 
@@ -39,6 +41,16 @@ class StepMetrics:
     tokens: int
     lr: float
     seconds: float
+    # train.rollout_correction: share of the mini-batch's trained tokens the correction masked or clipped
+    # (OpenRLHF's is_filter_ratio, at the token level; a masked row counts all its tokens), and the mean
+    # log(π_behaviour / π_old) over them (OpenRLHF's vllm_kl); None: correction off
+    correction_filtered: float | None = None
+    behaviour_kl: float | None = None
+    # train.use_dpo_on_tool_calls (trainer/dpo.py): mean −log σ(β·Δ) over the mini-batch's tool-call pairs,
+    # their number, and the share whose chosen-side weight hit train.dpo_max_adjustment_ratio; None: off
+    dpo_loss: float | None = None
+    dpo_pairs: int | None = None
+    dpo_capped: float | None = None
 
 
 @dataclass
@@ -81,10 +93,27 @@ def make_actor(model: torch.nn.Module, temperature: float):
 
 
 def policy_loss(cfg: TrainConfig):
-    """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean."""
+    """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean; with train.rollout_correction its IS
+    gate over π_old / π_behaviour (trainer/correction.py), and exactly the call of before when that is off."""
     return openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                                         dual_clip=cfg.dual_clip, token_level_loss=True,
-                                        policy_loss_type=cfg.policy_loss_type)
+                                        policy_loss_type=cfg.policy_loss_type, **policy_loss_kwargs(cfg))
+
+
+def filtered_tokens(loss_fn, logp: torch.Tensor, m, is_filter_ratio: torch.Tensor) -> float:
+    """How many of micro-batch m's trained tokens the correction masked or clipped, from PolicyLoss's own
+    is_filter_ratio: at the token level that is already a share of the tokens; at the sequence level it is
+    a share of the rows, so each row is asked alone (detached, no gradient) and counted by its tokens."""
+    if loss_fn.is_correction_level == "token":
+        return float(is_filter_ratio) * m.num_actions
+    with torch.no_grad():
+        total = 0.0
+        for i in range(m.sequences.shape[0]):
+            row = slice(i, i + 1)
+            *_, flagged = loss_fn(logp[row].detach(), m.old_log_probs[row], m.advantages[row],
+                                  action_mask=m.action_mask[row], rollout_log_probs=m.rollout_log_probs[row])
+            total += float(flagged) * float(m.action_mask[row].sum())
+    return total
 
 
 class GRPOUpdate:
@@ -101,6 +130,8 @@ class GRPOUpdate:
         self.model = model
         self.actor = make_actor(model, temperature)
         self.loss_fn = policy_loss(cfg)
+        self.correction = correction_of(cfg)
+        self.dpo_pairs: dict[str, list[CallPair]] = {}
         self.optimizer, self.scheduler = build_optimizer(model, cfg)
         self.global_step = 0
 
@@ -111,6 +142,10 @@ class GRPOUpdate:
     def reduce(self, values: list[float]) -> list[float]:
         """Sum per-rank values over the ranks."""
         return values
+
+    def most(self, n: int) -> int:
+        """The largest n over the ranks: how many forwards every rank makes (ZeRO-3 gathers weights in each)."""
+        return n
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,37 +171,96 @@ class GRPOUpdate:
         load_schedule_state(self.scheduler, state["scheduler"], state["global_step"])
         self.global_step = state["global_step"]
 
+    def set_dpo_pairs(self, pairs: list[CallPair]) -> None:
+        """The tool-call pairs of train.use_dpo_on_tool_calls, trained with their prompt group's mini-batch."""
+        self.dpo_pairs = {}
+        for p in pairs:
+            self.dpo_pairs.setdefault(p.prompt_id, []).append(p)
+
+    def dpo_batches(self, groups: list[list[PurifiedTrajectory]], pad_id: int,
+                    spare: MicroBatch) -> tuple[list, torch.Tensor, DPOWeights]:
+        """The micro-batches of these groups' pairs (trainer/dpo.py), each row's side-loss weight (−c for a
+        chosen call, +c' for a rejected one, by the row's index 2·pair + side), and the weights' summary: one
+        forward without gradient scores every pair's calls with the current policy. Padded with `spare`
+        emptied to as many micro-batches as the rank with the most has."""
+        pairs = [p for g in groups for p in self.dpo_pairs.get(g[0].prompt_id, [])]
+        micros = micro_batches([pair_rows(pairs)], self.cfg.micro_batch_tokens, pad_id) if pairs else []
+        micros += [emptied(spare)] * (self.most(len(micros)) - len(micros))
+        sums, counts = torch.zeros(2 * len(pairs)), torch.zeros(2 * len(pairs))
+        with torch.no_grad():
+            for m in micros:
+                logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
+                if m.rows:
+                    at = _pair_index(m.rows)
+                    sums[at], counts[at] = logp.sum(-1), m.action_mask.sum(-1)
+        counts = counts.clamp(min=1)
+        w = dpo_weights(sums[0::2] / counts[0::2], sums[1::2] / counts[1::2], counts[0::2], counts[1::2],
+                        self.cfg.dpo_beta, self.cfg.dpo_max_adjustment_ratio)
+        return micros, torch.stack([-w.chosen, w.rejected], 1).reshape(-1), w
+
     def minibatch(self, groups: list[list[PurifiedTrajectory]], pad_id: int) -> StepMetrics:
         t0 = time.perf_counter()
         self.model.train()
-        micros = micro_batches(self.my_groups(groups), self.cfg.micro_batch_tokens, pad_id)
+        mine = self.my_groups(groups)
+        micros = micro_batches(mine, self.cfg.micro_batch_tokens, pad_id)
+        # every rank makes as many forwards as the one with the most micro-batches (an emptied one adds 0)
+        micros += [emptied(micros[-1])] * (self.most(len(micros)) - len(micros))
         # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
         tokens = int(self.reduce([float(sum(m.num_actions for m in micros))])[0])
         self.zero_grad()
-        loss_sum = clip = kl = ent = 0.0
+        dpo_micros, dpo_coef, dpo = (self.dpo_batches(mine, pad_id, micros[-1]) if self.cfg.use_dpo_on_tool_calls
+                                     else ([], None, None))
+        backwards = len(micros) + len(dpo_micros)
+        loss_sum = clip = kl = ent = filtered = beh_kl = 0.0
         for i, m in enumerate(micros):
             # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
             logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
                                              return_entropy=self.cfg.log_entropy)
-            loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages, action_mask=m.action_mask,
-                                                          batch_num_tokens=max(1, tokens), dp_size=self.world_size)
+            if self.correction is None:  # exactly the call of before the correction existed
+                loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages, action_mask=m.action_mask,
+                                                              batch_num_tokens=max(1, tokens), dp_size=self.world_size)
+            else:
+                if m.rollout_log_probs is None:
+                    raise UpdateError(f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
+                                      f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
+                                      f"version 1); re-purify the iteration with this cleaner")
+                loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
+                    logp, m.old_log_probs, m.advantages, action_mask=m.action_mask, rollout_log_probs=m.rollout_log_probs,
+                    batch_num_tokens=max(1, tokens), dp_size=self.world_size)
+                if m.num_actions:  # an emptied micro-batch's ratios are 0/0
+                    filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
+                    beh_kl += float(vllm_kl) * m.num_actions
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
                                          f"(rows {m.rows[:3]}...); no checkpoint written")
-            self.backward(loss, last=i == len(micros) - 1)
+            self.backward(loss, last=i == backwards - 1)
+            if not m.num_actions:
+                continue  # emptied (a rank with fewer micro-batches): it adds 0, and its means are 0/0
             share = m.num_actions / max(1, tokens)
             loss_sum += loss.item() / self.world_size  # undo dp_size: the sum over ranks is the mini-batch loss
             clip += clip_ratio.item() * share
             kl += ppo_kl.item() * share
             if self.cfg.log_entropy:
                 ent += float((entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
-        loss_sum, clip, kl, ent = self.reduce([loss_sum, clip, kl, ent])
+        for i, m in enumerate(dpo_micros, start=len(micros)):  # the side loss, normalised like the policy loss
+            logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
+            weight = dpo_coef[_pair_index(m.rows)] if m.rows else torch.zeros(logp.shape[0])  # emptied: adds 0
+            side = (weight * logp.sum(-1)).sum() / max(1, tokens) * self.world_size
+            self.backward(side, last=i == backwards - 1)
+        n_pairs = len(dpo_coef) // 2 if dpo else 0
+        dpo_sum, dpo_capped = (dpo.loss * n_pairs, dpo.capped * n_pairs) if dpo else (0.0, 0.0)
+        loss_sum, clip, kl, ent, filtered, beh_kl, n_pairs, dpo_sum, dpo_capped = self.reduce(
+            [loss_sum, clip, kl, ent, filtered, beh_kl, float(n_pairs), dpo_sum, dpo_capped])
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.step()
         self.global_step += 1
         self.model.eval()
+        corrected = self.correction is not None
         return StepMetrics(self.global_step, loss_sum, clip, kl, grad_norm, ent if self.cfg.log_entropy else None,
-                           tokens, lr, time.perf_counter() - t0)
+                           tokens, lr, time.perf_counter() - t0,
+                           filtered / max(1, tokens) if corrected else None, beh_kl / max(1, tokens) if corrected else None,
+                           *((dpo_sum / max(1, n_pairs), int(n_pairs), dpo_capped / max(1, n_pairs))
+                             if self.cfg.use_dpo_on_tool_calls else (None, None, None)))
 
     def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
             after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:
@@ -182,6 +276,19 @@ class GRPOUpdate:
             if after_minibatch:
                 after_minibatch(progress)
         return progress
+
+
+def emptied(m: MicroBatch) -> MicroBatch:
+    """m with nothing to train (no action token, no row): a forward and backward that add 0, so that every
+    rank makes the same number of them (trainer/deepspeed_update.py)."""
+    zero = torch.zeros_like(m.action_mask)
+    return MicroBatch(m.sequences, m.attention_mask, zero, zero, zero, [],
+                      None if m.rollout_log_probs is None else zero)
+
+
+def _pair_index(keys: list[str]) -> torch.Tensor:
+    """Row index 2·pair + side of trainer.dpo.pair_rows' keys `i/chosen`, `i/rejected`."""
+    return torch.tensor([2 * int(k.split("/")[0]) + (k.endswith("/rejected")) for k in keys])
 
 
 def total_minibatches(rows: list[PurifiedTrajectory], cfg: TrainConfig) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,9 +15,10 @@ from pipeline.config import CleanerConfig
 from pipeline.modes import live_measure, partition_gamma, partition_measure
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, policy_version
 from storage.layout import RunLayout
-from storage.schemas import METRICS, PURIFIED
+from storage.schemas import METRICS, PURIFIED, schema_id
 from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
-from trainer.batches import TRAINING_COLUMNS, training_rows
+from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
+from trainer.dpo import read_pairs
 from trainer.grpo import UpdateError
 
 TRAINER_STATE = "trainer_state.pt"  # the local strategy's optimizer/schedule state (DeepSpeed's: deepspeed/)
@@ -36,6 +37,8 @@ class UpdateInputs:
     rows: list
     raw_manifest: object
     metrics_dir: Path
+    dpo_pairs: list = field(default_factory=list)  # train.use_dpo_on_tool_calls: trainer.dpo.CallPair from the raw shard
+    dpo_skipped: int = 0  # positions whose lived prefix is not their recorded context
 
     def key(self, cfg: CleanerConfig) -> str:
         """Identifies a partial update: resumable only with the same inputs and settings."""
@@ -52,7 +55,14 @@ def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
     if manifest is None:
         raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
                            f"(run `cleaner purify --iteration {iteration}` first)")
-    rows = training_rows(read_shard(part, PURIFIED, columns=TRAINING_COLUMNS))
+    # behaviour log-probs where the shard has them (purified schema version 2 on); older shards still train
+    has_behaviour = BEHAVIOUR_COLUMN in PURIFIED.names and manifest.schema == schema_id(PURIFIED)
+    if cfg.train.rollout_correction != "off" and not has_behaviour:
+        raise UpdateError(f"{part}: written as {manifest.schema}, without the behaviour_logprobs that "
+                          f"train.rollout_correction={cfg.train.rollout_correction} needs; re-purify it "
+                          f"(cleaner purify --iteration {iteration}) or set train.rollout_correction=off")
+    columns = TRAINING_COLUMNS + ([BEHAVIOUR_COLUMN] if has_behaviour else [])
+    rows = training_rows(read_shard(part, PURIFIED, columns=columns))
     return part, manifest, rows
 
 
@@ -73,8 +83,17 @@ def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInpu
     source = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
     check_checkpoint(source)  # whole weight files before any is loaded
     part, manifest, rows = load_rows(cfg, run_id, iteration)
-    return UpdateInputs(layout.checkpoint_dir(iteration + 1), source, part, manifest,
-                        rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
+    inputs = UpdateInputs(layout.checkpoint_dir(iteration + 1), source, part, manifest,
+                          rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
+    if cfg.train.use_dpo_on_tool_calls:  # pairs of failed calls and working retries, from the raw shard
+        inputs.dpo_pairs, inputs.dpo_skipped = read_pairs(layout.raw_dir(iteration))
+    return inputs
+
+
+def dpo_note(inputs: UpdateInputs) -> str:
+    return (f"[update] DPO on tool calls: {len(inputs.dpo_pairs)} pairs of a failed call and its working retry from "
+            f"the raw shard" + (f" ({inputs.dpo_skipped} positions skipped: lived prefix is not their recorded "
+                                f"context)" if inputs.dpo_skipped else ""))
 
 
 # The update trains with torch's scaled_dot_product_attention: eager attention keeps a length × length
@@ -95,8 +114,15 @@ def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
 def log_steps(metrics: list, log) -> None:
     for m in metrics:
         entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
+        corrected = "" if m.correction_filtered is None else (
+            f" is-filtered {m.correction_filtered:.3f} behaviour-kl {m.behaviour_kl:+.4f}")
+        dpo = "" if getattr(m, "dpo_pairs", None) is None else f" dpo {m.dpo_loss:.4f} ({m.dpo_pairs} pairs)"
         log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
-            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}")
+            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}{corrected}{dpo}")
+
+
+# metrics an update writes only when its option is on (train.rollout_correction, train.use_dpo_on_tool_calls)
+OPTIONAL_METRICS = ("correction_filtered", "behaviour_kl", "dpo_loss", "dpo_pairs", "dpo_capped")
 
 
 def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
@@ -104,6 +130,9 @@ def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metr
                 "value": None if getattr(m, name) is None else float(getattr(m, name))}  # null: not measured
                for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
                                              "tokens", "lr", "seconds")]
+    records += [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
+                 "value": float(getattr(m, name))}
+                for m in metrics for name in OPTIONAL_METRICS if getattr(m, name, None) is not None]
     if not is_committed(inputs.metrics_dir):
         write_shard(inputs.metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
 

@@ -21,8 +21,8 @@ from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
 from trainer.distributed import launch
 from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress
-from trainer.inputs import (TOKENIZER_FILES, TRAINER_STATE, finish_checkpoint, load_policy, log_steps, start_checkpoint,
-                            update_inputs, write_update_metrics)
+from trainer.inputs import (TOKENIZER_FILES, TRAINER_STATE, dpo_note, finish_checkpoint, load_policy, log_steps,
+                            start_checkpoint, update_inputs, write_update_metrics)
 from trainer.resume import load_local, partial_dir, save_local
 
 
@@ -87,6 +87,9 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
         return launch(cfg, run_id, iteration, stop_after, log)
     model = load_policy(cfg, inputs)
     update = GRPOUpdate(model, cfg.train, cfg.rollout.temperature)
+    if cfg.train.use_dpo_on_tool_calls:
+        update.set_dpo_pairs(inputs.dpo_pairs)
+        log(dpo_note(inputs))
     if prev_state is not None:
         update.load_state_dict(prev_state)  # AdamW moments and the schedule continue across iterations
     key = inputs.key(cfg)
