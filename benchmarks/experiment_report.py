@@ -43,7 +43,7 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         from flows.replay_cmd import lived_saar
         from pipeline.modes import live_measure
         from pipeline.chat import load_chat
-        from storage.layout import RunLayout
+        from storage.layout import RunLayout, resolve_recorded
         from storage.schemas import RAW
         from storage.shards import read_manifest, read_shard
 
@@ -51,7 +51,7 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
         cfg = load_config(None, [f"storage.root={root_hint}"])
         raw_dir = RunLayout(cfg.storage.root, run).raw_dir(0)
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-        chat = load_chat(read_manifest(raw_dir).inputs[0])
+        chat = load_chat(resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0]))
         live = live_measure(lived_saar(cfg, RunLayout(cfg.storage.root, run).run_json))
         lines = ["| γ | positions | shallow | deep | tokens removed | tokens recomputed | ≠ γ_live | ≠ difflib |",
                  "|---|---|---|---|---|---|---|---|"]

@@ -64,7 +64,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from pipeline.trajectory import trajectory_from_row
     from purifier.stage import run_purify_stage
     from pipeline.chat import load_chat
-    from storage.layout import RunLayout
+    from storage.layout import RunLayout, resolve_recorded
     from storage.schemas import RAW
     from storage.shards import read_manifest, read_shard
 
@@ -76,7 +76,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas, is_thresholds=taus)
     raw_dir = layout.raw_dir(iteration)
     raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-    chat = load_chat(Path(read_manifest(raw_dir).inputs[0]))
+    sampled_by = resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0])
+    chat = load_chat(sampled_by)
     saar = lived_saar(cfg, layout.run_json)
     live, measure = live_measure(saar), purify_measure(saar, cfg.purify.similarity, cfg.purify.similarity_on)
     import sys
@@ -94,7 +95,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
                                                  s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
     console.print(table)
     if taus or (sweep and "saar_is" in (modes or [])):
-        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, Path(read_manifest(raw_dir).inputs[0]), cfg,
+        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, sampled_by, cfg,
                         histogram=sweep)
     from flows.premise import print_premise
     from storage.catalog import Catalog

@@ -23,7 +23,7 @@ from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
 from pipeline.modes import IS_MODES, partition_gamma, partition_measure, purify_measure
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
 from storage.shards import ShardError, ShardMissing, committed_manifest, is_committed, read_manifest, write_shard
@@ -187,7 +187,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     if read_manifest(raw_dir) is None:
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
     raw_manifest = committed_manifest(raw_dir, RAW)  # schema version, no stray parts; parts are checked in Beam
-    checkpoint = Path(checkpoint or (raw_manifest.inputs[0] if raw_manifest.inputs else cfg.rollout.policy))
+    checkpoint = Path(checkpoint or (resolve_recorded(cfg.storage.root, raw_manifest.inputs[0]) if raw_manifest.inputs
+                                     else cfg.rollout.policy))
     staging_root = layout.iteration_dir(iteration) / STAGING
     _clean_stale_staging(staging_root)
     modes = modes or cfg.purify.modes
@@ -234,7 +235,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             table = _staged(staging, (mode, gamma), "purified", PURIFIED, counters).sort_by(SORT)
             dead = _staged(staging, (mode, gamma), "dead", DEAD_LETTER, counters).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
-            inputs = [str(raw_dir / "_MANIFEST.json")]
+            inputs = [record_path(cfg.storage.root, raw_dir / "_MANIFEST.json")]
             dead_dir = layout.dead_letter_dir(iteration, mode, gamma, partition_measure(mode, measure))
             if not is_committed(dead_dir):
                 write_shard(dead_dir, dead, DEAD_LETTER, h, inputs=inputs)
@@ -244,7 +245,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
                     f"{raw_dir}: {dead.num_rows}/{raw_manifest.rows} rows could not be purified for mode={mode} "
                     f"γ={gamma} (limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
             extra = {"dead": dead.num_rows, "filtered_groups": counters.get(f"filtered_groups/{name}", 0),
-                     "checkpoint": str(checkpoint)}
+                     "checkpoint": record_path(cfg.storage.root, checkpoint)}
             write_shard(layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure)), table, PURIFIED, h, inputs=inputs, extra=extra,
                         rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
             results.append(VariantResult(mode, gamma, table.num_rows, dead.num_rows, False))

@@ -22,7 +22,7 @@ from rollout_gen.tasks import Task, load_task_parquet
 from rollout_gen.world.tasks import eval_tasks
 from storage.checkpoints import policy_version
 from storage.errors import check_writable_root
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import Manifest, read_manifest, write_shard
 
@@ -89,5 +89,5 @@ def run_eval_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: 
         log(f"[eval it {iteration}] {setting}: avg@{cfg.flow.eval_samples} pass@1 {overall['pass@1']:.3f}, "
             f"tool failures/trajectory {overall['tool_failures_per_trajectory']:.3f}, {m['wall_s']:.1f} s")
     manifest = write_shard(out, pa.Table.from_pylist(records, schema=METRICS), METRICS, config_hash,
-                           extra={"checkpoint": str(checkpoint), "tasks": len(tasks), **extra})
+                           extra={"checkpoint": record_path(cfg.storage.root, checkpoint), "tasks": len(tasks), **extra})
     return manifest, False

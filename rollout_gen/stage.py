@@ -19,7 +19,7 @@ from rollout_gen.sandbox import SandboxPool
 from rollout_gen.tasks import Task, TaskFileError, load_task_parquet
 from rollout_gen.world.tasks import training_tasks
 from storage.checkpoints import policy_version
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path
 from storage.schemas import RAW
 from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
 
@@ -89,7 +89,8 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
         engine.close()
     wall = time.perf_counter() - t0
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
-    with ShardWriter(out, RAW, config_hash, inputs=[str(checkpoint)], rows_per_part=cfg.storage.rows_per_part,
+    with ShardWriter(out, RAW, config_hash, inputs=[record_path(cfg.storage.root, checkpoint)],
+                     rows_per_part=cfg.storage.rows_per_part,
                      compression=cfg.storage.compression) as w:
         w.write(table)
         generated = sum(t.stats.generated_tokens for t in trajectories)

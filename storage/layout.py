@@ -41,6 +41,31 @@ def partition_measure_of(path: Path) -> str:
     return name.split("-", 1)[1] if name.startswith("gamma=") and "-" in name else ""
 
 
+def record_path(root: Path, path: Path | str) -> str:
+    """A path as a manifest records it: relative to the storage root when inside it (`runs/demo/checkpoints/
+    iteration=0001`), so a copied or moved store works from any directory and never reads the original's
+    files; absolute otherwise (an initial policy outside the store)."""
+    p, r = Path(path).resolve(), Path(root).resolve()
+    try:
+        return p.relative_to(r).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def resolve_recorded(root: Path, recorded: str) -> Path:
+    """The file a recorded path names in this store. Earlier cleaners recorded store paths relative to the
+    directory the command ran in, or absolute: any path through `runs/<run>/checkpoints|iteration=…` is read
+    inside this root whatever came before it, so a relocated store never reads its original's files."""
+    path = Path(recorded)
+    parts = path.parts
+    for i in range(len(parts) - 3, -1, -1):
+        if parts[i] == "runs" and (parts[i + 2] == "checkpoints" or parts[i + 2].startswith("iteration=")):
+            return Path(root) / Path(*parts[i:])
+    if not path.is_absolute() and (Path(root) / path).exists():  # recorded relative to the root (a policy kept there)
+        return Path(root) / path
+    return path  # absolute, or relative to the directory an earlier cleaner ran in
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path

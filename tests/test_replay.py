@@ -19,7 +19,11 @@ def run(world_copy):
 
 
 def _snapshot(d):
-    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    """Every byte of the shards under d; the verification records (storage/verified.py) are a cache of which
+    parts were checked, refreshed when a copied store is first read, not shard data."""
+    from storage.verified import RECORD
+
+    return {p.relative_to(d): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != RECORD}
 
 
 def _table_rows(out: str) -> list[list[int | float]]:

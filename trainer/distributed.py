@@ -24,7 +24,7 @@ from pathlib import Path
 from pipeline.config import CleanerConfig, dump_config, load_config
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path
 from trainer.grpo import UpdateError, UpdateProgress
 from trainer.inputs import (TOKENIZER_FILES, dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir,
                             start_checkpoint, update_inputs, write_update_metrics)
@@ -104,7 +104,7 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     dist.barrier()
     if rank == 0:
         finish_checkpoint(tmp, inputs.target, {
-            "source": str(inputs.src), "rows": len(inputs.rows), "purified": str(inputs.part), "strategy": "deepspeed",
+            "source": record_path(cfg.storage.root, inputs.src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, inputs.part), "strategy": "deepspeed",
             "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0})
         write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         shutil.rmtree(partial, ignore_errors=True)

@@ -14,7 +14,7 @@ import torch
 from pipeline.config import CleanerConfig
 from pipeline.modes import live_measure, partition_gamma, partition_measure
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, policy_version
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS, PURIFIED, schema_id
 from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
@@ -42,7 +42,8 @@ class UpdateInputs:
 
     def key(self, cfg: CleanerConfig) -> str:
         """Identifies a partial update: resumable only with the same inputs and settings."""
-        return hashlib.blake2b(json.dumps([self.manifest.config_hash, cfg.train.model_dump(mode="json"), str(self.src)],
+        src = record_path(cfg.storage.root, self.src)  # the same key wherever the store was moved
+        return hashlib.blake2b(json.dumps([self.manifest.config_hash, cfg.train.model_dump(mode="json"), src],
                                           sort_keys=True).encode(), digest_size=8).hexdigest()
 
 

@@ -16,7 +16,7 @@ import torch
 from pipeline.config import CleanerConfig
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CheckpointError, check_writable_root
-from storage.layout import RunLayout
+from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
 from trainer.distributed import launch
@@ -76,7 +76,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
         if manifest.extra.get("filtered_groups", 0) > 0:
             # documented skip: every group had one reward, so GRPO has no signal; the policy carries over
             log(f"[update] {part}: all {manifest.extra['filtered_groups']} groups were filtered; policy carried over")
-            _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "source": str(src),
+            _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "source": record_path(cfg.storage.root, src),
                                                   "trainer": prev_state})
             if not is_committed(inputs.metrics_dir):
                 write_shard(inputs.metrics_dir, pa.Table.from_pylist([{"run_id": run_id, "iteration": iteration, "stage": "update",
@@ -104,7 +104,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     log_steps(progress.metrics, log)
     if stop_after is not None:
         return partial  # interrupted on purpose (tests): resume by calling again
-    _write_checkpoint(target, src, model, {"source": str(src), "rows": len(inputs.rows), "purified": str(part),
+    _write_checkpoint(target, src, model, {"source": record_path(cfg.storage.root, src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, part),
                                            "wall_s": time.perf_counter() - t0, "trainer": update.state_dict()})
     write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
     shutil.rmtree(partial, ignore_errors=True)
