@@ -113,7 +113,7 @@ def run(repeat: int = 3) -> BenchResult:
         rows.append(Row("rollout wall with live importance rollbacks vs similarity rollbacks", wall_is, wall_sim, "s",
                         higher_is_better=False))
         notes.append(f"live: {TASKS} tasks × 4 samples, best of {repeat} interleaved; {n_scored} rollbacks scored in "
-                     f"{scoring:.2f} s (one forward of context + retry each, pipeline.logprobs.score_turn). The two "
+                     f"{scoring:.2f} s (the CPU engine forwards each retry on its trajectory's kept KV). The two "
                      "rollouts differ by more than the scoring: an appended retry keeps its failed turn, so later turns "
                      "are sampled in longer contexts")
 
