@@ -25,6 +25,8 @@ from trainer.inputs import load_rows
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.stage import run_update_stage
 
+from tests.test_trainer import noisy_sequences
+
 
 def model():
     return AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
@@ -36,13 +38,7 @@ def rows_with_behaviour(m, n=6, seed=0, shift=None) -> list[TrainingRow]:
     rng = random.Random(seed)
     shift = shift or (lambda r: math.log(r.choice([0.2, 0.45, 0.8, 1.0, 1.3, 1.9, 2.2, 4.0, 6.0])))
     rows = []
-    for i in range(n):
-        prompt = [rng.randrange(5, 500) for _ in range(rng.randint(4, 8))]
-        resp = [rng.randrange(5, 500) for _ in range(rng.randint(5, 12))]
-        mask = [int(rng.random() < 0.8) for _ in resp]
-        with torch.no_grad():
-            logp = torch.log_softmax(m(torch.tensor([prompt + resp])).logits[0], -1)
-        old = [logp[len(prompt) + k - 1, t].item() + rng.uniform(-0.6, 0.6) for k, t in enumerate(resp)]
+    for i, prompt, resp, mask, old in noisy_sequences(m, n, rng):
         behaviour = [o - shift(rng) if bit else 0.0 for o, bit in zip(old, mask)]
         rows.append(TrainingRow(f"r/0/p{i // 3}/{i % 3}", f"p{i // 3}", i % 3, prompt, resp, mask, old,
                                 rng.choice([-1.5, -0.5, 0.7, 1.2]), behaviour))

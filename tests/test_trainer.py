@@ -34,17 +34,24 @@ def rows_of(cfg) -> list[PurifiedTrajectory]:
     return [purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()]
 
 
-def synthetic_rows(m, n=6, seed=0) -> list[PurifiedTrajectory]:
-    """Rows whose old log-probs are the model's own plus noise, so ratios spread over both clip edges."""
-    rng = random.Random(seed)
-    rows = []
+def noisy_sequences(m, n: int, rng: random.Random):
+    """(i, prompt, response, loss mask, old log-probs) of n random rows whose old log-probs are the model's own
+    plus noise, so ratios spread over both clip edges; the caller may draw more from rng between rows."""
     for i in range(n):
         prompt = [rng.randrange(5, 500) for _ in range(rng.randint(4, 8))]
         resp = [rng.randrange(5, 500) for _ in range(rng.randint(5, 12))]
         mask = [int(rng.random() < 0.8) for _ in resp]
         with torch.no_grad():
             logp = torch.log_softmax(m(torch.tensor([prompt + resp])).logits[0], -1)
-        old = [logp[len(prompt) + k - 1, t].item() + rng.uniform(-0.6, 0.6) for k, t in enumerate(resp)]
+        yield i, prompt, resp, mask, [logp[len(prompt) + k - 1, t].item() + rng.uniform(-0.6, 0.6)
+                                      for k, t in enumerate(resp)]
+
+
+def synthetic_rows(m, n=6, seed=0) -> list[PurifiedTrajectory]:
+    """Rows whose old log-probs are the model's own plus noise, so ratios spread over both clip edges."""
+    rng = random.Random(seed)
+    rows = []
+    for i, prompt, resp, mask, old in noisy_sequences(m, n, rng):
         rows.append(PurifiedTrajectory("r", 0, f"p{i // 3}", i % 3, "saar", 0.5, f"k{i}", prompt, resp, mask, old,
                                        [1] * len(resp), 1.0, rng.choice([-1.5, -0.5, 0.7, 1.2]), [], -1, 0, True))
     return rows
