@@ -89,19 +89,23 @@ def sequence_logprobs(model: torch.nn.Module, ids: list[int], start: int = 1, te
 
 
 def score_turn(body: torch.nn.Module, head: torch.nn.Module, context: list[int], turn: list[int],
-               temperature: float = 1.0, chunk_tokens: int = 1024) -> list[float]:
+               temperature: float = 1.0, chunk_tokens: int = 1024, cache=None, cached: int = 0,
+               hidden_states=None) -> list[float]:
     """log π(turn[k] | context, turn[:k]) for every k, at the sampling temperature: a rollback's importance-
     ratio numerator (saar_is). The live loop (CPU engine) and the purifier (CPU recompute) both call this one
     function, so the same weights give them the same numbers. Chunks go through a KV cache: memory is
-    bounded at any context length."""
+    bounded at any context length. `cache` may already hold the first `cached` context tokens (the engine's
+    kept KV), and `hidden_states(ids, positions, cache)` replace `body` (the engine's own forward)."""
     from transformers import DynamicCache
 
     seq = list(context) + list(turn)
-    cache, out = DynamicCache(), []
+    cache, out = cache if cache is not None else DynamicCache(), []
     with torch.inference_mode():
-        for a in range(0, len(seq) - 1, chunk_tokens):
+        for a in range(cached, len(seq) - 1, chunk_tokens):
             b = min(len(seq) - 1, a + chunk_tokens)
-            hidden = body(input_ids=torch.tensor([seq[a:b]]), past_key_values=cache, use_cache=True).last_hidden_state
+            ids = torch.tensor([seq[a:b]])
+            hidden = hidden_states(ids, torch.arange(a, b)[None], cache) if hidden_states else \
+                body(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
             lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1]; the turn starts at len(context)
             if lo < b:
                 targets = torch.tensor([seq[lo + 1: b + 1]])

@@ -217,18 +217,12 @@ class ShardWriter:
 
     def _write_summary(self, table: pa.Table, index: int) -> PartInfo:
         name = f"summary-{index:05d}.parquet"
-        tmp = self.directory / f".{name}.tmp-{os.getpid()}"
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=self.compression)
         data = sink.getvalue().to_pybytes()
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.directory / name)
+            _atomic_write_bytes(self.directory / name, data)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise os_error(e, f"writing {self.directory / name}") from None
         return PartInfo(name=name, rows=table.num_rows, bytes=len(data), crc32=_crc32(data))
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from pipeline.engines.base import Generation, Request, SamplingParams
-from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
+from pipeline.logprobs import score_turn, split_causal_lm
 from storage.errors import CheckpointError
 from rollout_gen.engines.batch_kv import growing, pad_left, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
@@ -136,22 +136,12 @@ class CPUEngine:
         n = common_prefix(kept.ids, context, len(context) - 1) if kept is not None else 0
         if n == 0:
             return score_turn(body, head, context, turn, temperature, self.chunk_tokens)
-        seq = list(context) + list(turn)
         cache = DynamicCache(ddp_cache_data=[(k[None, :, :n], v[None, :, :n]) for k, v in kept.kv])
-        out: list[float] = []
         fast = getattr(self.forward, "hidden_states", None)  # the engine's own Qwen3 forward, when it runs one
-        with torch.inference_mode():
-            for a in range(n, len(seq) - 1, self.chunk_tokens):
-                b = min(len(seq) - 1, a + self.chunk_tokens)
-                ids, pos = torch.tensor([seq[a:b]]), torch.arange(a, b)[None]
-                hidden = fast(ids, torch.ones((1, b), dtype=torch.long), pos, cache) if fast else \
-                    body(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
-                lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1]; the turn starts at len(context)
-                if lo < b:
-                    out += token_logprobs(hidden[:, lo - a:], torch.tensor([seq[lo + 1: b + 1]]), head,
-                                          temperature)[0].tolist()
-        self.prefill_tokens += len(seq) - 1 - n
-        return out
+        hidden = (lambda ids, pos, c: fast(ids, torch.ones((1, pos[0, -1] + 1), dtype=torch.long), pos, c)) if fast \
+            else None
+        self.prefill_tokens += len(context) + len(turn) - 1 - n
+        return score_turn(body, head, context, turn, temperature, self.chunk_tokens, cache, n, hidden)
 
     # ---- the continuous-batching protocol ------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
