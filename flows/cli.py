@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.eval_cmd import add_eval_command  # the rollout stack is imported only when eval runs
 
     add_eval_command(sub, _add_config_args, EPILOG_OVERRIDES)
+    from flows.view_cmd import add_view_command  # the web stack is imported only when view runs
+
+    add_view_command(sub, _add_config_args, EPILOG_OVERRIDES)
 
     p = sub.add_parser(
         "rollout", help="phase 1 alone: sample trajectories with retries and write a raw shard",

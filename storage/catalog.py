@@ -26,8 +26,9 @@ import pyarrow as pa
 from storage.layout import DEFAULT_MEASURE_KEY
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW, schema_id
 from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_summary, committed_manifest,
-                            summary_parts)
+                            summary_parts, text_parts)
 from storage.summaries import summarizer
+from storage.texts import PURIFIED_TEXT, RAW_TEXT
 
 CLI_STORAGE_VERSION = "v1.5.0"
 
@@ -49,6 +50,7 @@ class ShardFiles:
     parts: list[Path]
     version: str  # the schema version it was written with
     summaries: list[Path] | None  # its row summaries (storage/summaries.py); None: committed without them
+    texts: tuple[Path, ...] = ()  # its decoded text (storage/texts.py); empty: committed without it
 
 
 def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> ShardFiles:
@@ -57,11 +59,12 @@ def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) ->
     manifest = committed_manifest(directory, schema)
     for part in manifest.parts:
         check_part(directory, part, schema, force)
-    summaries = summary_parts(manifest)
-    for part in summaries:
+    summaries, texts = summary_parts(manifest), text_parts(manifest)
+    for part in [*summaries, *texts]:
         check_summary(directory, part, force)
     return ShardFiles([directory / p.name for p in manifest.parts], manifest.schema,
-                      [directory / p.name for p in summaries] if summaries else None)
+                      [directory / p.name for p in summaries] if summaries else None,
+                      tuple(directory / p.name for p in texts))
 
 
 def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
@@ -289,10 +292,12 @@ class Scan:
     problems: list[Problem]
 
 
-def scan(root: Path, verify: bool = False) -> Scan:
+def scan(root: Path, verify: bool = False, iterations: str = "runs/*/iteration=*") -> Scan:
+    """`iterations` narrows the scan to some iteration folders (a glob under the root, e.g.
+    `runs/demo/iteration=0007`): a catalog of one iteration costs the same at iteration 2,000 as at 20."""
     problems: list[Problem] = []
-    shards = {view: _scan(Path(root).resolve(), pattern, schema, problems, verify)
-              for view, (pattern, schema) in SOURCES.items()}
+    shards = {view: _scan(Path(root).resolve(), pattern.replace("runs/*/iteration=*", iterations), schema, problems,
+                          verify) for view, (pattern, schema) in SOURCES.items()}
     return Scan(shards, problems)
 
 
@@ -342,6 +347,33 @@ class Catalog:
                 "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *")
             self.con.execute(f"CREATE OR REPLACE VIEW {view} AS {select} FROM {source}")
         self.con.execute(VIEWS_SQL)
+        self._text_views(scanned)
+        # The shards left out, in the file too: whoever opens it (cleaner view, a notebook) can name them.
+        self.con.execute("CREATE OR REPLACE TABLE catalog_problems (path VARCHAR, message VARCHAR, committed BOOLEAN)")
+        if self.problems:
+            self.con.executemany("INSERT INTO catalog_problems VALUES (?, ?, ?)",
+                                 [(str(p.path), p.message, p.committed) for p in self.problems])
+
+    def _text_views(self, scanned: Scan) -> None:
+        """`raw_texts`, `raw_attempt_texts` and `purified_texts`: the decoded text written beside each part at
+        commit (storage/texts.py), keyed like the rows they decode; shards committed without text have no rows."""
+        raw = [p for s in scanned.shards["raw_trajectories"] for p in s.texts]
+        purified = [p for s in scanned.shards["purified"] for p in s.texts]
+        raw_source = (f"read_parquet({_sql_list(raw)}, hive_partitioning=false)" if raw
+                      else _empty_table(self.con, "raw_texts", RAW_TEXT))
+        self.con.execute(f"CREATE OR REPLACE VIEW raw_texts AS SELECT * EXCLUDE (attempts) FROM {raw_source}")
+        self.con.execute(
+            "CREATE OR REPLACE VIEW raw_attempt_texts AS SELECT run_id, iteration, prompt_id, sample_idx, "
+            "a.position_idx AS position_idx, a.attempt_idx AS attempt_idx, a.turn_text AS turn_text, "
+            "a.feedback_text AS feedback_text FROM (SELECT run_id, iteration, prompt_id, sample_idx, UNNEST(attempts) "
+            f"AS a FROM {raw_source})")
+        if purified:
+            self.con.execute(f"CREATE OR REPLACE VIEW purified_texts AS SELECT * EXCLUDE (filename), {_MEASURE_SQL} "
+                             f"AS measure FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, "
+                             "filename=true)")
+        else:
+            self.con.execute("CREATE OR REPLACE VIEW purified_texts AS SELECT *, CAST(NULL AS VARCHAR) AS measure "
+                             f"FROM {_empty_table(self.con, 'purified_texts', PURIFIED_TEXT)}")
 
     def _summary_view(self, view: str, schema: pa.Schema, shards: list[ShardFiles]) -> None:
         """`<view>_summary`: the row summaries written at commit, and for shards committed without them the

@@ -11,6 +11,7 @@ import json
 import os
 import time
 import uuid
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,13 +20,14 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import summaries, verified
+from storage import summaries, texts, verified
 from storage.errors import CleanerError, os_error
 from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
 SUMMARY_GLOB = "summary-*.parquet"  # per-part row summaries (storage/summaries.py), listed in the manifest
+TEXT_GLOB = "text-*.parquet"  # per-part decoded text (storage/texts.py), listed in the manifest
 
 
 class ShardError(CleanerError, RuntimeError):
@@ -142,6 +144,8 @@ class ShardWriter:
         self._parts: list[PartInfo] = []
         self._summaries: list[PartInfo] = []
         self._summarize = summaries.summarizer(schema)
+        self._texts: list[PartInfo] = []
+        self._texter: object = None  # storage.texts.texter, found at the first part (None: no text)
         # Dictionary encoding only for flat columns (ids, modes, names): on token-id lists it costs a third more
         # bytes at Qwen3's vocabulary (19.6 vs 13.0 bytes/token, benchmarks/RESULTS.md `bytes`)
         self._dictionary = [f.name for f in schema if not (pa.types.is_list(f.type) or pa.types.is_struct(f.type))]
@@ -175,7 +179,8 @@ class ShardWriter:
 
     def _leftovers(self) -> list[Path]:
         return [*self.directory.glob(PART_GLOB), *self.directory.glob(".part-*"), *self.directory.glob(SUMMARY_GLOB),
-                *self.directory.glob(".summary-*"), *self.directory.glob(f".{MANIFEST}.tmp-*")]
+                *self.directory.glob(".summary-*"), *self.directory.glob(TEXT_GLOB), *self.directory.glob(".text-*"),
+                *self.directory.glob(f".{MANIFEST}.tmp-*")]
 
     def write(self, data: pa.Table | pa.RecordBatch | list[dict[str, Any]]) -> None:
         if isinstance(data, list):
@@ -214,9 +219,20 @@ class ShardWriter:
         self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
         if self._summarize is not None:
             self._summaries.append(self._write_summary(self._summarize(head), len(self._parts) - 1))
+        if self._texter is None:
+            self._texter = texts.texter(self.schema, self.directory, self.inputs) or False
+        if self._texter:
+            try:
+                self._texts.append(self._write_summary(self._texter(head), len(self._parts) - 1, "text"))
+            except Exception as e:  # noqa: BLE001 - text is for people: a shard is committed without it, never lost
+                for p in self._texts:
+                    (self.directory / p.name).unlink(missing_ok=True)
+                self._texts, self._texter = [], False
+                warnings.warn(f"{self.directory}: committed without decoded text ({type(e).__name__}: {e})",
+                              stacklevel=2)
 
-    def _write_summary(self, table: pa.Table, index: int) -> PartInfo:
-        name = f"summary-{index:05d}.parquet"
+    def _write_summary(self, table: pa.Table, index: int, kind: str = "summary") -> PartInfo:
+        name = f"{kind}-{index:05d}.parquet"
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=self.compression)
         data = sink.getvalue().to_pybytes()
@@ -236,20 +252,21 @@ class ShardWriter:
             config_hash=self.config_hash,
             inputs=self.inputs,
             created_at=time.time(),
-            extra={**(extra or {}), **({"summaries": [asdict(p) for p in self._summaries]} if self._summaries else {})},
+            extra={**(extra or {}), **({"summaries": [asdict(p) for p in self._summaries]} if self._summaries else {}),
+                   **({"texts": [asdict(p) for p in self._texts]} if self._texts else {})},
         )
         _fsync_dir(self.directory)
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
         _fsync_dir(self.directory)
         self._committed = True
         # the parts' checksums were taken from the bytes just written: readers need not read them again
-        verified.remember(self.directory, [(p.name, p.crc32) for p in [*self._parts, *self._summaries]])
+        verified.remember(self.directory, [(p.name, p.crc32) for p in [*self._parts, *self._summaries, *self._texts]])
         return manifest
 
     def abort(self) -> None:
         for p in self._leftovers():
             p.unlink(missing_ok=True)
-        self._parts, self._summaries, self._pending, self._pending_rows = [], [], [], 0
+        self._parts, self._summaries, self._texts, self._pending, self._pending_rows = [], [], [], [], 0
         for d in self._created:  # innermost first; a folder something else wrote into stays
             try:
                 d.rmdir()
@@ -322,6 +339,11 @@ def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
 def summary_parts(manifest: Manifest) -> list[PartInfo]:
     """The per-part row summaries a manifest lists ([] for shards committed without them)."""
     return [PartInfo(**p) for p in manifest.extra.get("summaries", [])]
+
+
+def text_parts(manifest: Manifest) -> list[PartInfo]:
+    """The per-part decoded texts a manifest lists ([] for shards committed without them)."""
+    return [PartInfo(**p) for p in manifest.extra.get("texts", [])]
 
 
 def check_summary(directory: Path, part: PartInfo, force: bool = False) -> None:

@@ -1,0 +1,36 @@
+"""`cleaner view`: a local web app over the storage root's committed shards (flows/viewer/): runs → iterations →
+trajectory table → one trajectory with its purified variants aligned, the run's report, and a read-only SQL box.
+The web stack is imported inside the command, so building the command line stays fast."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from pipeline.config import load_config
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from flows.viewer.serve import serve
+
+    cfg = load_config(args.config, args.overrides)
+    return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
+
+
+def add_view_command(sub, add_config_args: Callable[[argparse.ArgumentParser], None], epilog: str) -> None:
+    p = sub.add_parser(
+        "view", help="browse runs, trajectories and their purified variants in a local web app",
+        description="Serve a web app on 127.0.0.1 (prints the URL) over the storage root, reading only committed "
+        "shards, so it works while a flow writes: runs, iterations, a trajectory table with filters (kind, error "
+        "label, partition, spliced, reward, advantage sign, text), one trajectory's attempt tree beside every "
+        "purified variant aligned at token level (kept, removed and inserted spans, loss mask, advantage, behaviour "
+        "vs recomputed log-probs as colour), the run's report (`cleaner report`), and a SQL box on a read-only "
+        "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.",
+        epilog="Examples:\n  cleaner view\n  cleaner view --port 8800 -c configs/demo.yaml\n"
+        "  cleaner view storage.root=workspace/experiments\n\n" + epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
+                   "the network (a warning says so)")
+    p.add_argument("--port", type=int, default=8765, help="port [8765]; 0 picks a free one")
+    p.set_defaults(func=cmd_view)

@@ -1,0 +1,99 @@
+"""An iteration's trajectory table and its filters, as SQL on the iteration's catalog (flows/viewer/store.py).
+
+Every filter value reaches DuckDB as a bound parameter, never as SQL text. Kinds and advantages are the
+catalog's `raw_kinds` (each row's GRPO advantage in its prompt group; every mode's but roc's); with a
+partition chosen, its rows' own advantage and splices are used instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flows.viewer.store import Scope
+from flows.viewer.trajectory import variant_key, variant_label
+
+KINDS = ("clean", "recovered", "not_recovered", "infra")
+ADVANTAGES = {"positive": "> 0", "negative": "< 0", "zero": "= 0"}
+MAX_ROWS = 2000
+
+
+@dataclass
+class Filters:
+    kind: str = ""
+    label: str = ""
+    partition: str = ""
+    spliced: str = ""  # "yes" | "no" | ""
+    reward_min: float | None = None
+    reward_max: float | None = None
+    advantage: str = ""  # positive | negative | zero | ""
+    q: str = ""
+
+
+def partitions(scope: Scope) -> list[dict[str, Any]]:
+    rows = scope.rows("SELECT DISTINCT mode, gamma, measure FROM purified_summary ORDER BY ALL")
+    return [{"key": variant_key(r["mode"], r["gamma"], r["measure"]),
+             "label": variant_label(r["mode"], r["gamma"], r["measure"]), **r} for r in rows]
+
+
+def labels(scope: Scope) -> list[str]:
+    return [r["error_label"] for r in scope.rows(
+        "SELECT DISTINCT error_label FROM raw_attempts WHERE error_label IS NOT NULL ORDER BY 1")]
+
+
+TABLE_SQL = """
+WITH att AS (
+    SELECT prompt_id, sample_idx, count(*) AS attempts, count(*) FILTER (WHERE status = 'failure') AS failures,
+           string_agg(DISTINCT error_label, ', ' ORDER BY error_label) AS labels,
+           bool_or(error_label = $label) AS has_label
+    FROM raw_attempts GROUP BY ALL
+), part AS (
+    SELECT prompt_id, sample_idx, sum(splices)::BIGINT AS splices, any_value(advantage) AS advantage
+    FROM purified_summary
+    WHERE $partition = '' OR (mode = $mode AND gamma = $gamma AND measure IS NOT DISTINCT FROM $measure)
+    GROUP BY ALL
+), hits AS (
+    SELECT DISTINCT prompt_id, sample_idx FROM (
+        SELECT prompt_id, sample_idx FROM raw_trajectories WHERE contains(lower(question), $q)
+        UNION ALL SELECT prompt_id, sample_idx FROM raw_attempts
+            WHERE contains(lower(code), $q) OR contains(lower(tool_text), $q)
+        UNION ALL SELECT prompt_id, sample_idx FROM raw_attempt_texts
+            WHERE contains(lower(turn_text), $q) OR contains(lower(feedback_text), $q)
+        UNION ALL SELECT prompt_id, sample_idx FROM raw_texts WHERE contains(lower(response_text), $q)
+        UNION ALL SELECT prompt_id, sample_idx FROM purified_texts WHERE contains(lower(response_text), $q)
+            AND ($partition = '' OR (mode = $mode AND gamma = $gamma AND measure IS NOT DISTINCT FROM $measure)))
+    WHERE $q <> ''
+), rows AS (
+    SELECT k.prompt_id, k.sample_idx, k.kind, k.reward,
+           CASE WHEN $partition = '' THEN k.advantage ELSE p.advantage END AS advantage,
+           coalesce(a.attempts, 0) AS attempts, coalesce(a.failures, 0) AS failures, a.labels,
+           coalesce(a.has_label, false) AS has_label, coalesce(p.splices, 0) AS splices, p.prompt_id IS NOT NULL AS in_part,
+           s.response_tokens
+    FROM raw_kinds k LEFT JOIN att a USING (prompt_id, sample_idx) LEFT JOIN part p USING (prompt_id, sample_idx)
+    LEFT JOIN raw_summary s USING (prompt_id, sample_idx)
+    LEFT JOIN (SELECT *, true AS hit FROM hits) h USING (prompt_id, sample_idx)
+    WHERE $q = '' OR h.hit
+)
+SELECT * EXCLUDE (has_label, in_part), count(*) OVER () AS matching FROM rows
+WHERE ($kind = '' OR kind = $kind)
+  AND ($label = '' OR has_label)
+  AND ($partition = '' OR in_part)
+  AND ($spliced = '' OR ($spliced = 'yes') = (splices > 0))
+  AND ($reward_min IS NULL OR reward >= $reward_min)
+  AND ($reward_max IS NULL OR reward <= $reward_max)
+  AND ($advantage = '' OR ($advantage = 'positive' AND advantage > 0) OR ($advantage = 'negative' AND advantage < 0)
+       OR ($advantage = 'zero' AND advantage = 0))
+ORDER BY prompt_id, sample_idx
+LIMIT $limit
+"""
+
+
+def trajectories(scope: Scope, f: Filters, parts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """(rows matching the filters, at most MAX_ROWS; how many match in all)."""
+    chosen = next((p for p in parts if p["key"] == f.partition), None)
+    rows = scope.rows(
+        TABLE_SQL, kind=f.kind, label=f.label, partition=f.partition if chosen else "",
+        mode=chosen["mode"] if chosen else "", gamma=chosen["gamma"] if chosen else 0.0,
+        measure=chosen["measure"] if chosen else None, spliced=f.spliced, reward_min=f.reward_min,
+        reward_max=f.reward_max, advantage=f.advantage if f.advantage in ADVANTAGES else "", q=f.q.lower().strip(),
+        limit=MAX_ROWS)
+    return rows, (rows[0]["matching"] if rows else 0)
