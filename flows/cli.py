@@ -84,7 +84,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     return run_inspect(cfg, sql=args.sql, run_id=args.run, print_queries=args.queries, verify=args.verify,
-                       show_all=args.all)
+                       show_all=args.all, wide=args.wide)
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -130,12 +130,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from rollout_gen.stage import run_rollout_stage
+    from storage.checkpoints import checkpoint_for
+    from storage.layout import RunLayout
+    from storage.shards import read_manifest
 
     cfg = _config(args)
-    checkpoint = args.checkpoint or cfg.rollout.policy
-    manifest = run_rollout_stage(cfg, args.run or cfg.flow.run_id, args.iteration, checkpoint)
+    run_id = args.run or cfg.flow.run_id
+    # the policy the run samples this iteration from, as in the flow (a rerun checks the shard was sampled by it)
+    checkpoint = args.checkpoint or checkpoint_for(cfg.storage.root, run_id, args.iteration, cfg.rollout.policy)
+    done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(args.iteration)) is not None
+    if not done:  # the tokenizer, the weights and the sandbox take seconds before the first trajectory
+        print(f"[rollout it {args.iteration}] loading {checkpoint} and starting the sandbox …", file=sys.stderr,
+              flush=True)
+    manifest = run_rollout_stage(cfg, run_id, args.iteration, checkpoint)
     _publish_catalog(cfg)
-    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}")
+    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
+          + (" — kept (already committed)" if done else ""))
     return 0
 
 
@@ -143,6 +153,8 @@ def cmd_purify(args: argparse.Namespace) -> int:
     from purifier.stage import run_purify_stage
 
     cfg = _config(args)
+    print(f"[purify it {args.iteration}] modes {', '.join(args.mode or cfg.purify.modes)} on Beam "
+          f"({cfg.purify.runner}) …", file=sys.stderr, flush=True)
     results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma,
                                is_thresholds=args.is_threshold)
     _publish_catalog(cfg)
@@ -164,12 +176,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_update(args: argparse.Namespace) -> int:
-    from trainer.stage import run_update_stage
+    from flows.console import working
+    from storage.checkpoints import DONE_MARKER
+    from storage.layout import RunLayout
 
     cfg = _config(args)
-    target = run_update_stage(cfg, args.run or cfg.flow.run_id, args.iteration)
+    run_id = args.run or cfg.flow.run_id
+    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(args.iteration + 1)
+    done = (target / DONE_MARKER).is_file()
+    if not done:  # a committed checkpoint is kept without loading the trainer (seconds of torch and OpenRLHF)
+        with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
+            from trainer.stage import run_update_stage
+        target = run_update_stage(cfg, run_id, args.iteration)
     _publish_catalog(cfg)
-    print(f"checkpoint: {target}")
+    print(f"checkpoint: {target}" + (" — kept (already committed)" if done else ""))
     return 0
 
 
@@ -198,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
 
+    from flows.inspect import columns_help  # the module loads DuckDB and Arrow only when inspect runs
+
     p = sub.add_parser(
         "inspect",
         help="summarise runs from the DuckDB catalog, or run SQL on its views",
@@ -205,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
         "raw_kinds, trajectory_kinds, failed_call_advantage, off_policy. Every part is checked in full once "
         "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.",
         epilog="Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
-        "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + EPILOG_OVERRIDES,
+        "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + columns_help() + "\n\n"
+        + EPILOG_OVERRIDES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(p)
@@ -213,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="restrict the summary to one run id")
     p.add_argument("--queries", action="store_true", help="print example queries to try")
     p.add_argument("--all", action="store_true", help="summary tables of every iteration (default: each run's last 10)")
+    p.add_argument("--wide", action="store_true", help=(
+        "every column of the summary tables (default: those that fit 100 columns; a table wider than the terminal "
+        "is printed whole, for `less -S`)"))
     p.add_argument("--verify", action="store_true", help=(
         "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
         "name each bad file, and exit 1 if any is bad"))
@@ -268,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iteration", type=int, default=0)
-    p.add_argument("--checkpoint", type=Path, help="policy checkpoint (default: rollout.policy)")
+    p.add_argument("--checkpoint", type=Path, help=(
+        "policy checkpoint (default: the run's checkpoint of that iteration; rollout.policy for iteration 0)"))
     p.set_defaults(func=cmd_rollout)
 
     for name, help_text, example in (
@@ -350,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flows.console import quiet_libraries
+    from flows.console import command_prints_errors, quiet_libraries
 
     quiet_libraries()  # before torch, Beam or DeepSpeed are imported by a subcommand
     parser = build_parser()
@@ -364,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     elif overrides:
         parser.error(f"{overrides[0]}: {args.command} takes no config overrides")
     try:
-        return int(args.func(args) or 0)
+        with command_prints_errors():  # a flow's records of a user error leave its line to the one below
+            return int(args.func(args) or 0)
     except Exception as e:  # noqa: BLE001 - user-facing failures get one line, bugs keep their traceback
         if os.environ.get("CLEANER_TRACEBACK"):
             raise

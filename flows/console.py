@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
+
+from storage.errors import CleanerError
 
 # (logger name, start of the message): records that say nothing to a user of a CPU pipeline.
 _NOISE: tuple[tuple[str, str], ...] = (
@@ -50,6 +56,84 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name or None)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(prefixes))
+
+
+@contextmanager
+def working(message: str) -> Iterator[None]:
+    """`message …` on stderr before a step that takes seconds (an import of torch, a tokenizer, a server's
+    start): one line, and on a terminal a spinner with the seconds spent until the step ends, so that the
+    console is never silent for long. Results keep stdout to themselves."""
+    print(f"{message} …", file=sys.stderr, flush=True)
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True) as spinner:
+        spinner.add_task("", total=None)
+        yield
+
+
+# True while the `cleaner` command runs: it prints a user error's one line itself when it ends (flows/cli.py).
+_COMMAND_PRINTS_ERRORS = False
+
+
+@contextmanager
+def command_prints_errors() -> Iterator[None]:
+    """While the command line runs a subcommand, Prefect's records of a user error name its class only."""
+    global _COMMAND_PRINTS_ERRORS
+    before, _COMMAND_PRINTS_ERRORS = _COMMAND_PRINTS_ERRORS, True
+    try:
+        yield
+    finally:
+        _COMMAND_PRINTS_ERRORS = before
+
+
+def _user_error_names() -> set[str]:
+    names, todo = set(), [CleanerError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
+
+
+class _UserErrorsOnce(logging.Filter):
+    """Prefect logs a failed task's state, then the flow's exception, then the flow's state: one user error
+    (a CleanerError, whose message is the one line that names the file and the fix) three times, and the
+    command prints it a fourth. Each record keeps the error's class; its message stays in the first record
+    only, or in none when the command prints it at its end. Other exceptions are left as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: set[str] = set()
+        self._last: logging.LogRecord | None = None  # a record passes each handler: rewritten once
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record is self._last:
+            return True
+        self._last = record
+        message = record.getMessage()
+        found = re.search(r"\b(%s)(: |\()" % "|".join(sorted(_user_error_names())), message)
+        if found is None:
+            return True
+        quote, text, close = re.fullmatch(r"(['\"]?)(.*?)(['\"]?\)*)", message[found.end():], re.S).groups()
+        key = re.sub(r"\W+", "", text)  # the same message, whether a state's str or the exception's repr
+        if _COMMAND_PRINTS_ERRORS or key in self.shown:
+            record.msg = message[:found.end()] + quote + ("see below" if _COMMAND_PRINTS_ERRORS else "as above") + close
+            record.args = ()
+        self.shown.add(key)
+        return True
+
+
+def user_errors_once() -> None:
+    """Install _UserErrorsOnce on the handlers Prefect's run loggers write through (after `import prefect`)."""
+    once = _UserErrorsOnce()
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _UserErrorsOnce) for f in handler.filters):
+                handler.addFilter(once)
 
 
 def _cell(value: object) -> str:

@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from flows.console import working
 from pipeline.config import load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
@@ -37,7 +38,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.server import start_temporary_server
 
     start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
-    from flows.training import training_flow
+    with working(f"[train] loading Prefect and the training flow of run {cfg.flow.run_id!r}"):
+        from flows.training import training_flow
 
     ckpt = training_flow(str(args.config) if args.config else None, list(args.overrides))
     print(f"final checkpoint: {ckpt}")
@@ -66,7 +68,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         print(f"[demo] no policy at {cfg.rollout.policy}: bootstrapping one (about 20 minutes) ...")
         bootstrap(cfg.rollout.policy, BootstrapConfig(world=cfg.world))
-    from flows.training import replay_flow, training_flow
+    with working("[demo] loading Prefect and the training flow"):
+        from flows.training import replay_flow, training_flow
     from flows.report import iteration_table, markdown_table, write_report
 
     print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
@@ -133,11 +136,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from flows.server import running_server, start_server, stop_server
+    from contextlib import nullcontext
+
+    from flows.server import prefect_home, running_server, start_server, stop_server
 
     root = load_config(args.config, args.overrides).storage.root
     if args.action == "start":
-        state, started = start_server(root, port=args.port, ui=not args.no_ui)
+        starting = None if running_server(root) else working(
+            f"starting a Prefect server for {root} (log: {prefect_home(root) / 'server.log'})")
+        with starting or nullcontext():  # its first start creates its database: tens of seconds
+            state, started = start_server(root, port=args.port, ui=not args.no_ui)
         print(f"{'started' if started else 'already running'}: pid {state.pid}, UI/API "
               f"http://127.0.0.1:{state.port} (log: {state.log})\n  export PREFECT_API_URL={state.url}")
     elif args.action == "stop":

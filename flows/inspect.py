@@ -1,14 +1,16 @@
 """`cleaner inspect`: the catalog's numbers as tables, or the user's own SQL."""
 from __future__ import annotations
 
-import duckdb
-import pyarrow as pa
-from rich.console import Console
-from rich.table import Table
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipeline.config import CleanerConfig
 from storage.errors import InspectError, WorkspaceError
-from storage.catalog import Catalog, publish_quietly
+
+if TYPE_CHECKING:  # `cleaner --help` reads COLUMNS: DuckDB, Arrow and rich load when a table is printed
+    import pyarrow as pa
+    from rich.console import Console
+
+    from pipeline.config import CleanerConfig
 
 EXAMPLE_QUERIES = {
     "tool-error rate per iteration": (
@@ -45,30 +47,188 @@ RECENT = 10  # iterations per run the default tables show: their length does not
 RECENT_SQL = ("iteration > (SELECT max(iteration) FROM raw_summary r WHERE r.run_id = {table}.run_id) - {n}")
 
 
-def print_table(console: Console, title: str, table: pa.Table) -> None:
+@dataclass(frozen=True)
+class Column:
+    """One column of a summary table: the query's column, its heading (words, so that a narrow terminal wraps a
+    heading rather than cutting it), what it means (`cleaner inspect --help`), and whether only --wide shows it."""
+
+    name: str
+    header: str
+    note: str
+    wide: bool = False
+    narrow: bool = False  # shown without --wide only (its columns are shown instead)
+
+
+_RUN = Column("run_id", "run", "the run (flow.run_id)")
+_ITERATION = Column("iteration", "iteration", "the iteration: its raw shard, sampled by checkpoint ITERATION")
+_TRAJECTORIES = Column("trajectories", "trajectories", "trajectories sampled (tasks × rollout.samples_per_prompt)")
+_MEAN_REWARD = Column("mean_reward", "mean reward", "mean reward of those trajectories")
+_RESPONSE = ("mean response length as lived, in tokens: what the model's context held at the end; under "
+             "rollout.saar.live_mode=purified a retry took its failed turn's place there, while the attempt tree "
+             "(raw_attempts) keeps every attempt")
+# each summary table's columns, in the order shown; the default ones fit a terminal 100 columns wide
+COLUMNS: dict[str, tuple[Column, ...]] = {
+    "raw trajectories": (
+        _RUN, _ITERATION, _TRAJECTORIES, _MEAN_REWARD,
+        Column("tool_calls", "tool calls", "tool calls per trajectory, retries included"),
+        Column("first_failures", "first-call failures",
+               "positions per trajectory whose first call failed (the tool-error rate SAAR retries after)"),
+        Column("recovered", "recovered", "positions, summed, whose failed call a retry fixed"),
+        Column("response_tokens", "response tokens", _RESPONSE),
+    ),
+    "purified shards": (  # one table per run (PER_RUN): without a run column its columns fit 100 characters
+        _ITERATION,
+        Column("partition", "partition", "the purified partition: mode, its γ (τ for saar_is) and the similarity "
+               "measure when not the default; --wide shows them as mode, gamma, measure", narrow=True),
+        Column("mode", "mode", "purification mode (docs/saar.md#purification-modes)", wide=True),
+        Column("gamma", "gamma", "SAAR's shallow/deep threshold γ (τ for saar_is; 0 for modes without one)", wide=True),
+        Column("measure", "measure", "similarity measure of a splicing mode's partition (None for the others)",
+               wide=True),
+        Column("trajectories", "rows", "purified rows (one per raw trajectory, fewer for roc)"),
+        Column("raw_response_tokens", "raw tokens", "the raw trajectories' " + _RESPONSE),
+        Column("purified_response_tokens", "purified tokens",
+               "mean response length of the purified rows; the raw mode keeps every attempt and every error "
+               "where they were sampled, so it exceeds the raw tokens (the response as lived) when calls failed"),
+        Column("trained_tokens", "trained tokens", "mean tokens per row with loss mask 1 (tool outputs are not trained)"),
+        Column("splices", "splices", "retries spliced over a failed turn, summed (several per position when "
+               "several retries were needed)"),
+        Column("shallow", "shallow", "splices that kept the failed turn's reasoning (similarity ≥ γ)", wide=True),
+        Column("deep", "deep", "splices that replaced the whole failed turn (similarity < γ)", wide=True),
+        Column("tokens_removed", "tokens removed", "tokens the splices removed, summed"),
+        Column("tokens_forwarded", "tokens forwarded", "mean tokens per row the log-prob recompute ran through "
+               "the model (from the first token whose context changed; prefix KV reused)", wide=True),
+        Column("mean_reward", "mean reward", "mean reward of the rows"),
+    ),
+    "per iteration": (
+        _ITERATION, _TRAJECTORIES, _MEAN_REWARD,
+        Column("accuracy", "accuracy", "share of trajectories with a positive reward"),
+        Column("tool_errors_per_traj", "first-call failures", "positions per trajectory whose first call failed"),
+        Column("tool_calls", "tool calls", "tool calls per trajectory, retries included", wide=True),
+        Column("response_tokens", "response tokens", _RESPONSE),
+        Column("generated_tokens", "generated tokens", "tokens sampled, summed, failed attempts included", wide=True),
+        Column("failed_token_share", "failed token share", "share of the generated tokens spent on failed "
+               "attempts (their call and its error)"),
+        Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
+        Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),
+    ),
+}
+PER_RUN = {"purified shards"}  # summary tables printed once per run ("per iteration" is per run anyway)
+FOOTNOTES = {
+    "purified shards": "raw tokens: the response as lived; raw mode keeps every attempt and error, so its purified "
+                       "tokens exceed them. Columns: `cleaner inspect --help`; all of them: --wide",
+}
+
+
+def columns_help() -> str:
+    """Every column of the summary tables, for `cleaner inspect --help`."""
+    import textwrap
+
+    lines = []
+    for title, columns in COLUMNS.items():
+        lines.append(f"Columns of '{title}' (heading (query column): meaning; * only with --wide):")
+        lines += [textwrap.fill(f"{c.header} ({c.name}){' *' if c.wide else ''}: {c.note}", 100,
+                                initial_indent="  ", subsequent_indent="      ") for c in columns]
+    return "\n".join(lines)
+
+
+def _partition(row: dict) -> str:
+    """`saar γ=0.5`, `saar γ=0.5 difflib-segment`, `saar_is τ=0.5`, `raw`: a partition in a few words."""
+    from pipeline.modes import IS_MODES, SPLICING_MODES
+    from pipeline.similarity import DEFAULT_MEASURE
+
+    mode, gamma, measure = row["mode"], row["gamma"], row.get("measure")
+    if mode in IS_MODES:
+        return f"{mode} τ={gamma:g}"
+    if mode not in SPLICING_MODES:
+        return mode
+    other = measure and measure != DEFAULT_MEASURE.key
+    return f"{mode} γ={gamma:g}" + (f" ({measure.replace('-', ', ')})" if other else "")
+
+
+DERIVED = {"partition": _partition}  # columns computed from a row's others
+
+
+def _cell(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _widths(texts: list[list[str]], budget: int) -> list[int] | None:
+    """Column widths that fit `budget` characters with no word cut (a heading wraps at its spaces, a value
+    whole), each column as wide as its longest line where the room allows; None when even that does not fit.
+    (rich's own fitting shrinks the widest columns first and cuts what no longer fits to `17…`.)"""
+    from rich.cells import cell_len
+
+    least = [max(cell_len(w) for t in col for w in (t.split() or [""])) for col in texts]
+    most = [max(cell_len(t) for t in col) for col in texts]
+    spare = budget - sum(least)
+    if spare < 0:
+        return None
+    widths = list(least)
+    for j in sorted(range(len(texts)), key=lambda j: most[j] - least[j]):  # whole headings for the most columns
+        grow = min(spare, most[j] - least[j])
+        widths[j] += grow
+        spare -= grow
+    return widths
+
+
+def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Column, ...] | None = None,
+                wide: bool = False, footnote: str | None = None) -> None:
+    """A query's result as a table; a summary table's `columns` (the default ones unless `wide`) with their
+    headings. A table that cannot fit the terminal without cutting a word is printed at its own width (the
+    terminal wraps it, `less -S` scrolls it): a cut value would read as another number."""
+    from rich.table import Table
+
     # its own line: a table's title is wrapped to the table's width, a query to a column of 5 characters
     console.print(title, style="italic", markup=False, highlight=False)
+    shown = ([c for c in columns if not (c.wide and not wide) and not (c.narrow and wide)] if columns
+             else [Column(n, n, "") for n in table.column_names])
+    rows = [[_cell(DERIVED[c.name](row) if c.name in DERIVED and c.name not in row else row[c.name]) for c in shown]
+            for row in table.to_pylist()]
+    widths = _widths([[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1)
     out = Table()
-    for name in table.column_names:
-        out.add_column(name)
-    for row in table.to_pylist():
-        out.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
-    console.print(out)
+    for j, c in enumerate(shown):
+        out.add_column(c.header, width=widths[j] if widths else None,
+                       justify="left" if c.name in ("run_id", "partition", "mode", "measure") else "right")
+    for r in rows:
+        out.add_row(*r)
+    if widths is None:  # rather too wide than cut
+        width = console.width
+        console.width = console.measure(out, options=console.options.update_width(10_000)).maximum
+        try:
+            console.print(out)
+        finally:
+            console.width = width
+    else:
+        console.print(out)
+    if footnote:
+        console.print(footnote, style="italic", highlight=False)
 
 
 def _duckdb_error(e: Exception, db) -> InspectError:
+    import duckdb
+
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, duckdb.IOException):
         return InspectError(f"{db}: cannot open the catalog ({first})")
     return InspectError(f"SQL error: {first}")
 
 
+def _unpublished(db, e: Exception) -> str:
+    """The warning when the catalog file cannot be republished (a read-only root): what this command prints
+    does not depend on it, so it names the reason and sends nobody to rerun inspect."""
+    reason = (e.strerror or str(e)).lower() if isinstance(e, OSError) else (str(e).strip().splitlines() or [""])[0]
+    return (f"catalog {db} not republished ({reason or type(e).__name__}); the tables below are read from the "
+            "shards directly")
+
+
 def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False,
-                verify: bool = False, show_all: bool = False) -> int:
+                verify: bool = False, show_all: bool = False, wide: bool = False) -> int:
+    import duckdb
+
     try:
         if verify:
             return _verify(cfg)
-        return _inspect(cfg, sql, run_id, print_queries, show_all)
+        return _inspect(cfg, sql, run_id, print_queries, show_all, wide)
     except duckdb.Error as e:
         raise _duckdb_error(e, cfg.storage.root / cfg.storage.catalog) from None
 
@@ -80,6 +240,7 @@ def _verify(cfg: CleanerConfig) -> int:
     if not cfg.storage.root.is_dir():
         raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (check storage.root or --config)")
     from storage import shards
+    from storage.catalog import Catalog
 
     before = shards.FULL_READS
     with Catalog(cfg.storage.root, verify=True) as cat:
@@ -91,8 +252,10 @@ def _verify(cfg: CleanerConfig) -> int:
 
 
 def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool,
-             show_all: bool = False) -> int:
+             show_all: bool = False, wide: bool = False) -> int:
     import sys
+
+    from rich.console import Console
 
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     db = (cfg.storage.root / cfg.storage.catalog).resolve()
@@ -104,10 +267,15 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
     if not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
         raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
                              "storage.root or --config)")
-    from storage.catalog import scan
+    import pyarrow.compute as pc
+
+    from storage.catalog import Catalog, publish, scan
 
     scanned = scan(cfg.storage.root)  # once, for the published file and the in-memory catalog alike
-    publish_quietly(cfg.storage.root, db, lambda m: print(f"cleaner inspect: {m}", file=sys.stderr), scanned)
+    try:
+        publish(cfg.storage.root, db, scanned)
+    except Exception as e:  # noqa: BLE001 - the tables below are built in memory and do not need the file
+        print(f"cleaner inspect: {_unpublished(db, e)}", file=sys.stderr)
     with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
@@ -121,14 +289,21 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         for title, q in SUMMARY_SQL.items():
             table = "raw_summary" if "raw_summary" in q else "purify_compare"
             where = conditions + ([RECENT_SQL.format(table=table, n=RECENT)] if cut else [])
-            print_table(console, title, cat.query(q.format(where=("WHERE " + " AND ".join(where)) if where else "")))
+            result = cat.query(q.format(where=("WHERE " + " AND ".join(where)) if where else ""))
+            runs = sorted(set(result["run_id"].to_pylist())) if title in PER_RUN else []
+            for i, run in enumerate(runs):
+                print_table(console, f"{title}: {run}", result.filter(pc.equal(result["run_id"], run)), COLUMNS[title],
+                            wide, FOOTNOTES.get(title) if i == len(runs) - 1 else None)
+            if not runs:
+                print_table(console, title, result, COLUMNS[title], wide, FOOTNOTES.get(title))
         from flows.report import ITERATIONS_SQL
 
         runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
             "SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]
         for run in runs:  # the numbers `cleaner report` plots
             its = cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table()
-            print_table(console, f"per iteration: {run}", its.slice(max(0, its.num_rows - RECENT)) if cut else its)
+            print_table(console, f"per iteration: {run}", its.slice(max(0, its.num_rows - RECENT)) if cut else its,
+                        COLUMNS["per iteration"], wide)
         if cut:
             console.print(f"(the last {RECENT} iterations of each run; `cleaner inspect --all` shows every one)",
                           style="italic", highlight=False)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flows.console import working
 from pipeline.config import CleanerConfig, SaarConfig
 from pipeline.similarity import REFERENCE_MEASURE
-from purifier.replay import (candidates, examples_around, histogram_lines, plot, replay_stats, sweep_gammas,
-                             sweep_taus, with_retries)
+from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
+                             sweep_gammas, sweep_taus, with_retries)
 from pipeline.modes import live_measure, purify_measure
 
 
@@ -25,22 +26,23 @@ def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
     return cfg.rollout.saar
 
 
-def _short(call: str, n: int = 70) -> str:
-    one = call.replace("\n", "⏎")
-    return one if len(one) <= n else one[: n - 1] + "…"
-
-
 def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, cfg: CleanerConfig,
                     histogram: bool) -> None:
     """saar_is (Plan B) at each τ: rollbacks replaced and appended, and the importance-ratio histogram."""
     from rich.table import Table
 
-    from purifier.recompute import CPURecompute, SGLangRecompute
+    from purifier.recompute import CPURecompute, SGLangRecompute, VLLMRecompute
     from purifier.replay import log_histogram_lines, replay_is
 
     console.print(f"scoring the rollbacks with {checkpoint} (purify.recompute={cfg.purify.recompute}) …")
-    backend = (SGLangRecompute(cfg.rollout.sglang_url, cfg.rollout.temperature) if cfg.purify.recompute == "sglang"
-               else CPURecompute(checkpoint, cfg.rollout.temperature))
+    if cfg.purify.recompute == "sglang":
+        backend = SGLangRecompute(cfg.rollout.sglang_url, cfg.rollout.temperature)
+    elif cfg.purify.recompute == "vllm":
+        from pipeline.engines.vllm import vllm_urls
+
+        backend = VLLMRecompute(vllm_urls(cfg.rollout, checkpoint), checkpoint, cfg.rollout.temperature)
+    else:
+        backend = CPURecompute(checkpoint, cfg.rollout.temperature)
     stats, log_ratios = replay_is(raws, taus, decode, backend.score)
     table = Table(title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
                         f"{len(log_ratios)} rollbacks scored")
@@ -73,17 +75,24 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     if taus and not modes:
         modes = ["saar_is"]
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
-        run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas, is_thresholds=taus)
-    raw_dir = layout.raw_dir(iteration)
-    raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-    sampled_by = resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0])
-    chat = load_chat(sampled_by)
+        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(modes or ['saar'])} × γ "
+                     f"{' '.join(f'{g:g}' for g in gammas)}" + (f" (τ {' '.join(f'{t:g}' for t in taus)})" if taus else "")
+                     + f" beside the committed partitions on Beam ({cfg.purify.runner})"):
+            run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas, is_thresholds=taus)
+    with working(f"[replay {run_id} it {iteration}] reading the raw shard and the tokenizer of the policy that "
+                 "sampled it"):
+        raw_dir = layout.raw_dir(iteration)
+        raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
+        sampled_by = resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0])
+        chat = load_chat(sampled_by)
     saar = lived_saar(cfg, layout.run_json)
     live, measure = live_measure(saar), purify_measure(saar, cfg.purify.similarity, cfg.purify.similarity_on)
     import sys
 
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
-    stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
+    with working(f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
+                 f"at {len(gammas)} γ"):
+        stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
     table = Table(title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
                         f"{len(with_retries(raws))} with retries; measure {measure.key}, lived with {live.key} "
                         f"at γ_live={saar.gamma_live:g}")
@@ -94,6 +103,11 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed,
                                                  s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
     console.print(table)
+    console.print(f"positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
+                  f"than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
+                  f"old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did (γ_live="
+                  f"{saar.gamma_live:g}, {live.key}); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
+                  f"at the same γ", style="italic", highlight=False, markup=False)
     if taus or (sweep and "saar_is" in (modes or [])):
         print_is_replay(console, raws, taus or sweep_taus(), chat.decode, sampled_by, cfg,
                         histogram=sweep)
@@ -111,8 +125,9 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         console.print(line, highlight=False)
     for g in marks:
         for kind, c in examples_around(cands, g):
+            old, new = diff_window(c.old_call, c.new_call)
             console.print(f"γ={g:g} {kind:7s} sim={c.similarity:.3f} {c.key} pos {c.position_idx}\n"
-                          f"    old: {_short(c.old_call)}\n    new: {_short(c.new_call)}", highlight=False)
+                          f"    old: {old}\n    new: {new}", highlight=False, markup=False)
     png = plot(layout.run_dir / "report" / f"replay-iteration={iteration:04d}-{measure.key}.png", cands, stats,
                saar.gamma_live, f"{run_id} iteration {iteration} ({measure.key})")
     print(f"plot: {png}")  # one line whatever the terminal width: a path to copy

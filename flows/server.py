@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from flows.console import working
 from flows.env import configure_prefect
 from pipeline.processes import alive, terminate
 from storage.errors import CleanerError
@@ -168,8 +169,6 @@ def start_temporary_server(root: Path) -> str | None:
     port = free_port()
     app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    print(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)",
-          file=sys.stderr, flush=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory", "prefect.server.api.server:create_app",
          "--host", HOST, "--port", str(port), "--log-level", "error", "--lifespan", "on"],
@@ -186,7 +185,8 @@ def start_temporary_server(root: Path) -> str | None:
 
     atexit.register(stop)
     url = f"http://{HOST}:{port}/api"
-    problem = _wait_healthy(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
+    with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
+        problem = _wait_healthy(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
     if problem:
         stop()
         raise ServerError(f"the temporary Prefect server {problem} (home {os.environ['PREFECT_HOME']}; start-up "

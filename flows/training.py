@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 from prefect.states import Completed, State
 
-from flows.console import quiet_libraries
+from flows.console import quiet_libraries, user_errors_once
 from flows.env import retry_unless_user_error, user_errors_without_tracebacks
 from flows.run_config import freeze_run_config
 from pipeline.config import CleanerConfig, load_config
@@ -19,6 +19,7 @@ from storage.layout import RunLayout
 
 quiet_libraries()  # flows served by a deployment run in a fresh process that starts here
 user_errors_without_tracebacks()
+user_errors_once()
 
 
 def describe_purified(purified: list[tuple[str, float, int, int]]) -> str:
@@ -58,11 +59,14 @@ def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
 
     from storage.shards import read_manifest
 
+    log = get_run_logger().info
     done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
     if done is not None:  # resumed: its checkpoint may have been removed by `cleaner gc` since
+        log(f"[rollout it {iteration}] raw shard already committed ({done.rows} trajectories): kept")
         return _result(done.rows, True)
-    manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy),
-                                 log=get_run_logger().info)
+    checkpoint = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    log(f"[rollout it {iteration}] loading {checkpoint} and starting the sandbox")
+    manifest = run_rollout_stage(cfg, run_id, iteration, checkpoint, log=log)
     return _result(manifest.rows, False)
 
 
@@ -74,17 +78,25 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str
     log(f"[purify it {iteration}] modes {', '.join(modes)} × γ {', '.join(f'{g:g}' for g in gammas)} on Beam "
         f"({cfg.purify.runner})")
     results = run_purify_stage(cfg, run_id, iteration, modes, gammas)
-    log(f"[purify it {iteration}] {describe_purified([(r.mode, r.gamma, r.rows, r.dead) for r in results])}")
-    return _result([(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results))
+    skipped = all(r.skipped for r in results)
+    log(f"[purify it {iteration}] {describe_purified([(r.mode, r.gamma, r.rows, r.dead) for r in results])}"
+        + (": already committed, kept" if skipped else ""))
+    return _result([(r.mode, r.gamma, r.rows, r.dead) for r in results], skipped)
 
 
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
-    from trainer.stage import run_update_stage
     from storage.checkpoints import DONE_MARKER
 
-    done = (RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1) / DONE_MARKER).is_file()
-    return _result(str(run_update_stage(cfg, run_id, iteration, log=get_run_logger().info)), done)
+    log = get_run_logger().info
+    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
+    if (target / DONE_MARKER).is_file():  # kept without importing the trainer (seconds of torch and OpenRLHF)
+        log(f"[update it {iteration}] checkpoint {target.name} already committed: kept")
+        return _result(str(target), True)
+    log(f"[update it {iteration}] loading the trainer (torch, OpenRLHF) and checkpoint {iteration}")
+    from trainer.stage import run_update_stage
+
+    return _result(str(run_update_stage(cfg, run_id, iteration, log=log)), False)
 
 
 def _artifact(cfg: CleanerConfig, run_id: str, iteration: int) -> None:

@@ -322,16 +322,19 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+def _unknown_key(dotted: str) -> str:
+    """`unknown config key 'a.b' (did you mean 'a.c'?)`: the same words for a YAML key and an override."""
+    close = difflib.get_close_matches(dotted, _known_keys(CleanerConfig), n=1)
+    return f"unknown config key {dotted!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
     dotted, raw = assignment.split("=", 1)
     path = dotted.strip().split(".")
-    known = _known_keys(CleanerConfig)
-    if dotted.strip() not in known:
-        close = difflib.get_close_matches(dotted.strip(), known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown config key {dotted.strip()!r}{hint}")
+    if dotted.strip() not in _known_keys(CleanerConfig):
+        raise ConfigError(_unknown_key(dotted.strip()))
     node = data
     for key in path[:-1]:
         node = node.setdefault(key, {})
@@ -370,11 +373,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     try:
         return CleanerConfig.model_validate(data)
     except ValidationError as e:
-        where = f" in {path}" if path else ""
-        lines = [f"{'.'.join(str(x) for x in err['loc']) + ': ' if err['loc'] else ''}"
-                 f"{err['msg'].removeprefix('Value error, ')}"
-                 + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else "") for err in e.errors()]
-        raise ConfigError(f"invalid config{where}: " + "; ".join(lines)) from None
+        overridden = [a.split("=", 1)[0].strip() for a in overrides]
+        by_source: dict[str, list[str]] = {}  # each error under where its value came from, in order
+        for err in e.errors():
+            by_source.setdefault(_blame(err["loc"], overridden, path), []).append(_describe(err))
+        raise ConfigError("; ".join(f"invalid config{where}: " + "; ".join(lines)
+                                    for where, lines in by_source.items())) from None
+
+
+def _blame(loc: tuple, overridden: list[str], path: str | Path | None) -> str:
+    """Where a wrong value came from, for its error's first words: the command line when an override set it
+    (or a key under it), else the config file (else the defaults, which name nothing)."""
+    dotted = ".".join(str(x) for x in loc)
+    if any(dotted == key or dotted.startswith(key + ".") for key in overridden):
+        return " on the command line"
+    if path is None:
+        # a check across keys (loc: the section holding them) that only overrides can have upset
+        return " on the command line" if overridden else ""
+    if any(key.startswith(dotted + ".") or not dotted for key in overridden):
+        return f" in {path} with the command line's overrides"  # a check across keys, some set on each
+    return f" in {path}"
+
+
+def _describe(err: dict) -> str:
+    """One pydantic error as `key: what is wrong (got value)`; a key the tree lacks as an override's would be."""
+    dotted = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return _unknown_key(dotted)
+    return (f"{dotted + ': ' if dotted else ''}{err['msg'].removeprefix('Value error, ')}"
+            + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else ""))
 
 
 def dump_config(cfg: CleanerConfig) -> str:

@@ -190,6 +190,25 @@ def histogram_lines(values: list[float], gammas: list[float], bins: int = 20, wi
     return lines
 
 
+def diff_window(old: str, new: str, width: int = 70, context: int = 12) -> tuple[str, str]:
+    """An example pair as two lines of at most `width` characters, both starting `context` characters before
+    the first difference (rapidfuzz's Indel opcodes): calls share a long JSON prefix (`<tool_call>{"name":
+    "python", "arguments": {"code": "`), and a head cut of each would show only that."""
+    from rapidfuzz.distance import Indel
+
+    old, new = old.replace("\n", "⏎"), new.replace("\n", "⏎")
+    first = next((op for op in Indel.opcodes(old, new) if op.tag != "equal"), None)
+    start = 0 if first is None else max(0, first.src_start - context)  # = dest_start: all before it is shared
+    return _window(old, start, width), _window(new, start, width)
+
+
+def _window(text: str, start: int, width: int) -> str:
+    head = "…" if start else ""
+    rest = text[start:]
+    room = width - len(head)
+    return head + (rest if len(rest) <= room else rest[: room - 1] + "…")
+
+
 def examples_around(cands: list[Candidate], gamma: float, k: int = 1) -> list[tuple[str, Candidate]]:
     """The k pairs just below and just at/above γ: what a person judges the threshold by."""
     below = sorted((c for c in cands if c.similarity < gamma), key=lambda c: -c.similarity)[:k]

@@ -29,3 +29,37 @@ def train(root: Path, timeout: float = 600) -> str:
     out, _ = p.communicate(timeout=timeout)
     assert p.returncode == 0, out[-3000:]
     return out
+
+
+def on_terminal(args: list[str], root: Path, columns: int = 100, timeout: float = 300) -> str:
+    """`cleaner ARGS` on a pseudo-terminal `columns` wide, as a user sees it: its output, colours removed."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT), "COLUMNS": str(columns),
+           "TERM": "xterm"}
+    p = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                         stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.time() + timeout
+    try:
+        while time.time() < deadline:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        p.wait(timeout=30)
+    assert p.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)

@@ -67,3 +67,43 @@ def test_inspect_on_an_empty_root(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "42" in out
     assert "SELECT 41 + 1 AS answer" in out  # the query heads its table whole, not wrapped to the table's width
+
+
+def test_command_line_values_are_blamed_on_the_command_line_and_yaml_values_on_the_file(tmp_path, capsys):
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text("flow: {iterations: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg_file, ["train.gamma=-1"])
+    assert "command line" in str(e.value) and "train.gamma" in str(e.value) and str(cfg_file) not in str(e.value)
+    assert main(["config", "-c", str(cfg_file), "train.gamma=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "command line" in err and "tiny.yaml" not in err, err
+    cfg_file.write_text("train: {gamma: -1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg_file, ["flow.iterations=2"])
+    assert f"in {cfg_file}" in str(e.value) and "train.gamma" in str(e.value) and "command line" not in str(e.value)
+
+
+def test_an_unknown_key_in_yaml_gets_a_did_you_mean_as_an_override_does(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("rollout:\n  sample_per_prompt: 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg_file)
+    message = str(e.value)
+    assert str(cfg_file) in message, message
+    assert "unknown config key 'rollout.sample_per_prompt' (did you mean 'rollout.samples_per_prompt'?)" in message
+
+
+def test_inspect_on_a_read_only_root_does_not_send_you_to_inspect(tmp_path, capsys):
+    where = tmp_path / "ro"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        assert main(["inspect", f"storage.root={where}"]) == 0
+        out = capsys.readouterr()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    assert "raw trajectories" in out.out
+    assert "read-only" in out.err and "`cleaner inspect` rebuilds it" not in out.err, out.err

@@ -173,3 +173,6 @@ def test_a_user_error_inside_the_flow_is_one_line_without_retry_or_traceback(tmp
     assert c.p.returncode == 1 and "Traceback" not in out, out[-3000:]
     assert out.strip().splitlines()[-1].startswith("cleaner train: ") and "truncated safetensors" in out
     assert out.count("Finished in state Failed('Task run") == 1  # not retried: it would fail the same way
+    # the error's line once (the command's last), not again in each of Prefect's task and flow records
+    assert out.count("truncated safetensors") == 1, out[-3000:]
+    assert "CheckpointError" in out  # Prefect's records still say what failed

@@ -4,6 +4,7 @@ stored raw shard only (nothing regenerated, no partition written, the raw shard 
 replay at given γ writes partitions beside the others, and another measure gets its own partition."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -57,6 +58,11 @@ def test_sweep_prints_table_histogram_examples_and_plot_without_writing_partitio
     assert len(hist) == 20
     assert sum(int(ln.rsplit("│", 1)[1].split()[0]) for ln in hist) == rows[0][2] + rows[0][3]
     assert "← γ=" in out and "old: " in out and "new: " in out
+    # each example pair shows where its calls differ, not the JSON prefix every call starts with
+    pairs = [(o, n) for o, n in re.findall(r"old: (.*)\n +new: (.*)", out) if o != n]
+    assert pairs, out
+    for old, new in pairs:
+        assert len(os.path.commonprefix([old, new])) <= 20, (old, new)
 
     png = next(ln.split("plot: ", 1)[1].strip() for ln in out.splitlines() if ln.startswith("plot: "))
     written = layout.run_dir / "report" / png.rsplit("/", 1)[-1]

@@ -79,3 +79,15 @@ def test_reference_measure_differences_are_counted(chat, raws):
     s = replay_stats([near, rewrite], 0.59, chat.decode, DEFAULT_MEASURE, DEFAULT_MEASURE)
     assert (s.shallow, s.deep, s.differ_from_reference) == (2, 0, 1)
     assert replay_stats([near], 0.59, chat.decode, DEFAULT_MEASURE, DEFAULT_MEASURE).differ_from_reference == 0
+
+
+def test_example_pairs_start_shortly_before_the_first_difference():
+    from purifier.replay import diff_window
+
+    prefix = '<tool_call>\n{"name": "python", "arguments": {"code": "'
+    old, new = diff_window(prefix + 'a = 3\nprint(a * 14)"}}\n</tool_call>', prefix + 'print(6 * 7)"}}\n</tool_call>')
+    assert old.startswith("…") and new.startswith("…") and "a = 3⏎print(a * 14)" in old and "print(6 * 7)" in new
+    assert old[:10] == new[:10] and len(old) <= 70 and len(new) <= 70
+    long = diff_window(prefix + "x = 1\n" * 40, prefix + "y = 1\n" * 40)
+    assert all(len(s) == 70 and s.endswith("…") for s in long) and "x = 1" in long[0] and "y = 1" in long[1]
+    assert diff_window("print(1)", "print(1)") == ("print(1)", "print(1)")  # no difference: from the start

@@ -125,6 +125,10 @@ class GRPOUpdate:
 
     world_size = 1
 
+    # (micro-batches done, micro-batches in the mini-batch), after each backward: the stage's progress (a class
+    # default: the DeepSpeed subclass builds itself without this __init__)
+    on_micro_batch: Callable[[int, int], None] | None = None
+
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0) -> None:
         self.cfg = cfg
         self.model = model
@@ -234,6 +238,7 @@ class GRPOUpdate:
                 raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
                                          f"(rows {m.rows[:3]}...); no checkpoint written")
             self.backward(loss, last=i == backwards - 1)
+            self._micro_batch_done(i + 1, backwards)
             if not m.num_actions:
                 continue  # emptied (a rank with fewer micro-batches): it adds 0, and its means are 0/0
             share = m.num_actions / max(1, tokens)
@@ -247,6 +252,7 @@ class GRPOUpdate:
             weight = dpo_coef[_pair_index(m.rows)] if m.rows else torch.zeros(logp.shape[0])  # emptied: adds 0
             side = (weight * logp.sum(-1)).sum() / max(1, tokens) * self.world_size
             self.backward(side, last=i == backwards - 1)
+            self._micro_batch_done(i + 1, backwards)
         n_pairs = len(dpo_coef) // 2 if dpo else 0
         dpo_sum, dpo_capped = (dpo.loss * n_pairs, dpo.capped * n_pairs) if dpo else (0.0, 0.0)
         loss_sum, clip, kl, ent, filtered, beh_kl, n_pairs, dpo_sum, dpo_capped = self.reduce(
@@ -261,6 +267,10 @@ class GRPOUpdate:
                            filtered / max(1, tokens) if corrected else None, beh_kl / max(1, tokens) if corrected else None,
                            *((dpo_sum / max(1, n_pairs), int(n_pairs), dpo_capped / max(1, n_pairs))
                              if self.cfg.use_dpo_on_tool_calls else (None, None, None)))
+
+    def _micro_batch_done(self, done: int, total: int) -> None:
+        if self.on_micro_batch is not None:
+            self.on_micro_batch(done, total)
 
     def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
             after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:

@@ -7,20 +7,23 @@ appears whole or not at all, and an existing one is never overwritten.
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import torch
 
 from pipeline.config import CleanerConfig
+from pipeline.progress import StageProgress
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CheckpointError, check_writable_root
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
 from trainer.distributed import launch
-from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress
+from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, total_minibatches
 from trainer.inputs import (TOKENIZER_FILES, TRAINER_STATE, dpo_note, finish_checkpoint, load_policy, log_steps,
                             start_checkpoint, update_inputs, write_update_metrics)
 from trainer.resume import load_local, partial_dir, save_local
@@ -62,12 +65,22 @@ def _trainer_state(cfg: CleanerConfig, src: Path) -> dict | None:
         raise CheckpointError(f"{path}: unreadable optimizer state ({type(e).__name__}); restore the file") from None
 
 
+# Outside a terminal (a flow's log, a pipe), a progress line at most this often, at the end of a micro-batch
+PROGRESS_EVERY_S = 3.0
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None,
-                     log=print) -> Path:
+                     log: Callable[[str], None] | None = None) -> Path:
+    """`log`: where its lines and progress go (a flow's run logger); None: stderr, with a bar on a terminal."""
     layout = RunLayout(cfg.storage.root, run_id)
     target = layout.checkpoint_dir(iteration + 1)
     if (target / DONE_MARKER).is_file():
         return target  # done before; never overwritten
+    progress_log, log = log, log or _stderr
     check_writable_root(cfg.storage.root, create=False)  # before training, not at the first checkpoint write
     inputs = update_inputs(cfg, run_id, iteration)
     src, part, manifest = inputs.src, inputs.part, inputs.manifest
@@ -97,11 +110,23 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     progress = load_local(partial, model, update, key) or UpdateProgress()
     if progress.minibatches_done:
         log(f"[update] resuming after mini-batch {progress.minibatches_done}")
+        log_steps(progress.metrics, log)
     pad = model.config.pad_token_id or 0
     t0 = time.perf_counter()
-    update.run(inputs.rows, pad, progress, after_minibatch=lambda p: save_local(partial, model, update, p, key),
-               stop_after=stop_after)
-    log_steps(progress.metrics, log)
+    total, resumed = total_minibatches(inputs.rows, cfg.train), progress.minibatches_done
+    with StageProgress(f"update it {iteration}", "mini-batches", total - resumed, log=progress_log,
+                       every_s=PROGRESS_EVERY_S) as bar:
+        def micro_batch_done(done: int, of: int) -> None:
+            bar.update(progress.minibatches_done - resumed,
+                       note=f"mini-batch {progress.minibatches_done + 1}/{total}: micro-batch {done}/{of}")
+
+        def minibatch_done(p: UpdateProgress) -> None:
+            save_local(partial, model, update, p, key)
+            log_steps(p.metrics[-1:], log)  # each step's line when it is taken, not all at the end
+            bar.update(p.minibatches_done - resumed)
+
+        update.on_micro_batch = micro_batch_done
+        update.run(inputs.rows, pad, progress, after_minibatch=minibatch_done, stop_after=stop_after)
     if stop_after is not None:
         return partial  # interrupted on purpose (tests): resume by calling again
     _write_checkpoint(target, src, model, {"source": record_path(cfg.storage.root, src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, part),
