@@ -309,5 +309,5 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
                           style="italic", highlight=False)
     console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, raw_summary, purified, "
                   "purified_summary, splices, purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, "
-                  "failed_call_advantage, off_policy)")
+                  "failed_call_advantage, off_policy, raw_texts, raw_attempt_texts, purified_texts, catalog_problems)")
     return 0
