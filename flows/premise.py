@@ -1,12 +1,14 @@
 """The premise of purification, for people: the catalog's `trajectory_kinds` and `failed_call_advantage`
-views (storage/catalog.py) as tables, and the prediction they make (issue 19 §1).
+views (storage/catalog.py) as tables, and the prediction they make (issue 19 §1, issue 32 §3).
 
-SAAR removes a failed call and puts the trajectory's advantage on a working one. When trajectories that
-recovered from a failed call mostly carry positive advantage, the raw update would reinforce their
-failed calls, so purification helps; when they mostly carry negative advantage, the raw update pushes
-their failed calls down, and purification removes that signal (the first experiment's finding,
-docs/results/cleaner_vs_raw_writeup.md). `cleaner replay` prints this for the iteration it replays,
-`cleaner report` adds it to the run's page.
+SAAR removes a failed call and puts the trajectory's advantage on a working one. The rule that held in the
+project's experiment (docs/results/when_purification_helps_writeup.md, point 2: 6 of 6 signs) is token-level:
+count the failed-call tokens a mode stops training, compared with raw, by the sign of the advantage raw trains
+them with; a mode that removes more "do not write this" (negative) than "write this" (positive) signal is
+predicted to reduce first-call tool errors more slowly than raw. The coarse rule it replaced — recovered
+trajectories' mean advantage positive, so purification helps — did not predict (the same write-up, point 5):
+it is shown only as disproved. `cleaner replay` prints both for the iteration it replays, `cleaner report`
+states the token-level rule per mode on the run's page.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from rich.table import Table
 
 from storage.catalog import Catalog
 
-RULE = ("rule: purification is predicted to help when recovered trajectories' mean advantage is positive "
-        "(their failed calls would otherwise be reinforced), and to hurt when it is negative (it removes the "
-        "negative advantage on those failed calls; raw, saar_correct or mask_failed keep it)")
+WRITEUP = "docs/results/when_purification_helps_writeup.md"
+RULE = ("coarse rule, disproved (it did not predict in the project's own experiment, " + WRITEUP + " point 5; "
+        "shown for comparison only, use the token-level rule): purification helps when recovered trajectories' "
+        "mean advantage is positive, hurts when it is negative")
 KINDS_SQL = ("SELECT iteration, kind, trajectories, mean_reward, correct, mean_advantage FROM trajectory_kinds "
              "WHERE run_id = $run {iteration} ORDER BY iteration, kind")
 FAILED_SQL = ("SELECT iteration, mode, gamma, measure, failed_call_tokens, trained, on_negative, on_positive, "
@@ -37,21 +40,29 @@ def premise_rows(cat: Catalog, run_id: str, iteration: int | None = None) -> tup
 
 
 def prediction(kinds: list[dict], iteration: int) -> str:
-    """What the rule predicts for one iteration, from its trajectory_kinds rows."""
+    """Recovered trajectories' mean advantage in one iteration (trajectory_kinds rows), with what the coarse
+    rule would say, marked as disproved: not a prediction."""
     recovered = [r for r in kinds if r["iteration"] == iteration and r["kind"] == "recovered"]
     if not recovered:
         return f"iteration {iteration}: no recovered trajectory, no prediction"
     advantage = recovered[0]["mean_advantage"]
-    verdict = ("purification predicted to help" if advantage > 0 else
-               "purification predicted to hurt" if advantage < 0 else "no prediction (zero)")
+    verdict = ("the disproved coarse rule would say help" if advantage > 0 else
+               "the disproved coarse rule would say hurt" if advantage < 0 else
+               "the disproved coarse rule would say nothing")
     return (f"iteration {iteration}: recovered trajectories' mean advantage {advantage:+.3f} over "
             f"{recovered[0]['trajectories']}: {verdict}")
 
 
-TOKEN_RULE = ("token-level rule (docs/results/when_purification_helps_writeup.md; it predicted each mode's direction "
-              "where the rule above did not): a mode that removes more failed-call tokens trained under negative "
-              "advantage than under positive, compared with raw, is predicted to reduce first-call tool errors more "
-              "slowly than raw")
+TOKEN_RULE = ("token-level rule (held in 6 of 6 predictions in the project's experiment, two synthetic worlds, each "
+              "gap 0.6–1.3 s.e., " + WRITEUP + " point 2): "
+              "compared with raw, a purification mode stops training some failed-call tokens (the code of failed "
+              "tool calls); if it stops training more of them under negative advantage (where raw pushes the failed "
+              "call down) than under positive advantage (where raw reinforces it), training on it is predicted to "
+              "reduce first-call tool errors more slowly than training on raw; if it stops training only "
+              "positive-advantage ones, it is predicted not to be slower. It predicts nothing about accuracy, which "
+              "no mode moved beyond noise")
+NOT_A_REMOVAL = {"raw": "the baseline", "roc": "drops whole rows (resampled groups), not failed calls: the rule does "
+                 "not apply"}
 
 
 def removed_by_sign(raw: dict, mode: dict) -> tuple[int, int]:
@@ -66,6 +77,26 @@ def predicts_slower(negative: int, positive: int) -> bool:
     return negative > positive
 
 
+def verdict(negative: int, positive: int) -> str:
+    """The token-level rule's prediction for a mode that stops training `negative` / `positive` failed-call
+    tokens raw trains, with the cases the experiment did not test said so."""
+    if predicts_slower(negative, positive):
+        return "slower first-call error reduction than raw predicted"
+    if negative == 0 and positive == 0:
+        return "trains the same failed-call tokens as raw: no difference predicted"
+    if negative > 0:  # some negative signal removed, as much or more positive: untested (write-up, last section)
+        return ("not predicted to be slower than raw (it also removes negative-advantage tokens, a case the "
+                "experiment did not test)")
+    return "not predicted to be slower than raw"
+
+
+def _label(r: dict) -> str:
+    if not r["gamma"] and not r.get("measure"):  # a mode without a threshold (mask_failed)
+        return r["mode"]
+    measure = f" {r['measure']}" if r.get("measure") else ""
+    return f"{r['mode']} γ={r['gamma']:g}{measure}"
+
+
 def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     """Per purified partition of the iteration: the failed-call tokens it no longer trains, compared with the
     raw partition, by the sign of their advantage, and what the token-level rule predicts from them."""
@@ -75,15 +106,36 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
         return [f"iteration {iteration}: no raw partition to compare with (purify.modes needs raw), no prediction"]
     out = []
     for r in rows:
-        if r["mode"] == "raw" or r["mode"] == "roc":  # roc drops whole rows: not a removal of failed calls
+        if r["mode"] in NOT_A_REMOVAL:
             continue
         neg, pos = removed_by_sign(raw, r)
-        verdict = ("slower first-call error reduction than raw predicted" if predicts_slower(neg, pos) else
-                   "not predicted to be slower than raw")
-        measure = f" {r['measure']}" if r.get("measure") else ""
-        out.append(f"iteration {iteration}: {r['mode']} γ={r['gamma']:g}{measure} removes {neg} negative- and {pos} "
-                   f"positive-advantage failed-call tokens: {verdict}")
+        out.append(f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} "
+                   f"positive-advantage failed-call tokens: {verdict(neg, pos)}")
     return out
+
+
+def token_rule_by_mode(failed: list[dict]) -> list[dict]:
+    """The token-level rule per purified partition of a run (mode, γ, measure; roc and raw left out), summed over
+    the iterations that hold both that partition and raw: iterations, raw's failed-call tokens under negative /
+    positive advantage there, the tokens the partition stops training under each sign, and the verdict."""
+    raws = {r["iteration"]: r for r in failed if r["mode"] == "raw"}
+    out: dict[tuple, dict] = {}
+    for r in failed:
+        if r["mode"] in NOT_A_REMOVAL or r["iteration"] not in raws:
+            continue
+        neg, pos = removed_by_sign(raws[r["iteration"]], r)
+        m = out.setdefault((r["mode"], r["gamma"], r.get("measure")), {
+            "mode": r["mode"], "gamma": r["gamma"], "measure": r.get("measure"), "iterations": [],
+            "raw_negative": 0, "raw_positive": 0, "removed_negative": 0, "removed_positive": 0})
+        m["iterations"].append(r["iteration"])
+        m["raw_negative"] += raws[r["iteration"]]["on_negative"]
+        m["raw_positive"] += raws[r["iteration"]]["on_positive"]
+        m["removed_negative"] += neg
+        m["removed_positive"] += pos
+    for m in out.values():
+        m["slower"] = predicts_slower(m["removed_negative"], m["removed_positive"])
+        m["verdict"] = verdict(m["removed_negative"], m["removed_positive"])
+    return sorted(out.values(), key=lambda m: (m["mode"], m["gamma"], m["measure"] or ""))
 
 
 def _cell(v: object) -> str:
@@ -109,8 +161,8 @@ def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -
                                               r["on_negative"], r["on_positive"], r["share_negative"],
                                               r["share_positive"])))
     console.print(table)
-    console.print(RULE, highlight=False)
-    console.print(prediction(kinds, iteration), highlight=False)
     console.print(TOKEN_RULE, highlight=False)
     for line in token_predictions(failed, iteration):
         console.print(line, highlight=False)
+    console.print(RULE, highlight=False)
+    console.print(prediction(kinds, iteration), highlight=False)

@@ -1,13 +1,15 @@
-"""`cleaner report`: per-iteration numbers from the DuckDB catalog, PNG plots and one HTML page, with the
-premise panel: trajectories by kind, failed-call tokens by advantage sign per mode, and the rule's
-prediction per iteration (flows/premise.py)."""
+"""`cleaner report`: per-iteration numbers from the DuckDB catalog, PNG plots and one HTML page that states
+the rule that held (flows/premise.py TOKEN_RULE) per purification mode of the run, with the coarse rule marked
+as disproved, the tables the rules read, and links to `cleaner view`'s pages (HTML pieces:
+flows/report_tables.py)."""
 from __future__ import annotations
 
 import html
 from pathlib import Path
+from urllib.parse import quote
 
-from flows.premise import RULE, prediction, premise_rows
-from pipeline.modes import SPLICING_MODES
+from flows.premise import premise_rows
+from flows.report_tables import STYLE, by_partition, iteration_href, label, link, rule_section, table, viewer_note
 from storage.catalog import Catalog
 from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
 from storage.shards import ShardError, ShardMissing
@@ -40,6 +42,19 @@ def iteration_table(root: Path, run_id: str) -> list[dict]:
         return _q(cat, ITERATIONS_SQL, run_id)
 
 
+# Example trajectories per purified partition and advantage sign (two each) whose failed calls the partition
+# stops training: a splice over a failed call, or mask_failed's recovered correct rows (the conditions of
+# storage/catalog.py failed_call_advantage).
+EXAMPLES_SQL = """
+SELECT * EXCLUDE (n) FROM (
+  SELECT p.iteration, p.mode, p.gamma, p.measure, p.prompt_id, p.sample_idx, p.advantage,
+         row_number() OVER (PARTITION BY p.mode, p.gamma, p.measure, p.advantage < 0
+                            ORDER BY p.iteration, p.prompt_id, p.sample_idx) AS n
+  FROM purified_summary p JOIN raw_kinds k USING (run_id, iteration, prompt_id, sample_idx)
+  WHERE p.run_id = $run AND k.kind IN ('recovered', 'not_recovered') AND p.advantage <> 0 AND p.trained_tokens > 0
+    AND (p.splices > 0 OR (p.mode = 'mask_failed' AND k.kind = 'recovered' AND p.reward > 0))
+) WHERE n <= 2 ORDER BY ALL
+"""
 EVAL_SQL = "SELECT iteration, name, value FROM metrics WHERE run_id = $run AND stage = 'eval' ORDER BY ALL"
 
 
@@ -95,9 +110,7 @@ CAPTIONS = {
 
 
 def _variant(r: dict) -> str:
-    name = r["mode"] if r["mode"] not in SPLICING_MODES else f"{r['mode']} γ={r['gamma']:g}"
-    measure = r.get("measure")
-    return name + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
+    return label(r["mode"], r["gamma"], r.get("measure"))
 
 
 def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None = None) -> Path:
@@ -122,6 +135,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, measure",
                      run_id)
         kinds, failed_calls = premise_rows(cat, run_id)
+        examples = _q(cat, EXAMPLES_SQL, run_id)
         off_policy = _q(cat, "SELECT iteration, mode, gamma, measure, origin, tokens, mean_abs_delta, kl_k3, "
                              "beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
         ratios = _q(cat, "SELECT mode, gamma, log_is_ratio FROM splices WHERE run_id = $run "
@@ -217,35 +231,27 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         ax.legend(fontsize=8)
         save(name, fig)
 
-    def table(rows: list[dict]) -> str:
-        if not rows:
-            return "<p>(none)</p>"
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-        body = "".join("<tr>" + "".join(f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{html.escape(str(v))}</td>"
-                                        for v in r.values()) + "</tr>" for r in rows)
-        return f"<table><tr>{head}</tr>{body}</table>"
-
     config = layout.run_json.read_text() if layout.run_json.is_file() else "(no run.json)"
     plots = "".join(f'<figure><img src="{f}" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
                     for n, f in figs.items())
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>cleaner report: {html.escape(run_id)}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 6px}}
-figure{{display:inline-block;width:520px;vertical-align:top;margin:6px}}img{{border:1px solid #eee}}
-figcaption{{font-size:0.85em;color:#444}}pre{{background:#f6f6f6;padding:1em;overflow:auto}}</style></head><body>
+    it_links = {"iteration": lambda r: iteration_href(r["iteration"])}
+    page = f"""<!doctype html><html><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>cleaner report: {html.escape(run_id)}</title>
+<style>{STYLE}</style></head><body>
 <h1>cleaner run <code>{html.escape(run_id)}</code></h1>
-<h2>Per iteration</h2>{table(its)}
+{viewer_note(root, run_id)}
+<p>In the viewer: {link(f"../../{quote(run_id, safe='')}", "the run's iterations")}; per iteration
+{" · ".join(link(iteration_href(i), i) + " (" + link(iteration_href(i, spliced="yes"), "spliced") + ")" for i in x)}.</p>
+{rule_section(run_id, kinds, failed_calls, examples)}
+<h2>Per iteration</h2>{table(its, it_links, "iterations")}
 <h2>Plots</h2>{plots}
-<h2>Held-out evaluation (flow.eval_every)</h2>{table(curves)}
-<h2>Raw vs purified (per mode, γ and similarity measure)</h2>{table(compare)}
-<h2>Does purification help? The premise, measured</h2><p>{html.escape(RULE)}</p>
-<ul>{"".join(f"<li>{html.escape(prediction(kinds, i))}</li>" for i in x)}</ul>
-<h3>Trajectories by kind (raw shards)</h3>{table(kinds)}
-<h3>Failed-call tokens each purified partition trains, by the sign of their advantage</h3>{table(failed_calls)}
+<h2>Held-out evaluation (flow.eval_every)</h2>{table(curves, None, "eval")}
+<h2>Raw vs purified (per mode, γ and similarity measure)</h2>{table(by_partition(compare), it_links, "compare")}
 <h2>Off-policy: how far each partition trains tokens from where they were sampled</h2>
 <p>Per trained token, Δ = old log-prob (the policy in the context it is trained in) − behaviour log-prob (as
 sampled); origins: in_place (same context), shallow / deep (moved by a splice), moved (a later turn of a row
 purified otherwise than lived). kl_k3 estimates KL(π_b‖π); beyond_bounds is the share with e^Δ outside
-[0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>{table(off_policy)}
+[0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>{table(off_policy, None, "off-policy")}
 <h2>Run config (run.json)</h2><pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)

@@ -167,13 +167,17 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
     assert view["raw"]["trained"] == view["raw"]["failed_call_tokens"] > view["saar"]["trained"]
 
 
-def test_prediction_follows_the_sign_of_recovered_mean_advantage():
+def test_the_coarse_rule_is_shown_as_disproved_never_as_a_prediction():
+    """Issue 32 §3: the coarse rule did not predict (docs/results/when_purification_helps_writeup.md point 5);
+    the recovered trajectories' mean advantage is still shown, with what that rule would say marked disproved."""
     rows = [{"iteration": 0, "kind": "recovered", "mean_advantage": 0.2, "trajectories": 5},
             {"iteration": 1, "kind": "recovered", "mean_advantage": -0.1, "trajectories": 4},
             {"iteration": 2, "kind": "clean", "mean_advantage": 0.3, "trajectories": 9}]
-    assert prediction(rows, 0).endswith("purification predicted to help")
-    assert prediction(rows, 1).endswith("purification predicted to hurt")
+    assert prediction(rows, 0).endswith("+0.200 over 5: the disproved coarse rule would say help")
+    assert prediction(rows, 1).endswith("the disproved coarse rule would say hurt")
     assert "no recovered trajectory" in prediction(rows, 2)
+    assert RULE.startswith("coarse rule, disproved") and "point 5" in RULE
+    assert not any("predicted to" in prediction(rows, i) for i in range(3))
 
 
 def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
@@ -196,13 +200,13 @@ def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
 
 def test_report_has_the_premise_panel(real):
     page = write_report(real.storage.root, "w").read_text()
-    assert "Does purification help? The premise, measured" in page
-    assert "iteration 0: recovered trajectories&#x27; mean advantage" in page
-    assert page.count("<td>not_recovered</td>") + page.count("<td>recovered</td>") >= 1
-    assert "<th>share_negative</th>" in page and "<td>mask_failed</td>" in page
+    assert "Does purification help? The rule that held" in page  # the token-level rule: tests/test_report_rule.py
+    assert '<p class="disproved" id="coarse-rule">Coarse rule, disproved' in page
+    assert page.count(">not_recovered</a></td>") + page.count(">recovered</a></td>") >= 1
+    assert "<th>share_<wbr>negative</th>" in page and '<td class="text">mask_failed</td>' in page
     # the off-policy panel: every partition's in-place tokens and the splices' importance ratios
-    assert "Off-policy: how far each partition trains tokens" in page and "<td>in_place</td>" in page
-    assert "<td>deep</td>" in page and '<img src="is_ratio.png"' in page
+    assert "Off-policy: how far each partition trains tokens" in page and '<td class="text">in_place</td>' in page
+    assert '<td class="text">deep</td>' in page and '<img src="is_ratio.png"' in page
 
 
 def test_token_level_prediction_compares_each_mode_with_raw():
