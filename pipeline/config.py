@@ -20,6 +20,7 @@ from pipeline.modes import Mode
 from storage.errors import CleanerError
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "tiny-tool-policy"
+DEFAULT_VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # scripts/setup_vllm.sh builds it
 
 
 # γ > 1 can never be reached by a similarity in [0, 1]: this one value asks for "always deep".
@@ -111,9 +112,24 @@ class SaarConfig(Section):
 
 class RolloutConfig(Section):
     policy: Path = DEFAULT_POLICY
-    engine: Literal["cpu", "sglang"] = "cpu"
+    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
     threads: int = Field(1, ge=1, description="torch threads of the CPU engine (fixed for reproducible sampling)")
     sglang_url: str = "http://127.0.0.1:30000"
+    vllm_urls: list[str] = Field(default_factory=list, description=(
+        "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
+        "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
+        "starts vllm_servers servers on 127.0.0.1 in vllm_venv, stopped with the command"))
+    vllm_servers: int = Field(1, ge=1, description="engine=vllm without vllm_urls: servers cleaner starts")
+    vllm_venv: Path | None = Field(None, description=(
+        "engine=vllm without vllm_urls: the virtualenv holding vLLM (None: this checkout's .venv-vllm, which "
+        "scripts/setup_vllm.sh builds)"))
+    vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in")
+    vllm_args: list[str] = Field(["--enforce-eager"], description=(
+        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile: start-up "
+        "38–53 s instead of 71–97 s with the CPU build here; --block-size 32 raises prefix reuse, see "
+        "benchmarks/bench_vllm.py)"))
+    vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
     loop: Literal["async", "lockstep"] = Field("async", description=(
         "async: one coroutine per trajectory on a continuously batching engine; lockstep: every trajectory's "
         "turn sampled together, then every tool call of the round (the earlier loop)"))
@@ -131,7 +147,7 @@ class RolloutConfig(Section):
         "starts calls in the order they fall due"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
-    max_in_flight: int = Field(64, ge=1, description="SGLang: concurrent /generate requests")
+    max_in_flight: int = Field(64, ge=1, description="SGLang and vLLM: concurrent generation requests")
     tasks: str = "world"  # "world" or a path to a task parquet file
     tasks_per_iteration: int = Field(16, gt=0)
     samples_per_prompt: int = Field(4, gt=0)
@@ -176,7 +192,9 @@ class PurifyConfig(Section):
         "partition per τ (tau=0.50)"))
     advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
     dynamic_filter: bool = False
-    recompute: Literal["cpu", "sglang"] = "cpu"
+    recompute: Literal["cpu", "sglang", "vllm"] = Field("cpu", description=(
+        "old log-probs after a splice: cpu (transformers, prefix KV reuse), sglang (prefill at rollout.sglang_url) "
+        "or vllm (prefill with prompt_logprobs on the rollout's vLLM servers, rollout.vllm_*)"))
     runner: str = Field("FnApiRunner", description=(
         "Beam runner: FnApiRunner (in-process), dask (Beam's DaskRunner on the cluster at purify.dask_address; "
         "docs/scale_out.md), or any runner Beam accepts, with its options in purify.beam_options"))

@@ -69,22 +69,24 @@ class PurifyJob:
     tokenizer_dir: str
     estimator: str = "group_norm"
     dynamic_filter: bool = False
-    recompute: str = "none"  # cpu | sglang | none
+    recompute: str = "none"  # cpu | sglang | vllm | none
     checkpoint: str | None = None  # the policy that sampled the raw shard (recompute and saar_is score with it)
     temperature: float = 1.0
     sglang_url: str = ""
+    vllm_urls: tuple[str, ...] = ()  # recompute=vllm: servers resolved (or started) by the driver
     measure: Measure = DEFAULT_MEASURE
     roc_group_size: int = 1
     runner: str = "FnApiRunner"
     beam_options: tuple[str, ...] = ()
 
     def backend_key(self) -> tuple:
-        return (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url)
+        return (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url,
+                self.vllm_urls)
 
     def backend(self):
         """The recompute backend of this job, once per process (None: recompute off)."""
         return per_process("recompute", self.backend_key(), lambda: _recompute_backend(
-            self.recompute, self.checkpoint, self.temperature, self.sglang_url))
+            self.recompute, self.checkpoint, self.temperature, self.sglang_url, self.vllm_urls))
 
 
 class StagingIncomplete(CleanerError, RuntimeError):
@@ -262,7 +264,8 @@ class PurifyBatches(beam.DoFn):
                 yield (variant, bucket), _compact(part, table)
 
 
-def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str):
+def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str,
+                       vllm_urls: tuple[str, ...] = ()):
     if recompute == "cpu" and checkpoint:
         from purifier.recompute import CPURecompute
 
@@ -271,6 +274,10 @@ def _recompute_backend(recompute: str, checkpoint: str | None, temperature: floa
         from purifier.recompute import SGLangRecompute
 
         return SGLangRecompute(sglang_url, temperature)
+    if recompute == "vllm" and checkpoint:
+        from purifier.recompute import VLLMRecompute
+
+        return VLLMRecompute(list(vllm_urls), Path(checkpoint), temperature)
     return None
 
 

@@ -11,6 +11,7 @@ sampled under (decided in purifier/saar.py). The others are recomputed under the
   their KV: no cache survives from the rollout process on CPU.)
 - SGLang backend: prefill with max_new_tokens=0 and logprob_start_len=P−1; RadixAttention reuses
   the KV of the unchanged prefix that the rollout left in its cache.
+- vLLM backend: prefill with prompt_logprobs (vLLM 0.32 skips its prefix cache for such requests).
 """
 from __future__ import annotations
 
@@ -96,11 +97,12 @@ class CPURecompute:
         return score_turn(self.body, self.head, context, turn, self.temperature, self.chunk_tokens)
 
 
-class SGLangRecompute:
-    def __init__(self, url: str, temperature: float = 1.0) -> None:
-        from pipeline.engines.sglang import SGLangEngine
+class ServedRecompute:
+    """Recompute on an inference server: one prefill per row that needs it, from its first needed token
+    to its last. `engine.score(sequences, starts, temperature)` is the server's (SGLang, vLLM)."""
 
-        self.engine = SGLangEngine(url)
+    def __init__(self, engine, temperature: float = 1.0) -> None:
+        self.engine = engine
         self.temperature = temperature
 
     def group(self, trajectories: list[PurifiedTrajectory]) -> list[PurifiedTrajectory]:
@@ -120,5 +122,25 @@ class SGLangRecompute:
         return result
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
-        """As CPURecompute.score, by a prefill that reuses the server's cached prefix."""
+        """As CPURecompute.score, by a prefill on the server."""
         return self.engine.score_turn(context, turn, self.temperature)
+
+
+class SGLangRecompute(ServedRecompute):
+    def __init__(self, url: str, temperature: float = 1.0) -> None:
+        from pipeline.engines.sglang import SGLangEngine
+
+        super().__init__(SGLangEngine(url), temperature)
+
+
+class VLLMRecompute(ServedRecompute):
+    """Prefill with prompt_logprobs on the rollout's vLLM servers, after making them serve `checkpoint` (the policy
+    that sampled the shard). vLLM never reads its prefix cache for such a request (pipeline/engines/vllm.py):
+    `engine.stats` counts the prompt tokens prefilled and the cached ones it reports (0 in vLLM 0.32)."""
+
+    def __init__(self, urls: list[str], checkpoint: Path, temperature: float = 1.0) -> None:
+        from pipeline.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(list(urls), checkpoint, max_in_flight=8)
+        engine.serve(checkpoint)
+        super().__init__(engine, temperature)

@@ -139,6 +139,16 @@ def beam_runner(cfg: CleanerConfig) -> tuple[str, list[str]]:
     return beam_pipeline.DASK_RUNNER, [*options, *p.beam_options]
 
 
+def _vllm_urls(cfg: CleanerConfig, checkpoint: Path) -> list[str]:
+    """purify.recompute=vllm: the rollout's vLLM servers (started here, in the driver, when cleaner runs them), so
+    every Beam worker scores on the same ones."""
+    if cfg.purify.recompute != "vllm":
+        return []
+    from pipeline.engines.vllm import vllm_urls
+
+    return vllm_urls(cfg.rollout, checkpoint)
+
+
 def _dask_failure(e: BaseException) -> BaseException | None:
     """The cluster's own failure behind an exception (a worker lost too often, the scheduler gone or not
     answering), as opposed to an error raised by the pipeline's code, which keeps its traceback."""
@@ -209,7 +219,7 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     if not variants:
         return results
     runner, runner_options = beam_runner(cfg)  # no local Dask cluster: one line before anything is written
-    if cfg.purify.recompute == "cpu":
+    if cfg.purify.recompute in ("cpu", "vllm"):
         check_checkpoint(checkpoint)  # a truncated checkpoint: one line here, not a traceback in a Beam worker
     staging_name = f"purify-{uuid.uuid4().hex[:8]}"
     staging = staging_root / staging_name
@@ -223,8 +233,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             raw_parts=tuple(raw_parts), variants=tuple((m, g) for m, g, _ in variants), staging=str(staging),
             tokenizer_dir=str(checkpoint), estimator=cfg.purify.advantage, dynamic_filter=cfg.purify.dynamic_filter,
             recompute=cfg.purify.recompute, checkpoint=str(checkpoint), temperature=cfg.rollout.temperature,
-            sglang_url=cfg.rollout.sglang_url, measure=measure, roc_group_size=roc_group_size(cfg), runner=runner,
-            beam_options=tuple(runner_options)))
+            sglang_url=cfg.rollout.sglang_url, vllm_urls=tuple(_vllm_urls(cfg, checkpoint)), measure=measure,
+            roc_group_size=roc_group_size(cfg), runner=runner, beam_options=tuple(runner_options)))
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())

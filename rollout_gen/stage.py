@@ -42,6 +42,10 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
         engine = SGLangEngine(cfg.rollout.sglang_url, checkpoint)
         engine.serve(checkpoint)  # after an update, the server still holds the previous weights
         return engine
+    if cfg.rollout.engine == "vllm":
+        from pipeline.engines.vllm import connect
+
+        return connect(cfg.rollout, checkpoint, chat.tokenizer)  # serves `checkpoint`, reloaded after an update
     from rollout_gen.engines.cpu import CPUEngine
 
     return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id,

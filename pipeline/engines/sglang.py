@@ -7,19 +7,16 @@ the same dicts: `output_ids` (stop token included), `meta_info.output_token_logp
 """
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Hashable
 
-from storage.errors import CleanerError
 from pipeline.engines.base import Generation, SamplingParams
+from pipeline.engines.served import ServerRefused, ServerUnavailable, http_json
 
 LAUNCH_HINT = "start one with: python -m sglang.launch_server --model-path <checkpoint> --port 30000"
 
 
-class SGLangUnavailable(CleanerError, RuntimeError):
+class SGLangUnavailable(ServerUnavailable):
     """No SGLang server answers at the configured URL (or sglang is not installed)."""
 
 
@@ -74,26 +71,15 @@ class SGLangEngine:
 
     # ---- transport ----------------------------------------------------------------------------
     def _post(self, route: str, payload: dict | None = None, method: str = "POST") -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.url + route, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"SGLang {route} at {self.url} answered {e.code}: {e.read()[:300]!r}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise SGLangUnavailable(f"SGLang server at {self.url} is unreachable ({e}); {LAUNCH_HINT}") from None
-        return json.loads(body) if body.strip() else None
+        return http_json(self.url, route, payload, method, self.timeout_s, name="SGLang", hint=LAUNCH_HINT,
+                         unavailable=SGLangUnavailable)
 
     def health(self) -> None:
         try:
-            req = urllib.request.Request(self.url + "/health", method="GET")
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                if resp.status != 200:
-                    raise SGLangUnavailable(f"SGLang server at {self.url} is unhealthy (HTTP {resp.status})")
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            raise SGLangUnavailable(f"SGLang server at {self.url} is unreachable ({e}); {LAUNCH_HINT}") from None
+            http_json(self.url, "/health", method="GET", timeout=10, name="SGLang", hint=LAUNCH_HINT,
+                      unavailable=SGLangUnavailable)
+        except ServerRefused as e:
+            raise SGLangUnavailable(f"SGLang server at {self.url} is unhealthy ({e})") from None
 
     def _generate(self, payload: dict) -> list[dict]:
         if self._engine is not None:
