@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
@@ -32,8 +32,10 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
     root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "flows.cli", "train", *overrides], cwd=REPO, env=_env(root), check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    train = subprocess.run([sys.executable, "-m", "flows.cli", "train", *overrides], cwd=REPO, env=_env(root),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if train.returncode:  # the run's own one-line error, not a bare exit status
+        raise RuntimeError(f"{run_id}: cleaner train exited {train.returncode}: {train.stderr.strip().splitlines()[-1:]}")
     train_s = time.perf_counter() - t0
     evals = json.loads(subprocess.run(
         [sys.executable, "-m", "benchmarks.experiment", "--eval-run", run_id, str(exp["eval_tasks"]),
@@ -96,16 +98,24 @@ def main(argv: list[str]) -> int:
     done = json.loads(results_file.read_text()) if results_file.exists() else []
     finished = {(r["arm"], r["seed"]) for r in done}
     t0 = time.perf_counter()
+    failed = []
     with ThreadPoolExecutor(max_workers=exp.get("parallel", 1)) as pool:
-        futures = [pool.submit(run_arm, n, s, spec, exp) for n, s, spec in jobs if (n, s) not in finished]
-        for f in futures:
-            done.append(f.result())
+        futures = {pool.submit(run_arm, n, s, spec, exp): f"{n}-s{s}" for n, s, spec in jobs if (n, s) not in finished}
+        for f in as_completed(futures):  # a failed run is reported and the others go on (rerun to retry it)
+            try:
+                done.append(f.result())
+            except Exception as e:  # noqa: BLE001 - one line per failed run; the experiment keeps the rest
+                failed.append(futures[f])
+                print(f"[experiment] {futures[f]} failed: {e}", flush=True)
+                continue
             results_file.write_text(json.dumps(done, indent=1))
             print(f"[experiment] {done[-1]['run_id']} done after {time.perf_counter() - t0:.0f} s", flush=True)
     from benchmarks.experiment_report import write
 
     print(f"[experiment] wrote {write(done, exp, args.experiment.stem, time.perf_counter() - t0)}")
-    return 0
+    if failed:
+        print(f"[experiment] {len(failed)} runs failed ({', '.join(failed)}): rerun the same command to retry them")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

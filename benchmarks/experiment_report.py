@@ -5,7 +5,8 @@ from pathlib import Path
 from math import sqrt
 from statistics import mean
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "results"
 METRICS = [("accuracy", "pass@1"), ("first_call_failure_rate", "first-call failure rate"),
            ("tool_calls_per_traj", "tool calls / trajectory"), ("response_tokens", "response tokens")]
 RATES = {"accuracy", "first_call_failure_rate"}  # per-task rates: binomial standard errors apply
@@ -215,6 +216,9 @@ def _token_rule_section(results: list[dict], exp: dict, root: Path) -> list[str]
         held = (gap > 0) == slower
         lines.append(f"| {arm} | {mode} | {n0} / {p0} | {n} / {p} | {'slower' if slower else 'not slower'} | "
                      f"{gap:+.3f} ± {se:.3f} ({gap / se if se else 0:+.1f} s.e.) | {'yes' if held else 'no'} |")
+    if len(lines) == 4:  # no data row: the raw arm's shards were purified under no other mode
+        return ["(not measured: the raw arm purified only its own partition; `cleaner replay --mode …` on its "
+                "stored raw shards adds the other modes)"]
     return lines
 
 
@@ -231,6 +235,23 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
              f"Every arm starts from {_policy(exp)}; evaluation every {exp.get('eval_every', 1)} iterations "
              f"on {exp['eval_tasks']} held-out tasks, T=1.0, mean over seeds. Solid/dashed lines in the plot are seeds 0/1.",
              "", f"![curves]({stem}.png)", ""]
+    from benchmarks.experiment_stats import off_policy_table, paired_table, seeds_table
+
+    root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
+    contrasts = [*((a, "raw") for a in arms if a != "raw" and "raw" in arms), *(tuple(c) for c in exp.get("compare", []) if set(c) <= set(arms))]
+    lines += ["## Final checkpoint, mean ± standard error between seeds", "", *seeds_table(results, arms), "",
+              "## Paired contrasts (same rollout seed, same evaluation tasks)", "",
+              "Per-seed difference at the final checkpoint; claimed when every seed has the same sign or the paired "
+              "95% interval (Student's t) excludes zero.", "", *paired_table(results, contrasts), "",
+              "## Off-policy diagnostics of the partition each arm trained on (catalog views off_policy, splices, "
+              "raw_kinds, failed_call_advantage, metrics)", "",
+              "Per run over all its iterations, then mean ± s.e. between seeds. Moved: trained tokens sampled in "
+              "another context than they are trained in (spliced shallow/deep, or moved by a splice before them); "
+              "Δ = old − behaviour log-prob; beyond: share of trained tokens whose ratio is outside [0.5, 2]; "
+              "replaced / rollbacks: retries spliced over their failed call, of the retries that carried a call "
+              "after a model error; failed-first: trajectories whose first call failed (GRPO advantage on the raw "
+              "group); correction filtered: share of trained tokens OpenRLHF's gate masked or clipped.", "",
+              *off_policy_table(results, {a: _arm_mode(exp, a) or "saar" for a in arms}, root), ""]
     for saar in (False, True):
         lines += [f"## First and last checkpoint, SAAR {'on' if saar else 'off'} at test time", "",
                   *_summary_table(results, arms, saar), ""]
@@ -242,14 +263,14 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
         for arm in (a for a in arms if a != "raw"):
             lines += [f"## {arm} vs no purification (raw)", "", *_comparison(results, exp["eval_tasks"], arm), ""]
     for arm, baseline in exp.get("compare", []):  # further pairs the experiment file asks for
+        if arm not in arms or baseline not in arms:  # a partial run (--report while arms are still running)
+            continue
         lines += [f"## {arm} vs {baseline}", "", *_comparison(results, exp["eval_tasks"], arm, baseline), ""]
-    root = next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     lines += ["## The premise: recovered trajectories' advantage (catalog view trajectory_kinds)", "",
               "Purification is predicted to help when recovered trajectories' mean advantage is positive.", "",
-              *_premise_section(results, Path(__file__).resolve().parent.parent / root), ""]
-    lines += ["## The token-level rule, tested", "",
-              *_token_rule_section(results, exp, Path(__file__).resolve().parent.parent / root), ""]
-    lines += ["## Replay statistics", "", _replay_section(results, str(Path(__file__).resolve().parent.parent / root)), ""]
+              *_premise_section(results, root), ""]
+    lines += ["## The token-level rule, tested", "", *_token_rule_section(results, exp, root), ""]
+    lines += ["## Replay statistics", "", _replay_section(results, str(root)), ""]
     page = OUT / f"{stem}.md"
     page.write_text("\n".join(lines) + "\n")
     return page

@@ -1,0 +1,173 @@
+"""Between-seed statistics and per-arm off-policy diagnostics for an experiment's page.
+
+../shared/docs/EXPERIMENTS.md asks for the standard error *between training seeds* (not a binomial error
+over tasks) and for paired comparisons: every arm's seed s starts from the same rollout seed and is
+evaluated on the same tasks, so the per-seed difference between two arms is the unit, and a difference is
+claimed only when it has the same sign in every seed or its paired 95% interval excludes zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import sqrt
+from pathlib import Path
+from statistics import mean, stdev
+
+# Two-sided 97.5% quantiles of Student's t by degrees of freedom (seeds − 1); no scipy in the project.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def final_by_seed(results: list[dict], arm: str, metric: str, saar: bool, first: bool = False) -> dict[int, float]:
+    """Seed → the metric at the arm's last (or first) evaluated checkpoint."""
+    out = {}
+    for r in results:
+        if r["arm"] != arm:
+            continue
+        evals = sorted((e for e in r["evals"] if e["saar_at_test"] == saar), key=lambda e: e["iteration"])
+        if evals:
+            out[r["seed"]] = evals[0 if first else -1][metric]
+    return out
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error between seeds (nan with one seed: nothing to estimate it from)."""
+    return mean(values), (stdev(values) / sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+@dataclass(frozen=True)
+class Paired:
+    diffs: dict[int, float]  # seed → arm − baseline
+    mean: float
+    se: float
+    low: float  # paired 95% interval (Student's t, seeds − 1 degrees of freedom)
+    high: float
+
+    @property
+    def every_seed(self) -> bool:
+        signs = {d > 0 for d in self.diffs.values() if d != 0}
+        return len(self.diffs) > 1 and len(signs) == 1 and all(d != 0 for d in self.diffs.values())
+
+    @property
+    def claimed(self) -> bool:
+        return self.every_seed or self.low > 0 or self.high < 0
+
+
+def paired(results: list[dict], arm: str, baseline: str, metric: str, saar: bool) -> Paired | None:
+    a, b = final_by_seed(results, arm, metric, saar), final_by_seed(results, baseline, metric, saar)
+    diffs = {s: a[s] - b[s] for s in sorted(a.keys() & b.keys())}
+    if not diffs:
+        return None
+    m, se = mean_se(list(diffs.values()))
+    half = _T975.get(len(diffs) - 1, 1.96) * se
+    return Paired(diffs, m, se, m - half, m + half)
+
+
+def seeds_table(results: list[dict], arms: list[str]) -> list[str]:
+    """Per arm: final pass@1 and first-call failure rate, mean ± between-seed s.e., both test modes."""
+    lines = ["| arm | seeds | pass@1, SAAR off | pass@1, SAAR on | first-call failures, SAAR off | "
+             "first-call failures, SAAR on |", "|---|---|---|---|---|---|"]
+    for arm in arms:
+        cells = []
+        for metric in ("accuracy", "first_call_failure_rate"):
+            for saar in (False, True):
+                vals = final_by_seed(results, arm, metric, saar)
+                m, se = mean_se(list(vals.values()))
+                cells.append(f"{m:.3f} ± {se:.3f}")
+        lines.append(f"| {arm} | {sorted(final_by_seed(results, arm, 'accuracy', False))} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def paired_table(results: list[dict], contrasts: list[tuple[str, str]]) -> list[str]:
+    """Every contrast on both metrics and test modes: per-seed differences, mean ± s.e., 95% interval."""
+    lines = ["| contrast | metric | SAAR at test | per seed | mean ± s.e. | 95% interval | claimed |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, baseline in contrasts:
+        for metric, label in (("accuracy", "pass@1"), ("first_call_failure_rate", "first-call failures")):
+            for saar in (False, True):
+                p = paired(results, arm, baseline, metric, saar)
+                if p is None:
+                    continue
+                per_seed = ", ".join(f"{d:+.3f}" for d in p.diffs.values())
+                claim = "every seed" if p.every_seed else ("interval" if p.claimed else "no")
+                lines.append(f"| {arm} − {baseline} | {label} | {'on' if saar else 'off'} | {per_seed} | "
+                             f"{p.mean:+.3f} ± {p.se:.3f} | [{p.low:+.3f}, {p.high:+.3f}] | {claim} |")
+    return lines
+
+
+# Per run, over all iterations of the partition it trained on (its train.mode; each arm purifies only that).
+_OFF_POLICY_SQL = """
+WITH o AS (
+    SELECT run_id, sum(tokens)::DOUBLE AS trained,
+           (sum(tokens) FILTER (WHERE origin <> 'in_place'))::DOUBLE AS moved,
+           sum(tokens * mean_abs_delta) FILTER (WHERE origin <> 'in_place') AS moved_abs,
+           sum(tokens * kl_k3) FILTER (WHERE origin <> 'in_place') AS moved_kl,
+           sum(tokens * beyond_bounds) AS beyond,
+           sum(tokens * mean_abs_delta) FILTER (WHERE origin = 'in_place') AS in_place_abs,
+           (sum(tokens) FILTER (WHERE origin = 'in_place'))::DOUBLE AS in_place,
+           count(DISTINCT iteration) AS iterations
+    FROM off_policy WHERE list_contains($runs, run_id) AND mode = $mode GROUP BY ALL
+), s AS (
+    SELECT run_id, count(*) AS splices FROM splices WHERE list_contains($runs, run_id) AND mode = $mode GROUP BY ALL
+), r AS (  -- retries that carry a call after a model error: the rollbacks a SAAR-family mode decides
+    SELECT a.run_id, count(*) AS rollbacks FROM raw_attempts a
+    JOIN raw_attempts f ON f.run_id = a.run_id AND f.iteration = a.iteration AND f.prompt_id = a.prompt_id
+         AND f.sample_idx = a.sample_idx AND f.position_idx = a.position_idx AND f.attempt_idx = 0
+    WHERE list_contains($runs, a.run_id) AND a.attempt_idx > 0 AND a.code IS NOT NULL AND f.error_class = 'model'
+    GROUP BY ALL
+), f AS (
+    SELECT run_id, sum(trained)::DOUBLE AS failed_trained FROM failed_call_advantage
+    WHERE list_contains($runs, run_id) AND mode = $mode GROUP BY ALL
+), k AS (  -- trajectories whose first call failed: their mean GRPO advantage and share with a positive one
+    SELECT run_id, avg(advantage) AS failed_first_advantage, avg((advantage > 0)::INT) AS failed_first_positive
+    FROM raw_kinds WHERE list_contains($runs, run_id) AND kind IN ('recovered', 'not_recovered') GROUP BY ALL
+), m AS (
+    SELECT run_id, avg(value) FILTER (WHERE name = 'correction_filtered') AS filtered
+    FROM metrics WHERE list_contains($runs, run_id) AND stage = 'update' GROUP BY ALL
+)
+SELECT o.*, coalesce(s.splices, 0) AS splices, r.rollbacks, f.failed_trained, k.failed_first_advantage,
+       k.failed_first_positive, m.filtered
+FROM o LEFT JOIN s USING (run_id) LEFT JOIN r USING (run_id) LEFT JOIN f USING (run_id)
+LEFT JOIN k USING (run_id) LEFT JOIN m USING (run_id)
+"""
+
+_COLUMNS = [  # (header, value of one run's row); each cell is the mean over seeds ± between-seed s.e.
+    ("trained tokens / iteration", lambda r: r["trained"] / r["iterations"]),
+    ("moved share", lambda r: (r["moved"] or 0) / r["trained"]),
+    ("mean abs Δ, moved (nats)", lambda r: r["moved_abs"] / r["moved"] if r["moved"] else None),
+    ("KL k3, moved", lambda r: r["moved_kl"] / r["moved"] if r["moved"] else None),
+    ("beyond [0.5, 2], all", lambda r: r["beyond"] / r["trained"]),
+    ("mean abs Δ, in place", lambda r: r["in_place_abs"] / r["in_place"] if r["in_place"] else None),
+    ("replaced / rollbacks", lambda r: r["splices"] / r["rollbacks"] if r["rollbacks"] else None),
+    ("failed-call share of trained", lambda r: (r["failed_trained"] or 0) / r["trained"]),
+    ("adv. of failed-first", lambda r: r["failed_first_advantage"]),
+    ("positive share of failed-first", lambda r: r["failed_first_positive"]),
+    ("correction filtered", lambda r: r["filtered"]),
+]
+
+
+def off_policy_rows(root: Path, runs: list[str], mode: str) -> list[dict]:
+    from storage.catalog import Catalog
+
+    with Catalog(root) as cat:
+        return cat.con.sql(_OFF_POLICY_SQL, params={"runs": runs, "mode": mode}).to_arrow_table().to_pylist()
+
+
+def off_policy_table(results: list[dict], modes: dict[str, str], root: Path) -> list[str]:
+    """The §4 diagnostics per arm, from the partitions each arm trained on, over all its iterations."""
+    lines = ["| arm | mode | " + " | ".join(h for h, _ in _COLUMNS) + " |", "|---|---|" + "---|" * len(_COLUMNS)]
+    for arm, mode in modes.items():
+        runs = sorted(r["run_id"] for r in results if r["arm"] == arm)
+        try:
+            rows = off_policy_rows(root, runs, mode)
+        except Exception as e:  # noqa: BLE001 - a diagnostics row is a bonus; say why it is missing
+            lines.append(f"| {arm} | {mode} | (unavailable: {e}) |")
+            continue
+        cells = []
+        for _, value in _COLUMNS:
+            vals = [v for v in map(value, rows) if v is not None]
+            if not vals:
+                cells.append("—")
+                continue
+            m, se = mean_se(vals)
+            cells.append(f"{m:.4f}" + (f" ± {se:.4f}" if len(vals) > 1 else ""))
+        lines.append(f"| {arm} | {mode} | " + " | ".join(cells) + " |")
+    return lines
