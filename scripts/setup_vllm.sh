@@ -26,7 +26,8 @@ t0=$(date +%s)
 pip_install() {
   local log rc=0
   log=$(mktemp)
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" >"$log" 2>&1 || rc=$?
+  # without PYTHONPATH: make exports the checkout on it, and pip would check this project's requirements here
+  env -u PYTHONPATH "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" >"$log" 2>&1 || rc=$?
   grep -v -e "is ignored: it is neither a file nor a directory" "$log" || true
   rm -f "$log"
   return $rc

@@ -1,22 +1,24 @@
 """The DuckDB catalog: views over the committed Parquet parts of every run under a project root.
 
-Views read the Parquet files in place; only parts listed in a manifest are included, so a stage
-that crashed mid-way never shows up half-written, and every part is validated against its manifest
-first (size, crc32, schema version, columns, rows; storage.shards.check_part). A shard that fails, or
-one with parts but no manifest, is left out of the views and listed in `Catalog.problems`, which
-`cleaner inspect` prints and `cleaner report` refuses. `refresh()` rebuilds the views after new shards.
+Views read the Parquet files in place; only files listed in a manifest are included, so a stage that
+crashed mid-way never shows up half-written, and every part is validated against its manifest first
+(size, crc32, schema version, columns, rows; storage.shards.check_part; found through the root's scan index,
+storage/shard_index.py). A shard that fails, or one with parts but no manifest, is left out of the views and
+listed in `Catalog.problems`, which `cleaner inspect` prints and `cleaner report` refuses. The default tables'
+small files (row summaries, metrics) are read from packs (storage/packs.py). `refresh()` rebuilds the views.
 
 The catalog file users open (`<root>/catalog.duckdb`) is published, never edited: `publish` builds a
-new file beside it and renames it over the old one after every stage commit (and every `cleaner
-inspect`). Nothing ever opens the published file for writing, so a duckdb CLI or notebook holding it
-open (read-only or not) blocks no flow and no command, and the next open sees every committed
-shard. Views list absolute paths, so the file works from any working directory.
+new file beside it and renames it over the old one after every stage commit (and `cleaner inspect`),
+unless it was built from the same scan. Nothing ever opens the published file for writing, so a duckdb CLI
+or notebook holding it open (read-only or not) blocks no flow and no command, and the next open sees every
+committed shard. Views list absolute paths, so the file works from any working directory.
 """
 from __future__ import annotations
 
-import glob
+import contextlib
+import hashlib
+import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,65 +26,14 @@ import duckdb
 import pyarrow as pa
 
 from storage.layout import DEFAULT_MEASURE_KEY
-from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW, schema_id
-from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_summary, committed_manifest,
-                            summary_parts, text_parts)
-from storage.summaries import summarizer
+from storage.packs import KINDS
+from storage.schemas import schema_id
+from storage.shard_index import SOURCES, Problem, Scan, ShardFiles, identity, scan  # noqa: F401 - re-exported
+from storage.shards import atomic_write_json
+from storage.summaries import PURIFIED_SUMMARY, RAW_SUMMARY
 from storage.texts import PURIFIED_TEXT, RAW_TEXT
 
 CLI_STORAGE_VERSION = "v1.5.0"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A shard left out of the views: corrupt (committed but failing validation) or not committed."""
-
-    path: Path
-    message: str
-    committed: bool
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@dataclass(frozen=True)
-class ShardFiles:
-    parts: list[Path]
-    version: str  # the schema version it was written with
-    summaries: list[Path] | None  # its row summaries (storage/summaries.py); None: committed without them
-    texts: tuple[Path, ...] = ()  # its decoded text (storage/texts.py); empty: committed without it
-
-
-def _validated_files(directory: Path, schema: pa.Schema, force: bool = False) -> ShardFiles:
-    """The shard's parts and summaries, each checked in full once and then by identity (storage.verified),
-    or in full again with `force`: a file changed after its check is caught either way."""
-    manifest = committed_manifest(directory, schema)
-    for part in manifest.parts:
-        check_part(directory, part, schema, force)
-    summaries, texts = summary_parts(manifest), text_parts(manifest)
-    for part in [*summaries, *texts]:
-        check_summary(directory, part, force)
-    return ShardFiles([directory / p.name for p in manifest.parts], manifest.schema,
-                      [directory / p.name for p in summaries] if summaries else None,
-                      tuple(directory / p.name for p in texts))
-
-
-def _scan(root: Path, pattern: str, schema: pa.Schema, problems: list[Problem],
-          force: bool = False) -> list[ShardFiles]:
-    files: list[ShardFiles] = []
-    # glob.glob, not Path.glob: at thousands of shards pathlib's pattern matching was most of a scan
-    for directory in map(Path, sorted(d for d in glob.glob(os.path.join(root, pattern)) if os.path.isdir(d))):
-        if not (directory / MANIFEST).is_file():
-            if any(directory.glob(PART_GLOB)) or any(directory.glob(".part-*")):
-                problems.append(Problem(directory, f"{directory}: not committed (no {MANIFEST}: its stage is "
-                                        "writing it or crashed before committing; rerun the stage)", False))
-            continue
-        try:
-            files.append(_validated_files(directory, schema, force))
-        except (ShardError, OSError) as e:
-            problems.append(Problem(directory, str(e), True))
-    return files
-
 
 _SQL_TYPES = {pa.string(): "VARCHAR", pa.int8(): "TINYINT", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
               pa.float32(): "FLOAT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
@@ -96,18 +47,18 @@ def _sql_type(kind: pa.DataType) -> str:
     return _SQL_TYPES[kind]
 
 
-def _empty_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema) -> str:
+def _empty_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema, temporary: bool = False) -> str:
     # DuckDB cannot read an empty file list: a typed empty table (kept inside the catalog, so nothing is
     # written beside the shards) gives the view its columns. Declared in SQL: handing DuckDB an Arrow table
     # makes it import pandas, most of a small catalog's build time.
-    table = f"_empty_{name}"
+    table = f"_{'stand_in' if temporary else 'empty'}_{name}"
     columns = ", ".join(f'"{f.name}" {_sql_type(f.type)}' for f in schema)
-    con.execute(f"CREATE OR REPLACE TABLE {table} ({columns})")
+    con.execute(f"CREATE OR REPLACE {'TEMP ' if temporary else ''}TABLE {table} ({columns})")
     return table
 
 
-def _sql_list(paths: list[Path]) -> str:
-    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+def _sql_list(paths: list[str]) -> str:
+    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
 
 
 # The premise of purification (issue 19 §1; the rule is pipeline/kinds.py's, tested equal row for row):
@@ -275,32 +226,6 @@ SUMMARY_SQL = {
 }
 
 
-SOURCES = {
-    "raw_trajectories": ("runs/*/iteration=*/raw", RAW),
-    "purified": ("runs/*/iteration=*/purified/mode=*/*=*", PURIFIED),
-    "dead_letters": ("runs/*/iteration=*/dead_letter/mode=*/*=*", DEAD_LETTER),
-    "metrics": ("runs/*/iteration=*/metrics/stage=*", METRICS),
-}
-
-
-@dataclass(frozen=True)
-class Scan:
-    """The committed, validated shards of a root per view, and what was left out: what a catalog is built
-    from. One scan can build several catalogs (`cleaner inspect` publishes the file and queries in memory)."""
-
-    shards: dict[str, list[ShardFiles]]
-    problems: list[Problem]
-
-
-def scan(root: Path, verify: bool = False, iterations: str = "runs/*/iteration=*") -> Scan:
-    """`iterations` narrows the scan to some iteration folders (a glob under the root, e.g.
-    `runs/demo/iteration=0007`): a catalog of one iteration costs the same at iteration 2,000 as at 20."""
-    problems: list[Problem] = []
-    shards = {view: _scan(Path(root).resolve(), pattern.replace("runs/*/iteration=*", iterations), schema, problems,
-                          verify) for view, (pattern, schema) in SOURCES.items()}
-    return Scan(shards, problems)
-
-
 class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
@@ -324,17 +249,34 @@ class Catalog:
     def refresh(self) -> None:
         scanned, self._scanned = self._scanned or scan(self.root, self.verify), None
         self.problems = list(scanned.problems)
+        # VIEWS_SQL's views are bound when created, each binding the views they name (thousands of files at 2,000
+        # iterations) again: created over empty stand-ins (temporary: never in the file), they cost what they
+        # cost over an empty store; every query binds them over the views as they are.
+        self._views(Scan({view: [] for view in SOURCES}, []), stand_ins=True)
+        self.con.execute(VIEWS_SQL)
+        self._views(scanned)
+        self._text_views(scanned)
+        # The shards left out, in the file too: whoever opens it (cleaner view, a notebook) can name them.
+        self.con.execute("CREATE OR REPLACE TABLE catalog_problems (path VARCHAR, message VARCHAR, committed BOOLEAN)")
+        if self.problems:
+            self.con.executemany("INSERT INTO catalog_problems VALUES (?, ?, ?)",
+                                 [(str(p.path), p.message, p.committed) for p in self.problems])
+
+    def _views(self, scanned: Scan, stand_ins: bool = False) -> None:
+        """The views over the shards' files (and their summaries), one per SOURCES view."""
         for view, (_, schema) in SOURCES.items():
             shards = scanned.shards[view]
             files = [(path, shard.version) for shard in shards for path in shard.parts]
+            if view in KINDS:  # metrics: the packs of its parts (storage/packs.py) instead of the parts they hold
+                files = [f for some in scanned.unpacked(view, files) for f in some]
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
             if view in SUMMARY_SQL:
-                self._summary_view(view, schema, shards)
+                self._summary_view(view, shards, scanned, stand_ins)
             if files:
                 # One read per schema version, each binding only its first file's footer: union_by_name over
                 # every file would read every footer each time a view over it is bound (seconds at 2,000
                 # iterations); versions are combined by column name (older ones get NULL for newer columns).
-                versions: dict[str, list[Path]] = {}
+                versions: dict[str, list[str]] = {}
                 for path, version in files:
                     versions.setdefault(version, []).append(path)
                 reads = [f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
@@ -342,17 +284,10 @@ class Catalog:
                              versions.items(), key=lambda kv: kv[0] != schema_id(schema))]
                 source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
             else:
-                source = _empty_table(self.con, view, schema)
+                source = _empty_table(self.con, view, schema, stand_ins)
             select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned and files else (
                 "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *")
             self.con.execute(f"CREATE OR REPLACE VIEW {view} AS {select} FROM {source}")
-        self.con.execute(VIEWS_SQL)
-        self._text_views(scanned)
-        # The shards left out, in the file too: whoever opens it (cleaner view, a notebook) can name them.
-        self.con.execute("CREATE OR REPLACE TABLE catalog_problems (path VARCHAR, message VARCHAR, committed BOOLEAN)")
-        if self.problems:
-            self.con.executemany("INSERT INTO catalog_problems VALUES (?, ?, ?)",
-                                 [(str(p.path), p.message, p.committed) for p in self.problems])
 
     def _text_views(self, scanned: Scan) -> None:
         """`raw_texts`, `raw_attempt_texts` and `purified_texts`: the decoded text written beside each part at
@@ -367,31 +302,32 @@ class Catalog:
             "a.position_idx AS position_idx, a.attempt_idx AS attempt_idx, a.turn_text AS turn_text, "
             "a.feedback_text AS feedback_text FROM (SELECT run_id, iteration, prompt_id, sample_idx, UNNEST(attempts) "
             f"AS a FROM {raw_source})")
-        if purified:
-            self.con.execute(f"CREATE OR REPLACE VIEW purified_texts AS SELECT * EXCLUDE (filename), {_MEASURE_SQL} "
-                             f"AS measure FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, "
-                             "filename=true)")
-        else:
-            self.con.execute("CREATE OR REPLACE VIEW purified_texts AS SELECT *, CAST(NULL AS VARCHAR) AS measure "
-                             f"FROM {_empty_table(self.con, 'purified_texts', PURIFIED_TEXT)}")
+        self.con.execute("CREATE OR REPLACE VIEW purified_texts AS " + (
+            f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure FROM read_parquet({_sql_list(purified)}, "
+            "hive_partitioning=false, filename=true)" if purified else "SELECT *, CAST(NULL AS VARCHAR) AS measure "
+            f"FROM {_empty_table(self.con, 'purified_texts', PURIFIED_TEXT)}"))
 
-    def _summary_view(self, view: str, schema: pa.Schema, shards: list[ShardFiles]) -> None:
-        """`<view>_summary`: the row summaries written at commit, and for shards committed without them the
-        same columns computed from their parts (SUMMARY_SQL)."""
-        summary_schema = summarizer(schema)(schema.empty_table()).schema
-        with_files = [p for s in shards if s.summaries for p in s.summaries]
+    def _summary_view(self, view: str, shards: list[ShardFiles], scanned: Scan, stand_in: bool) -> None:
+        """`<view>_summary`: the row summaries written at commit (their packs, storage/packs.py, and the files no
+        pack holds); for shards committed without them, the same columns computed from their parts (SUMMARY_SQL)."""
+        # the declared schema (summarizing an empty table to get it imported pandas: a second per process)
+        name, summary_schema = ("raw_summary", RAW_SUMMARY) if view == "raw_trajectories" else (
+            "purified_summary", PURIFIED_SUMMARY)
+        loose, packed = scanned.unpacked(name, [(p, s.version) for s in shards if s.summaries for p in s.summaries])
+        with_files = [p for p, _ in loose]
         parts_only = [p for s in shards if not s.summaries for p in s.parts]
         partitioned = view == "purified"  # its partition's measure, from the file's path as in `purified`
         options = "hive_partitioning=false" + (", filename=true" if partitioned else "")
-        reads = []
+        # a pack of purified summaries carries each row's file name (packs.FILENAME_KINDS); one read per version
+        reads = [f"SELECT * FROM read_parquet({_sql_list([p for p, v in packed if v == version])}, "
+                 "hive_partitioning=false)" for version in sorted({v for _, v in packed})]
         if with_files:
             reads.append(f"SELECT * FROM read_parquet({_sql_list(with_files)}, {options})")
         if parts_only:
             columns = SUMMARY_SQL[view] + (", filename" if partitioned else "")
             reads.append(f"SELECT {columns} FROM read_parquet({_sql_list(parts_only)}, union_by_name=true, {options})")
-        name = "raw_summary" if view == "raw_trajectories" else "purified_summary"
         if not reads:
-            source = _empty_table(self.con, name, summary_schema)
+            source = _empty_table(self.con, name, summary_schema, stand_in)
             select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
         else:
             source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
@@ -411,12 +347,26 @@ class Catalog:
         self.close()
 
 
+def _fingerprint(root: Path, scanned: Scan) -> str:
+    """What a published file is built from: the root, the scan, this module's code and the schemas."""
+    code = [Path(__file__).read_text(), duckdb.__version__, str(root), *map(str, (RAW_SUMMARY, PURIFIED_SUMMARY,
+            RAW_TEXT, PURIFIED_TEXT, *(schema for _, schema in SOURCES.values())))]
+    return hashlib.blake2b(json.dumps([code, scanned.fingerprint()]).encode(), digest_size=16).hexdigest()
+
+
 def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Problem]:
     """Rebuild the catalog file: built under a temporary name beside it, then renamed over it (atomic).
 
-    The published file is never opened here, so whoever holds it open keeps working (on the views it
-    opened) and blocks nothing; the shards left out are returned."""
+    The published file is never opened here, so whoever holds it open keeps working (on the views it opened)
+    and blocks nothing; the shards left out are returned. A file built from the same scan is kept: beside it,
+    `.<name>.published` holds the identity of the file this function last renamed into place and what it was
+    built from; any other file (written to since, renamed over it by another, copied) is rebuilt."""
     database = Path(database).resolve()
+    scanned = scanned or scan(root)
+    stamp, fingerprint = database.with_name(f".{database.name}.published"), _fingerprint(Path(root).resolve(), scanned)
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(stamp.read_bytes()) == {"identity": identity(database), "fingerprint": fingerprint}:
+            return list(scanned.problems)
     tmp = database.with_name(f".{database.name}.{os.getpid()}.tmp")
     leftovers = (tmp, tmp.with_name(tmp.name + ".wal"))
     for path in leftovers:
@@ -425,7 +375,12 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
         with Catalog(root, tmp, scanned=scanned) as cat:
             problems = cat.problems
             cat.con.execute("CHECKPOINT")
+        built = identity(tmp)
         os.replace(tmp, database)
+        published = identity(database)  # the rename changed its ctime; its inode says whether it is still ours
+        if published[3] == built[3]:
+            with contextlib.suppress(OSError):  # without it, the next publish rebuilds
+                atomic_write_json(stamp, {"identity": published, "fingerprint": fingerprint})
     finally:
         for path in leftovers:
             path.unlink(missing_ok=True)

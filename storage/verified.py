@@ -27,10 +27,17 @@ VERSION = 1
 _CACHE: dict[str, tuple[tuple[int, int, int], dict[str, dict[str, Any]]]] = {}  # record path -> (its stat, parts)
 
 
+IDENTITY = ("size", "mtime_ns", "ctime_ns", "ino", "dev")
+
+
 def identity(path: Path) -> dict[str, int]:
+    return dict(zip(IDENTITY, identity_values(path)))
+
+
+def identity_values(path: str | Path) -> list[int]:
+    """identity(path)'s values, in IDENTITY's order (what the scan index compares: storage/shard_index.py)."""
     st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-            "dev": st.st_dev}
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
 def _digest(parts: dict[str, dict[str, Any]]) -> str:

@@ -32,7 +32,7 @@ def files_under(root: Path) -> dict[str, bytes]:
 PROGRESS_BAR = re.compile(r"\d+/\d+ \[[\d:<?]+")  # transformers' weight-loading bar: console noise (#21), not an error
 
 
-PROGRESS_LINE = re.compile(r"^\[\w+ it \d+\] ")  # a stage's periodic progress on a non-terminal (#21)
+PROGRESS_LINE = re.compile(r"^\[\w+( \S+)? it \d+\] ")  # a stage's progress or start-up line (#21, #32): "[purify it 0]", "[replay RUN it 0]"
 
 
 def one_line(err: str) -> str:

@@ -1,0 +1,328 @@
+"""Which shards of a root are committed and valid, what the catalog's views may read, found without reading
+thousands of manifests.
+
+A shard is validated from its manifest (storage.shards.committed_manifest: committed, this schema, no part it
+does not list) and each file the manifest lists is checked (check_part/check_summary: in full once, then by the
+identity its verification record, storage/verified.py, holds). At 2,000 iterations that is 6,000 manifests and
+as many records per process: seconds before a catalog can be built. So a scan keeps one index file under the
+root, `_CATALOG_INDEX/index.json`, holding per validated shard folder what validation found (the files the views read,
+the schema version) and the identities it held at: of the folder, of the manifest and of every file listed. A
+later process (any) trusts an entry while all those identities are unchanged, a few stats per shard and one
+file read in all; otherwise it validates the shard from its manifest again. The identity is storage.verified's
+(size, mtime, ctime, inode, device): a write to a file changes its ctime, which no unprivileged process can set
+back; a replaced manifest or a copied store has new inodes; a file added to or removed from a folder (a part
+the manifest does not list, a new shard folder) changes the folder's mtime, so the index also keeps each
+folder's sub-folders by its identity, and finding the shards costs a stat per folder instead of a listing.
+
+The index only ever saves work, like the verification records:
+- the file identities it holds are taken from the verification record after the check, identities at which
+  the files were verified, never a later stat;
+- timestamps are kept at the clock's tick (a few ms; seconds on some filesystems), so a file changed within
+  the tick it was checked in keeps its identity: identities younger than SETTLE_NS when the scan began are
+  not indexed (the next scan validates such a shard from its manifest again, which reads no part in full);
+- it is written atomically with a digest of its content; one that is missing, unreadable, of another version or
+  whose digest does not match is ignored (every shard is validated from its manifest, the index rewritten);
+- a shard that fails is never indexed, so every scan validates (and names) it again; `verify` checks every file
+  in full whatever the index and the records say. A root that cannot be written works without an index.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from storage import packs, verified
+from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
+from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_summary, committed_manifest,
+                            summary_parts, text_parts)
+
+INDEX = "index.json"  # in packs.FOLDER, beside the packs
+VERSION = 1
+ITERATIONS = "runs/*/iteration=*"
+# Each view's shard folders below an iteration folder, one name (or glob pattern) per level
+SOURCES: dict[str, tuple[tuple[str, ...], pa.Schema]] = {
+    "raw_trajectories": (("raw",), RAW),
+    "purified": (("purified", "mode=*", "*=*"), PURIFIED),
+    "dead_letters": (("dead_letter", "mode=*", "*=*"), DEAD_LETTER),
+    "metrics": (("metrics", "stage=*"), METRICS),
+}
+SETTLE_NS = 2_000_000_000  # covers a coarse clock tick (2 s on FAT-like filesystems) and then some
+identity = verified.identity_values  # a file's identity as the index holds it
+_SEP = os.sep
+
+_LOADED: dict[str, tuple[list[int], dict[str, Any]]] = {}  # index path -> (its identity, its content); never mutated
+# Shards validated from their manifests by this process (tests count them: a shard indexed by any process is not)
+VALIDATED = 0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A shard left out of the views: corrupt (committed but failing validation) or not committed."""
+
+    path: Path
+    message: str
+    committed: bool
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """A validated shard's files, as absolute path strings (what the views list; Path objects cost a tenth of
+    a scan at 2,000 iterations)."""
+
+    parts: list[str]
+    version: str  # the schema version it was written with
+    summaries: list[str] | None  # its row summaries (storage/summaries.py); None: committed without them
+    texts: tuple[str, ...] = ()  # its decoded text (storage/texts.py); empty: committed without it
+
+
+@dataclass(frozen=True)
+class Scan:
+    """The committed, validated shards of a root per view, and what was left out: what a catalog is built
+    from. One scan can build several catalogs (`cleaner inspect` publishes the file and queries in memory)."""
+
+    shards: dict[str, list[ShardFiles]]
+    problems: list[Problem]
+    # per packs.KINDS kind, the packs to read instead of the files they hold: (path, schema version, those files)
+    packs: dict[str, list[tuple[str, str, set[str]]]] = field(default_factory=dict)
+
+    def unpacked(self, kind: str, files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Of `files` (path, schema version) of pack kind `kind` (storage/packs.py), those no pack holds; and the
+        packs that hold the others."""
+        held = set().union(*(h for _, _, h in self.packs.get(kind, ())))
+        return [f for f in files if f[0] not in held], [(p, v) for p, v, _ in self.packs.get(kind, ())]
+
+    def fingerprint(self) -> str:
+        """Equal for two scans that would build the same views (storage.catalog.publish skips a rebuild on it)."""
+        h = hashlib.blake2b(digest_size=16)
+        for view, shards in sorted(self.shards.items()):
+            h.update(f"\0view {view}\n".encode())
+            for s in shards:
+                h.update("\0".join([s.version, *s.parts, "|", *(s.summaries or ["-"]), "|", *s.texts, "\n"]).encode())
+        h.update(json.dumps([[str(p.path), p.message, p.committed] for p in self.problems]).encode())
+        for kind, ps in sorted(self.packs.items()):  # a pack's name is its content's: the files it holds follow
+            h.update(json.dumps([kind, [[path, version] for path, version, _ in ps]]).encode())
+        return h.hexdigest()
+
+
+class _Index:
+    """The index as loaded (`old`, trusted only through identities that still hold) and as this scan finds the
+    root (`new`): "shards" maps a shard folder (relative to the root) to its entry, "folders" a folder to its
+    identity and sub-folder names, "packs" the packs in use (storage/packs.py)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.base, self.path = root, str(root) + _SEP, root / packs.FOLDER / INDEX
+        self.old: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "packs": {}}
+        self.new: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "packs": {}}
+        self.settled = time.time_ns() - SETTLE_NS  # identities younger than this are not recorded
+        self.listed: dict[str, list[str]] = {}  # this scan's sub-folder names per folder
+        try:
+            ident = identity(str(self.path))
+            cached = _LOADED.get(str(self.path))
+            if cached is not None and cached[0] == ident:  # a flow publishing after each commit: parsed once
+                self.old = cached[1]
+                return
+            header, _, body = self.path.read_bytes().partition(b"\n")
+            head = json.loads(header)
+            if head.get("version") == VERSION and head.get("digest") == _digest(body):
+                loaded = json.loads(body)
+                if all(isinstance(loaded.get(k), dict) for k in self.old):
+                    self.old = loaded
+                    _LOADED[str(self.path)] = (ident, loaded)
+        except (OSError, ValueError, AttributeError):
+            pass  # missing or untrustworthy: everything is validated from its manifest
+
+    def settled_ids(self, *identities: list[int]) -> bool:
+        return all(i[1] < self.settled and i[2] < self.settled for i in identities)
+
+    def subfolders(self, folder: str) -> list[str]:
+        """The names of `folder`'s visible sub-folders: as indexed while its identity is unchanged, else listed."""
+        key = folder[len(self.base):]
+        known = self.listed.get(key)
+        if known is not None:
+            return known
+        try:
+            ident = identity(folder)
+        except OSError:
+            return []
+        old, names = self.old["folders"].get(key), None
+        if type(old) is list and len(old) == 2 and old[0] == ident and type(old[1]) is list:
+            names = old[1] if all(type(n) is str for n in old[1]) else None
+        if names is None:
+            try:
+                with os.scandir(folder) as entries:
+                    names = sorted(e.name for e in entries if e.name[0] != "." and e.is_dir())
+            except OSError:
+                return []
+        self.listed[key] = names
+        if key and ident[1] < self.settled and ident[2] < self.settled:  # never the root's: every save
+            self.new["folders"][key] = [ident, names]                         # (and publish) changes it
+        elif key in self.old["folders"]:  # kept, though it will not match again: no rewrite for a new shard
+            self.new["folders"][key] = self.old["folders"][key]
+        return names
+
+    def indexed(self, directory: str) -> tuple[ShardFiles, list[str]] | None:
+        """The shard and its files' crc32s as its entry says, when the folder, the manifest and every file it
+        lists are unchanged."""
+        key = directory[len(self.base):]
+        entry = self.old["shards"].get(key)
+        prefix = directory + _SEP
+        try:
+            dir_id, manifest_id, version, parts, summaries, texts, file_ids, crcs = entry  # type: ignore[misc]
+            names = [*parts, *(summaries or ()), *texts]
+            if (identity(directory) != dir_id or identity(prefix + MANIFEST) != manifest_id
+                    or len(names) != len(file_ids) or len(names) != len(crcs)):
+                return None
+            for name, ident in zip(names, file_ids):
+                if identity(prefix + name) != ident:
+                    return None
+            found = ShardFiles([prefix + n for n in parts], version,
+                               None if summaries is None else [prefix + n for n in summaries],
+                               tuple(prefix + n for n in texts))
+        except (OSError, TypeError, ValueError):
+            return None
+        self.new["shards"][key] = entry
+        return found, crcs
+
+    def record(self, directory: str, entry: list[Any]) -> None:
+        key = directory[len(self.base):]
+        dir_id, manifest_id, *_, file_ids, _crcs = entry
+        if self.settled_ids(dir_id, manifest_id, *file_ids):
+            self.new["shards"][key] = entry
+        elif key in self.old["shards"]:  # kept, though it will not match again (as for folders)
+            self.new["shards"][key] = self.old["shards"][key]
+
+    def save(self, whole_root: bool) -> None:
+        """Written when it changed, under a temporary name then renamed (atomic); best effort: a root that cannot
+        be written, or a concurrent scan winning the rename, only means more validation later. A whole-root scan
+        drops the entries of folders gone since; a narrowed one keeps the others'."""
+        new = self.new if whole_root else {k: {**self.old[k], **self.new[k]} for k in self.new}
+        if new == self.old:
+            return
+        body = json.dumps(new, separators=(",", ":"), sort_keys=True).encode()
+        tmp = self.path.with_name(f".{INDEX}.tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(exist_ok=True)
+            tmp.write_bytes(json.dumps({"version": VERSION, "digest": _digest(body)}).encode() + b"\n" + body)
+            os.replace(tmp, self.path)
+            _LOADED[str(self.path)] = (identity(str(self.path)), new)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _matcher(pattern: str) -> Callable[[str], Any]:
+    return re.compile(fnmatch.translate(pattern)).match
+
+
+def _folders(index: _Index, bases: list[str], names: tuple[str, ...]) -> list[str]:
+    """The folders below `bases` that `names` match level by level, as glob.glob matches them (a pattern never
+    matches a hidden name), each level from the index while unchanged."""
+    found = bases
+    for name in names:
+        match = _matcher(name)
+        found = [folder + _SEP + sub for folder in found for sub in index.subfolders(folder) if match(sub)]
+    return found
+
+
+def _validate(directory: str, schema: pa.Schema, force: bool) -> tuple[ShardFiles, list[str], list[Any] | None]:
+    """The shard checked from its manifest (raises ShardError/OSError), its files' crc32s, and its index entry
+    (None: not indexable, e.g. a root where verification records cannot be written)."""
+    global VALIDATED
+    VALIDATED += 1
+    d = Path(directory)
+    manifest_id = identity(directory + _SEP + MANIFEST)  # before reading it: a later replacement has a new inode
+    manifest = committed_manifest(d, schema)
+    summaries, texts = summary_parts(manifest), text_parts(manifest)
+    for part in manifest.parts:
+        check_part(d, part, schema, force)
+    for part in [*summaries, *texts]:
+        check_summary(d, part, force)
+    prefix = directory + _SEP
+    files = ShardFiles([prefix + p.name for p in manifest.parts], manifest.schema,
+                       [prefix + p.name for p in summaries] if summaries else None,
+                       tuple(prefix + p.name for p in texts))
+    listed = [*manifest.parts, *summaries, *texts]
+    crcs = [p.crc32 for p in listed]
+    # The identities each file was verified at (the record's, never a stat taken now): a change after the
+    # check makes the entry fail, never pass.
+    record, file_ids = verified.load(d), []
+    for p in listed:
+        e = record.get(p.name)
+        if not e or e.get("crc32") != p.crc32 or e.get("size") != p.bytes:
+            return files, crcs, None
+        file_ids.append([e.get(k) for k in verified.IDENTITY])
+        if not all(isinstance(v, int) for v in file_ids[-1]):
+            return files, crcs, None
+    dir_id = identity(directory)  # after the checks wrote the record; a part added since changes it again
+    if set(fnmatch.filter(os.listdir(directory), PART_GLOB)) - {p.name for p in manifest.parts}:
+        return files, crcs, None  # one appeared while validating: the next scan names it
+    return files, crcs, [dir_id, manifest_id, manifest.schema, [p.name for p in manifest.parts],
+                         [p.name for p in summaries] if summaries else None, [p.name for p in texts], file_ids, crcs]
+
+
+def _not_committed(directory: str) -> bool:
+    """A folder without a manifest that holds parts: a stage writing it, or one that crashed before committing."""
+    names = os.listdir(directory)
+    return bool(fnmatch.filter(names, PART_GLOB) or fnmatch.filter(names, ".part-*"))
+
+
+def scan(root: Path, verify: bool = False, iterations: str = ITERATIONS) -> Scan:
+    """The committed, validated shards under `root`, through the root's index (`verify`: every file checked in
+    full whatever the index and the verification records say). `iterations` narrows the scan to some iteration
+    folders (a glob under the root, e.g. `runs/demo/iteration=0007`): a catalog of one iteration costs the
+    same at iteration 2,000 as at 20. Only a whole-root scan packs files (storage/packs.py)."""
+    root = Path(root).resolve()
+    index, whole_root = _Index(root), iterations == ITERATIONS
+    cut = len(index.base)
+    problems: list[Problem] = []
+    shards: dict[str, list[ShardFiles]] = {view: [] for view in SOURCES}
+    packable: dict[str, dict[str, tuple[str, str]]] = {kind: {} for kind in packs.KINDS}  # path -> crc32, version
+    its = _folders(index, [str(root)], tuple(Path(iterations).parts))
+    for view, (names, schema) in SOURCES.items():
+        kinds = [(kind, what) for kind, (v, what) in packs.KINDS.items() if v == view]
+        for directory in sorted(_folders(index, its, names)):
+            indexed = None if verify else index.indexed(directory)
+            if indexed is not None:
+                found, crcs = indexed
+            elif not os.path.isfile(directory + _SEP + MANIFEST):
+                if _not_committed(directory):
+                    problems.append(Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage "
+                                            "is writing it or crashed before committing; rerun the stage)", False))
+                continue
+            else:
+                try:
+                    found, crcs, entry = _validate(directory, schema, verify)
+                except (ShardError, OSError) as e:
+                    problems.append(Problem(Path(directory), str(e), True))
+                    continue
+                if entry is not None:
+                    index.record(directory, entry)
+            shards[view].append(found)
+            for kind, what in kinds:  # crcs are in the order parts, summaries, texts
+                first, paths = (0, found.parts) if what == "parts" else (len(found.parts), found.summaries or ())
+                for i, path in enumerate(paths, first):
+                    packable[kind][path[cut:]] = (crcs[i], found.version)
+    held: dict[str, list[tuple[str, str, set[str]]]] = {}
+    if whole_root:
+        pk = packs.Packs(root, index.old["packs"], packable, index.settled, verify)
+        pk.update()
+        index.new["packs"], held = pk.packs, pk.of()
+        pk.collect()
+    index.save(whole_root)
+    return Scan(shards, problems, held)
