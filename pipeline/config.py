@@ -126,9 +126,8 @@ class RolloutConfig(Section):
     vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in")
     vllm_args: list[str] = Field(["--enforce-eager"], description=(
-        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile: start-up "
-        "38–53 s instead of 71–97 s with the CPU build here; --block-size 32 raises prefix reuse, see "
-        "benchmarks/bench_vllm.py)"))
+        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
+        "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"))
     vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
     loop: Literal["async", "lockstep"] = Field("async", description=(
         "async: one coroutine per trajectory on a continuously batching engine; lockstep: every trajectory's "
@@ -138,12 +137,12 @@ class RolloutConfig(Section):
         "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
     tool_delay_steps: int = Field(4, ge=1, description=(
         "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
-        "engine, so with slow tools raise it (0.2–2 s calls, 64 trajectories, 16 workers: 24.8 s at 4, 15.6 s at 16, "
-        "14.5 s at 32, lockstep 16.3 s); 4 keeps the committed experiments' schedule"))
+        "engine, so with slow tools raise it (benchmarks/RESULTS.md, async rollout); 4 keeps the committed "
+        "experiments' schedule"))
     tool_priority: Literal["most_calls", "fifo"] = Field("most_calls", description=(
         "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
-        "trajectory that has made the most calls (a rollout ends with its longest chain; 64 trajectories, 0.2–2 s calls, 16 "
-        "workers: see benchmarks/RESULTS.md async rollout); fifo: first made. The deterministic schedule always "
+        "trajectory that has made the most calls (a rollout ends with its longest chain; benchmarks/RESULTS.md, "
+        "async rollout); fifo: first made. The deterministic schedule always "
         "starts calls in the order they fall due"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
