@@ -267,7 +267,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+# printable character -> byte, for reading a byte-level vocabulary's tokens as the bytes they stand for
+BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def token_byte_table(tokenizer: Any) -> list[bytes]:
@@ -282,8 +283,8 @@ def token_byte_table(tokenizer: Any) -> list[bytes]:
             table.append(special[i].encode())
             continue
         piece = tokenizer.convert_ids_to_tokens(i)
-        if piece is not None and all(c in _BYTE_DECODER for c in piece):
-            table.append(bytes(_BYTE_DECODER[c] for c in piece))
+        if piece is not None and all(c in BYTE_DECODER for c in piece):
+            table.append(bytes(BYTE_DECODER[c] for c in piece))
         else:
             table.append(tokenizer.decode([i]).encode("utf-8", "surrogatepass"))
     return table

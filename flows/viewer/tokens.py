@@ -14,25 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.chat import BYTE_DECODER
 from storage.layout import RunLayout, resolve_recorded
 from storage.shards import read_manifest
 from storage.texts import TOKENIZER_FILE, checkpoint_of
-
-
-def _byte_decoder() -> dict[str, int]:
-    # GPT-2's byte <-> printable-character table (ByteLevel pre-tokenizer), as pipeline/chat.py builds it
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTES = _byte_decoder()
 
 
 @dataclass(frozen=True)
@@ -63,8 +48,8 @@ class TokenText:
             piece = self.tok.id_to_token(i)
             if i in self.added:
                 b = self.added[i]
-            elif piece is not None and self.byte_level and all(c in _BYTES for c in piece):
-                b = bytes(_BYTES[c] for c in piece)
+            elif piece is not None and self.byte_level and all(c in BYTE_DECODER for c in piece):
+                b = bytes(BYTE_DECODER[c] for c in piece)
             else:  # not byte-level: the token decoded alone (its spacing may differ inside a sequence)
                 b = self.decode([i]).encode("utf-8", "surrogatepass")
             self._bytes[i] = b
