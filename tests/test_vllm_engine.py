@@ -6,13 +6,11 @@ one line each."""
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pipeline.chat import load_chat
@@ -24,7 +22,7 @@ from purifier.recompute import CPURecompute, VLLMRecompute
 from rollout_gen.agent import AgentLoop, RolloutIdentity
 from rollout_gen.sandbox import SandboxPool
 from rollout_gen.world.tasks import eval_tasks
-from tests.vllm_helpers import requires_vllm, shared_url
+from tests.vllm_helpers import perturbed_copy, requires_vllm, shared_url
 
 pytestmark = requires_vllm
 TOL = 1e-4  # fp32 server vs fp32 transformers (float64 log_softmax); measured max ≈ 3e-5 here
@@ -91,12 +89,7 @@ def test_weights_follow_the_policy_and_the_prefix_cache_does_not_outlive_them(en
     """After serve(new) the server's log-probs of a fixed sequence are the new checkpoint's forward within TOL,
     also through a prefix cached under the old weights (reload_weights keeps the cache; cleaner resets it), and
     through a tied lm_head (which vLLM's CPU reload alone leaves at the old weights)."""
-    new = tmp_path / "perturbed"
-    shutil.copytree(DEFAULT_POLICY, new)
-    weights = load_file(new / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    save_file({k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, new / "model.safetensors",
-              metadata={"format": "pt"})
+    new = perturbed_copy(DEFAULT_POLICY, tmp_path / "perturbed", 0.02)
     chat = load_chat(DEFAULT_POLICY)
     context = chat.prompt_ids("What is 12 + 30?") + chat.encode("Let me compute it. " * 30)  # > 2 cache blocks
     params = SamplingParams(20, 1.0, 1.0, tuple(sorted(chat.stop_ids)))

@@ -8,11 +8,9 @@ alone leaves that at the old weights)."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from flows.init_policy import InitPolicyConfig, init_policy
@@ -25,7 +23,7 @@ from rollout_gen.stage import run_rollout_stage
 from storage.layout import RunLayout
 from storage.schemas import RAW
 from storage.shards import read_shard
-from tests.vllm_helpers import requires_vllm
+from tests.vllm_helpers import perturbed_copy, requires_vllm
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 TOL = 1e-4  # fp32 server vs a float64 log_softmax of the fp32 logits (151,936-way)
@@ -87,12 +85,7 @@ def test_qwen3_sampled_log_probs_are_the_checkpoints(run):
 
 def test_a_qwen3_checkpoint_loaded_in_place_is_served_whole(run, tmp_path):
     cfg, policy, raw = run
-    new = tmp_path / "perturbed"
-    shutil.copytree(policy, new)
-    weights = load_file(new / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    save_file({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}, new / "model.safetensors",
-              metadata={"format": "pt"})
+    new = perturbed_copy(policy, tmp_path / "perturbed", 0.05)
     engine = connect(cfg.rollout, new)  # the same started server, loading `new` in place
     try:
         seq = raw[0].prompt_ids + raw[0].lived_ids

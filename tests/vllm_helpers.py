@@ -133,3 +133,19 @@ class CuttableProxy:
                 dst.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
+
+
+def perturbed_copy(policy: Path, dst: Path, scale: float) -> Path:
+    """A copy of `policy` whose weights are moved by `scale` × N(0, 1) noise (seeded): a checkpoint the server
+    must be seen to load, whose log-probs differ from the original's."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(policy, dst)
+    weights = load_file(dst / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in weights.items()}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+    return dst
