@@ -38,14 +38,10 @@ def world_copy(world_rollout, tmp_path):
 @pytest.fixture(scope="session")
 def purified_run(world_rollout, tmp_path_factory):
     """world_rollout purified (saar, γ=0.5): iteration 0 ready for an update."""
-    import shutil
-
     from purifier.stage import run_purify_stage
+    from tests.flow_helpers import rollout_copy
 
-    root = tmp_path_factory.mktemp("train")
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
+    cfg = rollout_copy(world_rollout, tmp_path_factory, "train")
     cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
     run_purify_stage(cfg, "w", 0)
     return cfg

@@ -63,3 +63,15 @@ def on_terminal(args: list[str], root: Path, columns: int = 100, timeout: float 
     assert p.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
     text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+
+
+def rollout_copy(world_rollout, tmp_path_factory, name: str):
+    """The session's world rollout copied into a fresh root of its own (a module purifies or trains there
+    without touching the shared one): its config, pointed at the copy."""
+    import shutil
+
+    root = tmp_path_factory.mktemp(name)
+    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = root
+    return cfg

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import shutil
 
 import pyarrow as pa
 import pytest
@@ -28,6 +27,7 @@ from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_shard
 from tests.scripted_group import NAMES, build_group, write_group
+from tests.flow_helpers import rollout_copy
 
 GAMMA = 0.5
 NEW = ["saar_correct", "mask_failed", "roc"]
@@ -44,10 +44,7 @@ def _rows(cfg, run_id: str, mode: str) -> dict:
 
 @pytest.fixture(scope="module")
 def real(world_rollout, tmp_path_factory):
-    root = tmp_path_factory.mktemp("modes-real")
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
+    cfg = rollout_copy(world_rollout, tmp_path_factory, "modes-real")
     run_purify_stage(cfg, "w", 0, list(MODES), [GAMMA])
     return cfg
 

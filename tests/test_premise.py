@@ -25,6 +25,7 @@ from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_shard
 from tests.scripted_group import NAMES, SCRIPTS, build_group, write_group
+from tests.flow_helpers import rollout_copy
 
 GAMMA = 0.5
 TAG = 1 << 24  # added to the ids of failed-call tokens; decoding removes it, so every decision is unchanged
@@ -46,10 +47,7 @@ def scripted(chat, sandbox, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def real(world_rollout, tmp_path_factory):
-    root = tmp_path_factory.mktemp("premise-real")
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
+    cfg = rollout_copy(world_rollout, tmp_path_factory, "premise-real")
     purify_all(cfg, "w")
     return cfg
 

@@ -8,7 +8,6 @@ layout at 1000 px, as a file and inside the viewer, and follows the links."""
 from __future__ import annotations
 
 import re
-import shutil
 from html import unescape
 from urllib.parse import parse_qs, urlsplit
 
@@ -16,6 +15,7 @@ import pytest
 
 from flows.premise import token_rule_by_mode
 from flows.report_tables import STYLE, rule_section, table
+from tests.flow_helpers import rollout_copy
 
 GAMMA = 0.5
 WIDTH = 1000
@@ -129,10 +129,8 @@ def store(world_rollout, tmp_path_factory):
     from purifier.stage import run_purify_stage
     from storage.catalog import publish
 
-    root = tmp_path_factory.mktemp("report-rule")
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
-    cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
+    cfg = rollout_copy(world_rollout, tmp_path_factory, "report-rule")
+    root = cfg.storage.root
     run_purify_stage(cfg, "w", 0, list(MODES), [GAMMA])
     page = write_report(root, "w").read_text()
     publish(root, root / "catalog.duckdb")
