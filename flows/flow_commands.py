@@ -85,6 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
   report      {page}
   shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
   checkpoints {run_dir}/checkpoints/
+  viewer      cleaner view{again}   (then open the URL it prints: trajectories beside their purified variants)
   replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {' '.join(map(str, cfg.flow.replay_gammas))}
 Try these queries:
 {QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}""")

@@ -26,6 +26,9 @@ def test_demo_prints_commands_that_look_at_the_same_workspace(tmp_path):
     printed = [ln.strip() for ln in lines if ln.strip().startswith(("cleaner inspect", "replay      cleaner"))]
     inspect = next(ln for ln in printed if "purify_compare" in ln)
     replay = next(ln for ln in printed if ln.startswith("replay")).split(None, 1)[1]
+    viewer = next(ln.strip() for ln in lines if ln.strip().startswith("viewer      cleaner view")).split(None, 1)[1]
+    replay_argv = shlex.split(replay)
+    assert shlex.split(viewer.split("   (")[0])[2:] == replay_argv[2:replay_argv.index("--run")]  # same config
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     for command in (inspect, replay):
