@@ -48,6 +48,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+# At import, not in stats(): the report is finished in a `finally` that SIGTERM can reach while a stage is still
+# importing numpy, and a second import of a half-imported numpy fails ("cannot load module more than once"),
+# which turned a clean SIGTERM (exit 143) into exit 1
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORT_SCHEMA = 1
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -356,8 +361,6 @@ def trainer_forward(*args: Any) -> Iterator[TrainerForward]:
 
 
 def stats(values: list[float]) -> dict:
-    import numpy as np
-
     a = np.asarray(values, dtype=np.float64)
     if a.size == 0:
         return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
