@@ -4,7 +4,10 @@ asynchronous loop vs the lockstep one (issue 17; `benchmarks/lockstep_engine.py`
 lockstep loop ran on before, frozen as the baseline)."""
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -17,10 +20,10 @@ from pipeline.engines.base import SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 from rollout_gen.engines.kv_store import common_prefix, least_forwards
 from rollout_gen.engines.qwen3_forward import model_forward
-from rollout_gen.sandbox import SandboxPool, run_fresh_process
+from rollout_gen.sandbox import SandboxPool
 from pipeline.chat import load_chat
 from rollout_gen.world.tasks import eval_tasks, training_tasks
-from benchmarks.lockstep_engine import LockstepCPUEngine
+from benchmarks.lockstep_engine import LockstepCPUEngine, LockstepLoop
 from rollout_gen.agent import unit_hash
 from flows.eval_cmd import TIMING_FIELDS
 from rollout_gen.evaluate import world_metrics
@@ -117,6 +120,12 @@ def _saar_overhead(rows: list[Row], notes: list[str]) -> None:
     notes.append(f"SAAR overhead: 32 tasks × 4 samples; retries: purified {stats['purified']}, raw {stats['raw']}")
 
 
+def run_fresh_process(code: str, timeout_s: float = 4.0) -> subprocess.CompletedProcess:
+    """The naive baseline the pool is measured against: one new `python -c` process per call."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+
+
 class _LatencySandbox:
     """The real pool, each call's code prefixed by a sleep of 0.2–2 s (fixed per code text)."""
 
@@ -130,15 +139,16 @@ class _LatencySandbox:
 def _loop(kind: str, tasks, sandbox, overrides: list[str]):
     """One rollout; kind: lockstep (today's: lockstep loop, earlier engine), async (free), async-fifo (free,
     tool calls started first come first served), async-det."""
-    loop = "lockstep" if kind == "lockstep" else "async"
     priority = "fifo" if kind == "async-fifo" else "most_calls"
-    cfg = load_config(None, [f"rollout.loop={loop}", f"rollout.deterministic={kind == 'async-det'}",
-                             f"rollout.tool_priority={priority}", *overrides])
+    cfg = load_config(None, [f"rollout.engine_tuning.deterministic={kind == 'async-det'}",
+                             f"rollout.engine_tuning.tool_priority={priority}",
+                             *overrides])
+    loop = LockstepLoop if kind == "lockstep" else AgentLoop
     engine = LockstepCPUEngine(DEFAULT_POLICY) if kind == "lockstep" else CPUEngine(DEFAULT_POLICY)
     if kind != "lockstep":
         engine.turn_log = []  # (key, context, output) per turn: see _alone_s
     t0 = time.perf_counter()
-    trajs = AgentLoop(engine, sandbox, load_chat(DEFAULT_POLICY), cfg.rollout).run(tasks, RolloutIdentity("bench", 0, "v"))
+    trajs = loop(engine, sandbox, load_chat(DEFAULT_POLICY), cfg.rollout).run(tasks, RolloutIdentity("bench", 0, "v"))
     return time.perf_counter() - t0, trajs, engine
 
 
@@ -231,7 +241,7 @@ def _async_rollout(rows: list[Row], notes: list[str]) -> None:
                                 higher_is_better=False, target=f">= {target}× faster than lockstep", passed=ratio >= target))
             else:
                 why = ("the free loop above starts first the calls of the trajectories that have made the most "
-                       "(rollout.tool_priority=most_calls)" if kind == "async-fifo" else "one worker per trajectory")
+                       "(rollout.engine_tuning.tool_priority=most_calls)" if kind == "async-fifo" else "one worker per trajectory")
                 rows.append(Row(f"rollout 64 traj, {tag}: {names[kind]}", best[kind], best["lockstep"], "s",
                                 higher_is_better=False, target=f"reported ({ratio:.2f}× faster; {why})"))
         if latency:

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from benchmarks.common import BenchResult, Row, interleaved_best, record
-from pipeline.synthetic import synthetic_trajectories
+from tests.synthetic import synthetic_trajectories
 from pipeline.trajectory import trajectory_to_row
 from storage.schemas import RAW
 from storage.shards import read_shard, write_shard

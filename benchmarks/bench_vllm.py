@@ -38,7 +38,7 @@ def _rollout(engine, cfg, tasks):
 def _cpu_engine():
     from rollout_gen.engines.cpu import CPUEngine
 
-    engine = CPUEngine(DEFAULT_POLICY, threads=1)  # rollout.threads: one core, as each vLLM server computes on one
+    engine = CPUEngine(DEFAULT_POLICY, threads=1)  # rollout.engine_tuning.threads: one core, as each vLLM server computes on one
     engine.turn_log = []
     return engine
 
@@ -49,7 +49,7 @@ def _cpu_hit_rate(engine) -> float:
 
 
 def _vllm_engine(url: str, cfg) -> VLLMEngine:
-    e = VLLMEngine([url], DEFAULT_POLICY, max_in_flight=cfg.rollout.max_in_flight, deterministic=cfg.rollout.deterministic)
+    e = VLLMEngine([url], DEFAULT_POLICY, max_in_flight=cfg.rollout.engine_tuning.max_in_flight, deterministic=cfg.rollout.engine_tuning.deterministic)
     e.serve(DEFAULT_POLICY)
     return e
 
@@ -59,7 +59,7 @@ def _mismatch(trajs) -> list[float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline.logprobs import sequence_logprobs
+    from tests.plain_forward import sequence_logprobs
     from purifier.saar import purify
 
     chat = load_chat(DEFAULT_POLICY)
@@ -118,7 +118,7 @@ def run() -> BenchResult:
     notes: list[str] = []
     cfg = load_config(None, ["rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
                              "rollout.max_response_tokens=512", "rollout.seed=3",
-                             "rollout.deterministic=false"])
+                             "rollout.engine_tuning.deterministic=false"])
     tasks = training_tasks(cfg.world, 16, seed=3)
     t0 = time.perf_counter()
     (fp32,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_LEN, ARGS)

@@ -1,5 +1,6 @@
 """BENCHMARK BASELINE, frozen: the CPU engine as it was before the asynchronous loop (issue 17), kept
-verbatim so `bench_rollout` can time "today's lockstep loop" against the new one in the same run.
+verbatim so `bench_rollout` can time "today's lockstep loop" against the new one in the same run, and the
+lockstep loop itself (`LockstepLoop`, `rollout.loop=lockstep` until issue 28 took it out of the product).
 
 The embedded engine: batched sampling with a KV cache on transformers (CPU).
 
@@ -17,17 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from pipeline.engines.base import Generation, SamplingParams
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
+from rollout_gen.engines.batch_kv import left_pad as _left_pad  # the engine's own: the same padding, one copy
+from pipeline.trajectory import Attempt, ToolResult
+from rollout_gen.agent import AgentLoop, RolloutIdentity, _Live
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,3 +142,35 @@ class LockstepCPUEngine:
         stops = set(params.stop_ids)
         return [Generation(ids, lps, "stop" if ids and ids[-1] in stops else "length")
                 for ids, lps in zip(out_ids, out_lp)]
+
+
+class LockstepLoop(AgentLoop):
+    """The agent loop before the asynchronous one: one engine call samples the next turn of every active
+    trajectory, then every tool call of that round runs. It applies AgentLoop's rules in the same order per
+    trajectory with the same per-turn seeds, so it samples the same tokens (bench_rollout checks it)."""
+
+    def _async(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity, progress=None) -> None:
+        while True:
+            for lv in lives:
+                if not lv.done:
+                    self._check_limits(lv)
+            active = [lv for lv in lives if not lv.done]
+            if progress:
+                progress(len(lives) - len(active), len(lives), f"{len(active)} active")
+            if not active:
+                break
+            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params,
+                                        [self._seed(lv, identity) for lv in active],
+                                        shared_prefix=[len(lv.prompt) for lv in active])
+            pending = [(lv, att) for lv, gen in zip(active, gens) if (att := self._turn(lv, gen)) is not None]
+            for lv, _ in pending:
+                if lv.unscored is not None:  # live importance rollbacks: scored one by one
+                    r = self.score_request(lv)
+                    self._importance_rollback(lv, self.engine.score_turn(list(r.context), list(r.turn), r.temperature))
+            for (lv, att), result in zip(pending, self._execute([a for _, a in pending])):
+                self._on_result(lv, att, result)
+
+    def _execute(self, attempts: list[Attempt]) -> list[ToolResult]:
+        runnable = [a.code for a in attempts if a.call_status == "ok"]
+        ran = iter(self.sandbox.run_many(runnable)) if runnable else iter(())
+        return [next(ran) if a.call_status == "ok" else self._agent_failure(a) for a in attempts]

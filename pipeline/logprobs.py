@@ -78,16 +78,6 @@ def token_entropy(hidden: torch.Tensor, head: torch.nn.Module, temperature: floa
     return torch.cat(parts).reshape(hidden.shape[:-1]) if parts else hidden.new_zeros(hidden.shape[:-1])
 
 
-def sequence_logprobs(model: torch.nn.Module, ids: list[int], start: int = 1, temperature: float = 1.0,
-                      chunk: int = DEFAULT_CHUNK) -> list[float]:
-    """log p(ids[k] | ids[:k]) for k in [start, len(ids)) with one body forward and chunked lm_head."""
-    body, head = split_causal_lm(model)
-    with torch.inference_mode():
-        hidden = body(input_ids=torch.tensor([ids])).last_hidden_state[0]
-        targets = torch.tensor(ids[start:])
-        return token_logprobs(hidden[start - 1: len(ids) - 1], targets, head, temperature, chunk).tolist()
-
-
 def score_turn(body: torch.nn.Module, head: torch.nn.Module, context: list[int], turn: list[int],
                temperature: float = 1.0, chunk_tokens: int = 1024, cache=None, cached: int = 0,
                hidden_states=None) -> list[float]:

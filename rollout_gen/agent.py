@@ -1,11 +1,9 @@
 """The multi-turn agent loop on token ids, with SAAR's online retries (docs/saar.md).
 
-By default (`rollout.loop=async`) every trajectory is its own coroutine (rollout_gen/scheduler.py):
-it asks for its next turn and runs its tool calls when it needs them, against a continuously
-batching engine that keeps its KV cache between turns. `rollout.loop=lockstep` is the earlier loop:
-one engine call samples the next turn of every active trajectory, then every tool call of that
-round runs. Both apply the same rules (`_check_limits`, `_on_turn`, `_on_result`) in the same order
-per trajectory, with the same per-turn seeds, so they sample the same tokens.
+Every trajectory is its own coroutine (rollout_gen/scheduler.py): it asks for its next turn, has a
+retry scored and runs its tool calls when it needs them, against a continuously batching engine that
+keeps its KV cache between turns. The rules (`_check_limits`, `_on_turn`, `_importance_rollback`,
+`_on_result`) are plain functions of one trajectory's state, applied in that order with per-turn seeds.
 The running sequence is kept as token ids: sampled tokens are appended as sampled (mask 1), tool
 turns are tokenized alone and appended (mask 0); nothing is ever re-rendered and re-tokenized.
 Every attempt is recorded with the fingerprint of the context it was sampled under, so the
@@ -23,7 +21,7 @@ from pipeline.similarity import Measure
 from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
-from pipeline.engines.base import Engine, Generation, Request, SamplingParams
+from pipeline.engines.base import Engine, Generation, Request, SamplingParams, ScoreRequest
 from rollout_gen.rewards import overlong_penalty, reward
 from pipeline.answers import last_boxed
 from rollout_gen.scheduler import Progress, Scheduler
@@ -69,6 +67,7 @@ class _Live:
     open_start: int = 0  # where the open position's (current, maybe spliced) turn starts in `ids`
     current: TurnPiece | None = None
     retry_pending: bool = False
+    unscored: tuple[Attempt, TurnPiece] | None = None  # a retry whose importance ratio decides where it goes
     done: bool = False
     finish_reason: str = ""
     engine_key: Hashable | None = None  # names this trajectory's cached KV in the engine (async loop)
@@ -81,7 +80,7 @@ class _Live:
 
     def finish(self, reason: str) -> None:
         self.done, self.finish_reason = True, reason
-        self.open_pos, self.current, self.retry_pending = None, None, False
+        self.open_pos, self.current, self.retry_pending, self.unscored = None, None, False, None
 
 
 class AgentLoop:
@@ -142,7 +141,7 @@ class AgentLoop:
                 return None
             piece = piece_from_attempt(att.attempt_idx, att.turn_ids, att.logprobs, call_start)
             if self.saar.live_mode == "purified" and self.saar.rollback == "importance":
-                self._importance_rollback(lv, att, piece)
+                lv.unscored = (att, piece)  # scored (`score_request`) before its call runs
             elif self.saar.live_mode == "purified":
                 decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode, self.measure)
                 lv.current = splice(lv.current, piece, decision)
@@ -174,12 +173,18 @@ class AgentLoop:
             return None
         return att
 
-    def _importance_rollback(self, lv: _Live, att: Attempt, piece: TurnPiece) -> None:
-        """Plan B, live: score the retry in the context without the open (failed) turn, with the engine's own
-        weights; IS ≥ τ replaces that turn and its error, else the retry follows them where it was sampled. The
-        same rule as purify mode saar_is, which decides again from the stored tree (same scoring function)."""
-        clean = lv.prompt + lv.ids[: lv.open_start]
-        log_is = sum(self.engine.score_turn(clean, att.turn_ids, self.cfg.temperature, lv.engine_key)) - sum(att.logprobs)
+    def score_request(self, lv: _Live) -> ScoreRequest:
+        """The unscored retry in the context without the open (failed) turn, to score with the engine's own weights."""
+        att, _ = lv.unscored
+        return ScoreRequest(lv.engine_key, tuple(lv.prompt + lv.ids[: lv.open_start]), tuple(att.turn_ids),
+                            self.cfg.temperature)
+
+    def _importance_rollback(self, lv: _Live, scores: list[float]) -> None:
+        """Plan B, live, given the retry's log-probs in the clean context (`score_request`): IS ≥ τ replaces the
+        failed turn and its error, else the retry follows them where it was sampled. The same rule as purify
+        mode saar_is, which decides again from the stored tree (same scoring function)."""
+        (att, piece), lv.unscored = lv.unscored, None
+        log_is = sum(scores) - sum(att.logprobs)
         if log_is >= math.log(self.saar.is_threshold):  # replace: the failed turn and its error leave
             del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
             lv.stats.live_deep += 1
@@ -234,11 +239,6 @@ class AgentLoop:
         text = format_tool_response(False, reason=parsed.problem or att.call_status, limit=self.cfg.sandbox.response_chars)
         return ToolResult("failure", text, "unknown_error", "model", None, 0.0, False)
 
-    def _execute(self, attempts: list[Attempt]) -> list[ToolResult]:
-        runnable = [a.code for a in attempts if a.call_status == "ok"]
-        ran = iter(self.sandbox.run_many(runnable)) if runnable else iter(())
-        return [next(ran) if a.call_status == "ok" else self._agent_failure(a) for a in attempts]
-
     def _run_one(self, code: str) -> ToolResult:
         return self.sandbox.run_many([code])[0]
 
@@ -272,10 +272,7 @@ class AgentLoop:
                 lives.append(lv)
         params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
                                 tuple(sorted(self.chat.stop_ids)))
-        if self.cfg.loop == "lockstep":
-            self._lockstep(lives, params, identity, progress)
-        else:
-            self._async(lives, params, identity, progress)
+        self._async(lives, params, identity, progress)
         return [self._trajectory(lv, identity) for lv in lives]
 
     def _async(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
@@ -284,8 +281,9 @@ class AgentLoop:
             progress(p.finished, len(lives), f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
                                              f"tokens/s, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued")
 
-        sched = Scheduler(self.engine, self.cfg.deterministic, self.cfg.tool_delay_steps, self.cfg.max_in_flight,
-                          tool_slots=self.cfg.sandbox.workers, tool_priority=self.cfg.tool_priority,
+        tuning = self.cfg.engine_tuning
+        sched = Scheduler(self.engine, tuning.deterministic, tuning.tool_delay_steps, tuning.max_in_flight,
+                          tool_slots=self.cfg.sandbox.workers, tool_priority=tuning.tool_priority,
                           on_progress=report if progress else None)
         key = object()  # this run's trajectories: (key, i) names trajectory i's KV in the engine
 
@@ -298,32 +296,23 @@ class AgentLoop:
                     lv.engine_key = (key, i)
                     request = Request((key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt))
                     att = self._turn(lv, await sched.generate(i, request))
-                    if att is not None:
-                        result = await sched.tool(i, self._run_one, att.code) if att.call_status == "ok" \
-                            else self._agent_failure(att)
-                        self._on_result(lv, att, result)
+                    # a rollback is decided once its retry's result is back: the call runs while it is scored
+                    scoring = sched.ask_score(i, self.score_request(lv)) if lv.unscored is not None else None
+                    if att is None:
+                        continue
+                    result = await sched.tool(i, self._run_one, att.code) if att.call_status == "ok" \
+                        else self._agent_failure(att)
+                    if scoring is not None:
+                        try:
+                            self._importance_rollback(lv, await sched.scored(scoring))
+                        except Exception as e:  # as in `_turn`: this trajectory's end, not the batch's
+                            lv.finish(f"agent_error: {type(e).__name__}: {e}"[:300])
+                            continue
+                    self._on_result(lv, att, result)
             finally:
                 sched.release((key, i))  # its KV goes when the trajectory does
 
         sched.run([trajectory(i, lv) for i, lv in enumerate(lives)])
-
-    def _lockstep(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
-                  progress: Callable[[int, int, str], None] | None) -> None:
-        while True:
-            for lv in lives:
-                if not lv.done:
-                    self._check_limits(lv)
-            active = [lv for lv in lives if not lv.done]
-            if progress:
-                progress(len(lives) - len(active), len(lives), f"{len(active)} active")
-            if not active:
-                break
-            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params,
-                                        [self._seed(lv, identity) for lv in active],
-                                        shared_prefix=[len(lv.prompt) for lv in active])
-            pending = [(lv, att) for lv, gen in zip(active, gens) if (att := self._turn(lv, gen)) is not None]
-            for (lv, att), result in zip(pending, self._execute([a for _, a in pending])):
-                self._on_result(lv, att, result)
 
     def _trajectory(self, lv: _Live, identity: RolloutIdentity) -> Trajectory:
         text = self.chat.decode(lv.ids)

@@ -38,10 +38,10 @@ def check_samples(cfg: CleanerConfig, samples: int, name: str = "--samples") -> 
     """k must be at least 1 and fit the engine's batch: a task's k samples run together."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise EvalError(f"{name} {samples!r}: the number of samples per task must be an integer >= 1")
-    if samples > cfg.rollout.max_in_flight:
-        raise EvalError(f"{name} {samples}: above rollout.max_in_flight ({cfg.rollout.max_in_flight}), the most "
+    if samples > cfg.rollout.engine_tuning.max_in_flight:
+        raise EvalError(f"{name} {samples}: above rollout.engine_tuning.max_in_flight ({cfg.rollout.engine_tuning.max_in_flight}), the most "
                         f"requests the engine runs at once (a task's samples are batched together); lower {name} "
-                        "or raise rollout.max_in_flight")
+                        "or raise rollout.engine_tuning.max_in_flight")
 
 
 class SampledLoop(AgentLoop):
@@ -68,7 +68,7 @@ class SampledLoop(AgentLoop):
                 lives.append(lv)
         params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
                                 tuple(sorted(self.chat.stop_ids)))
-        (self._lockstep if self.cfg.loop == "lockstep" else self._async)(lives, params, identity, progress)
+        self._async(lives, params, identity, progress)
         out = []
         for i, lv in enumerate(lives):
             t = self._trajectory(lv, replace(identity, seed=lv.seed))

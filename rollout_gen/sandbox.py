@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import select
 import shutil
@@ -214,9 +213,3 @@ class SandboxPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def run_fresh_process(code: str, timeout_s: float = 4.0) -> subprocess.CompletedProcess:
-    """The naive baseline the pool is measured against: one new `python -c` process per call."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})

@@ -93,10 +93,6 @@ UTIME_SYSCALLS = ("utime", "utimes", "utimensat", "futimesat")
 libc = ctypes.CDLL(None, use_errno=True)
 
 
-class SetupError(Exception):
-    """The sandbox could not be built: infrastructure, never the model's fault."""
-
-
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()

@@ -14,6 +14,12 @@ Two schedules:
   but the batch composition depends on timing, and so the floating-point results, slightly
   (benchmarks/RESULTS.md, section `async rollout`, measures how much).
 
+Retries to score (live importance-ratio rollbacks) wait until a trajectory needs its score: a rollback's
+decision only has to be made before its retry's tool result is handled, so the trajectory asks for the
+score, runs the retry's call and awaits the score after it. When one is awaited, the engine scores every
+rollback asked by then in one batched forward (`score_turns`, where it has one): the rollbacks of several
+steps share a forward, and no step or tool call moves from where it would be with scorings made one by one.
+
 Tool calls run on at most `tool_slots` threads (one per sandbox worker); the rest wait here. The
 deterministic schedule starts them in call order (the order in which they fall due). The free one
 can start first the calls of the trajectories that have made the most calls (`most_calls`): a
@@ -30,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Hashable, Literal
 
-from pipeline.engines.base import Generation, Request
+from pipeline.engines.base import Generation, Request, ScoreRequest
 
 
 class BatchStepper:
@@ -122,6 +128,7 @@ class Scheduler:
     def __init__(self, engine, deterministic: bool = True, tool_delay_steps: int = 4, max_in_flight: int = 64,
                  tool_slots: int = 64, tool_priority: Literal["most_calls", "fifo"] = "most_calls",
                  on_progress: Callable[[Progress, float], None] | None = None) -> None:
+        self.scorer = engine
         if hasattr(engine, "step"):
             self.engine = engine
         elif getattr(engine, "concurrent_requests", False):
@@ -135,6 +142,8 @@ class Scheduler:
         self.on_progress = on_progress
         self.progress = Progress()
         self._asked: list[tuple[int, Request, asyncio.Future]] = []
+        self._scorings: list[tuple[int, ScoreRequest, asyncio.Future]] = []  # asked, not yet scored
+        self._awaited: set[asyncio.Future] = set()  # of those, the ones a trajectory is blocked on
         self._waiting: dict[Hashable, asyncio.Future] = {}
         self._calls: list[_ToolCall] = []  # made, not yet delivered, in call order
         self._queued: list[tuple[tuple[int, ...], _ToolCall]] = []  # heap of calls not started
@@ -150,6 +159,18 @@ class Scheduler:
         fut = asyncio.get_running_loop().create_future()
         self._asked.append((order, request, fut))
         return await self._block(fut)
+
+    def ask_score(self, order: int, request: ScoreRequest) -> asyncio.Future:
+        """log π of each token of `request.turn` after its context, for trajectory `order`, when `scored` awaits it."""
+        fut = asyncio.get_running_loop().create_future()
+        self._scorings.append((order, request, fut))
+        return fut
+
+    async def scored(self, fut: asyncio.Future) -> list[float]:
+        if not fut.done():
+            self._awaited.add(fut)
+            return await self._block(fut)
+        return fut.result()
 
     async def tool(self, order: int, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on a tool thread, for trajectory `order`."""
@@ -186,6 +207,7 @@ class Scheduler:
         cf.wait([c.future for c in self._calls if c.running()], return_when=cf.FIRST_COMPLETED)
 
     def release(self, key: Hashable) -> None:
+        self._scorings = [a for a in self._scorings if a[1].key != key]  # its trajectory ended: nothing to decide
         self.engine.release(key)
 
     async def _block(self, fut: asyncio.Future) -> Any:
@@ -219,6 +241,9 @@ class Scheduler:
                 await self._settled.wait()
             if not self.progress.active:
                 break
+            if self._awaited:
+                self._score()
+                continue  # the trajectories that waited go on before anything else moves
             if self._deliver_tools():
                 continue  # let the woken trajectories ask for their next turn before the step
             if self._asked:
@@ -246,6 +271,32 @@ class Scheduler:
             self.progress.tools_in_flight = sum(c.running() for c in self._calls)
             self.progress.tools_queued = len(self._queued)
             self.on_progress(self.progress, time.monotonic() - t0)
+
+    def _score(self) -> None:
+        asked = sorted(self._scorings, key=lambda a: a[0])  # trajectory order: the batch is the same every run
+        self._scorings = []
+        requests = [r for _, r, _ in asked]
+        try:
+            if hasattr(self.scorer, "score_turns"):
+                scores = self.scorer.score_turns(requests)
+            else:
+                scores = [self.scorer.score_turn(list(r.context), list(r.turn), r.temperature, r.key) for r in requests]
+        except Exception as e:  # each trajectory that asked fails on its own
+            for _, _, fut in asked:
+                self._settle(fut, error=e)
+            return
+        for (_, _, fut), got in zip(asked, scores):
+            self._settle(fut, got)
+
+    def _settle(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+        """A score's result: it wakes its trajectory if that one is waiting, else waits in the future."""
+        if fut in self._awaited:
+            self._awaited.discard(fut)
+            self._wake(fut, value, error)
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
     def _deliver_tools(self) -> bool:
         if self.deterministic:

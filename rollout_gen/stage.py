@@ -48,8 +48,8 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
         return connect(cfg.rollout, checkpoint, chat.tokenizer)  # serves `checkpoint`, reloaded after an update
     from rollout_gen.engines.cpu import CPUEngine
 
-    return CPUEngine(checkpoint, threads=cfg.rollout.threads, pad_id=chat.tokenizer.pad_token_id,
-                     kv_cache_tokens=cfg.rollout.kv_cache_tokens)
+    return CPUEngine(checkpoint, threads=cfg.rollout.engine_tuning.threads, pad_id=chat.tokenizer.pad_token_id,
+                     kv_cache_tokens=cfg.rollout.engine_tuning.kv_cache_tokens)
 
 
 def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,

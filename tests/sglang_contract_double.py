@@ -13,7 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from pipeline.logprobs import sequence_logprobs
+from tests.plain_forward import sequence_logprobs
 from pipeline.engines.base import Generation, Request, SamplingParams
 from rollout_gen.engines.cpu import CPUEngine
 

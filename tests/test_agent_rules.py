@@ -116,3 +116,34 @@ def test_safety_cap_turns_saar_off(chat, sandbox):
     # later failures are not retried (reference: total_rollbacks > cap)
     assert [len(p.attempts) for p in t.positions] == [3, 1, 1, 1]
     assert [p.outcome for p in t.positions] == ["exhausted"] + ["not_retried"] * 3
+
+
+class _ScoringDouble(ScriptedEngineDouble):
+    """TEST DOUBLE: the scripted engine, scoring every retry token at log π = `logp`, so a test chooses which
+    side of τ a retry's importance ratio falls on (the real engine's scoring: tests/test_off_policy.py)."""
+
+    def __init__(self, chat, script, logp: float) -> None:
+        super().__init__(chat, script)
+        self.logp, self.scored = logp, []
+
+    def score_turn(self, context, turn, temperature=1.0, key=None):
+        self.scored.append((list(context), list(turn)))
+        return [self.logp] * len(turn)
+
+
+@pytest.mark.parametrize("logp, replaced", [(-0.1, True), (-5.0, False)], ids=["replace", "append"])
+def test_importance_rollback_places_the_retry_by_the_engines_score(chat, sandbox, logp, replaced):
+    """rollout.saar.rollback=importance on an engine without batched scoring: the scheduler scores the retry with
+    the engine's score_turn in the context without the failed turn; IS ≥ τ replaces the failed turn and its
+    error, else the retry follows them; purify mode saar_is at τ rebuilds the lived sequence."""
+    turns = [call("prnt(6 * 7)"), call("print(6 * 7)"), ANSWER.format(42)]
+    cfg = RolloutConfig(samples_per_prompt=1, saar=SaarConfig(rollback="importance", is_threshold=1.0))
+    engine = _ScoringDouble(chat, lambda text, n: turns[n], logp)
+    t = AgentLoop(engine, sandbox, chat, cfg).run([TASK], RolloutIdentity("r", 0, "v"))[0]
+    retry = t.positions[0].attempts[1]
+    assert engine.scored == [(chat.prompt_ids(TASK.question), retry.turn_ids)]  # one scoring, failed turn left out
+    text = chat.decode(t.lived_ids)
+    assert ("prnt" not in text and "NameError" not in text) == replaced and "print(6 * 7)" in text
+    assert t.stats.live_deep == int(replaced) and t.reward == 1.0
+    relived = purify(t, 1.0, "saar_is", chat.decode, score=lambda context, turn: [logp] * len(turn))
+    assert relived.response_ids == t.lived_ids

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.config import DEFAULT_POLICY, load_config
-from pipeline.logprobs import sequence_logprobs
+from tests.plain_forward import sequence_logprobs
 from pipeline.trajectory import TokenOrigin, purified_from_row
 from purifier.recompute import CPURecompute
 from purifier.saar import purify, with_splice_ratios
@@ -254,3 +254,37 @@ def test_cpu_engine_scores_a_retry_on_the_kept_prefix(chat, backend):
     full = backend.score(context, turn)
     assert len(cached) == len(full) == len(turn) and max(abs(a - b) for a, b in zip(cached, full)) <= 1e-5
     assert engine.score_turn(context, turn, 1.0, key="unknown") == full  # nothing kept: the purifier's function
+
+
+def test_cpu_engine_scores_rollbacks_together_and_keeps_a_replacing_retry_kv(chat, backend):
+    """Rollbacks gathered by the scheduler are scored in one forward: each retry's log-probs are its own full
+    forward's (float32 rounding: 1e-5, relative for the unlikely tokens). The forward's KV is kept as the trajectory's branch: a turn after a retry that replaced its
+    failed turn forwards only what follows the retry (its log-probs those of a fresh prefill), and a turn after
+    an appended retry still continues from the failed turn's KV."""
+    from pipeline.engines.base import Request, ScoreRequest, SamplingParams
+    from rollout_gen.engines.cpu import CPUEngine
+
+    engine = CPUEngine(DEFAULT_POLICY, pad_id=chat.tokenizer.pad_token_id)
+    params = SamplingParams(24, stop_ids=tuple(chat.stop_ids))
+    contexts = {"a": chat.prompt_ids("What is 6 * 7?"), "b": chat.prompt_ids("Add 12 and 30, then halve it.")}
+    engine.add([Request(k, tuple(c), params, 7) for k, c in contexts.items()])
+    failed = {}
+    while engine.busy():
+        failed.update((r.key, g.output_ids) for r, g in engine.step())
+    retries = {"a": chat.encode(call("print(6 * 7)")) + [chat.im_end_id], "b": chat.encode(call("print(21)"))}
+    scores = engine.score_turns([ScoreRequest(k, tuple(contexts[k]), tuple(retries[k])) for k in ("a", "b")])
+    for k, got in zip(("a", "b"), scores):
+        full = backend.score(contexts[k], retries[k])
+        assert len(full) == len(retries[k]) and got == pytest.approx(full, rel=1e-5, abs=1e-5)
+
+    feedback = chat.feedback_ids("42")
+    after = {"a": contexts["a"] + retries["a"] + feedback,  # replaced: the failed turn left the context
+             "b": contexts["b"] + failed["b"] + feedback}  # appended: the retry follows the failed turn
+    before = engine.prefill_tokens
+    engine.add([Request(k, tuple(c), SamplingParams(1), 3) for k, c in after.items()])
+    got = dict((r.key, g) for r, g in engine.step())
+    assert engine.prefill_tokens - before == 2 * (1 + len(feedback))  # each forwards its last token and the feedback
+    fresh = CPUEngine(DEFAULT_POLICY, pad_id=chat.tokenizer.pad_token_id)
+    fresh.add([Request("a", tuple(after["a"]), SamplingParams(1), 3)])
+    (_, alone), = fresh.step()
+    assert got["a"].output_ids == alone.output_ids and abs(got["a"].logprobs[0] - alone.logprobs[0]) <= 1e-5

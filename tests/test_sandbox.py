@@ -38,10 +38,9 @@ def test_success_and_model_errors(pool):
 
 
 def test_infinite_loop_times_out(pool):
-    t0 = time.monotonic()
     r = pool.run("while True:\n    pass")
-    assert time.monotonic() - t0 < 10
     assert (r.status, r.error_label, r.error_class, r.timed_out) == ("failure", "worker_timeout", "model", True)
+    assert r.duration_s >= pool.cfg.timeout_s  # it ran its whole allowance, then was stopped (the call returned)
     assert_pool_serves(pool)
 
 
@@ -136,11 +135,10 @@ def test_calls_run_in_parallel_across_workers(pool):
     # concurrency itself: each call sleeps and reports when it started and ended (wall clock, shared by
     # the processes); with 2 workers, at most 2 and at least 2 calls are ever running at once
     n, nap = 6, 0.6
-    t0 = time.perf_counter()
     spans = [tuple(map(float, r.text.split("stdout: ", 1)[1].split())) for r in pool.run_many(
         ["import time\nt = time.time()\ntime.sleep(%s)\nprint(t, time.time())" % nap] * n)]
-    wall = time.perf_counter() - t0
     assert len(spans) == n and all(end - start >= nap for start, end in spans)
     running = [sum(s <= t < e for s, e in spans) for t, _ in spans]  # calls running as each one starts
     assert max(running) == 2
-    assert wall < 0.8 * n * nap  # serial would take n * nap = 3.6 s; two at a time takes about 1.8 s
+    # no call ran alone: each overlapped another (serially, none would)
+    assert all(any(s2 < e1 and s1 < e2 for j, (s2, e2) in enumerate(spans) if j != i) for i, (s1, e1) in enumerate(spans))

@@ -53,8 +53,8 @@ def test_score_uses_logprob_start_len(server):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_agent_loop_sends_each_trajectory_turn_concurrently(server, deterministic):
-    cfg = load_config(None, ["rollout.samples_per_prompt=2", f"rollout.deterministic={deterministic}",
-                             "rollout.max_in_flight=4"])
+    cfg = load_config(None, ["rollout.samples_per_prompt=2", f"rollout.engine_tuning.deterministic={deterministic}",
+                             "rollout.engine_tuning.max_in_flight=4"])
     chat = load_chat(DEFAULT_POLICY)
     first = len(server.requests)
     server.max_in_flight = 0

@@ -11,22 +11,33 @@ import pytest
 from rollout_gen.scheduler import Scheduler
 
 
-def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1, sleep_s: float = 0.05) -> list[str]:
-    """Trajectory i makes calls[i] tool calls one after another; returns the order the calls started."""
-    started: list[str] = []
-    lock = threading.Lock()
+def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1) -> list[str]:
+    """Trajectory i makes calls[i] tool calls one after another; returns the order the calls started.
 
-    def tool(name: str) -> str:
-        with lock:
+    Free schedule: a call ends only once every trajectory with calls left has asked for its next one, so the
+    queue holds every call that can be made when a slot frees (what slow tools give, without timing). The
+    deterministic schedule hands results back at fixed steps, so its calls simply return."""
+    started: list[str] = []
+    asked, ended = [0] * len(calls), [0] * len(calls)
+    cond = threading.Condition()
+
+    def tool(i: int, name: str) -> str:
+        with cond:
             started.append(name)
-        time.sleep(sleep_s)
+            if not deterministic:
+                assert cond.wait_for(lambda: all(asked[j] > ended[j] or asked[j] == calls[j] for j in range(len(calls))
+                                                 if j != i), timeout=30), "a trajectory never asked its next call"
+            ended[i] += 1
         return name
 
     sched = Scheduler(None, deterministic=deterministic, tool_delay_steps=1, tool_slots=slots, tool_priority=priority)
 
     async def trajectory(i: int) -> None:
         for k in range(calls[i]):
-            assert await sched.tool(i, tool, f"t{i}c{k}") == f"t{i}c{k}"
+            with cond:
+                asked[i] += 1
+                cond.notify_all()
+            assert await sched.tool(i, tool, i, f"t{i}c{k}") == f"t{i}c{k}"
 
     sched.run([trajectory(i) for i in range(len(calls))])
     return started
@@ -47,7 +58,7 @@ def test_most_calls_first_moves_the_long_chain_ahead():
 def test_deterministic_schedule_starts_calls_in_the_order_they_fall_due(priority):
     # more calls than slots, each due one step after it is made: the loop waits for calls that have not
     # even started (no deadlock), and results come back to the right trajectory
-    order = _run(priority, True, [3, 1, 1, 1, 1], slots=2, sleep_s=0.01)
+    order = _run(priority, True, [3, 1, 1, 1, 1], slots=2)
     assert order[:5] == ["t0c0", "t1c0", "t2c0", "t3c0", "t4c0"] and sorted(order[5:]) == ["t0c1", "t0c2"]
 
 

@@ -72,7 +72,7 @@ def test_a_trajectorys_turns_reuse_the_servers_prefix_cache(url):
     """Turn k+1's context extends turn k's: the server reports the earlier turns as cached (in 128-token blocks on
     the CPU build), and a key's turns all go to its one server."""
     cfg = load_config(None, ["rollout.engine=vllm", f"rollout.vllm_urls=[{url}]", "rollout.samples_per_prompt=4",
-                             "rollout.max_response_tokens=512", "rollout.max_in_flight=16"])
+                             "rollout.max_response_tokens=512", "rollout.engine_tuning.max_in_flight=16"])
     chat = load_chat(DEFAULT_POLICY)
     engine = connect(cfg.rollout, DEFAULT_POLICY, chat.tokenizer)
     try:

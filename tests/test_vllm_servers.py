@@ -47,8 +47,8 @@ def _prompt_tokens(url: str) -> float:
 
 
 def _roll(urls: list[str], on_route=None, n_tasks: int = 8):
-    cfg = load_config(None, ["rollout.samples_per_prompt=4", "rollout.max_response_tokens=512", "rollout.deterministic=false",
-                             "rollout.max_in_flight=16"])
+    cfg = load_config(None, ["rollout.samples_per_prompt=4", "rollout.max_response_tokens=512", "rollout.engine_tuning.deterministic=false",
+                             "rollout.engine_tuning.max_in_flight=16"])
     chat = load_chat(DEFAULT_POLICY)
     engine = VLLMEngine(urls, DEFAULT_POLICY, tokenizer=chat.tokenizer, max_in_flight=16, deterministic=False)
     engine.serve(DEFAULT_POLICY)

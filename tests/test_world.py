@@ -5,6 +5,8 @@ import json
 import random
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from pipeline.config import DEFAULT_POLICY, SandboxConfig, WorldConfig, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
@@ -18,6 +20,7 @@ from flows.bootstrap import BootstrapConfig, bootstrap
 from rollout_gen.world.corpus import make_transcript
 from rollout_gen.world.tasks import eval_tasks, make_task, training_tasks
 from trainer.sft import SFTConfig
+from tests.plain_forward import sequence_logprobs
 
 
 def test_tasks_have_exact_answers_and_a_fixed_held_out_set():
@@ -66,7 +69,15 @@ def test_short_bootstrap_trains_saves_and_generates(tmp_path):
     with SandboxPool(cfg.rollout.sandbox) as sandbox:
         trajs = AgentLoop(make_engine(cfg, out, chat), sandbox, chat, cfg.rollout).run(
             eval_tasks(cfg.world)[:2], RolloutIdentity("b", 0, "v"))
-    assert all(t.stats.generated_tokens > 0 for t in trajs)
+    # the saved checkpoint is what generated: every sampled turn's log-probs are those of a plain forward of the
+    # weights on disk (another model, or the weights before training, gives others), and every token is counted
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    for t in trajs:
+        turns = [a for p in t.positions for a in p.attempts] + ([t.final_turn] if t.final_turn else [])
+        assert turns and t.stats.generated_tokens == sum(len(a.turn_ids) for a in turns)
+        first = turns[0]  # sampled right after the prompt
+        ref = sequence_logprobs(model, t.prompt_ids + first.turn_ids, start=len(t.prompt_ids))
+        assert max(abs(r - lp) for r, lp in zip(ref, first.logprobs)) <= 1e-4
 
 
 def test_committed_policy_metrics_are_reproduced_and_in_range():

@@ -42,7 +42,7 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
            "-m", "trainer.distributed", str(frozen), run_id, str(iteration)]
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.threads)), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.engine_tuning.threads)), "PYTHONUNBUFFERED": "1"}
     log(f"[update] strategy=deepspeed: {cfg.train.nproc} rank(s), ZeRO-{cfg.train.zero_stage}")
     tail: collections.deque[str] = collections.deque(maxlen=300)
     try:

@@ -33,6 +33,17 @@ class Request:
     shared_prefix: int = 0
 
 
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A retry to score (live importance-ratio rollback): log π(turn | context) per token at `temperature`.
+    `key` names the trajectory, as in `Request`: its cached prefix may be reused."""
+
+    key: Hashable
+    context: tuple[int, ...]
+    turn: tuple[int, ...]
+    temperature: float = 1.0
+
+
 class Engine(Protocol):
     def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
                  shared_prefix: list[int] | None = None) -> list[Generation]:
@@ -51,20 +62,3 @@ class Engine(Protocol):
     def update_weights(self, checkpoint: Path) -> None: ...
 
     def close(self) -> None: ...
-
-
-class ContinuousEngine(Engine, Protocol):
-    """An engine that batches continuously: requests join the running batch between decoding steps
-    and leave it when they finish (rollout_gen/scheduler.py drives it)."""
-
-    def add(self, requests: list[Request]) -> None: ...
-
-    def step(self) -> list[tuple[Request, Generation]]:
-        """Admit queued requests, decode one token for every running one; the requests that finished."""
-        ...
-
-    def busy(self) -> bool: ...
-
-    def release(self, key: Hashable) -> None:
-        """The trajectory ended: free what is kept for it."""
-        ...

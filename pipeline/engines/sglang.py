@@ -50,7 +50,7 @@ def parse_scores(result: dict, start: int) -> list[float]:
 
 class SGLangEngine:
     # The agent loop sends each trajectory's turn as its own request, many in flight
-    # (rollout.max_in_flight), so the server batches them continuously and its radix cache keeps
+    # (rollout.engine_tuning.max_in_flight), so the server batches them continuously and its radix cache keeps
     # each trajectory's prefix between turns; `generate` is thread-safe (one HTTP call per call).
     concurrent_requests = True
 

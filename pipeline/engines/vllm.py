@@ -313,7 +313,7 @@ def vllm_urls(rollout: Any, checkpoint: Path, log: Callable[[str], None] | None 
     # budget and start-up profiling by it.
     return managed_urls(checkpoint, rollout.vllm_servers, rollout.vllm_venv or DEFAULT_VLLM_VENV, rollout.vllm_dtype,
                         rollout.max_prompt_tokens + rollout.max_response_tokens, rollout.vllm_args,
-                        rollout.vllm_start_timeout_s, log)
+                        rollout.engine_tuning.vllm_start_timeout_s, log)
 
 
 def connect(rollout: Any, checkpoint: Path, tokenizer: Any = None, log: Callable[[str], None] | None = None) -> VLLMEngine:
@@ -323,7 +323,7 @@ def connect(rollout: Any, checkpoint: Path, tokenizer: Any = None, log: Callable
                            "nucleus, cleaner's are of softmax(logits / T); use rollout.top_p=1.0 with rollout.engine=vllm")
     engine = VLLMEngine(vllm_urls(rollout, checkpoint, log), checkpoint, tokenizer=tokenizer,
                         max_context=rollout.max_prompt_tokens + rollout.max_response_tokens,
-                        max_in_flight=rollout.max_in_flight, deterministic=rollout.deterministic)
+                        max_in_flight=rollout.engine_tuning.max_in_flight, deterministic=rollout.engine_tuning.deterministic)
     try:
         if rollout.temperature not in (0.0, 1.0):
             engine.check_tempered_logprobs()

@@ -264,7 +264,7 @@ def _wait(servers: list[ManagedServer], checkpoint: Path, timeout_s: float, say:
         now = time.monotonic()
         if waiting and now - t0 > timeout_s:
             raise VLLMServerError(f"the vLLM server at {waiting[0].url} did not answer /health within {timeout_s:.0f} s "
-                                  f"(rollout.vllm_start_timeout_s; log: {waiting[0].log})")
+                                  f"(rollout.engine_tuning.vllm_start_timeout_s; log: {waiting[0].log})")
         if waiting and now - last >= PROGRESS_EVERY_S:
             last = now
             say(f"[vllm] waiting for {len(waiting)} server(s) to load the model, {now - t0:.0f} s")

@@ -4,6 +4,7 @@ batch is copied only when a buffer runs out of room (`stack`)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -79,9 +80,16 @@ def growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, c0: int,
     return cache
 
 
-def pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
-    """A batch's mask [B, W] right-aligned in `width` columns (zeros on the left: padding)."""
-    return torch.cat([mask.new_zeros(mask.shape[0], width - mask.shape[1]), mask], dim=1)
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one batch behind `pad_id`s: (ids [B, W], mask [B, W], 0 on the padding)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
 
 
 def _spare(width: int) -> int:
@@ -119,5 +127,5 @@ def stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tenso
             values[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = v
             r += m.shape[0]
         bufs.append((keys, values))
-    mask = torch.cat([pad_left(m, width) for _, m in parts])
+    mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m in parts])  # zeros on the left: padding
     return bufs, mask, rows, left, width

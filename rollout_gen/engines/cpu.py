@@ -18,25 +18,15 @@ from pathlib import Path
 from typing import Hashable
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pipeline.engines.base import Generation, Request, SamplingParams
-from pipeline.logprobs import score_turn, split_causal_lm
+from pipeline.engines.base import Generation, Request, SamplingParams, ScoreRequest
+from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
 from storage.errors import CheckpointError
-from rollout_gen.engines.batch_kv import growing, pad_left, stack
+from rollout_gen.engines.batch_kv import growing, left_pad, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
 from rollout_gen.engines.qwen3_forward import engine_forward
-
-
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +57,27 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     for row, g in zip(q, generators):
         row.exponential_(1, generator=g)
     return (probs / q).argmax(dim=-1)
+
+
+def _kept_batch(pasts: list[KV | None], lens: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+    """Rows' kept KV (`lens[i]` tokens of row i, or none) right-aligned in one cache, and its mask."""
+    width = max(lens)
+    past_mask = torch.zeros((len(pasts), width), dtype=torch.long)
+    if not width:
+        return DynamicCache(), past_mask
+    ref = next(p for p in pasts if p is not None)
+    layers = []
+    for li, (k0, _) in enumerate(ref):
+        keys = k0.new_zeros(len(pasts), k0.shape[0], width, k0.shape[2])
+        values = torch.zeros_like(keys)
+        for i, p in enumerate(pasts):
+            if p is not None:
+                keys[i, :, width - lens[i]:], values[i, :, width - lens[i]:] = p[li]
+        layers.append((keys, values))
+    for i, n in enumerate(lens):
+        if n:
+            past_mask[i, width - n:] = 1
+    return DynamicCache(ddp_cache_data=layers), past_mask
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,6 +154,49 @@ class CPUEngine:
         self.prefill_tokens += len(context) + len(turn) - 1 - n
         return score_turn(body, head, context, turn, temperature, self.chunk_tokens, cache, n, hidden)
 
+    @torch.inference_mode()
+    def score_turns(self, requests: list[ScoreRequest]) -> list[list[float]]:
+        """`score_turn` of several retries in one forward (the rollbacks the scheduler gathered between two
+        steps): each row is its trajectory's kept KV up to the clean context, right-aligned, then the rest of
+        the context and the retry left-padded behind it, as joining rows are batched. The KV the forward
+        computed is kept as the trajectory's branch (kv_store.py): when the retry replaces the failed turn,
+        the next turn continues from it instead of forwarding the retry again."""
+        hidden_states = getattr(self.forward, "hidden_states", None)
+        out: list[list[float] | None] = [None] * len(requests)
+        rows: list[tuple[int, KV, int]] = []
+        for i, r in enumerate(requests):
+            kept = self.kept.peek(r.key) if self.reuse_kv and hidden_states is not None else None
+            n = common_prefix(kept.ids, r.context, len(r.context) - 1) if kept is not None else 0
+            if n:
+                rows.append((i, [(k[:, :n], v[:, :n]) for k, v in kept.kv], n))
+            else:  # nothing kept to start from (or no batched forward for this model): one at a time
+                out[i] = self.score_turn(list(r.context), list(r.turn), r.temperature, r.key)
+        if rows:
+            seqs = [list(requests[i].context) + list(requests[i].turn) for i, _, _ in rows]
+            lens = [n for _, _, n in rows]
+            cache, past_mask = _kept_batch([p for _, p, _ in rows], lens)
+            ids, mask = left_pad([seq[n:-1] for seq, n in zip(seqs, lens)], self.pad_id)
+            self.prefill_tokens += int(mask.sum())
+            pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+            full_mask = torch.cat([past_mask, mask], dim=1)
+            step = max(1, self.chunk_tokens // len(rows))  # chunks of positions bound memory, as prefills do
+            hidden = torch.cat([hidden_states(ids[:, a:a + step], full_mask[:, :past_mask.shape[1] + a + step],
+                                              pos[:, a:a + step], cache) for a in range(0, ids.shape[1], step)], dim=1)
+            _, head = split_causal_lm(self.model)
+            by_temperature: dict[float, list[int]] = {}
+            for j, (i, _, _) in enumerate(rows):
+                by_temperature.setdefault(requests[i].temperature, []).append(j)
+            for temperature, js in by_temperature.items():  # a row's last len(turn) positions predict its turn
+                turns = [requests[rows[j][0]].turn for j in js]
+                lps = token_logprobs(torch.cat([hidden[j, hidden.shape[1] - len(t):] for j, t in zip(js, turns)]),
+                                     torch.tensor([x for t in turns for x in t]), head, temperature).tolist()
+                for j, t in zip(js, turns):
+                    out[rows[j][0]], lps = lps[:len(t)], lps[len(t):]
+            for j, (i, _, _) in enumerate(rows):
+                m = full_mask[j].bool()
+                self.kept.offer(requests[i].key, seqs[j][:-1], [(k[j][:, m], v[j][:, m]) for k, v in _layers(cache)])
+        return out
+
     # ---- the continuous-batching protocol ------------------------------------------------------
     def add(self, requests: list[Request]) -> None:
         if any(len(r.context) == 0 for r in requests):
@@ -197,7 +251,7 @@ class CPUEngine:
 
     def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
         """The unpadded KV of each prefix (computed together, each once)."""
-        ids, mask = _left_pad(prefixes, self.pad_id)
+        ids, mask = left_pad(prefixes, self.pad_id)
         cache = DynamicCache()
         self._forward_chunked(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache)
         return [[(layer.keys[i][:, -len(p):], layer.values[i][:, -len(p):]) for layer in cache.layers] for i, p in enumerate(prefixes)]
@@ -209,7 +263,7 @@ class CPUEngine:
         for i, r in enumerate(reqs):
             first.append(r.key not in self._seen)
             self._seen.add(r.key)
-            kept = self.kept.take(r.key) if self.reuse_kv else None
+            kept = self.kept.take(r.key, r.context) if self.reuse_kv else None
             if kept is not None:  # at least one token is forwarded: its logits start sampling
                 n = common_prefix(kept.ids, r.context, len(r.context) - 1)
                 pasts[i] = [(k[:, :n], v[:, :n]) for k, v in kept.kv] if n else None
@@ -229,24 +283,8 @@ class CPUEngine:
         self.prefill_tokens += sum(map(len, suffixes))
         self.first_prefill_tokens += sum(len(s) for s, f in zip(suffixes, first) if f)
         # The joining rows' batch: kept KV right-aligned, then their new tokens left-padded behind it.
-        width = max(lens)
-        past_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        cache = DynamicCache()
-        if width:
-            ref = next(p for p in pasts if p is not None)
-            layers = []
-            for li, (k0, _) in enumerate(ref):
-                keys = k0.new_zeros(len(rows), k0.shape[0], width, k0.shape[2])
-                values = torch.zeros_like(keys)
-                for i, p in enumerate(pasts):
-                    if p is not None:
-                        keys[i, :, width - lens[i]:], values[i, :, width - lens[i]:] = p[li]
-                layers.append((keys, values))
-            for i, n in enumerate(lens):
-                if n:
-                    past_mask[i, width - n:] = 1
-            cache = DynamicCache(ddp_cache_data=layers)
-        ids, mask = _left_pad(suffixes, self.pad_id)
+        cache, past_mask = _kept_batch(pasts, lens)
+        ids, mask = left_pad(suffixes, self.pad_id)
         pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward_chunked(ids, mask, pos, past_mask, cache)
         tokens, logps = self._sample(logits, rows)
@@ -260,7 +298,7 @@ class CPUEngine:
             for layer, (k, v) in zip(running, layers):
                 layer.widen(width)
                 layer.place(k, v)
-            self._mask = torch.cat([pad_left(self._mask, width), pad_left(mask, width)])
+            self._mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in (self._mask, mask)])  # left: padding
         else:
             parts = ([(_layers(self._cache), self._mask)] if self._rows else []) + [(layers, mask)]
             bufs, self._mask, n_rows, c0, width = stack(parts)

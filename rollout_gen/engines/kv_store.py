@@ -4,6 +4,11 @@ An entry is the unpadded KV of the tokens a trajectory's last turn left in the e
 takes it out when the trajectory's next turn arrives (an entry lives either here or in the running
 batch, never both), and the agent loop drops it when the trajectory ends. When the cap is reached
 the least recently kept entries go first: their trajectories' next turn is prefilled in full.
+
+An entry may hold a second continuation of the same trajectory, its `branch`: the KV a live importance-ratio
+rollback's scoring forward computed for the retry in the context without its failed turn. Whether the retry
+replaces that turn is decided after the scoring; `take` hands the next turn whichever of the two shares more
+of its context, so a replacing retry is not forwarded a second time.
 """
 from __future__ import annotations
 
@@ -20,6 +25,10 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values [head
 class Kept:
     ids: list[int]
     kv: KV
+    branch: Kept | None = None
+
+    def tokens(self) -> int:  # cached tokens, the branch's included
+        return len(self.ids) + (len(self.branch.ids) if self.branch is not None else 0)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -37,6 +46,7 @@ class KVStore:
         self._entries: OrderedDict[Hashable, Kept] = OrderedDict()
         self.tokens = 0  # cached tokens now
         self.evicted = 0  # entries dropped to stay under the cap
+        self.branch_tokens = 0  # tokens not forwarded again because a branch served the next turn
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -48,15 +58,37 @@ class KVStore:
             return
         self._entries[key] = Kept(list(ids), kv)
         self.tokens += len(ids)
+        self._evict()
+
+    def offer(self, key: Hashable, ids: list[int], kv: KV) -> None:
+        """Keep `ids`' KV as the branch of `key`'s entry (replacing an earlier branch); nothing without an entry."""
+        kept = self._entries.get(key)
+        if kept is None:
+            return
+        self.tokens += len(ids) - (len(kept.branch.ids) if kept.branch is not None else 0)
+        kept.branch = Kept(list(ids), kv)
+        self._entries.move_to_end(key)
+        self._evict()
+
+    def _evict(self) -> None:
         while self.tokens > self.cap_tokens:
             _, old = self._entries.popitem(last=False)
-            self.tokens -= len(old.ids)
+            self.tokens -= old.tokens()
             self.evicted += 1
 
-    def take(self, key: Hashable) -> Kept | None:
+    def take(self, key: Hashable, context: Sequence[int] = ()) -> Kept | None:
+        """The entry of `key`, out of the store: its branch instead when that shares more of `context`."""
         kept = self._entries.pop(key, None)
-        if kept is not None:
-            self.tokens -= len(kept.ids)
+        if kept is None:
+            return None
+        self.tokens -= kept.tokens()
+        branch, kept.branch = kept.branch, None
+        limit = len(context) - 1  # as the engine reuses it: at least one token of the context is forwarded
+        if branch is not None:
+            gain = common_prefix(branch.ids, context, limit) - common_prefix(kept.ids, context, limit)
+            if gain > 0:
+                self.branch_tokens += gain
+                return branch
         return kept
 
     def peek(self, key: Hashable) -> Kept | None:
