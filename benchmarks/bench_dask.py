@@ -11,20 +11,20 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from benchmarks.common import BenchResult, Row, best_of
 from pipeline.config import DEFAULT_POLICY, load_config
+from pipeline.modes import Variant
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from purifier import beam_pipeline, dask_cluster
 from purifier.batch import SORT
 from purifier.stage import beam_runner
 from rollout_gen.stage import run_rollout_stage
 from storage.layout import RunLayout
-from storage.schemas import PURIFIED, RAW
+from storage.schemas import RAW
 from storage.shards import read_shard, write_shard
 
-VARIANTS = [("saar", 0.5)]
+VARIANTS = [Variant.of("saar", 0.5)]
 
 
 def _parts(raw_dir: Path) -> list[tuple[str, dict]]:
@@ -64,7 +64,7 @@ def run(n: int = 50_000, parts: int = 8, repeat: int = 2) -> BenchResult:
             return out
 
         def staged(out: Path) -> pa.Table:
-            return pq.read_table(beam_pipeline.staged_file(out, "saar-0.50.purified")).cast(PURIFIED).sort_by(SORT)
+            return beam_pipeline.read_staged(out, beam_pipeline.destination(VARIANTS[0], "purified")).sort_by(SORT)
 
         reference = staged(purify("FnApiRunner", []))  # warm-up, and the output every runner must stage
         t_fn = best_of(lambda: purify("FnApiRunner", []), repeat)

@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.common import BenchResult, Row, best_of, interleaved_best
 from pipeline.config import DEFAULT_POLICY, load_config
+from pipeline.modes import Variant
 from pipeline.similarity import DEFAULT_MEASURE, REFERENCE_MEASURE
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from purifier import beam_pipeline
@@ -25,6 +26,8 @@ from pipeline.chat import load_chat
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_manifest, read_shard, write_shard
+
+SAAR = Variant.of("saar", 0.5)
 
 
 def _real_rollouts(root: Path, tasks: int = 32):
@@ -65,7 +68,7 @@ def run(n: int = 50_000) -> BenchResult:
 
         def plain() -> None:
             # the same work as the Beam pipeline, as one loop over the same pure core (purifier/batch.py)
-            table, _ = purify_batch(pq.read_table(raw_file), [("saar", 0.5)], chat.decode)[("saar", 0.5)]
+            table, _ = purify_batch(pq.read_table(raw_file), [SAAR], chat.decode)[SAAR]
             pq.write_table(with_advantages(table, "group_norm", False)[0], tmp / "plain-out.parquet")
 
         counter = iter(range(100))
@@ -73,12 +76,12 @@ def run(n: int = 50_000) -> BenchResult:
         def beam(parts: list = raw_parts) -> Path:
             out = tmp / f"staging-{next(counter)}"
             out.mkdir()
-            beam_pipeline.run(beam_pipeline.PurifyJob(tuple(parts), (("saar", 0.5),), str(out), str(DEFAULT_POLICY)))
+            beam_pipeline.run(beam_pipeline.PurifyJob(tuple(parts), (SAAR,), str(out), str(DEFAULT_POLICY)))
             return out
 
         staged = beam()  # warm-up, and the output compared with the plain loop's
         plain()
-        beam_out = pq.read_table(beam_pipeline.staged_file(staged, "saar-0.50.purified")).cast(PURIFIED)
+        beam_out = beam_pipeline.read_staged(staged, beam_pipeline.destination(SAAR, "purified"))
         same = beam_out.sort_by(SORT).equals(pq.read_table(tmp / "plain-out.parquet").cast(PURIFIED).sort_by(SORT))
         t_beam, t_plain = interleaved_best(beam, plain, repeat=5)
         small = _committed(tmp / "small-shard", table.slice(0, len(trajs)))

@@ -105,35 +105,20 @@ class SaarConfig(Section):
         "live_mode=purified: how a retry joins the lived sequence. similarity: SAAR's shallow/deep splice at "
         "gamma_live; importance: Open-CLEANER's Plan B, the retry replaces the failed turn when its importance "
         "ratio π(retry | without the failed turn) / π_b(retry | as sampled) is ≥ is_threshold, else the failed "
-        "turn, its error and the retry all stay (one extra prefill per rollback; purify mode saar_is at the same τ "
-        "relives it)"))
+        "turn, its error and the retry all stay (a scoring forward per rollback, batched with the others pending; "
+        "purify mode saar_is at the same τ relives it)"))
     is_threshold: IsThreshold = 0.5
 
 
-class RolloutConfig(Section):
-    policy: Path = DEFAULT_POLICY
-    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
-    threads: int = Field(1, ge=1, description="torch threads of the CPU engine (fixed for reproducible sampling)")
-    sglang_url: str = "http://127.0.0.1:30000"
-    vllm_urls: list[str] = Field(default_factory=list, description=(
-        "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
-        "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
-        "starts vllm_servers servers on 127.0.0.1 in vllm_venv, stopped with the command"))
-    vllm_servers: int = Field(1, ge=1, description="engine=vllm without vllm_urls: servers cleaner starts")
-    vllm_venv: Path | None = Field(None, description=(
-        "engine=vllm without vllm_urls: the virtualenv holding vLLM (None: this checkout's .venv-vllm, which "
-        "scripts/setup_vllm.sh builds)"))
-    vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in")
-    vllm_args: list[str] = Field(["--enforce-eager"], description=(
-        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
-        "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"))
-    vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
-    loop: Literal["async", "lockstep"] = Field("async", description=(
-        "async: one coroutine per trajectory on a continuously batching engine; lockstep: every trajectory's "
-        "turn sampled together, then every tool call of the round (the earlier loop)"))
+class EngineTuning(Section):
+    """How the rollout's engine and scheduler run (`rollout.engine_tuning`): speed, memory and the batching
+    schedule. The defaults are what every committed run used; a run changes them only to go faster on other
+    hardware or with slower tools (benchmarks/RESULTS.md, async rollout)."""
+
+    threads: int = Field(1, ge=1, description=(
+        "torch threads of the CPU engine and the CPU trainer (fixed for reproducible sampling)"))
     deterministic: bool = Field(True, description=(
-        "async loop: fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
+        "fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
         "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
     tool_delay_steps: int = Field(4, ge=1, description=(
         "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
@@ -147,6 +132,17 @@ class RolloutConfig(Section):
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
     max_in_flight: int = Field(64, ge=1, description="SGLang and vLLM: concurrent generation requests")
+    vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
+
+
+# rollout.* keys that rollout.engine_tuning holds since issue 28 (old configs and frozen runs name them at the top)
+MOVED_TO_ENGINE_TUNING = ("threads", "deterministic", "tool_delay_steps", "tool_priority", "kv_cache_tokens",
+                          "max_in_flight", "vllm_start_timeout_s")
+
+
+class RolloutConfig(Section):
+    policy: Path = DEFAULT_POLICY
+    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
     tasks: str = "world"  # "world" or a path to a task parquet file
     tasks_per_iteration: int = Field(16, gt=0)
     samples_per_prompt: int = Field(4, gt=0)
@@ -168,12 +164,28 @@ class RolloutConfig(Section):
     seed: int = 0
     saar: SaarConfig = SaarConfig()
     sandbox: SandboxConfig = SandboxConfig()
+    sglang_url: str = "http://127.0.0.1:30000"
+    vllm_urls: list[str] = Field(default_factory=list, description=(
+        "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
+        "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
+        "starts vllm_servers servers on 127.0.0.1 in vllm_venv, stopped with the command"))
+    vllm_servers: int = Field(1, ge=1, description="engine=vllm without vllm_urls: servers cleaner starts")
+    vllm_venv: Path | None = Field(None, description=(
+        "engine=vllm without vllm_urls: the virtualenv holding vLLM (None: this checkout's .venv-vllm, which "
+        "scripts/setup_vllm.sh builds)"))
+    vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in")
+    vllm_args: list[str] = Field(["--enforce-eager"], description=(
+        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
+        "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"))
+    engine_tuning: EngineTuning = EngineTuning()
 
 
 # purify.* settings that choose where or which partitions are written, never what a partition holds:
 # a run may change them between invocations (replay under more γ or another measure, another runner),
 # and they stay out of the partitions' config hash (purifier/stage.py) and the frozen run config
 # (flows/run_config.py).
+# ("similarity", "similarity_on": purify keys before issue 28, merged into rollout.saar; an old run.json may hold them)
 PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options",
                                     "similarity", "similarity_on"})
 # purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
@@ -202,11 +214,6 @@ class PurifyConfig(Section):
         "runner=dask: the Dask scheduler, e.g. tcp://10.0.0.5:8786 (None: the local cluster that "
         "`cleaner cluster start` runs for this storage root)"))
     max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0)
-    similarity: Literal["rapidfuzz", "difflib"] | None = Field(None, description=(
-        "measure for the purified partitions (None: the run's rollout.saar.similarity); another value is written "
-        "beside, e.g. gamma=0.50-difflib-segment"))
-    similarity_on: Literal["segment", "code"] | None = Field(None, description=(
-        "target for the purified partitions (None: the run's rollout.saar.similarity_on)"))
     roc_group_size: int | None = Field(None, ge=1, description=(
         "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
         "rollout.samples_per_prompt"))
@@ -339,8 +346,21 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys earlier configs had: an old YAML or override naming one gets what became of it, not a guess.
+_GONE_KEYS = {
+    "rollout.loop": "removed: every rollout runs the asynchronous loop (the lockstep one is a benchmark baseline "
+                    "now, benchmarks/lockstep_engine.py); delete the key",
+    **{f"rollout.{key}": f"moved to rollout.engine_tuning.{key}" for key in MOVED_TO_ENGINE_TUNING},
+    **{f"purify.{key}": f"merged into rollout.saar.{key} (one measure setting): a replay with another "
+                        f"rollout.saar.{key} is written beside the run's partitions, e.g. gamma=0.50-difflib-segment"
+       for key in ("similarity", "similarity_on")},
+}
+
+
 def _unknown_key(dotted: str) -> str:
     """`unknown config key 'a.b' (did you mean 'a.c'?)`: the same words for a YAML key and an override."""
+    if dotted in _GONE_KEYS:
+        return f"config key {dotted!r} {_GONE_KEYS[dotted]}"
     close = difflib.get_close_matches(dotted, _known_keys(CleanerConfig), n=1)
     return f"unknown config key {dotted!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 

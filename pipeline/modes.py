@@ -2,9 +2,11 @@
 purifier writes by and the trainer reads by (docs/saar.md §modes)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 from pipeline.similarity import DEFAULT_MEASURE, Measure
+from storage.layout import threshold_partition
 
 
 class MeasureSettings(Protocol):
@@ -24,9 +26,6 @@ class MeasureSettings(Protocol):
 #                 the failed turn, its error and the retry all stay (purifier/saar.py)
 Mode = Literal["saar", "raw", "void_turn", "saar_correct", "mask_failed", "roc", "saar_is"]
 MODES: tuple[Mode, ...] = get_args(Mode)
-# one purified partition of an iteration: (mode, threshold), the threshold being γ for the modes that
-# splice by similarity, τ for the modes that decide by importance ratio, 0 for the others
-Variant = tuple[Mode, float]
 # Modes whose threshold is an importance-ratio τ (partition tau=…; storage/layout.py keeps a copy, tested equal)
 IS_MODES: tuple[Mode, ...] = ("saar_is",)
 # Modes that splice, so γ and the similarity measure decide what they hold and name their partitions
@@ -47,10 +46,34 @@ def partition_measure(mode: str, measure: Measure) -> str:
 
 
 def live_measure(saar: MeasureSettings) -> Measure:
-    """The measure the live loop decided with (and purification at γ_live must use to relive it)."""
+    """The measure of rollout.saar: the one the live loop decides with and purification splices with (one setting;
+    a replay under another one overrides rollout.saar.similarity(_on), its partitions named by `partition_measure`)."""
     return Measure(saar.similarity, saar.similarity_on)
 
 
-def purify_measure(saar: MeasureSettings, similarity: str | None, similarity_on: str | None) -> Measure:
-    """purify.similarity / purify.similarity_on, each defaulting to the run's live measure."""
-    return Measure(similarity or saar.similarity, similarity_on or saar.similarity_on)
+@dataclass(frozen=True)
+class Variant:
+    """One purified partition of an iteration, the same object from the config (purifier.stage.wanted_variants)
+    through Beam (PurifyJob.variants, the staged files) to disk (`partition`). Build it with `Variant.of`, which
+    normalises what does not name a partition: the others' threshold is 0, and only splicing modes keep a measure."""
+
+    mode: Mode
+    threshold: float = 0.0  # γ for the splicing modes, τ for the importance-ratio modes, 0 for the others
+    measure: Measure = DEFAULT_MEASURE  # decides shallow vs deep (splicing modes only)
+
+    @classmethod
+    def of(cls, mode: Mode, threshold: float = 0.0, measure: Measure = DEFAULT_MEASURE) -> Variant:
+        return cls(mode, partition_gamma(mode, threshold), measure if mode in SPLICING_MODES else DEFAULT_MEASURE)
+
+    @property
+    def measure_key(self) -> str:
+        """The measure's part of the partition name: '' for the default (partitions stay where they always were)."""
+        return partition_measure(self.mode, self.measure)
+
+    @property
+    def partition(self) -> str:
+        """Its path under an iteration's purified/ and dead_letter/, e.g. mode=saar/gamma=0.50-difflib-segment."""
+        return f"mode={self.mode}/{threshold_partition(self.mode, self.threshold, self.measure_key)}"
+
+    def __str__(self) -> str:
+        return self.partition

@@ -1,7 +1,7 @@
 """Purification over Arrow batches: the pure core the Beam pipeline applies per batch and per group
 bucket (and that a plain loop can call directly).
 
-`purify_batch`: raw rows → purified rows per (mode, γ) plus dead letters; rows with nothing to splice
+`purify_batch`: raw rows → purified rows per variant (pipeline.modes.Variant) plus dead letters; rows with nothing to splice
 are built column-wise (purifier/unspliced.py), the others go through `purify()` one by one.
 `with_advantages`: whole prompt groups → GRPO advantages (`group_plan`), dynamic filtering; for `roc`,
 GRPO-RoC's down-sampling first (purifier/roc.py), so advantages are those of the kept group.
@@ -18,7 +18,6 @@ import pyarrow.compute as pc
 
 from pipeline.trajectory import purified_from_row, purified_to_row, row_key, trajectory_from_row
 from pipeline.modes import Variant
-from pipeline.similarity import DEFAULT_MEASURE, Measure
 from purifier.advantages import group_plan
 from purifier.roc import ROC_PENALTY, roc_plan, roc_seed, with_roc_penalty
 from purifier.saar import LIVED_COLUMNS, PurifyError, Scorer, purify, with_splice_ratios
@@ -33,12 +32,11 @@ def _dead(key: str, source_file: str, reason: str) -> dict:
 
 
 def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
-                 source_file: str = "", measure: Measure = DEFAULT_MEASURE,
-                 score: Scorer | None = None) -> dict[Variant, tuple[pa.Table, list[dict]]]:
-    """Every variant of every row of a raw batch: (purified table, dead letters) per variant, with one
-    shallow/deep measure (rows with nothing to splice do not depend on it); `score` for saar_is."""
-    columnar = [v for v in variants if v[0] in UNSPLICED_MODES]
-    others = [v for v in variants if v[0] not in UNSPLICED_MODES]
+                 source_file: str = "", score: Scorer | None = None) -> dict[Variant, tuple[pa.Table, list[dict]]]:
+    """Every variant of every row of a raw batch: (purified table, dead letters) per variant, each spliced
+    under its own measure (rows with nothing to splice do not depend on it); `score` for saar_is."""
+    columnar = [v for v in variants if v.mode in UNSPLICED_MODES]
+    others = [v for v in variants if v.mode not in UNSPLICED_MODES]
     mask = unspliced_mask(raw) if columnar else np.zeros(raw.num_rows, dtype=bool)
     lean = raw.drop_columns([c for c in LIVED_COLUMNS if c in raw.column_names])  # purify() rebuilds them
     tables: dict[Variant, list[pa.Table]] = {v: [] for v in variants}
@@ -56,14 +54,14 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
                 continue
             for v in wanted:
                 try:
-                    rows[v].append(purified_to_row(purify(traj, v[1], v[0], decode, measure, score)))
+                    rows[v].append(purified_to_row(purify(traj, v.threshold, v.mode, decode, v.measure, score)))
                 except PurifyError as e:
                     dead[v].append(_dead(traj.key, source_file, str(e)))
 
     if mask.any():
         unspliced = raw.filter(pa.array(mask))
         for v in columnar:
-            tables[v].append(purified_table(unspliced, *v))
+            tables[v].append(purified_table(unspliced, v.mode, v.threshold))
         if others:
             one_by_one(lean.filter(pa.array(mask)).to_pylist(), others)
     one_by_one(lean.filter(pa.array(~mask)).to_pylist(), variants)
@@ -72,9 +70,26 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
             tables[v].append(pa.Table.from_pylist(rows[v], schema=PURIFIED))
     out = {v: (pa.concat_tables(tables[v]) if tables[v] else PURIFIED.empty_table(), dead[v]) for v in variants}
     for v in variants:  # RoC selects per group by a penalty read from the attempt tree, which only this batch has
-        if v[0] == "roc" and out[v][0].num_rows:
+        if v.mode == "roc" and out[v][0].num_rows:
             out[v] = (with_roc_penalty(out[v][0], raw), dead[v])
     return out
+
+
+def token_slices(raw: pa.Table, budget: int) -> list[pa.Table]:
+    """A raw batch as consecutive slices of at most `budget` lived tokens each (at least one row each), so the
+    Python objects purification builds per row (`purify_batch`) are bounded by the budget, not by the part:
+    a raw part holds up to storage.rows_per_part rows of up to 32k tokens."""
+    if raw.num_rows == 0:
+        return []
+    sizes = pc.fill_null(pc.list_value_length(raw["lived_ids"]), 0).to_numpy(zero_copy_only=False)
+    slices, start, total = [], 0, 0
+    for r, size in enumerate(sizes):
+        if r > start and total + size > budget:
+            slices.append(raw.slice(start, r - start))
+            start, total = r, 0
+        total += int(size)
+    slices.append(raw.slice(start))
+    return slices
 
 
 def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
@@ -128,13 +143,16 @@ def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool,
 
 def recompute_groups(table: pa.Table, backend) -> pa.Table:
     """Log-prob recompute per prompt group (the backend batches one group). Only rows with a token to
-    recompute (recompute_from ≥ 0) become domain objects; the others stay Arrow rows as they are."""
+    recompute (recompute_from ≥ 0) become domain objects, one prompt group at a time (a bucket holds
+    many groups of long rows); the others stay Arrow rows as they are."""
     needs = pc.greater_equal(table["recompute_from"], 0)
     if not pc.any(needs).as_py():
         return table
-    groups: dict[str, list] = {}
-    for row in table.filter(needs).to_pylist():
-        groups.setdefault(row["prompt_id"], []).append(purified_from_row(row))
-    done = pa.Table.from_pylist([purified_to_row(with_splice_ratios(t)) for g in groups.values() for t in backend.group(g)],
-                                schema=PURIFIED)
-    return pa.concat_tables([table.filter(pc.invert(needs)), done])  # the stage sorts what it commits
+    todo = table.filter(needs)
+    prompts = todo["prompt_id"]
+    done = [table.filter(pc.invert(needs))]
+    for prompt in dict.fromkeys(prompts.to_pylist()):
+        group = [purified_from_row(row) for row in todo.filter(pc.equal(prompts, prompt)).to_pylist()]
+        done.append(pa.Table.from_pylist([purified_to_row(with_splice_ratios(t)) for t in backend.group(group)],
+                                         schema=PURIFIED))
+    return pa.concat_tables(done)  # the stage sorts what it commits

@@ -1,11 +1,14 @@
 """The purification stage as an Apache Beam pipeline (thin adapters around purifier/batch.py).
 
 ReadRawParts(the raw manifest's parts, each validated: size, crc32, schema, rows) → PurifyBatches (Arrow
-batches: one purified table per (mode, γ), cut into buckets by a stable hash of the prompt) →
-GroupByKey((mode, γ), bucket) → GroupStage (advantages, dynamic filter, batched log-prob recompute with
-the model loaded once per worker process) → WriteStaged (one Parquet file per destination: a variant's
-purified rows, its dead letters, refused parts, counts) into a staging folder, and a summary of what was
-staged, written last. The driver (purifier/stage.py) checks the staged files against that summary,
+batches: one purified table per variant (pipeline.modes.Variant), cut into buckets by a stable hash of the
+prompt) → GroupByKey(variant, bucket) → GroupStage (advantages, dynamic filter, batched log-prob recompute with
+the model loaded once per worker process; writes the bucket's purified rows to staging itself) → WriteStaged
+(one Parquet file per other destination: a variant's dead letters, refused parts, counts), in a staging folder
+laid out as the partitions are (`<variant.partition>/purified-<bucket>.parquet`), and a summary of what was
+staged, written last. The purified rows, the bulk of the data, cross one GroupByKey only: a second one would
+hold the whole purified shard (FnApiRunner buffers it in memory; Dask sends it between workers) only for it
+to be concatenated (benchmarks/bench_purify_memory.py). The driver (purifier/stage.py) checks the staged files against that summary,
 then sorts and commits each partition through storage/. Bad rows go to the dead-letter destination with
 the reason instead of failing the whole stage. Arrow tables, not rows, cross every stage boundary, so
 Beam's per-element cost is paid per batch.
@@ -13,8 +16,10 @@ Beam's per-element cost is paid per batch.
 The same pipeline runs on every runner, so it uses only what every runner executes: each DoFn has one
 output (a record's key tells a group from a destined table), nothing is emitted from finish_bundle,
 everything ends in one last transform, and the counts the stage needs are staged as rows rather than
-read from Beam metrics (Beam's DaskRunner drops tagged outputs, finish_bundle output and branches not
-upstream of the last transform, and reports no metrics). Objects that are costly to build (the
+read from Beam metrics. Beam 2.77's DaskRunner does not keep tagged outputs apart (its ParDo returns one
+bag of every output and each consumer of any tag reads that whole bag), drops finish_bundle output and
+branches not upstream of the last transform, and its result's metrics() raises NotImplementedError
+(tests/test_dask_purify.py checks both, so a Beam that fixes them shows up as a failing test). Objects that are costly to build (the
 recompute model, the tokenizer) are held per process (`per_process`), since some runners (Dask) call
 `setup` for every bundle. docs/scale_out.md says how to run it on Dask (`purify.runner=dask`, tested)
 and on Beam's other runners (`--runner=FlinkRunner --flink_master=…`, `--runner=SparkRunner`,
@@ -41,12 +46,14 @@ import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.modes import IS_MODES, Variant
-from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.shards import atomic_write_parquet
 
 BUCKETS = 8
+# Lived tokens purified at a time (PurifyBatches): bounds the Python objects of one slice of a raw part,
+# 16 rows of 16k tokens, whatever the part's size (test_purify_memory).
+SLICE_TOKENS = 1 << 18
 # Parts that failed validation, with the reason: the driver refuses the shard when any is staged.
 INVALID = pa.schema([("reason", pa.string())])
 INVALID_DESTINATION = "invalid-parts"
@@ -74,7 +81,6 @@ class PurifyJob:
     temperature: float = 1.0
     sglang_url: str = ""
     vllm_urls: tuple[str, ...] = ()  # recompute=vllm: servers resolved (or started) by the driver
-    measure: Measure = DEFAULT_MEASURE
     roc_group_size: int = 1
     runner: str = "FnApiRunner"
     beam_options: tuple[str, ...] = ()
@@ -159,20 +165,15 @@ KeyedTable = beam.typehints.Tuple[beam.typehints.Any, pa.Table]
 DestinedTable = beam.typehints.Tuple[str, pa.Table]
 
 
-def variant_name(mode: str, gamma: float) -> str:
-    from storage.layout import format_gamma
-
-    return f"{mode}-{format_gamma(gamma)}"
-
-
 def destination(variant: Variant, kind: str) -> str:
-    """Staged file prefix of a variant's purified rows (kind "purified") or dead letters (kind "dead")."""
-    return f"{variant_name(*variant)}.{kind}"
+    """Staged file prefix of a variant's purified rows (kind "purified") or dead letters (kind "dead"): the
+    variant's partition path, so staging is laid out as the partitions are."""
+    return f"{variant.partition}/{kind}"
 
 
 def row_counter(variant: Variant, kind: str) -> str:
     """Name of the counter of the rows the pipeline produced for a variant and kind."""
-    return f"{kind}/{variant_name(*variant)}"
+    return f"{kind}/{variant.partition}"
 
 
 def schema_of(dest: str) -> pa.Schema:
@@ -181,12 +182,30 @@ def schema_of(dest: str) -> pa.Schema:
         return INVALID
     if dest == COUNTS_DESTINATION:
         return COUNTS
-    return PURIFIED if dest.endswith(".purified") else DEAD_LETTER
+    return PURIFIED if dest.endswith("/purified") else DEAD_LETTER
 
 
-def staged_file(staging: Path, dest: str) -> Path:
-    """The one staged file of a destination (named as Beam's WriteToFiles named a single shard)."""
-    return Path(staging) / f"{dest}-00000-of-00001.parquet"
+def staged_file(staging: Path, dest: str, shard: str = "00000-of-00001") -> Path:
+    """A staged file of a destination: the one file WriteStaged writes (named as Beam's WriteToFiles named a
+    single shard), or a bucket's file of a variant's purified rows (`shard` the bucket)."""
+    return Path(staging) / f"{dest}-{shard}.parquet"
+
+
+def write_staged(staging: Path, dest: str, table: pa.Table, shard: str = "00000-of-00001") -> int:
+    """One staged file, written to a hidden temporary name and renamed: a retried or re-executed bundle (a
+    worker lost mid-run) rewrites the same complete file, never a second copy of its rows."""
+    schema = schema_of(dest)
+    path = staged_file(staging, dest, shard)
+    path.parent.mkdir(parents=True, exist_ok=True)  # <variant.partition>/, on whichever worker writes it
+    atomic_write_parquet(path, table.select(schema.names).cast(schema))
+    return table.num_rows
+
+
+def read_staged(staging: Path, dest: str) -> pa.Table:
+    """Every staged file of a destination as one table (in file-name order), its schema's empty table if none."""
+    schema = schema_of(dest)
+    tables = [pq.read_table(f).cast(schema) for f in sorted(Path(staging).glob(f"{dest}-*.parquet"))]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
 class ReadRawParts(beam.DoFn):
@@ -236,32 +255,33 @@ class PurifyBatches(beam.DoFn):
     One output for both (a tuple key is a group, a str key a destination; see `build`): tagged outputs
     are not kept apart by every runner. A refused part (INVALID_DESTINATION) passes through to staging."""
 
-    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS) -> None:
-        self.job, self.n_buckets = job, n_buckets
+    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS, slice_tokens: int = SLICE_TOKENS) -> None:
+        self.job, self.n_buckets, self.slice_tokens = job, n_buckets, slice_tokens
 
     def setup(self) -> None:
         tokenizer_dir = self.job.tokenizer_dir
         self.decode = per_process("tokenizer", (str(Path(tokenizer_dir) / "tokenizer.json"), _files_key(tokenizer_dir)),
                                   lambda: _tokenizer_decode(tokenizer_dir))
         # saar_is scores every rollback with the recompute model (the same one GroupStage uses, once per process)
-        self.score = self.job.backend().score if any(m in IS_MODES for m, _ in self.job.variants) else None
+        self.score = self.job.backend().score if any(v.mode in IS_MODES for v in self.job.variants) else None
 
     def infer_output_type(self, input_type):
         return KeyedTable
 
     def process(self, element):
-        from purifier.batch import buckets, purify_batch
+        from purifier.batch import buckets, purify_batch, token_slices
 
         filename, raw = element
         if filename == INVALID_DESTINATION:
             yield element
             return
-        for variant, (table, dead) in purify_batch(raw, list(self.job.variants), self.decode, str(filename),
-                                                   self.job.measure, self.score).items():
-            if dead:
-                yield destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)
-            for bucket, part in buckets(table, self.n_buckets):
-                yield (variant, bucket), _compact(part, table)
+        for batch in token_slices(raw, self.slice_tokens):
+            for variant, (table, dead) in purify_batch(batch, list(self.job.variants), self.decode, str(filename),
+                                                       self.score).items():
+                if dead:
+                    yield destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)
+                for bucket, part in buckets(table, self.n_buckets):
+                    yield (variant, bucket), _compact(part, table)
 
 
 def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str,
@@ -282,8 +302,9 @@ def _recompute_backend(recompute: str, checkpoint: str | None, temperature: floa
 
 
 class GroupStage(beam.DoFn):
-    """Advantages + dynamic filtering + log-prob recompute for the prompt groups of one bucket →
-    (purified destination, table) and (COUNTS_DESTINATION, counts)."""
+    """Advantages + dynamic filtering + log-prob recompute for the prompt groups of one bucket → the bucket's
+    purified rows staged (`<partition>/purified-<bucket>.parquet`), and (COUNTS_DESTINATION, counts): rows staged,
+    filtered groups, tokens forwarded."""
 
     def __init__(self, job: PurifyJob) -> None:
         self.job = job
@@ -299,37 +320,32 @@ class GroupStage(beam.DoFn):
 
         from purifier.batch import recompute_groups, with_advantages
 
-        (variant, _), parts = element
+        (variant, bucket), parts = element
         job = self.job
         table, filtered = with_advantages(pa.concat_tables(list(parts)), job.estimator, job.dynamic_filter,
-                                          job.roc_group_size if variant[0] == "roc" else None)
+                                          job.roc_group_size if variant.mode == "roc" else None)
         counts = {}
         if filtered:
-            counts[f"filtered_groups/{variant_name(*variant)}"] = filtered
+            counts[row_counter(variant, "filtered_groups")] = filtered
         if table.num_rows:
             if self.backend is not None:
                 table = recompute_groups(table, self.backend)
             counts["tokens_forwarded"] = int(pc.sum(table["tokens_forwarded"]).as_py() or 0)
-            yield destination(variant, "purified"), table
+            counts[row_counter(variant, "purified")] = write_staged(Path(job.staging), destination(variant, "purified"),
+                                                                   table, f"{bucket:05d}")
         if counts:
             yield COUNTS_DESTINATION, pa.table({"name": list(counts), "value": list(counts.values())}, schema=COUNTS)
 
 
 class WriteStaged(beam.DoFn):
-    """(destination, its tables) → one Parquet file in staging, then (destination, rows written).
-
-    Written to a hidden temporary name and renamed: a retried or re-executed bundle (a worker lost
-    mid-run) rewrites the same complete file, never a second copy of its rows."""
+    """(destination, its tables) → one Parquet file in staging (`write_staged`), then (destination, rows written)."""
 
     def __init__(self, staging: str) -> None:
         self.staging = staging
 
     def process(self, element):
         dest, tables = element
-        schema = schema_of(dest)
-        table = pa.concat_tables([t.select(schema.names).cast(schema) for t in tables])
-        atomic_write_parquet(staged_file(Path(self.staging), dest), table)
-        yield dest, table.num_rows
+        yield dest, write_staged(Path(self.staging), dest, pa.concat_tables(list(tables)))
 
 
 class WriteSummary(beam.DoFn):
@@ -388,7 +404,8 @@ def build(p: beam.Pipeline, job: PurifyJob) -> None:
 
 def staged_counts(staging: Path) -> dict[str, int]:
     """The counts of what a finished pipeline staged, from its summary and counts destination:
-    "purified/<variant>", "dead/<variant>", "invalid_parts", "filtered_groups[/<variant>]", "tokens_forwarded"."""
+    "purified/<partition>", "dead/<partition>", "invalid_parts", "filtered_groups[/<partition>]", "tokens_forwarded"
+    (<partition>: Variant.partition, e.g. mode=saar/gamma=0.50)."""
     try:
         summary = json.loads((Path(staging) / SUMMARY).read_text())
     except FileNotFoundError:
@@ -401,8 +418,8 @@ def staged_counts(staging: Path) -> dict[str, int]:
         if dest == INVALID_DESTINATION:
             counters["invalid_parts"] = rows
         elif dest != COUNTS_DESTINATION:
-            name, kind = dest.rsplit(".", 1)
-            counters[f"{kind}/{name}"] = rows
+            partition, kind = dest.rsplit("/", 1)
+            counters[f"{kind}/{partition}"] = rows
     if summary.get(COUNTS_DESTINATION):
         try:
             counts = pq.read_table(staged_file(staging, COUNTS_DESTINATION)).to_pylist()

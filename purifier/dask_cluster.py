@@ -1,8 +1,15 @@
 """A local Dask cluster for `purify.runner=dask`: one scheduler and N worker processes on 127.0.0.1.
 
-Every process is started by this module, recorded by pid in `<dir>/cluster.json` (by default
-`<storage.root>/.dask/`), and stopped by that pid alone (its own session and process group): nothing
-is ever signalled by name. Workers run without a nanny, so each worker is exactly one recorded process
+Dask's own entry points do the work: `dask scheduler --scheduler-file` and `dask worker --scheduler-file`
+(the workers find the scheduler through its file), and `Client.shutdown()` to stop (the scheduler closes its
+workers, then itself). What stays hand-written, and why: the join loop (`_wait_workers`) rather than
+`Client.wait_for_workers`, because it fails at once with the worker's last log line when a worker exits while
+starting (a bad --memory-limit) and checks that the workers that joined are the processes it started;
+and since `cleaner cluster start` returns while the cluster keeps running and `stop`/`status` are other
+commands, so the processes are recorded by pid in `<dir>/cluster.json` (by default `<storage.root>/.dask/`;
+a LocalCluster dies with the process that made it); and a cluster whose scheduler is gone (killed, crashed)
+cannot be shut down through it, so `stop` then ends what is left by those pids alone (its own session and
+process group), never by name. Workers run without a nanny, so each worker is exactly one recorded process
 (one that dies is not restarted: the scheduler reruns its tasks on the others). Start-up is bounded; a
 cluster that does not come up is stopped again and reported in one line naming its log.
 
@@ -205,7 +212,8 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         logs = []
         for i in range(workers):
             logs.append(directory / f"worker-{i}.log")
-            cmd = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", f"worker-{i}",
+            cmd = [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file),
+                   "--name", f"worker-{i}",
                    "--nworkers", "1", "--nthreads", str(threads), "--no-nanny", "--no-dashboard", "--host", HOST,
                    "--memory-limit", memory_limit, "--local-directory", str(directory / f"worker-{i}"),
                    # an orphaned worker (its scheduler killed) exits instead of waiting forever
@@ -225,20 +233,50 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         raise
 
 
+def _shutdown(cluster: Cluster, grace: float) -> None:
+    """Dask's own stop, through a running scheduler: it closes its workers, then itself."""
+    import logging
+
+    from distributed import Client
+
+    quiet = logging.getLogger("distributed")  # a scheduler closing under its client logs the lost connection
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with Client(cluster.address, timeout=f"{max(1.0, min(grace, 5.0)):.0f}s", set_as_default=False) as client:
+            client.shutdown()
+    except (OSError, TimeoutError):
+        pass  # not answering: the pids below end what is left
+    finally:
+        quiet.setLevel(level)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(p) for p in cluster.pids):
+        for pid in cluster.pids:
+            _reap(pid)
+        time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # one that exited and is our child (started in this process): reap it
+    except ChildProcessError:
+        pass
+
+
 def stop(directory: Path, grace: float = 10.0) -> Cluster | None:
-    """Stop the recorded cluster by its pids (workers first); returns it, or None when none was recorded.
-    A recorded pid that now belongs to another program is left alone."""
+    """Stop the recorded cluster: `Client.shutdown()` through its scheduler when that still runs, then by its
+    pids (workers first) whatever is left; returns it, or None when none was recorded. A recorded pid that now
+    belongs to another program is left alone."""
     directory = Path(directory).resolve()
     cluster = read_cluster(directory)
     if cluster is None:
         return None
+    if alive(cluster.scheduler_pid) and _ours(cluster.scheduler_pid, directory):
+        _shutdown(cluster, grace)
     for pid in cluster.pids:
         if alive(pid) and _ours(pid, directory):
             terminate(pid, grace)
-        try:
-            os.waitpid(pid, os.WNOHANG)  # one that died earlier (kill -9) and is our child: reap it
-        except ChildProcessError:
-            pass
+        _reap(pid)  # one that died earlier (kill -9) and is our child
     _state_path(directory).unlink(missing_ok=True)
     (directory / "scheduler.json").unlink(missing_ok=True)
     return cluster

@@ -6,7 +6,8 @@ sampled under (decided in purifier/saar.py). The others are recomputed under the
 - CPU backend: the group's prompt is forwarded once and its KV cache copied to every row; each row
   then forwards its response only up to its last token that needs a log-prob. Rows that need none
   are not forwarded at all. Positions go through the cache in chunks of `chunk_tokens` (over all
-  rows), and log-probs come from `pipeline.logprobs.token_logprobs`, so memory stays bounded at
+  rows), and log-probs come from `pipeline.logprobs.token_logprobs` (only for chunks that hold a token
+  needing one: a late splice pays the body, not the lm_head, before it), so memory stays bounded at
   any length: no full-vocabulary logits for a whole sequence, no T×T attention scores. (Tokens between the prompt and the splice are forwarded to rebuild
   their KV: no cache survives from the rollout process on CPU.)
 - SGLang backend: prefill with max_new_tokens=0 and logprob_start_len=P−1; RadixAttention reuses
@@ -71,17 +72,22 @@ class CPURecompute:
             targets = torch.zeros((n, width), dtype=torch.long)  # input j predicts response[j + 1]
             mask = torch.zeros((n, len(prompt) + width), dtype=torch.long)
             mask[:, : len(prompt)] = 1
-            for r, ((_, t, _), x) in enumerate(zip(todo, inputs)):
+            wanted = torch.zeros((n, width), dtype=torch.bool)  # input j is wanted when response[j + 1] needs a log-prob
+            for r, ((_, t, need), x) in enumerate(zip(todo, inputs)):
                 ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
                 targets[r, : len(x)] = torch.tensor(t.response_ids[1: len(x) + 1], dtype=torch.long)
                 mask[r, len(prompt): len(prompt) + len(x)] = 1
+                wanted[r, [i - 1 for i in need if i > 0]] = True
             step = max(1, self.chunk_tokens // n)
             for a in range(0, width, step):
                 b = min(width, a + step)
                 pos = torch.arange(len(prompt) + a, len(prompt) + b)[None, :].expand(n, -1)
                 hidden = self.body(input_ids=ids[:, a:b], attention_mask=mask[:, : len(prompt) + b], position_ids=pos,
                                    past_key_values=cache, use_cache=True).last_hidden_state
-                logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
+                # the body runs over every position (the cache needs them), the lm_head only over chunks with a
+                # token that needs its log-prob: before a late splice, 151,936 logits per position are wasted
+                if wanted[:, a:b].any():
+                    logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
         result = list(trajectories)
         for r, (k, t, need) in enumerate(todo):
             lps = list(t.old_logprobs)

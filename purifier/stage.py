@@ -1,4 +1,4 @@
-"""Phase 2 as a stage: one iteration's raw shard → one purified partition per (mode, γ).
+"""Phase 2 as a stage: one iteration's raw shard → one purified partition per variant (pipeline.modes.Variant).
 
 Partitions already committed with the same inputs and settings are skipped, so a rerun after a
 crash redoes only what is missing, and a replay under a new γ never touches the raw shard or the
@@ -22,7 +22,8 @@ from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, Cleane
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.batch import SORT
-from pipeline.modes import IS_MODES, partition_gamma, partition_measure, purify_measure
+from pipeline.modes import IS_MODES, Variant, live_measure
+from pipeline.similarity import Measure
 from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
@@ -45,38 +46,61 @@ class DaskRunFailed(CleanerError, RuntimeError):
 
 @dataclass
 class VariantResult:
-    mode: str
-    gamma: float
+    variant: Variant
     rows: int
     dead: int
     skipped: bool
 
+    @property
+    def mode(self) -> str:
+        return self.variant.mode
 
-def purify_config_hash(cfg: CleanerConfig, mode: str, gamma: float, raw_hash: str) -> str:
+    @property
+    def gamma(self) -> float:
+        return self.variant.threshold
+
+
+def mode_settings(cfg: CleanerConfig, mode: str) -> dict:
+    """The purify.* settings (PURIFY_MODE_SETTINGS) that change one mode's partitions and no other's."""
+    return {"roc_group_size": roc_group_size(cfg)} if mode == "roc" else {}
+
+
+def purify_config_hash(cfg: CleanerConfig, variant: Variant, raw_hash: str) -> str:
+    """What a partition was purified with: the same record for every variant (its partition path names the mode,
+    threshold and measure). Partitions committed by a cleaner before this record (issue 28) hash otherwise: the
+    stage refuses them in one line that says how to re-purify (`_committed_otherwise`)."""
     settings = cfg.purify.model_dump(mode="json", exclude=PURIFY_REPLAY_SETTINGS | PURIFY_MODE_SETTINGS)
-    record = {"purify": settings, "temperature": cfg.rollout.temperature, "mode": mode, "gamma": gamma, "raw": raw_hash}
-    if mode == "roc":  # a setting of one mode only: the other modes' partitions hash as before it existed
-        record["roc_group_size"] = roc_group_size(cfg)
-    measure = partition_measure(mode, purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on))
-    if measure:  # the default measure hashes as before, so partitions committed earlier stay valid
-        record["measure"] = measure
+    record = {"purify": settings, "temperature": cfg.rollout.temperature, "variant": variant.partition,
+              "mode_settings": mode_settings(cfg, variant.mode), "raw": raw_hash}
     data = json.dumps(record, sort_keys=True)
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
-def _staged(staging: Path, variant: tuple[str, float], kind: str, schema: pa.Schema,
-            counters: dict[str, int]) -> pa.Table:
-    """The rows the pipeline wrote for one variant and kind, checked against its own count of them (a
-    file sink that lost a file would otherwise look like fewer rows)."""
+def _staged(staging: Path, variant: Variant, kind: str, counters: dict[str, int]) -> pa.Table:
+    """The rows the pipeline wrote for one variant and kind (one file per bucket for purified rows), checked
+    against its own count of them (a file sink that lost a file would otherwise look like fewer rows)."""
     dest = beam_pipeline.destination(variant, kind)
-    tables = [pq.read_table(f) for f in sorted(staging.glob(dest + "-*.parquet"))]
-    table = pa.concat_tables(tables).cast(schema) if tables else schema.empty_table()
+    table = beam_pipeline.read_staged(staging, dest)
     reported = any(k.startswith(("purified/", "dead/")) for k in counters)  # a runner without metrics has none
     expected = counters.get(beam_pipeline.row_counter(variant, kind), 0)
     if reported and table.num_rows != expected:
         raise StagingMismatch(f"{staging}: {table.num_rows} staged rows for {dest}, but the pipeline produced "
                               f"{expected}; nothing was committed")
     return table
+
+
+def _committed_otherwise(out: Path, layout: RunLayout, iteration: int, variant: Variant, run_id: str,
+                         wanted: str) -> ShardError:
+    """A committed partition is never overwritten; one with another config hash was purified with other settings
+    (or by a cleaner before issue 28, whose hash left out what defaults were): re-purify it by hand."""
+    dead = layout.dead_letter_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
+    return ShardError(f"{out}: committed with other purify settings or by an earlier cleaner (config hash "
+                      f"{read_manifest(out).config_hash}, now {wanted}); to purify it again remove {out} and {dead}, "
+                      f"then run `cleaner purify --run {run_id} --iteration {iteration}`, or use a new flow.run_id")
+
+
+def _purified_dir(layout: RunLayout, iteration: int, variant: Variant) -> Path:
+    return layout.purified_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
 
 
 def _clean_stale_staging(staging_root: Path) -> None:
@@ -182,10 +206,11 @@ def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
         raise os_error(cause, f"purification staging in {staging}") from None
 
 
-def wanted_variants(modes: list[str], gammas: list[float], is_thresholds: list[float]) -> list[tuple[str, float]]:
-    """The (mode, threshold) partitions asked for: each γ for the similarity modes, each τ for the
-    importance-ratio modes, one partition for the others."""
-    return list(dict.fromkeys((m, partition_gamma(m, v)) for m in modes
+def wanted_variants(modes: list[str], gammas: list[float], is_thresholds: list[float],
+                    measure: Measure) -> list[Variant]:
+    """The partitions asked for: each γ for the similarity modes, each τ for the importance-ratio modes,
+    one partition for the others; the splicing modes under `measure`."""
+    return list(dict.fromkeys(Variant.of(m, v, measure) for m in modes
                               for v in (is_thresholds if m in IS_MODES else gammas)))
 
 
@@ -204,18 +229,17 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     modes = modes or cfg.purify.modes
     gammas = gammas or cfg.purify.gammas
     variants, results = [], []
-    measure = purify_measure(cfg.rollout.saar, cfg.purify.similarity, cfg.purify.similarity_on)
-    wanted = wanted_variants(modes, gammas, is_thresholds or cfg.purify.is_thresholds)
-    for mode, gamma in wanted:
-        h = purify_config_hash(cfg, mode, gamma, raw_manifest.config_hash)
-        out = layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure))
+    measure = live_measure(cfg.rollout.saar)  # a replay under another measure overrides rollout.saar
+    for variant in wanted_variants(modes, gammas, is_thresholds or cfg.purify.is_thresholds, measure):
+        h = purify_config_hash(cfg, variant, raw_manifest.config_hash)
+        out = _purified_dir(layout, iteration, variant)
         if is_committed(out, h):
             m = read_manifest(out)
-            results.append(VariantResult(mode, gamma, m.rows, m.extra.get("dead", 0), True))
+            results.append(VariantResult(variant, m.rows, m.extra.get("dead", 0), True))
         elif is_committed(out):
-            raise ShardError(f"{out}: committed with other settings; use a new run id to change them")
+            raise _committed_otherwise(out, layout, iteration, variant, run_id, h)
         else:
-            variants.append((mode, float(gamma), h))
+            variants.append((variant, h))
     if not variants:
         return results
     runner, runner_options = beam_runner(cfg)  # no local Dask cluster: one line before anything is written
@@ -230,35 +254,34 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
         staging.mkdir()  # before the pipeline runs: an unfinished purification leaves a trace
         raw_parts = [(str(raw_dir), asdict(p)) for p in raw_manifest.parts]
         counters = _run_pipeline(beam_pipeline.PurifyJob(
-            raw_parts=tuple(raw_parts), variants=tuple((m, g) for m, g, _ in variants), staging=str(staging),
+            raw_parts=tuple(raw_parts), variants=tuple(v for v, _ in variants), staging=str(staging),
             tokenizer_dir=str(checkpoint), estimator=cfg.purify.advantage, dynamic_filter=cfg.purify.dynamic_filter,
             recompute=cfg.purify.recompute, checkpoint=str(checkpoint), temperature=cfg.rollout.temperature,
-            sglang_url=cfg.rollout.sglang_url, vllm_urls=tuple(_vllm_urls(cfg, checkpoint)), measure=measure,
+            sglang_url=cfg.rollout.sglang_url, vllm_urls=tuple(_vllm_urls(cfg, checkpoint)),
             roc_group_size=roc_group_size(cfg), runner=runner, beam_options=tuple(runner_options)))
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())
             raise ShardError(reasons[0] if reasons else f"{raw_dir}: a raw part failed validation; nothing was "
                              "committed")
-        for mode, gamma, h in variants:
-            name = beam_pipeline.variant_name(mode, gamma)
-            table = _staged(staging, (mode, gamma), "purified", PURIFIED, counters).sort_by(SORT)
-            dead = _staged(staging, (mode, gamma), "dead", DEAD_LETTER, counters).sort_by([("raw_key", "ascending")])
+        for variant, h in variants:
+            table = _staged(staging, variant, "purified", counters).sort_by(SORT)
+            dead = _staged(staging, variant, "dead", counters).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
             inputs = [record_path(cfg.storage.root, raw_dir / "_MANIFEST.json")]
-            dead_dir = layout.dead_letter_dir(iteration, mode, gamma, partition_measure(mode, measure))
+            dead_dir = layout.dead_letter_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
             if not is_committed(dead_dir):
                 write_shard(dead_dir, dead, DEAD_LETTER, h, inputs=inputs)
             if fraction > cfg.purify.max_dead_letter_fraction:
                 reasons = "; ".join(sorted(set(dead.column("reason").to_pylist()))[:3])
                 raise DeadLetterOverflow(
-                    f"{raw_dir}: {dead.num_rows}/{raw_manifest.rows} rows could not be purified for mode={mode} "
-                    f"γ={gamma} (limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
-            extra = {"dead": dead.num_rows, "filtered_groups": counters.get(f"filtered_groups/{name}", 0),
+                    f"{raw_dir}: {dead.num_rows}/{raw_manifest.rows} rows could not be purified for {variant} "
+                    f"(limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
+            extra = {"dead": dead.num_rows, "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
                      "checkpoint": record_path(cfg.storage.root, checkpoint)}
-            write_shard(layout.purified_dir(iteration, mode, gamma, partition_measure(mode, measure)), table, PURIFIED, h, inputs=inputs, extra=extra,
+            write_shard(_purified_dir(layout, iteration, variant), table, PURIFIED, h, inputs=inputs, extra=extra,
                         rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
-            results.append(VariantResult(mode, gamma, table.num_rows, dead.num_rows, False))
+            results.append(VariantResult(variant, table.num_rows, dead.num_rows, False))
     except OSError as e:  # committing: a full or read-only disk is one line, and the partition is not written
         raise os_error(e, f"writing the purified shards of {raw_dir.parent}") from None
     finally:

@@ -15,10 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import apache_beam as beam
 import pyarrow as pa
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.config import DEFAULT_POLICY
+from pipeline.modes import Variant
 from pipeline.processes import alive
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from purifier import beam_pipeline, dask_cluster
@@ -172,6 +175,17 @@ def test_a_worker_killed_mid_run_is_survived_or_one_line_and_the_rerun_commits_t
 
 
 @pytest.mark.timeout(60)
+def test_stop_ends_a_running_cluster_through_dask_shutdown_without_a_signal(tmp_path):
+    directory = tmp_path / "cluster"
+    c = dask_cluster.start(directory, workers=1, timeout=60)
+    try:
+        dask_cluster._shutdown(c, grace=30)  # what stop() does first while the scheduler runs
+        assert not any(alive(p) for p in c.pids)  # the scheduler closed its worker and itself: no pid was signalled
+    finally:
+        dask_cluster.stop(directory, grace=5)
+    assert dask_cluster.status(directory) is None
+
+
 def test_no_cluster_or_no_scheduler_is_one_line_and_writes_nothing(world_rollout, tmp_path):
     root = tmp_path / "ws"
     _raw_shard(world_rollout, root)
@@ -218,7 +232,7 @@ def test_pipeline_uses_no_construct_the_dask_runner_drops():
     import apache_beam as beam
 
     p = beam.Pipeline()
-    beam_pipeline.build(p, beam_pipeline.PurifyJob((), (("saar", 0.5),), "/nonexistent", str(DEFAULT_POLICY)))
+    beam_pipeline.build(p, beam_pipeline.PurifyJob((), (Variant.of("saar", 0.5),), "/nonexistent", str(DEFAULT_POLICY)))
     found = []
 
     class Visitor(beam.pipeline.PipelineVisitor):
@@ -273,3 +287,40 @@ def test_scheduler_killed_mid_run_is_one_line_and_a_new_cluster_commits_the_same
     finally:
         dask_cluster.stop(fresh.directory, grace=5)
     assert _output(root) == reference
+
+
+class _Parity(beam.DoFn):
+    """Odd numbers on the main output, even ones tagged "even", each counted in a Beam metric."""
+
+    def process(self, x):
+        beam.metrics.Metrics.counter("parity", "seen").inc()
+        yield x if x % 2 else beam.pvalue.TaggedOutput("even", x)
+
+
+def _tagged_run(options: list[str], seen: Path):
+    p = beam.Pipeline(options=PipelineOptions(options))
+    outs = p | beam.Create([1, 2, 3, 4]) | beam.ParDo(_Parity()).with_outputs("even", main="odd")
+    _ = outs.even | beam.Map(lambda x, d=str(seen): (Path(d) / str(x)).touch())  # the last transform
+    result = p.run()
+    result.wait_until_finish()
+    return result, sorted(int(f.name) for f in seen.iterdir())
+
+
+def test_why_purify_keys_its_one_output_and_stages_its_counts(cluster, tmp_path):
+    """beam_pipeline tells groups from destined tables by key and stages its counts as rows, rather than using
+    tagged outputs and Beam metrics, because Beam's DaskRunner keeps neither (FnApiRunner keeps both). If a Beam
+    upgrade fixes the Dask side, this fails: then PurifyBatches can tag its outputs and the counts become metrics."""
+    (fn_seen := tmp_path / "fn").mkdir()
+    result, even = _tagged_run(["--runner=FnApiRunner"], fn_seen)
+    assert even == [2, 4]
+    (counter,) = result.metrics().query(beam.metrics.MetricsFilter().with_name("seen"))["counters"]
+    assert counter.committed == 4
+    (dask_seen := tmp_path / "dask").mkdir()
+    result, even = _tagged_run([f"--runner={beam_pipeline.DASK_RUNNER}", f"--dask_client_address={cluster.address}"],
+                               dask_seen)
+    try:
+        assert even == [1, 2, 3, 4]  # the consumer of the "even" tag read the main output too
+        with pytest.raises(NotImplementedError):
+            result.metrics()
+    finally:
+        result.client.close()

@@ -12,8 +12,8 @@ import pytest
 from flows.cli import build_parser
 from pipeline.config import ConfigError, load_config
 from pipeline.kinds import failed_call, trajectory_kind
-from pipeline.modes import MODES, SPLICING_MODES, partition_gamma, partition_measure
-from pipeline.similarity import REFERENCE_MEASURE
+from pipeline.modes import MODES, SPLICING_MODES, Variant, partition_gamma, partition_measure
+from pipeline.similarity import REFERENCE_MEASURE, Measure
 from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
 from purifier.advantages import group_advantages
 from purifier.batch import with_advantages
@@ -25,7 +25,7 @@ from storage import catalog
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
-from storage.shards import read_shard
+from storage.shards import ShardError, read_shard
 from tests.scripted_group import NAMES, build_group, write_group
 from tests.flow_helpers import rollout_copy
 
@@ -65,7 +65,7 @@ def test_gamma_and_measure_name_the_splicing_modes_only(real):
     assert [partition_gamma(m, GAMMA) for m in NEW] == [GAMMA, 0.0, 0.0]
     assert [partition_measure(m, REFERENCE_MEASURE) for m in NEW] == ["difflib-segment", "", ""]
     other = real.model_copy(deep=True)
-    other.purify.similarity = "difflib"
+    other.rollout.saar.similarity = "difflib"
     run_purify_stage(other, "w", 0, ["saar_correct", "roc"], [GAMMA])
     it = RunLayout(real.storage.root, "w").iteration_dir(0) / "purified"
     assert sorted(p.name for p in (it / "mode=saar_correct").iterdir()) == ["gamma=0.50", "gamma=0.50-difflib-segment"]
@@ -77,18 +77,43 @@ def test_gamma_and_measure_name_the_splicing_modes_only(real):
         ("roc", None), ("saar_correct", "difflib-segment"), ("saar_correct", "rapidfuzz-segment")]
 
 
-def test_partitions_committed_before_the_new_modes_keep_their_config_hash():
-    """Golden values computed before issue 19: a new purify setting must not invalidate committed partitions."""
+def test_every_variant_hashes_one_record_and_a_mode_setting_only_its_mode():
+    """Golden values of the one record (issue 28): a new purify setting must not invalidate committed partitions
+    (settings left out of the hash: replay and mode settings), and a mode's own setting only that mode's."""
     cfg = load_config(None, [])
-    assert purify_config_hash(cfg, "saar", 0.5, "rawhash") == "fef87f5b0d2a6b5c"
-    assert purify_config_hash(cfg, "raw", 0.0, "rawhash") == "8d42453f08ff6f03"
-    assert purify_config_hash(cfg, "void_turn", 0.0, "rawhash") == "77a6c94094e856b4"
-    assert purify_config_hash(load_config(None, ["purify.similarity=difflib"]), "saar", 0.5, "rawhash") == \
-        "c220e167290c8495"
+    assert purify_config_hash(cfg, Variant.of("saar", 0.5), "rawhash") == "c50811d5d948a6cc"
+    assert purify_config_hash(cfg, Variant.of("raw", 0.0), "rawhash") == "dcc16b6b0b382d87"
+    assert purify_config_hash(cfg, Variant.of("void_turn", 0.0), "rawhash") == "d3af88001cb421bb"
+    assert purify_config_hash(cfg, Variant.of("saar", 0.5, Measure("difflib")), "rawhash") == "f837ded6173116ea"
     two, three = (load_config(None, [f"purify.roc_group_size={k}"]) for k in (2, 3))
-    assert purify_config_hash(two, "saar", 0.5, "h") == purify_config_hash(three, "saar", 0.5, "h")
-    assert purify_config_hash(two, "roc", 0.0, "h") != purify_config_hash(three, "roc", 0.0, "h")
-    assert purify_config_hash(cfg, "roc", 0.0, "h") == purify_config_hash(two, "roc", 0.0, "h")  # default: 4 // 2
+    assert purify_config_hash(two, Variant.of("saar", 0.5), "h") == purify_config_hash(three, Variant.of("saar", 0.5), "h")
+    assert purify_config_hash(two, Variant.of("roc", 0.0), "h") != purify_config_hash(three, Variant.of("roc", 0.0), "h")
+    assert purify_config_hash(cfg, Variant.of("roc", 0.0), "h") == purify_config_hash(two, Variant.of("roc", 0.0), "h")  # default: 4 // 2
+
+
+def test_one_measure_setting_the_old_purify_keys_say_where_they_went():
+    for key in ("similarity=difflib", "similarity_on=code"):
+        with pytest.raises(ConfigError, match=rf"config key 'purify\.{key.split('=')[0]}' merged into "
+                                              rf"rollout\.saar\.{key.split('=')[0]} "):
+            load_config(None, [f"purify.{key}"])
+
+
+def test_a_partition_committed_with_another_hash_is_refused_in_one_line_that_says_how_to_repurify(world_copy):
+    """A partition an earlier cleaner committed (its hash left out the default measure) is never overwritten."""
+    import json
+
+    cfg = world_copy
+    cfg.purify.modes, cfg.purify.gammas = ["raw"], [0.5]
+    run_purify_stage(cfg, "w", 0)
+    out = RunLayout(cfg.storage.root, "w").purified_dir(0, "raw", 0.0)
+    manifest = json.loads((out / "_MANIFEST.json").read_text())
+    manifest["config_hash"] = "fef87f5b0d2a6b5c"  # as committed before the one record
+    (out / "_MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError) as e:
+        run_purify_stage(cfg, "w", 0)
+    message = str(e.value)
+    assert "\n" not in message and "config hash fef87f5b0d2a6b5c" in message
+    assert f"remove {out} and" in message and "cleaner purify --run w --iteration 0" in message
 
 
 def test_roc_group_size_is_validated_and_the_modes_are_choices():

@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -155,14 +156,19 @@ def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stag
 
     def run_then_lose_a_file(job):
         counters = real_run(job)
-        (lost,) = Path(job.staging).glob("saar-0.50.purified-*.parquet")
-        lost.unlink()
+        buckets = sorted(Path(job.staging).glob("mode=saar/gamma=0.50/purified-*.parquet"))  # one per bucket
+        assert len(buckets) > 1
+        lost_rows.append(pq.read_metadata(buckets[0]).num_rows)
+        buckets[0].unlink()
         return counters
 
+    lost_rows: list[int] = []
     monkeypatch.setattr(beam_pipeline, "run", run_then_lose_a_file)
     c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
-    with pytest.raises(StagingMismatch, match=r"0 staged rows for saar-0.50.purified, but the pipeline produced 64"):
+    with pytest.raises(StagingMismatch, match=r"staged rows for mode=saar/gamma=0.50/purified, but the pipeline "
+                                              r"produced 64") as e:
         run_purify_stage(c, "w", 0)
+    assert f"{64 - lost_rows[0]} staged rows" in str(e.value)
     assert read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)) is None
 
 

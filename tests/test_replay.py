@@ -81,7 +81,7 @@ def test_replay_at_gammas_writes_partitions_and_other_measure_beside_default(run
     assert layout.purified_dir(0, "saar", 0.9).is_dir()
 
     other = run.model_copy(deep=True)
-    other.purify.similarity = "difflib"
+    other.rollout.saar.similarity = "difflib"  # a replay under another measure than the run lived with
     assert run_replay(other, "w", 0, [0.9], ["saar"], sweep=False) == 0
     ref_rows = _table_rows(capsys.readouterr().out)
     assert ref_rows[0][7] == 0  # the reference measure agrees with itself

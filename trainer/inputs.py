@@ -49,7 +49,7 @@ class UpdateInputs:
 
 def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
     layout = RunLayout(cfg.storage.root, run_id)
-    measure = live_measure(cfg.rollout.saar)  # a run trains on its own measure; purify.similarity only replays
+    measure = live_measure(cfg.rollout.saar)  # a run trains on its own measure (rollout.saar, frozen in run.json)
     part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma),
                                partition_measure(cfg.train.mode, measure))
     manifest = read_manifest(part)
@@ -108,7 +108,7 @@ def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(inputs.src, dtype=torch.float32, attn_implementation=UPDATE_ATTENTION)
     check_compatible(inputs.src, model, inputs.rows, inputs.raw_manifest)
-    torch.set_num_threads(max(1, cfg.rollout.threads))
+    torch.set_num_threads(max(1, cfg.rollout.engine_tuning.threads))
     return model
 
 
