@@ -99,11 +99,12 @@ def _user_error_names() -> set[str]:
     return names
 
 
-class _UserErrorsOnce(logging.Filter):
-    """Prefect logs a failed task's state, then the flow's exception, then the flow's state: one user error
-    (a CleanerError, whose message is the one line that names the file and the fix) three times, and the
-    command prints it a fourth. Each record keeps the error's class; its message stays in the first record
-    only, or in none when the command prints it at its end. Other exceptions are left as they are."""
+class _UserErrors(logging.Filter):
+    """Prefect logs a failed task's state, then the flow's exception, then the flow's state, each failure with
+    its traceback: one user error (a CleanerError, the input's or the environment's fault, not a bug, whose
+    message is the one line that names the file and the fix) three times, and the command prints it a fourth.
+    For a CleanerError the traceback goes, and each record keeps the error's class; its message stays in the
+    first record only, or in none when the command prints it at its end. Other exceptions are left as they are."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,6 +115,8 @@ class _UserErrorsOnce(logging.Filter):
         if record is self._last:
             return True
         self._last = record
+        if record.exc_info and isinstance(record.exc_info[1], CleanerError):
+            record.exc_info, record.exc_text = None, None
         message = record.getMessage()
         found = re.search(r"\b(%s)(: |\()" % "|".join(sorted(_user_error_names())), message)
         if found is None:
@@ -128,11 +131,12 @@ class _UserErrorsOnce(logging.Filter):
 
 
 def user_errors_once() -> None:
-    """Install _UserErrorsOnce on the handlers Prefect's run loggers write through (after `import prefect`)."""
-    once = _UserErrorsOnce()
+    """Install _UserErrors on the handlers Prefect's run loggers write through (after `import prefect`): a
+    user error without its traceback, its message once."""
+    once = _UserErrors()
     for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
         for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _UserErrorsOnce) for f in handler.filters):
+            if not any(isinstance(f, _UserErrors) for f in handler.filters):
                 handler.addFilter(once)
 
 

@@ -1,7 +1,6 @@
 """Prefect settings that must be in place before `prefect` is imported (docs/install.md)."""
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -21,26 +20,6 @@ def configure_prefect(root: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
     os.environ.setdefault("PREFECT_UI_ENABLED", "false")
-
-
-class _UserErrorsWithoutTraceback(logging.Filter):
-    """Prefect logs each failed task and flow with its traceback; for a CleanerError (the input's or the
-    environment's fault, not a bug) the message already names the file and the fix, so the traceback
-    goes. Every other exception keeps it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], CleanerError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def user_errors_without_tracebacks() -> None:
-    """Install the filter on the handlers Prefect's run loggers write through (after `import prefect`)."""
-    keep = _UserErrorsWithoutTraceback()
-    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _UserErrorsWithoutTraceback) for f in handler.filters):
-                handler.addFilter(keep)
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:

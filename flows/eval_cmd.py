@@ -7,12 +7,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
-from pipeline.config import CleanerConfig, load_config
-
-if TYPE_CHECKING:
-    from rollout_gen.tasks import Task
+from flows.command import command_parser, config_of
+from pipeline.config import CleanerConfig
 
 METRICS_FILE = "metrics.json"
 # Fields that depend on wall-clock time, not on the policy: excluded when comparing reruns.
@@ -21,21 +18,12 @@ TIMING_FIELDS = ("generated_tokens_per_s", "wall_s", "latency_s")
 
 def evaluate_world(cfg: CleanerConfig, checkpoint: Path, limit: int | None = None, show_progress: bool = True,
                    samples: int = 1) -> dict:
+    """avg@k / pass@k and tool metrics of the world's first `limit` held-out tasks, `samples` samples each,
+    with the real agent loop."""
+    from rollout_gen.eval_run import evaluate_tasks
     from rollout_gen.world.tasks import eval_tasks
 
-    return evaluate(cfg, checkpoint, eval_tasks(cfg.world)[:limit], show_progress, samples)
-
-
-def evaluate(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], show_progress: bool = True,
-             samples: int = 1) -> dict:
-    """avg@k / pass@k and tool metrics of `samples` samples per task with the real agent loop."""
-    from rollout_gen.eval_run import evaluate_tasks
-
-    return evaluate_tasks(cfg, checkpoint, tasks, samples, show_progress).metrics
-
-
-def write_metrics(metrics: dict, path: Path) -> None:
-    path.write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    return evaluate_tasks(cfg, checkpoint, eval_tasks(cfg.world)[:limit], samples, show_progress).metrics
 
 
 def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: int, limit: int | None,
@@ -75,15 +63,15 @@ def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: 
         print(f"wrote {export_lcb}: {len(entries)} LiveCodeBench problems × {samples} generations "
               f"(python -m lcb_runner.runner.custom_evaluator --custom_output_file {export_lcb})", file=sys.stderr)
     if write and world:
-        write_metrics(metrics, policy / METRICS_FILE)
+        (policy / METRICS_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
         print(f"wrote {policy / METRICS_FILE}", file=sys.stderr)
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from rollout_gen.eval_run import check_samples
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_of(args)
     if not args.world and not args.tasks:
         print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
         return 2
@@ -100,7 +88,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
         from flows.console import print_metrics
-        from flows.training import eval_flow
+        from flows.side_flows import eval_flow
 
         result = eval_flow(str(args.config) if args.config else None, list(args.overrides),
                            tasks_file=str(args.tasks) if args.tasks else None, samples=args.samples, limit=args.limit)
@@ -109,28 +97,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
 
 
-def add_eval_command(sub, add_config_args: Callable[[argparse.ArgumentParser], None], epilog: str) -> None:
-    p = sub.add_parser(
-        "eval", help="measure a policy on held-out tasks with the real agent loop",
-        description="Roll out the policy (rollout.policy) --samples times per held-out task of the tool-use world "
-        "(or of --tasks FILE), with SAAR retries as configured, and print well-formed call rate, first-call "
-        "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
-        "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
-        "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
-        "LiveCodeBench counts them (docs/eval.md).",
-        epilog="Examples:\n  cleaner eval --world\n  cleaner eval --world --samples 16\n"
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "eval", "measure a policy on held-out tasks with the real agent loop",
+        "Examples:\n  cleaner eval --world\n  cleaner eval --world --samples 16\n"
         "  cleaner eval --world --limit 50 rollout.temperature=1.3\n"
         "  cleaner eval --tasks aime_2024_problems.parquet --samples 16 rollout.policy=/ckpt\n"
         "  cleaner eval --tasks lcb_v6.parquet --samples 4 --export-lcb generations.json\n"
         "  cleaner eval --world --samples 4 --flow   # Prefect flow: SAAR at test time on vs off\n"
-        "  cleaner eval --world --write      # refresh metrics.json beside the policy\n\n" + epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p)
+        "  cleaner eval --world --write      # refresh metrics.json beside the policy",
+        "Roll out the policy (rollout.policy) --samples times per held-out task of the tool-use world "
+        "(or of --tasks FILE), with SAAR retries as configured, and print well-formed call rate, first-call "
+        "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
+        "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
+        "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
+        "LiveCodeBench counts them (docs/eval.md).")
     p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
     p.add_argument("--tasks", type=Path, help="evaluate on a task file: Open-AgentRL-Eval (AIME2024, AIME2025, "
                    "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
     p.add_argument("--samples", type=int, default=1, metavar="K",
-                   help="samples per task (seeds rollout.seed … +K-1), at most rollout.max_in_flight [1]")
+                   help="samples per task (seeds rollout.seed … +K-1), at most rollout.engine_tuning.max_in_flight [1]")
     p.add_argument("--limit", type=int, help="only the first N held-out tasks")
     p.add_argument("--export-lcb", type=Path, metavar="FILE",
                    help="write the code tasks' generations in LiveCodeBench's custom-evaluation format "
@@ -139,4 +125,4 @@ def add_eval_command(sub, add_config_args: Callable[[argparse.ArgumentParser], N
     p.add_argument("--flow", action="store_true",
                    help="run as the Prefect eval flow: pass@k, tool errors and latency with SAAR on and off")
     p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=run)

@@ -15,15 +15,12 @@ command, since pass rates without it would be wrong.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-import pyarrow as pa
-
-from storage.catalog import Catalog
+from flows.command import command_parser, config_of
 from storage.errors import CleanerError
-from storage.layout import RunLayout
-from storage.shards import ShardError, ShardMissing, atomic_write_parquet
 
 PASS_RATES_SQL = """
 SELECT prompt_id, any_value(task_source) AS data_source, any_value(question) AS question,
@@ -33,15 +30,6 @@ WHERE run_id = $run AND ($iterations IS NULL OR list_contains($iterations, itera
 GROUP BY prompt_id ORDER BY prompt_id
 """
 
-# The layout rollout_gen/tasks.py `load_task_parquet` reads (Open-AgentRL / verl), plus what the filter saw.
-TASK_FILE = pa.schema([
-    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("data_source", pa.string()),
-    ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-    ("prompt_id", pa.string()),
-    ("pass_rate", pa.float64()),
-    ("rollouts", pa.int64()),
-])
 
 
 class FilterError(CleanerError, ValueError):
@@ -59,6 +47,10 @@ def check_bounds(min_pass: float, max_pass: float) -> None:
 def pass_rates(root: Path, run_id: str, iterations: list[int] | None = None) -> list[dict]:
     """Per task of the run: data_source, question, ground_truth, rollouts and pass rate, from committed
     raw shards only. Uncommitted shards of the run are named on stderr; a corrupt one refuses."""
+    from storage.catalog import Catalog  # DuckDB and Arrow load when the command runs, not with `cleaner --help`
+    from storage.layout import RunLayout
+    from storage.shards import ShardError, ShardMissing
+
     run_dir = RunLayout(root, run_id).run_dir
     if not run_dir.is_dir():
         raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
@@ -81,16 +73,25 @@ def kept(rows: list[dict], min_pass: float, max_pass: float) -> list[dict]:
     return [r for r in rows if min_pass < r["pass_rate"] < max_pass]
 
 
-def task_table(rows: list[dict]) -> pa.Table:
-    return pa.Table.from_pylist([{
+def write_task_file(rows: list[dict], out: Path) -> None:
+    """The layout rollout_gen/tasks.py `load_task_parquet` reads (Open-AgentRL / verl), plus what the filter
+    saw; written under a temporary name beside `out`, then renamed: a failure leaves no half-written file."""
+    import pyarrow as pa
+
+    from storage.shards import atomic_write_parquet
+
+    schema = pa.schema([
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("data_source", pa.string()),
+        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+        ("prompt_id", pa.string()),
+        ("pass_rate", pa.float64()),
+        ("rollouts", pa.int64()),
+    ])
+    atomic_write_parquet(Path(out), pa.Table.from_pylist([{
         "prompt": [{"role": "user", "content": r["question"]}], "data_source": r["data_source"],
         "reward_model": {"ground_truth": r["ground_truth"], "style": "rule"}, "prompt_id": r["prompt_id"],
-        "pass_rate": r["pass_rate"], "rollouts": r["rollouts"]} for r in rows], schema=TASK_FILE)
-
-
-def write_task_file(table: pa.Table, out: Path) -> None:
-    """Written under a temporary name beside `out`, then renamed: a failure leaves no half-written file."""
-    atomic_write_parquet(Path(out), table)
+        "pass_rate": r["pass_rate"], "rollouts": r["rollouts"]} for r in rows], schema=schema))
 
 
 def run_filter(root: Path, run_id: str, iterations: list[int] | None, min_pass: float, max_pass: float,
@@ -102,5 +103,31 @@ def run_filter(root: Path, run_id: str, iterations: list[int] | None, min_pass: 
     if not keep:
         raise FilterError(f"no task of run {run_id!r} has a pass rate strictly between {min_pass:g} and {max_pass:g} "
                           f"({len(rows)} tasks seen); nothing was written to {out}")
-    write_task_file(task_table(keep), out)
+    write_task_file(keep, out)
     return len(keep), len(rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    run_id = args.run or cfg.flow.run_id
+    n, seen = run_filter(cfg.storage.root, run_id, args.iterations, args.min_pass, args.max_pass, args.out)
+    print(f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
+          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train rollout.tasks={args.out}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "filter", "a task file of the tasks whose logged pass rate is strictly between two bounds",
+        "Example:\n  cleaner filter --run demo --min-pass 0.1 --max-pass 0.9 --out tasks.parquet\n"
+        "  cleaner train rollout.tasks=tasks.parquet flow.run_id=filtered",
+        "Per task of a run, the share of its committed rollouts with a positive reward (from the raw shards, "
+        "through the DuckDB catalog: uncommitted shards are never read); tasks with min-pass < pass rate < "
+        "max-pass are written as a task file that rollout.tasks accepts. The defaults keep tasks neither always "
+        "nor never solved.")
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iterations", type=int, nargs="+", help="only these iterations (default: all committed)")
+    p.add_argument("--min-pass", type=float, default=0.0, help="keep tasks whose pass rate is above this [0]")
+    p.add_argument("--max-pass", type=float, default=1.0, help="keep tasks whose pass rate is below this [1]")
+    p.add_argument("--out", type=Path, required=True, help="task file to write (Parquet)")
+    p.set_defaults(func=run)

@@ -1,4 +1,4 @@
-"""The `cleaner` subcommands that run Prefect flows: demo, train, report, schedule (and eval --flow)."""
+"""`cleaner demo`, `train`, `report` and `schedule` (Prefect flows), and `server` and `cluster` (local services)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from flows.command import command_parser, config_of
 from flows.console import working
 from pipeline.config import load_config
 
@@ -26,7 +27,7 @@ def command_args(config: Path | None, overrides: list[str]) -> str:
 
 
 def _load(args: argparse.Namespace):
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_of(args)
     from flows.env import configure_prefect
 
     configure_prefect(cfg.storage.root)
@@ -49,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from flows.report import iteration_table, markdown_table, write_report
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
     page = write_report(cfg.storage.root, run_id, gamma=cfg.train.gamma)
     print(markdown_table(iteration_table(cfg.storage.root, run_id)))
@@ -69,7 +70,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"[demo] no policy at {cfg.rollout.policy}: bootstrapping one (about 20 minutes) ...")
         bootstrap(cfg.rollout.policy, BootstrapConfig(world=cfg.world))
     with working("[demo] loading Prefect and the training flow"):
-        from flows.training import replay_flow, training_flow
+        from flows.side_flows import replay_flow
+        from flows.training import training_flow
     from flows.report import iteration_table, markdown_table, write_report
 
     print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
@@ -141,7 +143,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     from flows.server import prefect_home, running_server, start_server, stop_server
 
-    root = load_config(args.config, args.overrides).storage.root
+    root = config_of(args).storage.root
     if args.action == "start":
         starting = None if running_server(root) else working(
             f"starting a Prefect server for {root} (log: {prefect_home(root) / 'server.log'})")
@@ -161,7 +163,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from purifier import dask_cluster
 
-    directory = dask_cluster.cluster_dir(load_config(args.config, args.overrides).storage.root)
+    directory = dask_cluster.cluster_dir(config_of(args).storage.root)
     if args.action == "start":
         c = dask_cluster.start(directory, workers=args.workers, threads=args.threads, port=args.port,
                                timeout=args.timeout, resources=args.resources or "")
@@ -178,39 +180,31 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_flow_commands(sub, add_config_args, epilog: str) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("demo", help="the main job: a multi-iteration training flow on the embedded defaults",
-                       description="Build the tiny policy if absent, run the training flow of configs/demo.yaml, "
-                       "replay iteration 0 under three γ, write the report and print where to look.",
-                       epilog="Example:\n  cleaner demo flow.iterations=2\n\n" + epilog, formatter_class=fmt)
-    add_config_args(p)
+def add_parser(sub) -> None:
+    p = command_parser(sub, "demo", "the main job: a multi-iteration training flow on the embedded defaults",
+                       "Example:\n  cleaner demo flow.iterations=2",
+                       "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
+                       "iteration 0 under three γ, write the report and print where to look.")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", help="run the training flow: N iterations of rollout -> purify -> update (Prefect)",
-                       description="Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points "
-                       "at `prefect server start`). Stages whose output is committed are skipped: rerun to resume.",
-                       epilog="Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10\n\n"
-                       + epilog, formatter_class=fmt)
-    add_config_args(p)
+    p = command_parser(sub, "train", "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
+                       "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
+                       "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "
+                       "server start`). Stages whose output is committed are skipped: rerun to resume.")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("report", help="write PNG plots and an HTML page for a run",
-                       epilog="Example:\n  cleaner report --run demo -c configs/demo.yaml\n\n" + epilog,
-                       formatter_class=fmt)
-    add_config_args(p)
+    p = command_parser(sub, "report", "write PNG plots and an HTML page for a run",
+                       "Example:\n  cleaner report --run demo -c configs/demo.yaml")
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("schedule", help="serve the training flow as a Prefect deployment (interval or cron)",
-                       description="Blocks and serves the deployment. Without PREFECT_API_URL it first starts a "
-                       "local Prefect server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command "
-                       "ends), since Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers "
-                       "the deployment there. Each firing does new work: by default it trains flow.iterations more "
-                       "iterations of flow.run_id from its last checkpoint (--new-run: a new run per firing).",
-                       epilog="Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml\n\n" + epilog,
-                       formatter_class=fmt)
-    add_config_args(p)
+    p = command_parser(sub, "schedule", "serve the training flow as a Prefect deployment (interval or cron)",
+                       "Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml",
+                       "Blocks and serves the deployment. Without PREFECT_API_URL it first starts a local Prefect "
+                       "server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command ends), since "
+                       "Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers the deployment "
+                       "there. Each firing does new work: by default it trains flow.iterations more iterations of "
+                       "flow.run_id from its last checkpoint (--new-run: a new run per firing).")
     p.add_argument("--name", default="cleaner-training")
     p.add_argument("--interval", type=float, help="seconds between runs")
     p.add_argument("--cron", help="cron expression")
@@ -222,26 +216,23 @@ def add_flow_commands(sub, add_config_args, epilog: str) -> None:
         "iterations from its last checkpoint"))
     p.set_defaults(func=cmd_schedule)
 
-    p = sub.add_parser("server", help="start/stop/status of the project's local Prefect server (127.0.0.1)",
-                       description="A real Prefect server with the project's Prefect home (<storage.root>/.prefect), "
-                       "started in the background and stopped by its recorded pid. Runs, deployments and schedules "
-                       "then show in its UI; commands use it when PREFECT_API_URL is exported as printed.",
-                       epilog="Example:\n  cleaner server start\n  cleaner server stop\n\n" + epilog,
-                       formatter_class=fmt)
-    p.add_argument("action", choices=["start", "stop", "status"])
-    add_config_args(p)
+    p = command_parser(sub, "server", "start/stop/status of the project's local Prefect server (127.0.0.1)",
+                       "Example:\n  cleaner server start\n  cleaner server stop",
+                       "A real Prefect server with the project's Prefect home (<storage.root>/.prefect), started in "
+                       "the background and stopped by its recorded pid. Runs, deployments and schedules then show "
+                       "in its UI; commands use it when PREFECT_API_URL is exported as printed.",
+                       actions=("start", "stop", "status"))
     p.add_argument("--port", type=int, help="port (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="without the web UI")
     p.set_defaults(func=cmd_server)
 
-    p = sub.add_parser("cluster", help="start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
-                       description="A Dask scheduler and N worker processes on 127.0.0.1, pids in "
-                       "<storage.root>/.dask/cluster.json, each stopped by its own pid. With purify.runner=dask and no "
+    p = command_parser(sub, "cluster", "start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
+                       "Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo --iteration 0 "
+                       "purify.runner=dask\n  cleaner cluster stop",
+                       "A Dask scheduler and N worker processes on 127.0.0.1, pids in <storage.root>/.dask/"
+                       "cluster.json, each stopped by its own pid. With purify.runner=dask and no "
                        "purify.dask_address, purify uses this cluster. Many nodes: docs/scale_out.md.",
-                       epilog="Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo "
-                       "--iteration 0 purify.runner=dask\n  cleaner cluster stop\n\n" + epilog, formatter_class=fmt)
-    p.add_argument("action", choices=["start", "stop", "status"])
-    add_config_args(p)
+                       actions=("start", "stop", "status"))
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")

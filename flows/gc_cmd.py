@@ -1,9 +1,11 @@
 """`cleaner gc`: keep a long run's store to what it needs (storage/retention.py decides and removes)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
+from flows.command import command_parser, config_of
 from pipeline.config import CleanerConfig
 from pipeline.modes import partition_gamma, partition_measure
 from storage.layout import RunLayout
@@ -14,7 +16,7 @@ def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
     """The partitions (mode=…/gamma=…) the run's own flow writes and trains on, from its frozen config
     (run.json): a resumed or continued run would purify them again, with checkpoints gc may have removed."""
     from pipeline.config import CleanerConfig as Config
-    from pipeline.modes import IS_MODES, purify_measure
+    from pipeline.modes import IS_MODES, live_measure
 
     layout = RunLayout(cfg.storage.root, run_id)
     if layout.run_json.is_file():
@@ -22,7 +24,7 @@ def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
         cfg = Config.model_validate({**cfg.model_dump(mode="json"), **{k: v for k, v in frozen.items()
                                                                         if k in ("purify", "train", "rollout")}})
     p, t = cfg.purify, cfg.train
-    measure = purify_measure(cfg.rollout.saar, p.similarity, p.similarity_on)
+    measure = live_measure(cfg.rollout.saar)
     wanted = {(m, v) for m in [*p.modes, t.mode] for v in (p.is_thresholds if m in IS_MODES else [*p.gammas, t.gamma])}
     out = set()
     for mode, value in wanted:
@@ -43,10 +45,35 @@ def run_gc(cfg: CleanerConfig, run_id: str, keep_last: int, keep: list[int], par
         empty_trash(cfg.storage.root)  # what a gc killed mid-way left
         for item in items:
             remove(cfg.storage.root, item)
-        from storage.catalog import publish_quietly
+        from flows.run_config import publish_catalog
 
-        publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog,
-                        lambda m: print(f"cleaner gc: {m}", file=sys.stderr))
+        publish_catalog(cfg, lambda m: print(f"cleaner gc: {m}", file=sys.stderr))
     print(f"{'would free' if dry_run else 'freed'} {total / 2**20:.1f} MiB in {len(items)} item(s)"
           + (" (dry run: nothing changed)" if dry_run else ""))
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    return run_gc(cfg, args.run or cfg.flow.run_id, args.keep_last, args.keep or [], args.remove_partition or [],
+                  args.dry_run)
+
+
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "gc", "remove a run's old checkpoints and named replay partitions, keeping what it needs",
+        "Examples:\n  cleaner gc --run demo --keep-last 2 --dry-run\n  cleaner gc --run demo --keep-last 3 "
+        "--keep 10 --remove-partition mode=saar/gamma=0.30 mode=saar_is/tau=0.70",
+        "Keeps the newest --keep-last checkpoints, those given with --keep, any checkpoint an update is still "
+        "writing, every raw shard and the partition the run trains on; removes the other checkpoints and the "
+        "purified/dead-letter partitions named with --remove-partition in every iteration. Each item goes in one "
+        "rename (never half-removed); the catalog is republished. Replays of an iteration whose checkpoint was "
+        "removed cannot recompute log-probs (keep it with --keep).")
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--keep-last", type=int, default=2, help="newest committed checkpoints to keep (≥ 1; default 2)")
+    p.add_argument("--keep", type=int, nargs="+", metavar="ITERATION", help="also keep these iterations' checkpoints")
+    p.add_argument("--remove-partition", nargs="+", metavar="MODE/THRESHOLD",
+                   help="replay partitions to remove from every iteration, as named under purified/ "
+                   "(e.g. mode=saar/gamma=0.30); never the one the run trains on")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed and change nothing")
+    p.set_defaults(func=run)

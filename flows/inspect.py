@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flows.command import command_parser, config_of
 from storage.errors import InspectError, WorkspaceError
 
 if TYPE_CHECKING:  # `cleaner --help` reads COLUMNS: DuckDB, Arrow and rich load when a table is printed
@@ -313,3 +314,29 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
                   "purified_summary, splices, purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, "
                   "failed_call_advantage, off_policy, raw_texts, raw_attempt_texts, purified_texts, catalog_problems)")
     return 0
+
+
+def run(args) -> int:
+    return run_inspect(config_of(args), sql=args.sql, run_id=args.run, print_queries=args.queries,
+                       verify=args.verify, show_all=args.all, wide=args.wide)
+
+
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "inspect", "summarise runs from the DuckDB catalog, or run SQL on its views",
+        "Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
+        "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + columns_help(),
+        "Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters, metrics, "
+        "raw_kinds, trajectory_kinds, failed_call_advantage, off_policy. Every part is checked in full once "
+        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.")
+    p.add_argument("--sql", help="run this SQL against the catalog and print the result")
+    p.add_argument("--run", help="restrict the summary to one run id")
+    p.add_argument("--queries", action="store_true", help="print example queries to try")
+    p.add_argument("--all", action="store_true", help="summary tables of every iteration (default: each run's last 10)")
+    p.add_argument("--wide", action="store_true", help=(
+        "every column of the summary tables (default: those that fit 100 columns; a table wider than the terminal "
+        "is printed whole, for `less -S`)"))
+    p.add_argument("--verify", action="store_true", help=(
+        "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
+        "name each bad file, and exit 1 if any is bad"))
+    p.set_defaults(func=run)

@@ -6,15 +6,17 @@ and whether to purify at all: the premise table (flows/premise.py) with the rule
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
+from flows.command import config_of
 from flows.console import working
+from flows.stage_cmds import purify_parser
 from pipeline.config import CleanerConfig, SaarConfig
+from pipeline.modes import live_measure
 from pipeline.similarity import REFERENCE_MEASURE
-from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
-                             sweep_gammas, sweep_taus, with_retries)
-from pipeline.modes import live_measure, purify_measure
 
 
 def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
@@ -63,9 +65,11 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from rich.console import Console
     from rich.table import Table
 
-    from pipeline.trajectory import trajectory_from_row
-    from purifier.stage import run_purify_stage
     from pipeline.chat import load_chat
+    from pipeline.trajectory import trajectory_from_row
+    from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
+                                 sweep_gammas, sweep_taus, with_retries)
+    from purifier.stage import run_purify_stage
     from storage.layout import RunLayout, resolve_recorded
     from storage.schemas import RAW
     from storage.shards import read_manifest, read_shard
@@ -86,9 +90,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         sampled_by = resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0])
         chat = load_chat(sampled_by)
     saar = lived_saar(cfg, layout.run_json)
-    live, measure = live_measure(saar), purify_measure(saar, cfg.purify.similarity, cfg.purify.similarity_on)
-    import sys
-
+    live, measure = live_measure(saar), live_measure(cfg.rollout.saar)  # as lived (run.json) vs as replayed now
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     with working(f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
                  f"at {len(gammas)} γ"):
@@ -132,3 +134,23 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
                saar.gamma_live, f"{run_id} iteration {iteration} ({measure.key})")
     print(f"plot: {png}")  # one line whatever the terminal width: a path to copy
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.run_config import publish_catalog
+
+    cfg = config_of(args)
+    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep,
+                      args.is_threshold)
+    publish_catalog(cfg, lambda message: print(f"cleaner: {message}", file=sys.stderr))
+    return code
+
+
+def add_parser(sub) -> None:
+    p = purify_parser(sub, "replay", "re-purify stored raw shards under other γ / modes, never touching them, and "
+                      "compare", "cleaner replay --run demo --iteration 0 --gamma 0.3 0.5 0.7")
+    p.add_argument("--sweep", action="store_true", help=(
+        "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
+        "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: rollout.saar.similarity(_on); "
+        "with --mode saar_is or --is-threshold: the importance-ratio histogram and decisions per τ"))
+    p.set_defaults(func=run)

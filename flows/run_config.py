@@ -1,9 +1,13 @@
-"""A run's config, frozen in run.json when the run starts; a rerun must agree with it."""
+"""What the training flow keeps about a run besides its stages' shards: its id (from a template for a
+schedule's firings), its config frozen in run.json when it starts (a rerun must agree with it), how many
+iterations it has trained, and the DuckDB catalog republished after each commit."""
 from __future__ import annotations
 
 import json
+import time
+from typing import Callable
 
-from pipeline.config import PURIFY_REPLAY_SETTINGS, CleanerConfig
+from pipeline.config import MOVED_TO_ENGINE_TUNING, PURIFY_REPLAY_SETTINGS, CleanerConfig
 from storage.errors import CleanerError
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
@@ -20,7 +24,14 @@ def _frozen(data: dict) -> dict:
     out = {s: dict(data[s]) for s in FROZEN_SECTIONS}
     for key in PURIFY_REPLAY_SETTINGS:
         out["purify"].pop(key, None)
-    out["rollout"].pop("threads", None)
+    rollout = out["rollout"]
+    rollout.pop("loop", None)  # removed by issue 28: every run rolls out on the asynchronous loop
+    tuning = dict(rollout.get("engine_tuning") or {})
+    for key in MOVED_TO_ENGINE_TUNING:  # a run frozen before rollout.engine_tuning held them
+        if key in rollout:
+            tuning[key] = rollout.pop(key)
+    tuning.pop("threads", None)  # speed only: a rerun may use other threads
+    rollout["engine_tuning"] = tuning
     return out
 
 
@@ -39,3 +50,29 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
                                     f"({'; '.join(diffs[:5])}); use a new flow.run_id")
         return
     atomic_write_json(layout.run_json, now)
+
+
+def run_id_for(template: str, run_id: str, now: float | None = None) -> str:
+    """A firing's run id from a template: {run_id} the configured one, {date} / {time} the firing's local
+    date (YYYYMMDD) and time (HHMMSS); e.g. 'nightly-{date}'."""
+    t = time.localtime(now)
+    return template.format(run_id=run_id, date=time.strftime("%Y%m%d", t), time=time.strftime("%H%M%S", t))
+
+
+def trained_iterations(cfg: CleanerConfig, run_id: str) -> int:
+    """How many iterations of the run are done: their update's checkpoint is committed (done marker)."""
+    from storage.checkpoints import DONE_MARKER
+
+    layout = RunLayout(cfg.storage.root, run_id)
+    n = 0
+    while (layout.checkpoint_dir(n + 1) / DONE_MARKER).is_file():
+        n += 1
+    return n
+
+
+def publish_catalog(cfg: CleanerConfig, warn: Callable[[str], None]) -> None:
+    """Republish <root>/catalog.duckdb after a stage committed: every committed shard is queryable at once
+    (a failure is one warning, never the stage's: the next commit or `cleaner inspect` publishes again)."""
+    from storage.catalog import publish_quietly
+
+    publish_quietly(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, warn)

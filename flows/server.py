@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import importlib.util
 import json
 import os
 import signal
@@ -79,21 +78,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> str | None:
-    """None once `url` answers; else what went wrong (the process exited, or the time ran out)."""
-    deadline = time.monotonic() + timeout
+def _wait_started(proc: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path) -> None:
+    """Return once `url` answers; else stop the process and raise one line: what went wrong (it exited, or
+    the time ran out) and the last line of its log."""
+    deadline, problem = time.monotonic() + timeout, f"did not answer on {url} within {timeout:.0f} s"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            return f"exited with code {proc.returncode} while starting"
+            problem = f"exited with code {proc.returncode} while starting"
+            break
         if healthy(url):
-            return None
+            return
         time.sleep(0.2)
-    return f"did not answer on {url} within {timeout:.0f} s"
+    terminate(proc.pid)
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+    raise ServerError(f"{what} {problem}: {tail[0]} (log: {log_path})")
 
 
-def server_env(root: Path) -> dict[str, str]:
-    """The environment a project server (and every client of it) runs with."""
-    return {**os.environ, "PREFECT_HOME": str(prefect_home(root)), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+def _launch(port: int, env: dict[str, str], log_path: Path, flags: list[str], bound: bool) -> subprocess.Popen:
+    """`prefect server start` in the foreground of a child of ours (Prefect's own command; its web server runs
+    in that one process), output to log_path, in its own group: stopped as a whole, by our pid. bound: the
+    child dies with this process, however it dies (kill -9 included)."""
+    env = {**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # the server itself must not try to talk to another one
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port), "--analytics-off",
+           *flags]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_die_with(os.getpid()) if bound else None)
 
 
 def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
@@ -109,20 +120,9 @@ def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
     port = port or free_port()
     url = f"http://{HOST}:{port}/api"
     log_path = home / "server.log"
-    env = server_env(root)
-    env.pop("PREFECT_API_URL", None)  # the server itself must not try to talk to another one
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port),
-           "--ui" if ui else "--no-ui", "--analytics-off"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True,  # its own group: stopped as a whole, by our pid
-                                preexec_fn=_die_with(os.getpid()) if bound else None)
+    proc = _launch(port, {**os.environ, "PREFECT_HOME": str(home)}, log_path, ["--ui" if ui else "--no-ui"], bound)
     state = ServerState(proc.pid, port, url, str(log_path))
-    problem = _wait_healthy(proc, url, timeout)
-    if problem:
-        terminate(proc.pid)
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-        raise ServerError(f"prefect server {problem}: {tail[0]} (log: {log_path})")
+    _wait_started(proc, url, timeout, "prefect server", log_path)
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(state)))
     os.replace(tmp, _state_path(root))
@@ -155,41 +155,25 @@ def _die_with(parent: int):
 
 
 def start_temporary_server(root: Path) -> str | None:
-    """Start Prefect's temporary API server ourselves, from the main thread, bound to this process's
-    life; returns its API URL (also exported as PREFECT_API_URL), or None when the user set one.
+    """Start a temporary Prefect server for this command, bound to its life; returns its API URL (also
+    exported as PREFECT_API_URL), or None when the user set one.
 
-    Prefect would start the same server (uvicorn over `prefect.server.api.server:create_app`, SQLite in
-    PREFECT_HOME) on first use, but only stops it from an atexit hook: after kill -9 of the command it
-    kept running and listening. Started here, it dies with the command (PR_SET_PDEATHSIG) and is stopped
-    by its own pid on a normal exit.
+    Prefect would start its own temporary server on first use, but only stops it from an atexit hook:
+    after kill -9 of the command it kept running and listening. This one is Prefect's `prefect server
+    start` without UI, scheduler or late-run service (nothing to schedule in one command), our child: it dies
+    with the command (PR_SET_PDEATHSIG) and is stopped by its own pid on a normal exit.
     """
     if os.environ.get("PREFECT_API_URL"):
         return None
     configure_prefect(root)
     port = free_port()
-    app_dir = Path(importlib.util.find_spec("prefect").origin).parent.parent
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory", "prefect.server.api.server:create_app",
-         "--host", HOST, "--port", str(port), "--log-level", "error", "--lifespan", "on"],
-        env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    atexit.register(stop)
+    log_path = Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"
+    proc = _launch(port, dict(os.environ), log_path, ["--no-ui", "--no-scheduler", "--no-late-runs"], bound=True)
+    atexit.register(lambda: proc.poll() is None and terminate(proc.pid))  # a normal exit; kill -9: PDEATHSIG
     url = f"http://{HOST}:{port}/api"
     with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
-        problem = _wait_healthy(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]))
-    if problem:
-        stop()
-        raise ServerError(f"the temporary Prefect server {problem} (home {os.environ['PREFECT_HOME']}; start-up "
-                          "timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
+        _wait_started(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
+                      "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",
+                      log_path)
     os.environ["PREFECT_API_URL"] = url
     return url

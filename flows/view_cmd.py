@@ -4,33 +4,30 @@ The web stack is imported inside the command, so building the command line stays
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
-from pipeline.config import load_config
+from flows.command import command_parser, config_of
 
 
-def cmd_view(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from flows.viewer.serve import serve
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = config_of(args)
     return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
 
 
-def add_view_command(sub, add_config_args: Callable[[argparse.ArgumentParser], None], epilog: str) -> None:
-    p = sub.add_parser(
-        "view", help="browse runs, trajectories and their purified variants in a local web app",
-        description="Serve a web app on 127.0.0.1 (prints the URL) over the storage root, reading only committed "
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "view", "browse runs, trajectories and their purified variants in a local web app",
+        "Examples:\n  cleaner view\n  cleaner view --port 8800 -c configs/demo.yaml\n"
+        "  cleaner view storage.root=workspace/experiments",
+        "Serve a web app on 127.0.0.1 (prints the URL) over the storage root, reading only committed "
         "shards, so it works while a flow writes: runs, iterations, a trajectory table with filters (kind, error "
         "label, partition, spliced, reward, advantage sign, text), one trajectory's attempt tree beside every "
         "purified variant aligned at token level (kept, removed and inserted spans, loss mask, advantage, behaviour "
         "vs recomputed log-probs as colour), the run's report (`cleaner report`), and a SQL box on a read-only "
-        "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.",
-        epilog="Examples:\n  cleaner view\n  cleaner view --port 8800 -c configs/demo.yaml\n"
-        "  cleaner view storage.root=workspace/experiments\n\n" + epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p)
+        "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
                    "the network (a warning says so)")
     p.add_argument("--port", type=int, default=8765, help="port [8765]; 0 picks a free one")
-    p.set_defaults(func=cmd_view)
+    p.set_defaults(func=run)

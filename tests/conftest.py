@@ -26,12 +26,10 @@ def world_rollout(tmp_path_factory):
 @pytest.fixture()
 def world_copy(world_rollout, tmp_path):
     """A private copy of world_rollout's runs under tmp_path/ws: tests that write beside its shards."""
-    import shutil
+    from tests.flow_helpers import copy_runs
 
-    root = tmp_path / "ws"
-    shutil.copytree(world_rollout.storage.root / "runs", root / "runs")
     cfg = world_rollout.model_copy(deep=True)
-    cfg.storage.root = root
+    cfg.storage.root = copy_runs(world_rollout.storage.root, tmp_path / "ws")
     return cfg
 
 

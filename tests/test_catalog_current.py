@@ -6,19 +6,13 @@ as a relative `storage.root`, and every reader runs from another working directo
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = """\
-flow: {{run_id: {run}, iterations: 1}}
-rollout: {{tasks_per_iteration: 2, samples_per_prompt: 2}}
-purify: {{modes: [saar], gammas: [0.5]}}
-train: {{mini_batches: 1}}
-"""
+from tests.flow_helpers import run_cleaner, temporary_server_env, tiny_config
+
 HOLD = """
 import sys, time, duckdb
 con = duckdb.connect(sys.argv[1])  # read-write, as the duckdb CLI opens a file by default
@@ -28,15 +22,13 @@ time.sleep(600)
 
 
 def _cleaner(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PREFECT_API_URL", None)
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return run_cleaner(argv, cwd=cwd, env=temporary_server_env())
 
 
 def _train(cwd: Path, run: str) -> None:
-    cfg = cwd / f"{run}.yaml"
-    cfg.write_text(TINY.format(run=run))
+    cfg = tiny_config(cwd, f"{run}.yaml", flow={"run_id": run, "iterations": 1, "tensorboard": False},
+                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, purify={"modes": ["saar"]},
+                      train={"mini_batches": 1})
     p = _cleaner(["train", "-c", str(cfg), "storage.root=ws"], cwd)  # relative to the working directory
     assert p.returncode == 0, p.stderr[-3000:]
 

@@ -117,15 +117,13 @@ def test_template_without_a_derivable_generation_prompt_is_one_clear_error():
 
 def test_init_policy_writes_a_thinking_2507_checkpoint(tmp_path):
     import json
-    import subprocess
-    import sys
+
+    from tests.flow_helpers import run_cleaner
 
     out = tmp_path / "thinking"
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "init-policy", "--out", str(out), "--template",
-                          "thinking-2507"], capture_output=True, text=True)
+    run = run_cleaner(["init-policy", "--out", str(out), "--template", "thinking-2507"])
     assert run.returncode == 0, run.stderr
     assert json.loads((out / "PROVENANCE.json").read_text())["chat_template"] == "thinking-2507"
     assert load_chat(out).frame.generation_prompt == "<|im_start|>assistant\n<think>\n"
-    bad = subprocess.run([sys.executable, "-m", "flows.cli", "init-policy", "--out", str(tmp_path / "x"), "--template",
-                          "nope"], capture_output=True, text=True)
+    bad = run_cleaner(["init-policy", "--out", str(tmp_path / "x"), "--template", "nope"])
     assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr and not (tmp_path / "x").exists()

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
 from flows.cli import build_parser, main
+from flows.command import split_overrides
 from pipeline.config import CleanerConfig, ConfigError, load_config
+from tests.flow_helpers import ROOT, run_cleaner
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -54,10 +55,31 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_console_script_runs_and_reports_bad_keys():
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "config", "flow.iterations=4"], capture_output=True, text=True)
+    out = run_cleaner(["config", "flow.iterations=4"])
     assert out.returncode == 0 and "iterations: 4" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "flows.cli", "config", "flow.iteration=4"], capture_output=True, text=True)
+    bad = run_cleaner(["config", "flow.iteration=4"])
     assert bad.returncode == 2 and "unknown config key 'flow.iteration'" in bad.stderr
+
+
+@pytest.mark.parametrize("argv,rest,overrides", [
+    (["purify", "a.b=1", "--run", "r", "--gamma", "0.3", "0.5", "c.d=2"],
+     ["purify", "--run", "r", "--gamma", "0.3", "0.5"], ["a.b=1", "c.d=2"]),
+    (["inspect", "--sql", "x.y=1", "s.t=2"], ["inspect", "--sql", "x.y=1"], ["s.t=2"]),  # a value stays a value
+    (["gc", "--run", "a.b=c", "--keep", "1", "2", "e.f=3"], ["gc", "--run", "a.b=c", "--keep", "1", "2"], ["e.f=3"]),
+    (["schedule", "--new-run", "n.d={date}", "-c", "f.y=1", "flow.run_id=x"],
+     ["schedule", "--new-run", "n.d={date}", "-c", "f.y=1"], ["flow.run_id=x"]),
+])
+def test_overrides_are_split_from_anywhere_but_never_from_an_options_value(argv, rest, overrides):
+    assert split_overrides(build_parser(), argv) == (rest, overrides)
+
+
+def test_no_product_file_reads_argparse_private_attributes():
+    private = [f"{path.relative_to(ROOT)}:{n}" for top in ("flows", "pipeline", "rollout_gen", "purifier", "trainer",
+                                                          "storage", "policies")
+               for path in (ROOT / top).rglob("*.py")
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if "._actions" in line or "argparse._" in line or "_SubParsersAction" in line]
+    assert not private, private
 
 
 def test_inspect_on_an_empty_root(tmp_path, capsys):
@@ -107,3 +129,16 @@ def test_inspect_on_a_read_only_root_does_not_send_you_to_inspect(tmp_path, caps
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
     assert "raw trajectories" in out.out
     assert "read-only" in out.err and "`cleaner inspect` rebuilds it" not in out.err, out.err
+
+
+@pytest.mark.parametrize("key, says", [("rollout.loop", "removed: every rollout runs the asynchronous loop"),
+                                       ("rollout.deterministic", "moved to rollout.engine_tuning.deterministic")])
+def test_a_key_earlier_configs_had_says_what_became_of_it(tmp_path, key, says):
+    """An old YAML (or override) naming a removed or moved key: one line that says so, not a close-match guess."""
+    section, name = key.split(".")
+    old = tmp_path / "old.yaml"
+    old.write_text(f"{section}:\n  {name}: lockstep\n" if name == "loop" else f"{section}:\n  {name}: false\n")
+    for load in (lambda: load_config(old, []), lambda: load_config(None, [f"{key}=1"])):
+        with pytest.raises(ConfigError) as e:
+            load()
+        assert "\n" not in str(e.value) and f"config key {key!r} {says}" in str(e.value)

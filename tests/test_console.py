@@ -1,13 +1,10 @@
 """The console of a real one-iteration `cleaner train`: no library noise, readable summaries."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.flow_helpers import command_env, prefect_api, run_cleaner, tiny_config
+
 NOISE = (
     "GCSFileSystem",  # Beam's optional cloud file systems
     "apitools not found",
@@ -20,14 +17,11 @@ NOISE = (
 
 
 def test_one_iteration_train_prints_no_library_noise(tmp_path):
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(f"storage: {{root: {tmp_path}}}\nflow: {{run_id: quiet, iterations: 1}}\n"
-                   "rollout: {tasks_per_iteration: 2, samples_per_prompt: 2}\n"
-                   "purify: {modes: [saar, raw], gammas: [0.5]}\ntrain: {mini_batches: 1}\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS")}
-    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / ".prefect"))
-    p = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=600)
+    cfg = tiny_config(tmp_path, flow={"run_id": "quiet", "iterations": 1, "tensorboard": False},
+                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, train={"mini_batches": 1})
+    env = {k: v for k, v in command_env(tmp_path).items()
+           if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS", "PREFECT_API_URL")}
+    p = run_cleaner(["train", "-c", str(cfg)], cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     console = p.stdout + p.stderr
     for noise in NOISE:
@@ -47,10 +41,18 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
     entropy = con.sql("SELECT value FROM metrics WHERE name = 'entropy'").fetchall()
     assert entropy and all(v is None for (v,) in entropy)  # null in the metrics shard
     con.close()
-    # Rerun: every stage is committed and says so, rather than a plain "Completed()".
-    again = subprocess.run([sys.executable, "-m", "flows.cli", "train", "-c", str(cfg)], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    for stage in ("rollout", "purify", "update"):
-        assert re.search(rf"Task run '{stage}-\w+' - Finished in state Completed\('skipped \(committed\)'\)",
-                         again.stderr), again.stderr
+    # Rerun on a project server: every stage is committed, and its task run's final state says so in Prefect's
+    # API, rather than a plain "Completed()".
+    server = run_cleaner(["server", "start", "--no-ui", "-c", str(cfg)], tmp_path)
+    assert server.returncode == 0, server.stderr[-3000:]
+    url = re.search(r"PREFECT_API_URL=(\S+)", server.stdout).group(1)
+    try:
+        again = run_cleaner(["train", "-c", str(cfg)], cwd=tmp_path, env={**env, "PREFECT_API_URL": url})
+        assert again.returncode == 0, again.stderr[-3000:]
+        (rerun,) = prefect_api(url, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})
+        tasks = prefect_api(url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [rerun["id"]]}}})
+    finally:
+        run_cleaner(["server", "stop", "-c", str(cfg)], tmp_path)
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    states = {t["name"].split("-")[0]: (t["state"]["type"], t["state"]["message"]) for t in tasks}
+    assert states == {stage: ("COMPLETED", "skipped (committed)") for stage in ("rollout", "purify", "update")}, tasks

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.flow_helpers import TINY, cleaner
+from tests.flow_helpers import cleaner, copy_runs, tiny_config
 
 
 @pytest.fixture()
 def run(uninterrupted, tmp_path) -> Path:
     """A copy of the tiny run (the shared one is never modified) and its config file, tiny.yaml."""
-    root = tmp_path / "ws"
-    shutil.copytree(uninterrupted / "runs", root / "runs")
-    (root / "tiny.yaml").write_text(TINY.format(root=root))
+    root = copy_runs(uninterrupted, tmp_path / "ws")
+    tiny_config(root)
     return root
 
 
@@ -54,8 +53,7 @@ def test_update_progress_lines_follow_every_micro_batch(purified_run, tmp_path, 
     from trainer.stage import run_update_stage
 
     cfg = purified_run.model_copy(deep=True)
-    shutil.copytree(cfg.storage.root / "runs", tmp_path / "runs")
-    cfg.storage.root = tmp_path
+    cfg.storage.root = copy_runs(purified_run.storage.root, tmp_path)
     cfg.train.micro_batch_tokens, cfg.train.mini_batches = 200, 2
     monkeypatch.setattr(trainer.stage, "PROGRESS_EVERY_S", 0.0)  # a line per micro-batch, whatever the speed
     lines: list[str] = []
@@ -74,14 +72,10 @@ def test_replay_says_what_it_does_before_its_first_table(run):
 
 def test_server_start_says_what_it_is_doing(tmp_path):
     try:
-        out = _out(["server", "start", "--no-ui"], _with_config(tmp_path))
+        tiny_config(tmp_path)
+        out = _out(["server", "start", "--no-ui"], tmp_path)
     finally:
         _out(["server", "stop"], tmp_path)
     lines = out.splitlines()
     assert lines[0].startswith("starting a Prefect server for "), out
     assert any(line.startswith("started: pid ") for line in lines[1:]), out
-
-
-def _with_config(root: Path) -> Path:
-    (root / "tiny.yaml").write_text(TINY.format(root=root))
-    return root

@@ -2,25 +2,15 @@
 copied into a shell (another working directory), they look at the same workspace."""
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cleaner(argv: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+from tests.flow_helpers import run_cleaner
 
 
 def test_demo_prints_commands_that_look_at_the_same_workspace(tmp_path):
     root = tmp_path / "my workspace"  # a space: the printed commands must quote it
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    demo = _cleaner(["demo", f"storage.root={root}", "flow.iterations=1", "rollout.tasks_per_iteration=2",
-                     "rollout.samples_per_prompt=2", "flow.replay_gammas=[0.9]"], ROOT, env)
+    demo = run_cleaner(["demo", f"storage.root={root}", "flow.iterations=1", "rollout.tasks_per_iteration=2",
+                        "rollout.samples_per_prompt=2", "flow.replay_gammas=[0.9]"], timeout=900)
     assert demo.returncode == 0, demo.stderr[-3000:]
     lines = demo.stdout.splitlines()
     printed = [ln.strip() for ln in lines if ln.strip().startswith(("cleaner inspect", "replay      cleaner"))]
@@ -34,7 +24,7 @@ def test_demo_prints_commands_that_look_at_the_same_workspace(tmp_path):
     for command in (inspect, replay):
         argv = shlex.split(command)
         assert argv[0] == "cleaner"
-        p = _cleaner(argv[1:], elsewhere, env)
+        p = run_cleaner(argv[1:], cwd=elsewhere, timeout=900)
         assert p.returncode == 0, f"{command}\n{p.stderr[-2000:]}"
         assert "demo" in p.stdout, f"{command} did not see the demo run:\n{p.stdout[-2000:]}"
     assert not (elsewhere / "workspace").exists()  # nothing looked at a default workspace instead

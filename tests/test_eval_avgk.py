@@ -10,7 +10,6 @@ import pyarrow as pa
 import pytest
 
 from flows.cli import main
-from flows.eval_cmd import evaluate
 from pipeline.chat import load_chat
 from pipeline.config import DEFAULT_POLICY, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
@@ -28,8 +27,8 @@ def test_avg_at_k_is_the_mean_of_k_single_sample_runs_with_the_same_seeds():
     cfg = load_config(None, [f"rollout.seed={SEED}"])
     tasks = eval_tasks(cfg.world)[:N_TASKS]
     run = evaluate_tasks(cfg, DEFAULT_POLICY, tasks, samples=K, show_progress=False)
-    singles = [evaluate(load_config(None, [f"rollout.seed={SEED + s}"]), DEFAULT_POLICY, tasks, show_progress=False)
-               for s in range(K)]
+    singles = [evaluate_tasks(load_config(None, [f"rollout.seed={SEED + s}"]), DEFAULT_POLICY, tasks,
+                              show_progress=False).metrics for s in range(K)]
     avg = run.metrics["benchmarks"]["all"]["pass@1"]
     assert avg == pytest.approx(sum(m["accuracy"] for m in singles) / K, abs=1e-12)
     assert run.metrics["accuracy"] == avg and run.metrics["samples"] == K
@@ -61,8 +60,8 @@ def test_bad_k_is_one_line_and_nothing_is_written(tmp_path, capsys):
     ws = tmp_path / "ws"
     base = ["eval", "--world", f"storage.root={ws}"]
     _refused([*base, "--samples", "0"], capsys, 2, "--samples 0", ">= 1")
-    _refused([*base, "--samples", "65"], capsys, 2, "--samples 65", "rollout.max_in_flight (64)")
-    _refused([*base, "--samples", "8", "rollout.max_in_flight=4"], capsys, 2, "rollout.max_in_flight (4)")
+    _refused([*base, "--samples", "65"], capsys, 2, "--samples 65", "rollout.engine_tuning.max_in_flight (64)")
+    _refused([*base, "--samples", "8", "rollout.engine_tuning.max_in_flight=4"], capsys, 2, "rollout.engine_tuning.max_in_flight (4)")
     _refused([*base, "--samples", "2", "--flow", "--export-lcb", str(tmp_path / "x.json")], capsys, 2, "--export-lcb")
     with pytest.raises(SystemExit):
         main([*base, "--samples", "many"])

@@ -3,35 +3,19 @@ evaluates checkpoints 0 and 1 on held-out world tasks with SAAR at test time on 
 the metrics shard (stage=eval) is in the catalog's `metrics` view and `cleaner report` plots and tabulates it."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.shards import read_manifest
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = """\
-storage: {{root: {root}}}
-flow: {{run_id: ev, iterations: 1, eval_every: 1, eval_samples: 2, eval_limit: 4}}
-rollout: {{tasks_per_iteration: 2, samples_per_prompt: 2}}
-purify: {{modes: [saar], gammas: [0.5]}}
-train: {{mini_batches: 1}}
-"""
-
-
-def cleaner(args: list[str], root: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+from tests.flow_helpers import run_cleaner, tiny_config
 
 
 def test_flow_eval_every_writes_metrics_the_catalog_and_report_show(tmp_path):
-    cfg = tmp_path / "ev.yaml"
-    cfg.write_text(CONFIG.format(root=tmp_path))
-    p = cleaner(["train", "-c", str(cfg)], tmp_path)
+    cfg = tiny_config(tmp_path, "ev.yaml", flow={"run_id": "ev", "iterations": 1, "tensorboard": False, "eval_every": 1,
+                                                 "eval_samples": 2, "eval_limit": 4},
+                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, purify={"modes": ["saar"]},
+                      train={"mini_batches": 1})
+    p = run_cleaner(["train", "-c", str(cfg)], tmp_path)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     layout = RunLayout(tmp_path, "ev")
     for i in (0, 1):  # the initial policy, and the last checkpoint
@@ -48,7 +32,7 @@ def test_flow_eval_every_writes_metrics_the_catalog_and_report_show(tmp_path):
             assert (i, f"{setting}/all/tool_failures_per_trajectory") in got
             assert (i, f"{setting}/all/pass@1_se") in got and (i, f"{setting}/wall_s") in got
     assert not any(name.startswith("saar_on/all/pass@4") for _, name in got)  # k stops at the 2 samples
-    r = cleaner(["report", "--run", "ev", f"storage.root={tmp_path}"], tmp_path)
+    r = run_cleaner(["report", "--run", "ev", f"storage.root={tmp_path}"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     page = (layout.run_dir / "report" / "index.html").read_text().replace("<wbr>", "")  # headers wrap at "_"
     assert "Held-out evaluation" in page and "saar_on pass@1" in page and "saar_off tool failures/traj" in page

@@ -2,22 +2,17 @@
 fewer columns than `--wide`, and every column of the summary tables is explained."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.flow_helpers import ROOT, on_terminal
+from tests.flow_helpers import ROOT, copy_runs, on_terminal, run_cleaner
 
 
 @pytest.fixture()
 def store(uninterrupted, tmp_path) -> Path:
     """A copy of the 2-iteration tiny run (inspect republishes the catalog: the shared run stays untouched)."""
-    root = tmp_path / "ws"
-    shutil.copytree(uninterrupted / "runs", root / "runs")
-    return root
+    return copy_runs(uninterrupted, tmp_path / "ws")
 
 
 def test_tables_at_100_columns_cut_no_value_and_say_what_surprises(store):
@@ -40,8 +35,8 @@ def test_help_explains_every_column_of_the_summary_tables(store):
     with Catalog(store) as cat:
         names = {name for sql in SUMMARY_SQL.values() for name in cat.query(sql.format(where="")).column_names}
         names |= set(cat.con.sql(ITERATIONS_SQL, params={"run": "tiny"}).to_arrow_table().column_names)
-    text = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}).stdout
+    text = run_cleaner(["inspect", "--help"], env={"COLUMNS": "100", "PATH": "/usr/bin:/bin",
+                                                   "PYTHONPATH": str(ROOT)}).stdout
     missing = sorted(n for n in names if n not in text)
     assert not missing, f"not explained in `cleaner inspect --help`: {missing}\n{text}"
     assert "purified_response_tokens" in text and "every attempt" in text

@@ -44,11 +44,16 @@ def test_a_rerun_with_changed_training_settings_is_refused_in_one_line(tmp_path,
     assert run_json.read_bytes() == before  # the frozen config is never rewritten
 
 
-@pytest.mark.parametrize("override", ["flow.iterations=9", "purify.gammas=[0.3,0.9]", "rollout.threads=2",
+@pytest.mark.parametrize("override", ["flow.iterations=9", "purify.gammas=[0.3,0.9]", "rollout.engine_tuning.threads=2",
                                       "purify.modes=[saar]", "flow.replay_gammas=[0.5]"])
 def test_settings_that_may_change_between_reruns_go_on(tmp_path, override):
     freeze_run_config(_cfg(tmp_path), "r")
-    freeze_run_config(_cfg(tmp_path, override), "r")  # no error
+    run_json = RunLayout(tmp_path, "r").run_json
+    before = run_json.read_bytes()
+    rerun = _cfg(tmp_path, override)
+    assert rerun.model_dump(mode="json") != json.loads(before)  # the rerun's config does differ ...
+    freeze_run_config(rerun, "r")  # ... and goes on
+    assert run_json.read_bytes() == before  # with the run's frozen config as it was
 
 
 def test_settings_added_by_a_newer_cleaner_are_not_a_change(tmp_path):
@@ -57,4 +62,23 @@ def test_settings_added_by_a_newer_cleaner_are_not_a_change(tmp_path):
     old = json.loads(run_json.read_text())
     del old["train"]["lr"]  # as if run.json were written before `train.lr` existed
     run_json.write_text(json.dumps(old))
-    freeze_run_config(_cfg(tmp_path, "train.lr=0.0003"), "r")  # a setting the run never had
+    before = run_json.read_bytes()
+    freeze_run_config(_cfg(tmp_path, "train.lr=0.0003"), "r")  # a setting the run never had: goes on
+    assert run_json.read_bytes() == before
+    with pytest.raises(RunConfigMismatch, match="train.mode"):  # while a setting it had is still compared
+        freeze_run_config(_cfg(tmp_path, "train.lr=0.0003", "train.mode=raw"), "r")
+
+
+def test_a_run_frozen_before_engine_tuning_goes_on_and_its_schedule_is_still_compared(tmp_path):
+    """run.json written before issue 28: rollout.loop and the scheduler keys at the top of rollout. A rerun with
+    rollout.engine_tuning goes on; a changed schedule is still a different run."""
+    freeze_run_config(_cfg(tmp_path), "r")
+    run_json = RunLayout(tmp_path, "r").run_json
+    old = json.loads(run_json.read_text())
+    old["rollout"].update(old["rollout"].pop("engine_tuning"), loop="async")
+    run_json.write_text(json.dumps(old))
+    before = run_json.read_bytes()
+    freeze_run_config(_cfg(tmp_path, "rollout.engine_tuning.threads=2"), "r")
+    assert run_json.read_bytes() == before
+    with pytest.raises(RunConfigMismatch, match="rollout.engine_tuning"):
+        freeze_run_config(_cfg(tmp_path, "rollout.engine_tuning.deterministic=false"), "r")

@@ -10,20 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from storage.layout import RunLayout
 from storage.shards import read_manifest
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = """\
-storage: {{root: {root}}}
-flow: {{run_id: sched, iterations: 1}}
-rollout: {{tasks_per_iteration: 2, samples_per_prompt: 2}}
-purify: {{modes: [saar], gammas: [0.5]}}
-train: {{mini_batches: 1}}
-"""
+from tests.flow_helpers import cleaner, command_env, prefect_api, tiny_config
 
 
 def _alive(pid: int) -> bool:
@@ -52,21 +43,17 @@ def _as_from_a_terminal() -> None:
 def _start_schedule(tmp_path: Path, interval: int, name: str) -> subprocess.Popen:
     """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
     schedule.log."""
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(TINY.format(root=tmp_path))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env["PYTHONPATH"] = str(ROOT)
+    cfg = tiny_config(tmp_path, flow={"run_id": "sched", "iterations": 1, "tensorboard": False},
+                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, purify={"modes": ["saar"]},
+                      train={"mini_batches": 1})
+    env = {k: v for k, v in command_env().items() if not k.startswith("PREFECT_")}
     with open(tmp_path / "schedule.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", "schedule", "--interval", str(interval), "--no-ui",
-                                 "--name", name, "-c", str(cfg)], cwd=tmp_path, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_as_from_a_terminal)
+        return cleaner(["schedule", "--interval", str(interval), "--no-ui", "--name", name, "-c", str(cfg)], tmp_path,
+                       env=env, cwd=tmp_path, stdout=log, preexec_fn=_as_from_a_terminal)
 
 
 def _completed_runs(url: str) -> list[dict]:
-    body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
-    req = urllib.request.Request(f"{url}/flow_runs/filter", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+    return prefect_api(url, "/flow_runs/filter", {"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}})
 
 
 def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
@@ -139,7 +126,7 @@ def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
 
 
 def test_run_ids_from_a_template():
-    from flows.training import run_id_for
+    from flows.run_config import run_id_for
 
     t = time.mktime((2026, 11, 24, 23, 5, 9, 0, 0, -1))
     assert run_id_for("nightly-{date}", "demo", t) == "nightly-20261124"

@@ -71,9 +71,11 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
     metrics = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
     # the command reports exactly what the library measures on those tasks (sampling is seeded)
     from pipeline.config import DEFAULT_POLICY, load_config
-    from flows.eval_cmd import TIMING_FIELDS, evaluate
+    from flows.eval_cmd import TIMING_FIELDS
+    from rollout_gen.eval_run import evaluate_tasks
 
-    want = json.loads(json.dumps(evaluate(load_config(None), DEFAULT_POLICY, load_task_parquet(path), show_progress=False)))
+    want = json.loads(json.dumps(evaluate_tasks(load_config(None), DEFAULT_POLICY, load_task_parquet(path),
+                                                show_progress=False).metrics))
     assert metrics["trajectories"] == 2 and "accuracy" in metrics
     assert {k: v for k, v in metrics.items() if k not in TIMING_FIELDS} == {
         k: v for k, v in want.items() if k not in TIMING_FIELDS + ("settings",)}

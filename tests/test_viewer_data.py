@@ -6,17 +6,17 @@ from __future__ import annotations
 import re
 import shutil
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.flow_helpers import ROOT, cleaner, run_cleaner
 from tests.viewer_helpers import build_store
 
-ROOT = Path(__file__).resolve().parent.parent
+# `cleaner view` needs nothing of the tester's environment (no virtual environment on PATH, no Prefect settings).
+BARE = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_shards_without_a_tokenizer_commit_without_text(tmp_path):
     have no rows for it (never a guessed tokenizer)."""
     import pyarrow as pa
 
-    from pipeline.synthetic import synthetic_trajectories
+    from tests.synthetic import synthetic_trajectories
     from pipeline.trajectory import trajectory_to_row
     from storage.catalog import Catalog
     from storage.layout import RunLayout
@@ -95,7 +95,7 @@ def test_alignment_covers_every_purified_row_exactly():
     """Every mode's response is rebuilt from whole segments of the attempt tree (synthetic rows, many seeds): the
     kept spans are the response, raw keeps everything, SAAR removes every failed call it spliced over."""
     from flows.viewer.align import align, segments, splice_preference
-    from pipeline.synthetic import synthetic_trajectories
+    from tests.synthetic import synthetic_trajectories
     from pipeline.trajectory import trajectory_to_row
     from purifier.saar import purify
 
@@ -206,9 +206,7 @@ def test_port_in_use_is_one_line(store):
     busy.listen(1)
     port = busy.getsockname()[1]
     try:
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "view", "--port", str(port), f"storage.root={store}"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(ROOT),
-                                                                                         "PATH": "/usr/bin:/bin"})
+        out = run_cleaner(["view", "--port", str(port), f"storage.root={store}"], store, env=BARE, timeout=60)
     finally:
         busy.close()
     assert out.returncode != 0 and out.stdout == ""
@@ -221,12 +219,10 @@ def test_cleaner_view_prints_its_url_serves_and_warns_off_loopback(store):
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2")
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "view", "--port", "0", f"storage.root={store}"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"})
+    p = cleaner(["view", "--port", "0", f"storage.root={store}"], store, env=BARE)
     try:
-        line = p.stdout.readline()
-        url = re.search(r"http://127\.0\.0\.1:\d+/", line).group(0)
+        url = next((m.group(0) for line in p.stdout if (m := re.search(r"http://127\.0\.0\.1:\d+/", line))), None)
+        assert url, f"exited {p.wait(20)} without printing its URL"
         import urllib.error
         import urllib.request
 

@@ -18,28 +18,24 @@ from storage.checkpoints import policy_version
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
 from storage.shards import read_manifest, read_shard
-from tests.flow_helpers import cleaner
+from tests.flow_helpers import cleaner, tiny_config
 from tests.test_purify_golden import check_invariants
 from tests.vllm_helpers import requires_vllm, shared_url
 
 pytestmark = [requires_vllm, pytest.mark.slow]
 
-FLOW = """\
-storage: {{root: {root}}}
-flow: {{run_id: v, iterations: 2}}
-rollout: {{engine: vllm, vllm_urls: [{url}], tasks_per_iteration: 8, samples_per_prompt: 4, max_response_tokens: 512,
-          max_prompt_tokens: 256, seed: 1}}
-purify: {{modes: [saar, raw], gammas: [0.5], recompute: vllm}}
-train: {{mini_batches: 2, lr: 2.0e-4}}
-"""
 TOL = 1e-4  # fp32 on both sides; vLLM's CPU kernels and transformers' eager attention differ by ~1e-6 here
 
 
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-flow")
-    cfg_file = root / "flow.yaml"
-    cfg_file.write_text(FLOW.format(root=root, url=shared_url()))
+    # the tiny run (two iterations, saar and raw at γ 0.5) sampled and recomputed by the vLLM server
+    cfg_file = tiny_config(root, "flow.yaml", flow={"run_id": "v", "iterations": 2, "tensorboard": False},
+                           rollout={"engine": "vllm", "vllm_urls": [shared_url()], "tasks_per_iteration": 8,
+                                    "samples_per_prompt": 4, "max_response_tokens": 512, "max_prompt_tokens": 256,
+                                    "seed": 1},
+                           purify={"recompute": "vllm"}, train={"lr": 2.0e-4})
     p = cleaner(["train", "-c", str(cfg_file)], root)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]

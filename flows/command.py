@@ -1,0 +1,72 @@
+"""What every `cleaner` command's parser shares: one-line refusals, the config arguments (YAML + dotted
+KEY=VALUE overrides) and the splitting of those overrides out of the line, wherever they stand. Each
+command module's `add_parser(subparsers)` sets `func` to the command's run function (flows/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import re
+from functools import partial
+from pathlib import Path
+
+from pipeline.config import CleanerConfig, load_config
+
+EPILOG_OVERRIDES = (
+    "Config: --config FILE loads YAML; trailing KEY=VALUE pairs override it, e.g.\n"
+    "  cleaner train rollout.samples_per_prompt=8 'purify.gammas=[0.3,0.7]' flow.iterations=5"
+)
+# A dotted KEY=VALUE anywhere on the line is an override (argparse alone would refuse one placed before
+# --run, or feed one placed after --gamma 0.5 to --gamma); see split_overrides.
+OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+class Parser(argparse.ArgumentParser):
+    """A refusal of the command line is one line (argparse would print the whole usage first); the options
+    that take one value are recorded for the whole tree (`value_options`), so that the value of --sql or
+    --run is never taken for an override."""
+
+    def __init__(self, *args, value_options: set[str] | None = None, **kwargs) -> None:
+        self.value_options = set() if value_options is None else value_options  # before -h is added
+        super().__init__(*args, **kwargs)
+
+    def add_subparsers(self, **kwargs):
+        return super().add_subparsers(parser_class=partial(Parser, value_options=self.value_options), **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.nargs is None:  # flags have nargs 0, lists "+" or "*"
+            self.value_options.update(action.option_strings)
+        return action
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def split_overrides(parser: Parser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the overrides, the overrides in order): KEY=VALUE may stand before or after any
+    option, including after multi-value ones such as --gamma, but never as the value of --sql, --run …."""
+    rest, overrides = [], []
+    for i, token in enumerate(argv):
+        if OVERRIDE.match(token) and not (i and argv[i - 1] in parser.value_options):
+            overrides.append(token)
+        else:
+            rest.append(token)
+    return rest, overrides
+
+
+def command_parser(subparsers, name: str, help: str, example: str, description: str | None = None,
+                   config: bool = True, actions: tuple[str, ...] = ()) -> Parser:
+    """A command's parser: its help, description and examples, its first positional ACTION if it has
+    `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional with their epilog."""
+    p = subparsers.add_parser(name, help=help, description=description,
+                              epilog="\n\n".join(filter(None, [example, config and EPILOG_OVERRIDES])),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    if actions:
+        p.add_argument("action", choices=actions)
+    if config:
+        p.add_argument("-c", "--config", type=Path, help="YAML config file (default: embedded defaults)")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    return p
+
+
+def config_of(args: argparse.Namespace) -> CleanerConfig:
+    return load_config(args.config, args.overrides)

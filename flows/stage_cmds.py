@@ -1,0 +1,125 @@
+"""`cleaner rollout`, `cleaner purify` and `cleaner update`: one stage of an iteration alone, as the
+training flow (flows/training.py) runs it; a stage whose output is committed is kept. Each republishes the
+catalog after it committed."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from flows.command import command_parser, config_of
+from pipeline.config import check_gamma, check_is_threshold
+from pipeline.modes import IS_MODES, MODES
+
+
+def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], float]:
+    """An argparse type: the number checked as the config checks it (γ, τ), refused in its own words."""
+    def value(text: str) -> float:
+        try:
+            return check(float(text))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid {symbol} {text!r}: {e}") from None
+    return value
+
+
+def stage_parser(sub, name: str, help: str, example: str, description: str) -> argparse.ArgumentParser:
+    p = command_parser(sub, name, help, f"Example:\n  {example}", description)
+    p.add_argument("--run", help="run id (default: flow.run_id)")
+    p.add_argument("--iteration", type=int, default=0)
+    return p
+
+
+def purify_parser(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
+    """purify's and replay's: an iteration, γ values, modes and τ values."""
+    p = stage_parser(sub, name, help, example, help + ". One partition per (mode, γ) is written beside the "
+                     "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.")
+    p.add_argument("--gamma", type=checked(check_gamma, "γ"), nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
+    p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
+    p.add_argument("--is-threshold", type=checked(check_is_threshold, "τ"), nargs="+", metavar="TAU", help=(
+        "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds); with --sweep, "
+        "also the importance-ratio histogram and the decisions per τ"))
+    return p
+
+
+def published(cfg) -> None:
+    """A stage run alone republishes the catalog file too (one warning if it cannot)."""
+    from flows.run_config import publish_catalog
+
+    publish_catalog(cfg, lambda message: print(f"cleaner: {message}", file=sys.stderr))
+
+
+def run_rollout(args: argparse.Namespace) -> int:
+    from rollout_gen.stage import run_rollout_stage
+    from storage.checkpoints import checkpoint_for
+    from storage.layout import RunLayout
+    from storage.shards import read_manifest
+
+    cfg = config_of(args)
+    run_id = args.run or cfg.flow.run_id
+    # the policy the run samples this iteration from, as in the flow (a rerun checks the shard was sampled by it)
+    checkpoint = args.checkpoint or checkpoint_for(cfg.storage.root, run_id, args.iteration, cfg.rollout.policy)
+    done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(args.iteration)) is not None
+    if not done:  # the tokenizer, the weights and the sandbox take seconds before the first trajectory
+        print(f"[rollout it {args.iteration}] loading {checkpoint} and starting the sandbox …", file=sys.stderr,
+              flush=True)
+    manifest = run_rollout_stage(cfg, run_id, args.iteration, checkpoint)
+    published(cfg)
+    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
+          + (" — kept (already committed)" if done else ""))
+    return 0
+
+
+def run_purify(args: argparse.Namespace) -> int:
+    from purifier.stage import run_purify_stage
+
+    cfg = config_of(args)
+    print(f"[purify it {args.iteration}] modes {', '.join(args.mode or cfg.purify.modes)} on Beam "
+          f"({cfg.purify.runner}) …", file=sys.stderr, flush=True)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma,
+                               is_thresholds=args.is_threshold)
+    published(cfg)
+    for r in results:
+        state = "kept (already committed)" if r.skipped else "written"
+        threshold = f"tau={r.gamma:g}" if r.mode in IS_MODES else f"gamma={r.gamma:g}"
+        print(f"mode={r.mode} {threshold}: {r.rows} rows, {r.dead} dead letters — {state}")
+    return 0
+
+
+def run_update(args: argparse.Namespace) -> int:
+    from flows.console import working
+    from storage.checkpoints import DONE_MARKER
+    from storage.layout import RunLayout
+
+    cfg = config_of(args)
+    run_id = args.run or cfg.flow.run_id
+    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(args.iteration + 1)
+    done = (target / DONE_MARKER).is_file()
+    if not done:  # a committed checkpoint is kept without loading the trainer (seconds of torch and OpenRLHF)
+        with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
+            from trainer.stage import run_update_stage
+        target = run_update_stage(cfg, run_id, args.iteration)
+    published(cfg)
+    print(f"checkpoint: {target}" + (" — kept (already committed)" if done else ""))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = stage_parser(sub, "rollout", "phase 1 alone: sample trajectories with retries and write a raw shard",
+                     "cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8",
+                     "Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
+                     "checkpoint and commit them as the iteration's raw shard (skipped if already committed).")
+    p.add_argument("--checkpoint", type=Path, help=(
+        "policy checkpoint (default: the run's checkpoint of that iteration; rollout.policy for iteration 0)"))
+    p.set_defaults(func=run_rollout)
+
+    p = purify_parser(sub, "purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
+                      "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5")
+    p.set_defaults(func=run_purify)
+
+    p = stage_parser(sub, "update", "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
+                     "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
+                     "Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
+                     "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
+                     "An interrupted update resumes from its last finished mini-batch.")
+    p.set_defaults(func=run_update)
