@@ -58,7 +58,12 @@ def _empty_table(con: duckdb.DuckDBPyConnection, name: str, schema: pa.Schema, t
 
 
 def _sql_list(paths: list[str]) -> str:
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+    """The paths as one SQL list expression. One string split at newlines: DuckDB parses a list literal of
+    thousands of strings slowly (about 20 ms per view of 2,000 paths, paid when the view is created and again
+    whenever a query binds it, 8 times less as one string); a path with a newline in it gets the literal."""
+    if any("\n" in p for p in paths):
+        return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+    return "string_split('" + "\n".join(paths).replace("'", "''") + "', chr(10))"
 
 
 # The premise of purification (issue 19 §1; the rule is pipeline/kinds.py's, tested equal row for row):

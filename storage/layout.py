@@ -35,12 +35,6 @@ def threshold_partition(mode: str, value: float, measure: str = "") -> str:
     return f"tau={format_gamma(value)}" if mode in IS_MODES else gamma_partition(value, measure)
 
 
-def partition_measure_of(path: Path) -> str:
-    """The measure part of a gamma partition's name ('' = the default measure)."""
-    name = Path(path).name
-    return name.split("-", 1)[1] if name.startswith("gamma=") and "-" in name else ""
-
-
 def record_path(root: Path, path: Path | str) -> str:
     """A path as a manifest records it: relative to the storage root when inside it (`runs/demo/checkpoints/
     iteration=0001`), so a copied or moved store works from any directory and never reads the original's

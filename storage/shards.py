@@ -259,8 +259,16 @@ class ShardWriter:
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
         _fsync_dir(self.directory)
         self._committed = True
-        # the parts' checksums were taken from the bytes just written: readers need not read them again
-        verified.remember(self.directory, [(p.name, p.crc32) for p in [*self._parts, *self._summaries, *self._texts]])
+        # the parts' checksums were taken from the bytes just written: readers need not read them again. Their
+        # identity is taken now (renaming a file changes its ctime, so not before): a part changed since it was
+        # written is caught by its checksum when read for training, and by `cleaner inspect --verify`.
+        try:
+            written = [(p.name, p.crc32, verified.identity(self.directory / p.name))
+                       for p in [*self._parts, *self._summaries, *self._texts]]
+        except OSError:  # a part gone already: nothing recorded, readers check in full
+            written = []
+        if written:
+            verified.remember(self.directory, written)
         return manifest
 
     def abort(self) -> None:
@@ -352,12 +360,13 @@ def check_summary(directory: Path, part: PartInfo, force: bool = False) -> None:
         return
     path = Path(directory) / part.name
     try:
+        before = verified.identity(path)  # before reading: what the record may vouch for (verified.remember)
         data = path.read_bytes()
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing") from None
     if len(data) != part.bytes or _crc32(data) != part.crc32:
         raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
-    verified.remember(directory, [(part.name, part.crc32)])
+    verified.remember(directory, [(part.name, part.crc32, before)])
 
 
 def check_part(directory: Path, part: PartInfo, schema: pa.Schema, force: bool = False) -> None:
@@ -366,8 +375,13 @@ def check_part(directory: Path, part: PartInfo, schema: pa.Schema, force: bool =
     checks in full whatever the record says (`cleaner inspect --verify`)."""
     if not force and verified.is_verified(directory, part.name, part.bytes, part.crc32):
         return
+    path = Path(directory) / part.name
+    try:
+        before = verified.identity(path)  # before reading: what the record may vouch for (verified.remember)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing") from None
     _open_part(directory, part, schema, True)
-    verified.remember(directory, [(part.name, part.crc32)])
+    verified.remember(directory, [(part.name, part.crc32, before)])
 
 
 def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool = True,
@@ -406,12 +420,6 @@ def read_shard(
     if not tables:
         return want.empty_table()
     return pa.concat_tables(tables).cast(want) if columns is None else pa.concat_tables(tables)
-
-
-def shard_files(directory: Path) -> list[Path]:
-    """The committed parts of a shard (empty when not committed): what the DuckDB views read."""
-    m = read_manifest(directory)
-    return [] if m is None else [Path(directory) / p.name for p in m.parts]
 
 
 def atomic_write_json(path: Path, data: Any) -> None:

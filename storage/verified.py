@@ -3,7 +3,8 @@
 Checking a part means reading all its bytes (crc32 against the manifest) and its Parquet footer (schema
 version, columns, rows): linear in everything ever committed, and every new process used to pay it again.
 A part that passed is recorded in `_VERIFIED.json` in its shard's folder with the file's identity —
-size, mtime and ctime in nanoseconds, inode and device — and the manifest's crc32. A later reader (another
+size, mtime and ctime in nanoseconds, inode and device, as taken before its bytes were read (a change during
+or after the read then no longer matches) — and the manifest's crc32. A later reader (another
 process too) that finds the same identity and crc32 trusts the part without reading it. Any write to the
 file changes its ctime (which no unprivileged process can set back) and a copy or move to another folder
 changes its inode, so a changed, replaced or relocated part is checked in full again.
@@ -78,16 +79,16 @@ def is_verified(directory: Path, name: str, size: int, crc32: str) -> bool:
     return all(entry.get(k) == v for k, v in now.items())
 
 
-def remember(directory: Path, parts: list[tuple[str, str]]) -> None:
-    """Record (name, crc32) parts as checked in full, with their identity now. Best effort: a root that
-    cannot be written, or a concurrent writer winning the rename, only means more checking later."""
+def remember(directory: Path, parts: list[tuple[str, str, dict[str, int]]]) -> None:
+    """Record (name, crc32, identity) parts as checked in full. The identity is the one the file had when its
+    checked bytes were read (taken before reading them, identity()), never a stat taken after: a change that
+    lands between the read and the record then leaves the record naming the file as it was, which no longer
+    matches, instead of vouching for bytes nobody checked. Best effort: a root that cannot be written, or a
+    concurrent writer winning the rename, only means more checking later."""
     directory = Path(directory)
     current = dict(load(directory))
-    try:
-        for name, crc32 in parts:
-            current[name] = {**identity(directory / name), "crc32": crc32}
-    except OSError:
-        return
+    for name, crc32, ident in parts:
+        current[name] = {**ident, "crc32": crc32}
     data = json.dumps({"version": VERSION, "parts": current, "digest": _digest(current)}, sort_keys=True).encode()
     tmp = directory / f".{RECORD}.tmp-{os.getpid()}"
     try:

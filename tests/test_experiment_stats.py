@@ -1,11 +1,11 @@
-"""The experiment pages' statistics (benchmarks/experiment_stats.py): paired per-seed differences with the
+"""The experiment pages' statistics (experiments/stats.py): paired per-seed differences with the
 standard error between seeds and Student's t interval, as ../shared/docs/EXPERIMENTS.md asks."""
 from math import sqrt
 from statistics import stdev
 
 import pytest
 
-from benchmarks.experiment_stats import final_by_seed, mean_se, paired
+from experiments.stats import final_by_seed, mean_se, paired
 
 
 def _run(arm: str, seed: int, first: float, last: float, saar_last: float = 0.5) -> dict:

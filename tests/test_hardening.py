@@ -1,6 +1,7 @@
 """Issue #13 §2/§3/§5 and #21: every reader validates, every user error is one line, a failing command
 leaves nothing behind. Real Beam, real Parquet/DuckDB, real tiny policy; disk-full and read-only
-workspaces are real tmpfs mounts (skipped, with the reason, where this process may not mount)."""
+workspaces are real tmpfs mounts: mounted by this process where it may (root), and again, for every user, in a
+user and mount namespace of their own (unshare, as an unprivileged uid when the tests run as root)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from storage.errors import CleanerError
 from purifier.stage import run_purify_stage
 from storage.layout import RunLayout
 from storage.shards import MANIFEST, ShardError, read_manifest
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- helpers
@@ -95,6 +100,75 @@ def tmpfs(tmp_path):
     yield mount
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+# What runs inside namespace_tmpfs's namespace: the command against a fresh tmpfs (filled first unless read-only),
+# then one JSON line: its exit code, its stderr, and whether the workspace was left as it was found.
+_IN_NAMESPACE = """
+import contextlib, io, json, shutil, sys
+from pathlib import Path
+from tests.test_hardening import files_under, fill
+from flows.cli import main
+root, seed, full, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3] == "full", sys.argv[4:]
+if seed:
+    shutil.copytree(seed, root, dirs_exist_ok=True)
+if full:
+    fill(root)
+before, err = files_under(root), io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        code = main([a.replace("{root}", str(root)) for a in argv])
+    except SystemExit as e:
+        code = e.code
+print(json.dumps({"code": code, "err": err.getvalue(), "unchanged": files_under(root) == before,
+                  "staging": any(p.name == ".staging" for p in root.rglob("*"))}))
+"""
+NOBODY = 65534  # the uid the namespace variants run as when the tests run as root: they must work without it
+
+
+def namespace_tmpfs(tmp_path: Path, size: str, argv: list[str], ro: bool = False, seed: Path | None = None) -> dict:
+    """`cleaner ARGV` in a process of its own, in a new user and mount namespace (`unshare --user --map-root-user
+    --mount`, which needs no privilege) where a fresh tmpfs of `size` is mounted ({root} in argv); the workspace
+    is seeded from `seed` and filled to the last byte unless read-only. Run as an unprivileged uid when the tests
+    run as root (and that uid may run this interpreter), so that it shows what a user without root gets. What
+    _IN_NAMESPACE prints."""
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare(1) here: the namespace variant needs util-linux")
+    drop = (["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+            if os.geteuid() == 0 and shutil.which("setpriv") else [])
+
+    def probe(drop: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([*drop, "unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", "0"],
+                              capture_output=True, text=True)
+
+    if drop and probe(drop).returncode != 0:  # this interpreter lives where that uid may not go (/root/.pyenv)
+        drop = []
+    if (tried := probe(drop)).returncode != 0:
+        pytest.skip(f"cannot create a user namespace here: {tried.stderr.strip()}")
+    work = Path(tempfile.mkdtemp(prefix="ns-tmpfs-"))  # outside tmp_path: that one is private to this uid
+    try:
+        where, home = work / "fs", work / "home"
+        where.mkdir()
+        home.mkdir()
+        if seed is not None:
+            shutil.copytree(seed, work / "seed")
+            seed = work / "seed"
+        if drop:
+            for p in [work, *work.rglob("*")]:
+                os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
+        opts = f"size={size}" + (",ro" if ro else "")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PREFECT_HOME": str(home / ".prefect")}
+        out = subprocess.run(
+            [*drop, "unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+             'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"', "sh", opts, str(where),
+             sys.executable, "-c", _IN_NAMESPACE, str(where), str(seed or ""), "ro" if ro else "full", *argv],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def fill(fs: Path) -> Path:
@@ -291,6 +365,40 @@ def test_disk_full_during_update_leaves_nothing(purified_run, tmpfs, capsys):
     line = one_line(err)
     assert code == 1 and "disk is full" in line, line
     assert files_under(root) == before  # no half-written partial state, no half checkpoint
+
+
+# The same four without root: in a user and mount namespace of their own (namespace_tmpfs)
+
+def test_read_only_workspace_is_one_line_without_root(tmp_path):
+    out = namespace_tmpfs(tmp_path, "1m", ["rollout", "storage.root={root}"], ro=True)
+    assert out["code"] == 1 and "read-only" in one_line(out["err"])
+
+
+def test_disk_full_during_rollout_leaves_nothing_without_root(tmp_path):
+    out = namespace_tmpfs(tmp_path, "1m", ["rollout", "--run", "w", "storage.root={root}",
+                                           "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=2"])
+    line = one_line(out["err"])
+    assert out["code"] == 1 and "disk is full" in line, line
+    assert out["unchanged"]
+
+
+def test_disk_full_during_purify_leaves_nothing_without_root(world_rollout, tmp_path):
+    seed = tmp_path / "seed"
+    copy_iteration(world_rollout, seed, "raw")
+    out = namespace_tmpfs(tmp_path, "1m", ["purify", "--run", "w", "storage.root={root}", "purify.modes=[saar]",
+                                           "purify.gammas=[0.5]"], seed=seed)
+    line = one_line(out["err"])
+    assert out["code"] == 1 and "disk is full" in line, line
+    assert out["unchanged"] and not out["staging"]
+
+
+def test_disk_full_during_update_leaves_nothing_without_root(purified_run, tmp_path):
+    seed = tmp_path / "seed"
+    copy_iteration(purified_run, seed, "raw", "purified")
+    out = namespace_tmpfs(tmp_path, "2m", ["update", "--run", "w", "storage.root={root}"], seed=seed)
+    line = one_line(out["err"])
+    assert out["code"] == 1 and "disk is full" in line, line
+    assert out["unchanged"]
 
 
 # ---------------------------------------------------------------- §2/§3 inspect and report

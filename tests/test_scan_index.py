@@ -195,7 +195,9 @@ def test_a_corrupt_stale_or_deleted_index_is_safe(store_indexed, damage):
     elif damage == "forged without its digest":  # ... and an index that vouches for its new identity
         doc = json.loads(body)
         entry = doc["shards"][str(d.relative_to(store))]
-        entry[6][0] = shard_index.identity(part)
+        names = [*entry[2], *(entry[3] or ()), *entry[4]]
+        entry[0] = shard_index._ids_digest([shard_index.identity(d), shard_index.identity(d / shards.MANIFEST),
+                                            *[shard_index.identity(d / n) for n in names]])
         index.write_bytes(header + b"\n" + json.dumps(doc).encode())
     else:
         index.write_bytes(saved)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.synthetic import synthetic_trajectories
+from tests.synthetic import synthetic_trajectories
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from storage.catalog import Catalog
 from storage.layout import RunLayout, format_gamma
@@ -83,7 +83,7 @@ SLOW_WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})
 import pyarrow as pa
-from pipeline.synthetic import synthetic_trajectories
+from tests.synthetic import synthetic_trajectories
 from pipeline.trajectory import trajectory_to_row
 from storage.schemas import RAW
 from storage.shards import ShardWriter
@@ -213,3 +213,18 @@ def test_layout_paths():
     assert format_gamma(1.01) == "1.01" and format_gamma(0.125) == "0.125" and format_gamma(0) == "0.00"
     with pytest.raises(ValueError):
         RunLayout(Path("/r"), "../escape")
+
+
+@pytest.mark.parametrize("folder", ["it's here", "two\nlines"])
+def test_views_read_a_root_whose_path_has_a_quote_or_a_newline(tmp_path, folder):
+    """The views list their files as one string split at newlines (storage.catalog._sql_list), or as a list of
+    literals when a path holds a newline: both read every committed shard, quotes escaped."""
+    from benchmarks.store_generator import build
+
+    root = tmp_path / folder
+    build(root, 3, rows=2, tokens=8, log=None)
+    with Catalog(root) as cat:
+        assert not cat.problems
+        assert cat.query("SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY ALL ORDER BY ALL").to_pylist() \
+            == [{"iteration": i, "n": 2} for i in range(3)]
+        assert cat.query("SELECT count(*) AS n FROM purified").to_pylist() == [{"n": 6}]

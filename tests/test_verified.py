@@ -115,3 +115,48 @@ def test_a_copied_store_is_checked_again_once(store, tmp_path):
     shutil.copytree(store / "runs", copy / "runs")  # new inodes: the records do not vouch for the copies
     assert _reads(lambda: Catalog(copy).close()) >= 1
     assert _reads(lambda: Catalog(copy).close()) == 0
+
+
+@pytest.mark.parametrize("change", ["replaced", "rewritten in place"])
+def test_a_part_changed_while_it_is_checked_is_not_recorded_as_verified(tmp_path, monkeypatch, change):
+    """The record holds the identity the part had when its bytes were read, never one taken after: a change
+    that lands between the read and the record (here, deterministically, right after the checker's read) must
+    not be vouched for by bytes that were checked before it."""
+    import pathlib
+    import time
+
+    import pyarrow as pa
+
+    from storage.schemas import METRICS
+    from storage.shards import check_part, write_shard
+
+    d = RunLayout(tmp_path, "r").metrics_dir(0, "s")
+    write_shard(d, pa.Table.from_pylist([{"run_id": "r", "iteration": 0, "stage": "s", "step": 0, "name": "x",
+                                          "value": 1.0}], schema=METRICS), METRICS, "h")
+    part = read_manifest(d).parts[0]
+    (d / verified.RECORD).unlink()  # not yet verified: the next check reads it in full
+    path = d / part.name
+    read = pathlib.Path.read_bytes
+
+    def read_then_change(self: pathlib.Path) -> bytes:
+        data = read(self)
+        if self == path:
+            bad = bytearray(data)
+            bad[len(bad) // 2] ^= 0xFF  # same size, other bytes
+            if change == "replaced":  # another file renamed over it: a new inode
+                other = path.with_name(".other")
+                other.write_bytes(bytes(bad))
+                os.replace(other, path)
+            else:
+                time.sleep(0.05)  # past the clock's tick, so that the write changes the file's ctime
+                with open(path, "r+b") as f:
+                    f.write(bytes(bad))
+        return data
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", read_then_change)
+    check_part(d, part, METRICS)  # the bytes it read were good
+    monkeypatch.undo()
+    assert not verified.is_verified(d, part.name, part.bytes, part.crc32)
+    with Catalog(tmp_path) as cat:
+        assert [p.path for p in cat.problems if p.committed] == [d]
+        assert "checksum mismatch" in str(cat.problems[0])

@@ -2,7 +2,7 @@
 the same seeds, evaluate every checkpoint on the held-out world tasks (SAAR at test time off and on),
 and write a table, plots and the raw numbers under docs/results/.
 
-    python -m benchmarks.experiment configs/experiments/cleaner_vs_raw.yaml [--only ARM ...]
+    python -m experiments.run configs/experiments/cleaner_vs_raw.yaml [--only ARM ...]
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
         raise RuntimeError(f"{run_id}: cleaner train exited {train.returncode}: {train.stderr.strip().splitlines()[-1:]}")
     train_s = time.perf_counter() - t0
     evals = json.loads(subprocess.run(
-        [sys.executable, "-m", "benchmarks.experiment", "--eval-run", run_id, str(exp["eval_tasks"]),
+        [sys.executable, "-m", "experiments.run", "--eval-run", run_id, str(exp["eval_tasks"]),
          str(exp.get("eval_every", 1)), *overrides], cwd=REPO, env=_env(root), check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     return {"arm": name, "seed": seed, "run_id": run_id, "train_s": train_s, "evals": evals}
 
@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     exp = yaml.safe_load(args.experiment.read_text())
     if args.report is not None:
-        from benchmarks.experiment_report import write
+        from experiments.report import write
 
         results = json.loads((OUT / f"{args.experiment.stem}.json").read_text())
         print(f"[experiment] wrote {write(results, exp, args.experiment.stem, args.report * 60)}")
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
                 continue
             results_file.write_text(json.dumps(done, indent=1))
             print(f"[experiment] {done[-1]['run_id']} done after {time.perf_counter() - t0:.0f} s", flush=True)
-    from benchmarks.experiment_report import write
+    from experiments.report import write
 
     print(f"[experiment] wrote {write(done, exp, args.experiment.stem, time.perf_counter() - t0)}")
     if failed:

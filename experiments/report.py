@@ -1,4 +1,4 @@
-"""Tables and plots of an experiment's results (called by benchmarks/experiment.py)."""
+"""Tables and plots of an experiment's results (called by experiments/run.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -235,7 +235,7 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float) -> Path:
              f"Every arm starts from {_policy(exp)}; evaluation every {exp.get('eval_every', 1)} iterations "
              f"on {exp['eval_tasks']} held-out tasks, T=1.0, mean over seeds. Solid/dashed lines in the plot are seeds 0/1.",
              "", f"![curves]({stem}.png)", ""]
-    from benchmarks.experiment_stats import off_policy_table, paired_table, seeds_table
+    from experiments.stats import off_policy_table, paired_table, seeds_table
 
     root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     contrasts = [*((a, "raw") for a in arms if a != "raw" and "raw" in arms), *(tuple(c) for c in exp.get("compare", []) if set(c) <= set(arms))]
