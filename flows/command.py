@@ -7,6 +7,7 @@ import argparse
 import re
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from pipeline.config import CleanerConfig, load_config
 
@@ -54,12 +55,14 @@ def split_overrides(parser: Parser, argv: list[str]) -> tuple[list[str], list[st
 
 
 def command_parser(subparsers, name: str, help: str, example: str, description: str | None = None,
-                   config: bool = True, actions: tuple[str, ...] = ()) -> Parser:
-    """A command's parser: its help, description and examples, its first positional ACTION if it has
-    `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional with their epilog."""
+                   config: bool = True, actions: tuple[str, ...] = (), func: Callable | None = None) -> Parser:
+    """A command's parser: its help, description and examples, the function it runs (`func`), its first
+    positional ACTION if it has `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional
+    with their epilog."""
     p = subparsers.add_parser(name, help=help, description=description,
                               epilog="\n\n".join(filter(None, [example, config and EPILOG_OVERRIDES])),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=func)
     if actions:
         p.add_argument("action", choices=actions)
     if config:

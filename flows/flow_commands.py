@@ -181,22 +181,18 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = command_parser(sub, "demo", "the main job: a multi-iteration training flow on the embedded defaults",
-                       "Example:\n  cleaner demo flow.iterations=2",
-                       "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
-                       "iteration 0 under three γ, write the report and print where to look.")
-    p.set_defaults(func=cmd_demo)
-
-    p = command_parser(sub, "train", "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
-                       "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
-                       "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "
-                       "server start`). Stages whose output is committed are skipped: rerun to resume.")
-    p.set_defaults(func=cmd_train)
+    command_parser(sub, "demo", "the main job: a multi-iteration training flow on the embedded defaults",
+                   "Example:\n  cleaner demo flow.iterations=2",
+                   "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
+                   "iteration 0 under three γ, write the report and print where to look.", func=cmd_demo)
+    command_parser(sub, "train", "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
+                   "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
+                   "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "
+                   "server start`). Stages whose output is committed are skipped: rerun to resume.", func=cmd_train)
 
     p = command_parser(sub, "report", "write PNG plots and an HTML page for a run",
-                       "Example:\n  cleaner report --run demo -c configs/demo.yaml")
+                       "Example:\n  cleaner report --run demo -c configs/demo.yaml", func=cmd_report)
     p.add_argument("--run", help="run id (default: flow.run_id)")
-    p.set_defaults(func=cmd_report)
 
     p = command_parser(sub, "schedule", "serve the training flow as a Prefect deployment (interval or cron)",
                        "Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml",
@@ -204,7 +200,7 @@ def add_parser(sub) -> None:
                        "server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command ends), since "
                        "Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers the deployment "
                        "there. Each firing does new work: by default it trains flow.iterations more iterations of "
-                       "flow.run_id from its last checkpoint (--new-run: a new run per firing).")
+                       "flow.run_id from its last checkpoint (--new-run: a new run per firing).", func=cmd_schedule)
     p.add_argument("--name", default="cleaner-training")
     p.add_argument("--interval", type=float, help="seconds between runs")
     p.add_argument("--cron", help="cron expression")
@@ -214,17 +210,15 @@ def add_parser(sub) -> None:
         "each firing starts a new run named from TEMPLATE ({run_id}, {date}, {time}; e.g. 'nightly-{date}') "
         "and trains flow.iterations on it; default: each firing continues flow.run_id for flow.iterations more "
         "iterations from its last checkpoint"))
-    p.set_defaults(func=cmd_schedule)
 
     p = command_parser(sub, "server", "start/stop/status of the project's local Prefect server (127.0.0.1)",
                        "Example:\n  cleaner server start\n  cleaner server stop",
                        "A real Prefect server with the project's Prefect home (<storage.root>/.prefect), started in "
                        "the background and stopped by its recorded pid. Runs, deployments and schedules then show "
                        "in its UI; commands use it when PREFECT_API_URL is exported as printed.",
-                       actions=("start", "stop", "status"))
+                       actions=("start", "stop", "status"), func=cmd_server)
     p.add_argument("--port", type=int, help="port (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="without the web UI")
-    p.set_defaults(func=cmd_server)
 
     p = command_parser(sub, "cluster", "start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
                        "Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo --iteration 0 "
@@ -232,10 +226,9 @@ def add_parser(sub) -> None:
                        "A Dask scheduler and N worker processes on 127.0.0.1, pids in <storage.root>/.dask/"
                        "cluster.json, each stopped by its own pid. With purify.runner=dask and no "
                        "purify.dask_address, purify uses this cluster. Many nodes: docs/scale_out.md.",
-                       actions=("start", "stop", "status"))
+                       actions=("start", "stop", "status"), func=cmd_cluster)
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every worker to join")
     p.add_argument("--resources", help='worker resources, e.g. "GPU=1"')
-    p.set_defaults(func=cmd_cluster)

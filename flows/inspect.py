@@ -328,7 +328,7 @@ def add_parser(sub) -> None:
         "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + columns_help(),
         "Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters, metrics, "
         "raw_kinds, trajectory_kinds, failed_call_advantage, off_policy. Every part is checked in full once "
-        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.")
+        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.", func=run)
     p.add_argument("--sql", help="run this SQL against the catalog and print the result")
     p.add_argument("--run", help="restrict the summary to one run id")
     p.add_argument("--queries", action="store_true", help="print example queries to try")
@@ -339,4 +339,3 @@ def add_parser(sub) -> None:
     p.add_argument("--verify", action="store_true", help=(
         "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
         "name each bad file, and exit 1 if any is bad"))
-    p.set_defaults(func=run)

@@ -10,7 +10,6 @@ its process group) is ever signalled.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
@@ -24,11 +23,10 @@ from pathlib import Path
 
 from flows.console import working
 from flows.env import configure_prefect
-from pipeline.processes import alive, terminate
+from pipeline.processes import alive, dies_with, terminate
 from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1
 STATE_FILE = "server.json"
 
 
@@ -104,7 +102,7 @@ def _launch(port: int, env: dict[str, str], log_path: Path, flags: list[str], bo
            *flags]
     with open(log_path, "ab") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with(os.getpid()) if bound else None)
+                                start_new_session=True, preexec_fn=dies_with(os.getpid(), signal.SIGKILL) if bound else None)
 
 
 def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
@@ -143,16 +141,6 @@ def stop_server(root: Path) -> ServerState | None:
 
 
 # ---- the temporary server of one command --------------------------------------------------------
-
-def _die_with(parent: int):
-    """preexec_fn: the kernel SIGKILLs the child when the thread that started it dies, however it dies
-    (kill -9 included), so no server outlives its command."""
-    def set_pdeathsig() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-    return set_pdeathsig
-
 
 def start_temporary_server(root: Path) -> str | None:
     """Start a temporary Prefect server for this command, bound to its life; returns its API URL (also

@@ -23,17 +23,19 @@ def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], flo
     return value
 
 
-def stage_parser(sub, name: str, help: str, example: str, description: str) -> argparse.ArgumentParser:
-    p = command_parser(sub, name, help, f"Example:\n  {example}", description)
+def stage_parser(sub, name: str, help: str, example: str, description: str,
+                 func: Callable | None = None) -> argparse.ArgumentParser:
+    p = command_parser(sub, name, help, f"Example:\n  {example}", description, func=func)
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iteration", type=int, default=0)
     return p
 
 
-def purify_parser(sub, name: str, help: str, example: str) -> argparse.ArgumentParser:
+def purify_parser(sub, name: str, help: str, example: str, func: Callable | None = None) -> argparse.ArgumentParser:
     """purify's and replay's: an iteration, γ values, modes and τ values."""
     p = stage_parser(sub, name, help, example, help + ". One partition per (mode, γ) is written beside the "
-                     "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.")
+                     "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.",
+                     func)
     p.add_argument("--gamma", type=checked(check_gamma, "γ"), nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
     p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
     p.add_argument("--is-threshold", type=checked(check_is_threshold, "τ"), nargs="+", metavar="TAU", help=(
@@ -108,18 +110,14 @@ def add_parser(sub) -> None:
     p = stage_parser(sub, "rollout", "phase 1 alone: sample trajectories with retries and write a raw shard",
                      "cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8",
                      "Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
-                     "checkpoint and commit them as the iteration's raw shard (skipped if already committed).")
+                     "checkpoint and commit them as the iteration's raw shard (skipped if already committed).",
+                     run_rollout)
     p.add_argument("--checkpoint", type=Path, help=(
         "policy checkpoint (default: the run's checkpoint of that iteration; rollout.policy for iteration 0)"))
-    p.set_defaults(func=run_rollout)
-
-    p = purify_parser(sub, "purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
-                      "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5")
-    p.set_defaults(func=run_purify)
-
-    p = stage_parser(sub, "update", "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
-                     "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
-                     "Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
-                     "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
-                     "An interrupted update resumes from its last finished mini-batch.")
-    p.set_defaults(func=run_update)
+    purify_parser(sub, "purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
+                  "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5", run_purify)
+    stage_parser(sub, "update", "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
+                 "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
+                 "Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
+                 "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
+                 "An interrupted update resumes from its last finished mini-batch.", run_update)

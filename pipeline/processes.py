@@ -1,12 +1,16 @@
-"""Whether a process we started still runs: shared by the services cleaner starts and stops by pid
-(the project's Prefect server, the local Dask cluster)."""
+"""Whether a process we started still runs, its stop, and its death with its starter: shared by the
+services cleaner starts and stops by pid (the project's Prefect server, the local Dask cluster, vLLM servers)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
+from typing import Callable
 
 import psutil
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def alive(pid: int) -> bool:
@@ -17,6 +21,16 @@ def alive(pid: int) -> bool:
         return False
     except psutil.AccessDenied:
         return True
+
+
+def dies_with(parent: int, sig: int) -> Callable[[], None]:
+    """A Popen preexec_fn: the kernel sends the child `sig` when the thread that started it dies, however it
+    dies (kill -9 included), so no server outlives its command; `parent` is the starter's os.getpid()."""
+    def set_pdeathsig() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+    return set_pdeathsig
 
 
 def terminate(pid: int, grace: float = 10.0) -> None:

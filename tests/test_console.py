@@ -1,9 +1,7 @@
 """The console of a real one-iteration `cleaner train`: no library noise, readable summaries."""
 from __future__ import annotations
 
-import re
-
-from tests.flow_helpers import command_env, prefect_api, run_cleaner, tiny_config
+from tests.flow_helpers import command_env, prefect_api, project_server, run_cleaner, tiny_config
 
 NOISE = (
     "GCSFileSystem",  # Beam's optional cloud file systems
@@ -43,16 +41,11 @@ def test_one_iteration_train_prints_no_library_noise(tmp_path):
     con.close()
     # Rerun on a project server: every stage is committed, and its task run's final state says so in Prefect's
     # API, rather than a plain "Completed()".
-    server = run_cleaner(["server", "start", "--no-ui", "-c", str(cfg)], tmp_path)
-    assert server.returncode == 0, server.stderr[-3000:]
-    url = re.search(r"PREFECT_API_URL=(\S+)", server.stdout).group(1)
-    try:
+    with project_server(tmp_path, "-c", str(cfg)) as url:
         again = run_cleaner(["train", "-c", str(cfg)], cwd=tmp_path, env={**env, "PREFECT_API_URL": url})
         assert again.returncode == 0, again.stderr[-3000:]
         (rerun,) = prefect_api(url, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})
         tasks = prefect_api(url, "/task_runs/filter", {"flow_runs": {"id": {"any_": [rerun["id"]]}}})
-    finally:
-        run_cleaner(["server", "stop", "-c", str(cfg)], tmp_path)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     states = {t["name"].split("-")[0]: (t["state"]["type"], t["state"]["message"]) for t in tasks}
     assert states == {stage: ("COMPLETED", "skipped (committed)") for stage in ("rollout", "purify", "update")}, tasks

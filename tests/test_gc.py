@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,13 +13,12 @@ import pytest
 from storage.catalog import Catalog
 from storage.checkpoints import DONE_MARKER
 from storage.layout import RunLayout
-from tests.flow_helpers import ROOT, TINY, cleaner
+from tests.flow_helpers import cleaner, command_env, run_cleaner, train
 
 
 def _gc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "gc", "--run", "tiny", *args, f"storage.root={root}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """`cleaner gc --run tiny ARGS` on the store at root (a later --run replaces tiny)."""
+    return run_cleaner(["gc", "--run", "tiny", *args, f"storage.root={root}"])
 
 
 def _tree(root: Path) -> dict[str, str]:
@@ -53,10 +50,8 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
     # plenty to delete, so that the kill lands while gc is at work
     for k in range(4000):
         (layout.purified_dir(1, "saar", 0.3) / f"padding-{k}.bin").write_bytes(b"x" * 64)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", "gc", "--run", "tiny", "--keep-last", "1",
-                          "--remove-partition", "mode=saar/gamma=0.30", f"storage.root={run}"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = cleaner(["gc", "--run", "tiny", "--keep-last", "1", "--remove-partition", "mode=saar/gamma=0.30",
+                 f"storage.root={run}"], run, env=command_env())
     deadline = time.time() + 120
     while time.time() < deadline and not any((run / ".trash").glob("*")) and p.poll() is None:
         time.sleep(0.01)
@@ -74,11 +69,7 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
         assert not cat.problems
         assert cat.query("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar'").to_pylist() == [{"gamma": 0.5}]
     # the run resumes and continues: a third iteration from the kept checkpoint
-    cfg = run / "tiny.yaml"
-    cfg.write_text(TINY.format(root=run).replace("iterations: 2", "iterations: 3"))
-    p = cleaner(["train", "-c", str(cfg)], run)
-    text, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, text[-3000:]
+    train(run, "flow.iterations=3")
     assert (layout.checkpoint_dir(3) / DONE_MARKER).is_file()
 
 
@@ -90,9 +81,7 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
 ])
 def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
     before = _tree(run)
-    out = _gc(run, *args) if args[0] != "--run" else subprocess.run(
-        [sys.executable, "-m", "flows.cli", "gc", *args, f"storage.root={run}"], cwd=ROOT, capture_output=True,
-        text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = _gc(run, *args)
     assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert _tree(run) == before
 

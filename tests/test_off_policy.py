@@ -174,14 +174,13 @@ def test_bad_thresholds_are_one_line_errors():
 
 
 def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
-    import subprocess
-    import sys
+    from tests.flow_helpers import run_cleaner
 
     cfg = world_copy
     root = cfg.storage.root
-    cmd = [sys.executable, "-m", "flows.cli", "replay", "--run", "w", "--iteration", "0", "--is-threshold", "0.3",
+    cmd = ["replay", "--run", "w", "--iteration", "0", "--is-threshold", "0.3",
            "0.7", f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = run_cleaner(cmd)
     assert run.returncode == 0, run.stderr
     assert "saar_is (Plan B)" in run.stdout and "rollbacks" in run.stdout
     import duckdb
@@ -191,7 +190,7 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     con.close()
     assert got == [(0.3,), (0.7,)]
     for bad in ("0", "nan", "-1"):
-        r = subprocess.run(cmd[:6] + ["--is-threshold", bad, f"storage.root={root}"], capture_output=True, text=True)
+        r = run_cleaner(cmd[:3] + ["--is-threshold", bad, f"storage.root={root}"])
         assert r.returncode == 2 and f"invalid τ '{bad}'" in r.stderr
 
 

@@ -2,20 +2,17 @@
 the original's results and never opens a file of the original (which is removed before the copy is used)."""
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 
 from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.shards import read_manifest
-from tests.flow_helpers import ROOT
+from tests.flow_helpers import run_cleaner
 
 
 def _replay(root, cwd) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "flows.cli", "replay", "--run", "tiny", "--iteration", "1", "--gamma",
-                           "0.3", f"storage.root={root}"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return run_cleaner(["replay", "--run", "tiny", "--iteration", "1", "--gamma", "0.3", f"storage.root={root}"],
+                       cwd=cwd)
 
 
 def test_recorded_paths_are_relative_to_the_root(tmp_path):

@@ -93,7 +93,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         assert "prefect deployment run" not in out.replace(trigger.group(0), "")  # only the command that works
     finally:
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
-        t0, hung = time.time(), False
+        hung = False
         try:
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -105,7 +105,7 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
             raise AssertionError("the Prefect server outlived `cleaner schedule`")
     tail = (tmp_path / "schedule.log").read_text()[-3000:]
     assert not hung, f"`cleaner schedule` still ran 60 s after Ctrl-C:\n{tail}"
-    assert not state_file.exists(), f"stopped after {time.time() - t0:.1f} s without removing {state_file}:\n{tail}"
+    assert not state_file.exists(), f"stopped without removing {state_file}:\n{tail}"
 
 
 def test_a_killed_schedule_command_takes_its_server_down(tmp_path):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -140,11 +139,14 @@ def test_integer_answers_score_exactly_as_string_equality_did():
     assert VERIFIER.equal("42", "042") is True and VERIFIER.equal("0", "-0") is True  # the shortcut agrees
 
 
-def test_a_pathological_answer_is_minus_one_in_bounded_time_never_a_hang_or_an_error():
+def test_a_pathological_answer_is_minus_one_never_a_hang_or_an_error(caplog):
+    """The verdict is None, whichever limit stopped sympy: math-verify's own in the child (2 s, an error
+    reply) or, on a loaded machine, the parent's timeout_s (the child killed); the bound itself is the
+    parent's, as the SIGSTOP test below shows without reading a clock."""
     v = MathVerifier(timeout_s=4)
-    t0 = time.monotonic()
-    assert v.equal("42", "9^{9^{9^{9}}}") is None and v.failures == 1  # math-verify's own limit (2 s)
-    assert time.monotonic() - t0 < 30
+    with caplog.at_level("WARNING", logger="cleaner.rewards"):
+        assert v.equal("42", "9^{9^{9^{9}}}") is None and v.failures == 1
+    assert any("no verdict on '9^{9^{9^{9}}}'" in r.getMessage() for r in caplog.records), caplog.text
     assert v.equal("\\frac12", "0.5") is True  # and the checker goes on
     v.close()
 
@@ -152,10 +154,11 @@ def test_a_pathological_answer_is_minus_one_in_bounded_time_never_a_hang_or_an_e
 def test_a_hung_or_dead_checker_is_killed_and_restarted(monkeypatch):
     v = MathVerifier(timeout_s=1)
     assert v.equal("1", "1.0") is True
-    v._proc.send_signal(19)  # SIGSTOP: the child hangs as a C-level sympy loop would
-    t0 = time.monotonic()
-    assert v.equal("\\frac12", "0.5") is None and time.monotonic() - t0 < 5
-    assert v.equal("\\frac12", "0.5") is True  # a fresh child
+    hung = v._proc
+    hung.send_signal(19)  # SIGSTOP: the child hangs as a C-level sympy loop would
+    assert v.equal("\\frac12", "0.5") is None  # returns: the parent's timeout_s, not the child, ends the wait
+    assert hung.returncode == -9 and v._proc is None  # the hung child was killed (SIGKILL), none is kept
+    assert v.equal("\\frac12", "0.5") is True and v._proc.pid != hung.pid  # a fresh child
     v._proc.kill()
     v._proc.wait()
     assert v.equal("\\frac12", "0.5") is None  # died: no verdict, not an exception

@@ -27,6 +27,14 @@ from storage.layout import RunLayout
 SCOPES = 8  # iteration catalogs kept (a few views each): the pages a person moves between
 
 
+def rows_of(cur: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """The query's rows on `cur`, a cursor of its own (pages run on several threads), closed after."""
+    try:
+        return cur.sql(sql, params=params or None).to_arrow_table().to_pylist()
+    finally:
+        cur.close()
+
+
 class NotFound(Exception):
     """An unknown run, iteration or trajectory: a 404 page that says which and links back."""
 
@@ -43,11 +51,7 @@ class Scope:
     problems: list[Problem]
 
     def rows(self, sql: str, **params: Any) -> list[dict[str, Any]]:
-        cur = self.catalog.con.cursor()  # one connection per call: pages run on several threads
-        try:
-            return cur.sql(sql, params=params or None).to_arrow_table().to_pylist()
-        finally:
-            cur.close()
+        return rows_of(self.catalog.con.cursor(), sql, params)
 
 
 class Store:
@@ -86,11 +90,7 @@ class Store:
             return self._fallback.con.cursor()
 
     def query(self, sql: str, **params: Any) -> list[dict[str, Any]]:
-        cur = self.connection()
-        try:
-            return cur.sql(sql, params=params or None).to_arrow_table().to_pylist()
-        finally:
-            cur.close()
+        return rows_of(self.connection(), sql, params)
 
     def problems(self) -> list[dict[str, Any]]:
         """The shards the published catalog left out (a catalog published before that table: none known)."""

@@ -11,7 +11,6 @@ life of the process (a flow's rollout, purification and next rollout share them)
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import queue
@@ -28,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.processes import alive, terminate
+from pipeline.processes import alive, dies_with, terminate
 from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1
 PROGRESS_EVERY_S = 2.0  # a waiting command is never silent for longer than this
 SETUP_HINT = "build it with scripts/setup_vllm.sh"
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"  # only cleaner_vllm_ext.py: safe on the server's path
@@ -142,15 +140,6 @@ _lock = threading.Lock()
 _starting = threading.Lock()
 
 
-def _die_with(parent: int) -> Callable[[], None]:
-    """preexec_fn: SIGTERM to the guard when the starting thread dies, however it dies."""
-    def set_pdeathsig() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
-    return set_pdeathsig
-
-
 def server_command(python: Path, checkpoint: Path, port: int, dtype: str, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",  # `vllm serve` looks for a `vllm` dist
@@ -235,8 +224,9 @@ def start_servers(checkpoint: Path, count: int, venv: Path, dtype: str = "float3
 
             def launch(cmd=cmd, path=path, env=env) -> subprocess.Popen:
                 with open(path, "ab") as out:
-                    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=env, start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                    # SIGTERM to the guard (GUARD), which then kills the server's whole group
+                    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                            start_new_session=True, preexec_fn=dies_with(os.getpid(), signal.SIGTERM))
 
             proc = _keeper.call(launch)
             servers.append(ManagedServer(proc.pid, f"http://{HOST}:{port}", path, proc))
@@ -307,11 +297,6 @@ def managed_urls(checkpoint: Path, count: int, venv: Path, dtype: str, max_model
         with _lock:
             _started[key] = servers
         return [s.url for s in servers]
-
-
-def running_servers() -> list[ManagedServer]:
-    with _lock:
-        return [s for group in _started.values() for s in group]
 
 
 def stop_all() -> None:
