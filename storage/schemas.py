@@ -137,7 +137,6 @@ METRICS = _versioned("metrics", 1, [
     ("value", pa.float64()),
 ])
 
-SCHEMAS: dict[str, pa.Schema] = {"raw": RAW, "purified": PURIFIED, "dead_letter": DEAD_LETTER, "metrics": METRICS}
 # Earlier versions readers still accept, by the version they are read as; `upgrade` brings their rows to it.
 EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/2": {"purified/1": PURIFIED_V1}}
 
