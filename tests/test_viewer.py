@@ -39,6 +39,13 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def _seen(browser, element) -> str:
+    """What a person sees of `element`, as the browser renders it (innerText: folded spans left out, newlines the
+    page preserves kept). WebDriver's own element text drops a newline that is alone in an inline span under
+    white-space: pre-wrap since chromedriver 156 (the token after <tool_call>), which innerText keeps."""
+    return _flat(browser.execute_script("return arguments[0].innerText", element))
+
+
 def _go(browser, element) -> None:
     """Click a link or button and wait for the page it loads (the old page's elements go stale)."""
     page = browser.find_element(By.TAG_NAME, "html")
@@ -85,7 +92,7 @@ def test_open_a_spliced_trajectory_and_read_both_columns(served, browser):
     failed = next(a for a in attempts if a["attempt_idx"] == splice["attempt_idx"] - 1)
     assert failed["result"]["status"] == "failure" and failed["code"] != retry["code"]
 
-    raw_column = _flat(browser.find_element(By.ID, "raw").text)
+    raw_column = _seen(browser, browser.find_element(By.ID, "raw"))
     error = failed["result"]["text"].strip().splitlines()[-1]  # e.g. "NameError: name 'value' is not defined"
     for text in (failed["code"], error, retry["code"], failed["result"]["error_label"]):
         assert _flat(text) in raw_column, text
@@ -93,10 +100,10 @@ def test_open_a_spliced_trajectory_and_read_both_columns(served, browser):
     tok = Tokenizer.from_file(str(DEFAULT_POLICY / "tokenizer.json"))
     call = lambda a: _flat(tok.decode(a["turn_ids"][a["call_start"]:], skip_special_tokens=False))  # noqa: E731
     saar = browser.find_element(By.CSS_SELECTOR, "#purified details.variant[data-key^='saar:0.5']")
-    saar_text = _flat(saar.text)  # what a person sees: removed spans are folded away
+    saar_text = _seen(browser, saar)  # removed spans are folded away
     assert call(retry) in saar_text and call(failed) not in saar_text
     assert saar.find_elements(By.CSS_SELECTOR, "details.removed")  # the failed call is there, folded, struck out
-    raw_variant = _flat(browser.find_element(By.CSS_SELECTOR, "#purified details.variant[data-key^='raw:']").text)
+    raw_variant = _seen(browser, browser.find_element(By.CSS_SELECTOR, "#purified details.variant[data-key^='raw:']"))
     assert call(failed) in raw_variant and call(retry) in raw_variant  # mode raw keeps both
     # the README's picture: written when missing or asked for (CLEANER_VIEWER_SCREENSHOT=1), so a test run does
     # not rewrite a committed file
