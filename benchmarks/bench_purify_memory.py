@@ -210,8 +210,9 @@ def run(row_counts: tuple[int, ...] = (64, 128, 512), workers: int = 2) -> Bench
                              "in one raw part")
         driver = [measured[("dask", n)]["peak_rss"] for n in (low, top)]
         notes.append(f"the Dask driver's peak grows from {driver[0] / GiB:.2f} to {driver[1] / GiB:.2f} GiB "
-                     f"({(driver[1] - driver[0]) / (top - low) / 2**20:.2f} MiB/row): it commits, reading each "
-                     "variant's staged table back, sorting it and writing the partition (Arrow-sized)")
+                     f"({(driver[1] - driver[0]) / (top - low) / 2**20:.2f} MiB/row): it commits each variant "
+                     "by merging its sorted staged buckets in chunks of purifier.commit.COMMIT_TOKENS tokens, each "
+                     "written as a row group (it holds every row's sort key and one chunk)")
         fn_top = measured[("fn", top)]
         rows_out.append(Row(f"purification wall time, FnApiRunner, {top} rows (with recompute)", fn_top["wall_s"], None,
                             "s", False))
@@ -234,12 +235,13 @@ def run(row_counts: tuple[int, ...] = (64, 128, 512), workers: int = 2) -> Bench
                      f"(~{TAIL:,} per row). A real Qwen3's body (28+ layers, hidden 1,024+) adds its weights and a "
                      "KV cache of 16k × layers × kv_heads × head_dim × 2 per row of a group to each process, which "
                      "this 1-layer, hidden-8 body does not measure")
-        notes.append("FnApiRunner runs every stage in the one process, so its peak includes Beam's buffers of each "
-                     "stage's output (Arrow IPC bytes of the raw part and of the purified tables) and the driver's "
-                     "commit (the variant's purified table read back, sorted and written); those are Arrow-sized and "
-                     "grow with the rows, the Python objects of purification do not (PurifyBatches purifies a part in "
-                     "slices of at most purifier.beam_pipeline.SLICE_TOKENS tokens, recompute converts one prompt "
-                     "group at a time)")
+        notes.append("FnApiRunner runs every stage in the one process. What still grows with the rows: the raw "
+                     "part's nested columns (attempts, final turn), which Arrow reads a row group at a time and a "
+                     "rollout writes a part as one row group; GroupStage's bucket (1/8 of a variant's rows, "
+                     "purifier.beam_pipeline.BUCKETS); the commit's sort keys. What does not: the GroupByKey holds "
+                     "file paths (PurifyBatches writes each part's purified rows per variant and bucket as it "
+                     "purifies them, in slices of at most purifier.beam_pipeline.SLICE_TOKENS tokens), recompute "
+                     "converts one prompt group at a time, the commit holds one chunk")
         notes.append(f"Dask: a fresh local cluster of {workers} worker processes (1 thread each) per row count; the "
                      "raw shard is one part, so one worker reads and purifies it; workers' VmHWM read from /proc "
                      "after the run. Other agents were loading this 2-core machine during the measurement")

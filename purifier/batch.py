@@ -75,13 +75,14 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
     return out
 
 
-def token_slices(raw: pa.Table, budget: int) -> list[pa.Table]:
+def token_slices(raw: pa.Table, budget: int, tokens: str = "lived_ids") -> list[pa.Table]:
     """A raw batch as consecutive slices of at most `budget` lived tokens each (at least one row each), so the
     Python objects purification builds per row (`purify_batch`) are bounded by the budget, not by the part:
-    a raw part holds up to storage.rows_per_part rows of up to 32k tokens."""
+    a raw part holds up to storage.rows_per_part rows of up to 32k tokens. (`tokens`: the column counted; a
+    purified table's is response_ids.)"""
     if raw.num_rows == 0:
         return []
-    sizes = pc.fill_null(pc.list_value_length(raw["lived_ids"]), 0).to_numpy(zero_copy_only=False)
+    sizes = pc.fill_null(pc.list_value_length(raw[tokens]), 0).to_numpy(zero_copy_only=False)
     slices, start, total = [], 0, 0
     for r, size in enumerate(sizes):
         if r > start and total + size > budget:
@@ -94,8 +95,8 @@ def token_slices(raw: pa.Table, budget: int) -> list[pa.Table]:
 
 def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     """(bucket, rows) by crc32 of the prompt id: stable across processes and runs, unlike hash().
-    Buckets are slices of one sorted copy: serialise them with Arrow IPC (beam_pipeline.ArrowTableCoder),
-    which writes only a slice's own rows (a pickled slice would carry the whole batch's buffers)."""
+    Buckets are slices of one sorted copy: write them as Parquet or Arrow IPC, which write only a slice's own
+    rows (a pickled slice would carry the whole batch's buffers)."""
     if table.num_rows == 0:
         return []
     if n == 1:
@@ -155,4 +156,4 @@ def recompute_groups(table: pa.Table, backend) -> pa.Table:
         group = [purified_from_row(row) for row in todo.filter(pc.equal(prompts, prompt)).to_pylist()]
         done.append(pa.Table.from_pylist([purified_to_row(with_splice_ratios(t)) for t in backend.group(group)],
                                          schema=PURIFIED))
-    return pa.concat_tables(done)  # the stage sorts what it commits
+    return pa.concat_tables(done)  # GroupStage sorts the bucket it stages

@@ -1,17 +1,19 @@
 """The purification stage as an Apache Beam pipeline (thin adapters around purifier/batch.py).
 
-ReadRawParts(the raw manifest's parts, each validated: size, crc32, schema, rows) → PurifyBatches (Arrow
-batches: one purified table per variant (pipeline.modes.Variant), cut into buckets by a stable hash of the
-prompt) → GroupByKey(variant, bucket) → GroupStage (advantages, dynamic filter, batched log-prob recompute with
-the model loaded once per worker process; writes the bucket's purified rows to staging itself) → WriteStaged
-(one Parquet file per other destination: a variant's dead letters, refused parts, counts), in a staging folder
-laid out as the partitions are (`<variant.partition>/purified-<bucket>.parquet`), and a summary of what was
-staged, written last. The purified rows, the bulk of the data, cross one GroupByKey only: a second one would
-hold the whole purified shard (FnApiRunner buffers it in memory; Dask sends it between workers) only for it
-to be concatenated (benchmarks/bench_purify_memory.py). The driver (purifier/stage.py) checks the staged files against that summary,
-then sorts and commits each partition through storage/. Bad rows go to the dead-letter destination with
-the reason instead of failing the whole stage. Arrow tables, not rows, cross every stage boundary, so
-Beam's per-element cost is paid per batch.
+PurifyBatches (each raw part of the manifest read and validated (size, crc32, schema, rows) in
+batches and purified in slices as it is read: one purified table per variant (pipeline.modes.Variant) and
+slice, cut into buckets by a stable hash of the prompt and written to a file per part, variant and bucket)
+→ GroupByKey(variant, bucket) of those files' paths → GroupStage (advantages, dynamic filter, batched log-prob
+recompute with the model loaded once per worker process; writes the bucket's purified rows, sorted, to staging
+itself) → WriteStaged (one Parquet file per other destination: a variant's dead letters, refused parts,
+counts), in a staging folder laid out as the partitions are (`<variant.partition>/purified-<bucket>.parquet`),
+and a summary of what was staged, written last. No GroupByKey holds purified rows: FnApiRunner buffers what
+crosses one in memory and Dask sends it between workers, so only paths and small tables do; one process holds
+a slice of a raw part and, in GroupStage, one bucket (benchmarks/bench_purify_memory.py). The driver
+(purifier/stage.py) checks the staged files against that summary, then commits each partition through
+storage/, merging the sorted buckets a chunk at a time (purifier/commit.py). Bad rows go to the dead-letter
+destination with the reason instead of failing the whole stage. Arrow tables or paths, not rows, cross
+every stage boundary, so Beam's per-element cost is paid per batch.
 
 The same pipeline runs on every runner, so it uses only what every runner executes: each DoFn has one
 output (a record's key tells a group from a destined table), nothing is emitted from finish_bundle,
@@ -30,6 +32,7 @@ worker and the driver share.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import logging
 import os
@@ -37,15 +40,16 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import apache_beam as beam
-import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.modes import IS_MODES, Variant
+from purifier.batch import SORT
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.shards import atomic_write_parquet
@@ -61,6 +65,12 @@ INVALID_DESTINATION = "invalid-parts"
 # runner reports Beam metrics.
 COUNTS = pa.schema([("name", pa.string()), ("value", pa.int64())])
 COUNTS_DESTINATION = "counts"
+SLICES = "_slices"  # PurifyBatches' files of purified rows per part and bucket (BucketFiles), read by GroupStage
+# Response tokens per row group of a staged bucket file (the commit reads one at a time: purifier/commit.py):
+# 4 rows of 16k tokens, hundreds of short ones
+STAGED_ROW_GROUP_TOKENS = 1 << 16
+# Raw rows decoded at a time while a part is read (raw_slices gathers them into slices of SLICE_TOKENS)
+RAW_BATCH_ROWS = 8
 SUMMARY = "_STAGED.json"  # {destination: rows staged}, written by the pipeline's last transform
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"
 
@@ -161,7 +171,7 @@ class ArrowTableCoder(beam.coders.Coder):
 
 
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
-KeyedTable = beam.typehints.Tuple[beam.typehints.Any, pa.Table]
+BucketFile = beam.typehints.Tuple[beam.typehints.Any, str]  # ((variant, bucket), path: BucketFiles)
 DestinedTable = beam.typehints.Tuple[str, pa.Table]
 
 
@@ -194,10 +204,15 @@ def staged_file(staging: Path, dest: str, shard: str = "00000-of-00001") -> Path
 def write_staged(staging: Path, dest: str, table: pa.Table, shard: str = "00000-of-00001") -> int:
     """One staged file, written to a hidden temporary name and renamed: a retried or re-executed bundle (a
     worker lost mid-run) rewrites the same complete file, never a second copy of its rows."""
+    from purifier.batch import token_slices
+
     schema = schema_of(dest)
     path = staged_file(staging, dest, shard)
     path.parent.mkdir(parents=True, exist_ok=True)  # <variant.partition>/, on whichever worker writes it
-    atomic_write_parquet(path, table.select(schema.names).cast(schema))
+    table = table.select(schema.names).cast(schema)
+    # purified rows in row groups of what the commit reads at a time: Arrow reads a nested column's row group whole
+    groups = (token_slices(table, STAGED_ROW_GROUP_TOKENS, "response_ids") if schema is PURIFIED else []) or [table]
+    atomic_write_parquet(path, groups)
     return table.num_rows
 
 
@@ -208,32 +223,6 @@ def read_staged(staging: Path, dest: str) -> pa.Table:
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
-class ReadRawParts(beam.DoFn):
-    """(shard folder, manifest part entry) → (part path, validated raw table).
-
-    A plain DoFn over the manifest's parts rather than Beam's Parquet source: every part is checked
-    against the manifest (storage.shards.read_part) wherever it is read, and runners without
-    splittable reads (Dask) can run it. A part that fails validation is not raised (Beam would log a
-    traceback per retry) but emitted as (INVALID_DESTINATION, the reason), which goes to staging; the
-    driver then refuses the whole shard.
-    """
-
-    def infer_output_type(self, input_type):
-        return DestinedTable
-
-    def process(self, element):
-        from storage.shards import PartInfo, ShardError, read_part
-
-        directory, part = element
-        info = PartInfo(**part)
-        try:
-            table = read_part(Path(directory), info, RAW)
-        except ShardError as e:
-            yield INVALID_DESTINATION, pa.table({"reason": [str(e)]}, schema=INVALID)
-            return
-        yield str(Path(directory) / info.name), table.select(RAW.names).cast(RAW)
-
-
 def _tokenizer_decode(tokenizer_dir: str) -> Callable[[list[int]], str]:
     from tokenizers import Tokenizer  # the Rust tokenizer alone: no transformers import per worker
 
@@ -241,22 +230,75 @@ def _tokenizer_decode(tokenizer_dir: str) -> Callable[[list[int]], str]:
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
 
-def _compact(part: pa.Table, whole: pa.Table) -> pa.Table:
-    """A bucket as its own table: a slice pickles with the whole batch's buffers, and runners that move
-    elements between processes by pickle (Dask) would ship the batch once per bucket."""
-    if part.num_rows == whole.num_rows:
-        return part
-    return part.take(pa.array(np.arange(part.num_rows)))
+def raw_slices(batches: Iterator[pa.Table], budget: int) -> Iterator[pa.Table]:
+    """A raw part read in batches (storage.shards.iter_part_batches) as the slices `token_slices` cuts the whole
+    part into (its greedy cut is the same from any slice's start), holding one slice and one batch at a time."""
+    from purifier.batch import token_slices
+
+    pending: list[pa.Table] = []
+    tokens = 0
+    for batch in batches:
+        pending.append(batch)
+        tokens += int(pc.sum(pc.list_value_length(batch["lived_ids"])).as_py() or 0)
+        if tokens >= budget:
+            *done, rest = token_slices(pa.concat_tables(pending), budget)
+            yield from done
+            pending, tokens = [rest], int(pc.sum(pc.list_value_length(rest["lived_ids"])).as_py() or 0)
+    if pending:
+        yield from token_slices(pa.concat_tables(pending), budget)
+
+
+class BucketFiles:
+    """The purified rows of one raw part, per (variant, bucket), written as they are purified: one Parquet file
+    each (a row group per slice) under `<staging>/_slices/<variant.partition>/`, so what crosses the GroupByKey
+    is each file's path, not its rows. Files are written under temporary names and renamed when the part is
+    done: a retried bundle rewrites the same complete files."""
+
+    def __init__(self, staging: str, source: str) -> None:
+        self.root, self.tag = Path(staging) / SLICES, hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
+        self.open: dict[tuple[Variant, int], tuple[pq.ParquetWriter, Path, Path]] = {}
+
+    def write(self, variant: Variant, bucket: int, rows: pa.Table) -> None:
+        if (variant, bucket) not in self.open:
+            final = self.root / variant.partition / f"{bucket:05d}-{self.tag}.parquet"
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+            self.open[variant, bucket] = (pq.ParquetWriter(str(tmp), rows.schema), tmp, final)
+        writer = self.open[variant, bucket][0]
+        writer.write_table(rows if rows.schema.equals(writer.schema) else rows.cast(writer.schema))
+
+    def close(self) -> list[tuple[tuple[Variant, int], str]]:
+        done = []
+        for key, (writer, tmp, final) in self.open.items():
+            writer.close()
+            os.replace(tmp, final)
+            done.append((key, str(final)))
+        self.open = {}
+        return done
+
+    def abort(self) -> None:
+        for writer, tmp, _ in self.open.values():
+            try:
+                writer.close()
+            finally:
+                tmp.unlink(missing_ok=True)
+        self.open = {}
 
 
 class PurifyBatches(beam.DoFn):
-    """(file, raw Arrow batch) → ((variant, bucket), purified table), and (destination, dead letters).
+    """(raw shard folder, manifest part entry) → ((variant, bucket), path of the part's purified rows of that
+    bucket: BucketFiles), and (destination, dead letters).
 
-    One output for both (a tuple key is a group, a str key a destination; see `build`): tagged outputs
-    are not kept apart by every runner. A refused part (INVALID_DESTINATION) passes through to staging."""
+    The part is read here, validated (size, crc32, schema, rows: storage.shards.iter_part_batches) and purified
+    in slices of at most `slice_tokens` lived tokens as it is read, so neither the part nor its purified rows
+    are held whole, nor buffered by the GroupByKey after it. A plain DoFn over the manifest's parts rather than
+    Beam's Parquet source: runners without splittable reads (Dask) can run it. A part that fails validation is
+    not raised (Beam would log a traceback per retry) but emitted as (INVALID_DESTINATION, the reason), which goes
+    to staging; the driver then refuses the whole shard. One output for all (a tuple key is a group, a str key a
+    destination; see `build`): tagged outputs are not kept apart by every runner."""
 
-    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS, slice_tokens: int = SLICE_TOKENS) -> None:
-        self.job, self.n_buckets, self.slice_tokens = job, n_buckets, slice_tokens
+    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS, slice_tokens: int | None = None) -> None:
+        self.job, self.n_buckets, self.slice_tokens = job, n_buckets, slice_tokens or SLICE_TOKENS
 
     def setup(self) -> None:
         tokenizer_dir = self.job.tokenizer_dir
@@ -266,22 +308,35 @@ class PurifyBatches(beam.DoFn):
         self.score = self.job.backend().score if any(v.mode in IS_MODES for v in self.job.variants) else None
 
     def infer_output_type(self, input_type):
-        return KeyedTable
+        return beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]
 
     def process(self, element):
-        from purifier.batch import buckets, purify_batch, token_slices
+        from purifier.batch import buckets, purify_batch
+        from storage.shards import PartInfo, ShardError, iter_part_batches
 
-        filename, raw = element
-        if filename == INVALID_DESTINATION:
-            yield element
+        directory, part = element
+        info = PartInfo(**part)
+        filename = str(Path(directory) / info.name)
+        files = BucketFiles(self.job.staging, filename)
+        letters = []
+        try:
+            for batch in raw_slices(iter_part_batches(Path(directory), info, RAW, RAW_BATCH_ROWS), self.slice_tokens):
+                batch = batch.select(RAW.names).cast(RAW)
+                for variant, (table, dead) in purify_batch(batch, list(self.job.variants), self.decode, filename,
+                                                           self.score).items():
+                    if dead:
+                        letters.append((destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
+                    for bucket, rows in buckets(table, self.n_buckets):
+                        files.write(variant, bucket, rows)
+        except ShardError as e:
+            files.abort()
+            yield INVALID_DESTINATION, pa.table({"reason": [str(e)]}, schema=INVALID)
             return
-        for batch in token_slices(raw, self.slice_tokens):
-            for variant, (table, dead) in purify_batch(batch, list(self.job.variants), self.decode, str(filename),
-                                                       self.score).items():
-                if dead:
-                    yield destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)
-                for bucket, part in buckets(table, self.n_buckets):
-                    yield (variant, bucket), _compact(part, table)
+        except BaseException:
+            files.abort()
+            raise
+        yield from letters
+        yield from files.close()
 
 
 def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str,
@@ -316,20 +371,20 @@ class GroupStage(beam.DoFn):
         return DestinedTable
 
     def process(self, element):
-        import pyarrow.compute as pc
-
         from purifier.batch import recompute_groups, with_advantages
 
-        (variant, bucket), parts = element
+        (variant, bucket), files = element
         job = self.job
-        table, filtered = with_advantages(pa.concat_tables(list(parts)), job.estimator, job.dynamic_filter,
+        rows = pa.concat_tables([pq.read_table(f) for f in sorted(files)])  # one bucket: every part's rows of it
+        table, filtered = with_advantages(rows, job.estimator, job.dynamic_filter,
                                           job.roc_group_size if variant.mode == "roc" else None)
+        del rows
         counts = {}
         if filtered:
             counts[row_counter(variant, "filtered_groups")] = filtered
         if table.num_rows:
             if self.backend is not None:
-                table = recompute_groups(table, self.backend)
+                table = recompute_groups(table, self.backend).sort_by(SORT)  # the driver merges sorted buckets
             counts["tokens_forwarded"] = int(pc.sum(table["tokens_forwarded"]).as_py() or 0)
             counts[row_counter(variant, "purified")] = write_staged(Path(job.staging), destination(variant, "purified"),
                                                                    table, f"{bucket:05d}")
@@ -375,11 +430,10 @@ def _is_group(record) -> bool:
 def build(p: beam.Pipeline, job: PurifyJob) -> None:
     staging = job.staging
     purified = (p | "RawParts" >> beam.Create(list(job.raw_parts))
-                | "ReadRaw" >> beam.ParDo(ReadRawParts())
                 | "Purify" >> beam.ParDo(PurifyBatches(job)))
     grouped = (
         purified
-        | "Groups" >> beam.Filter(_is_group).with_output_types(KeyedTable)
+        | "Groups" >> beam.Filter(_is_group).with_output_types(BucketFile)
         | "ByPromptBucket" >> beam.GroupByKey()
         | "GroupStage" >> beam.ParDo(GroupStage(job))
     )

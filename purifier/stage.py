@@ -21,13 +21,14 @@ import pyarrow.parquet as pq
 from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig, roc_group_size
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
-from purifier.batch import SORT
+from purifier.commit import sorted_chunks, staged_rows
 from pipeline.modes import IS_MODES, Variant, live_measure
 from pipeline.similarity import Measure
 from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
-from storage.shards import ShardError, ShardMissing, committed_manifest, is_committed, read_manifest, write_shard
+from storage.shards import (ShardError, ShardMissing, ShardWriter, committed_manifest, is_committed, read_manifest,
+                            write_shard)
 
 STAGING = ".staging"
 
@@ -76,17 +77,28 @@ def purify_config_hash(cfg: CleanerConfig, variant: Variant, raw_hash: str) -> s
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
-def _staged(staging: Path, variant: Variant, kind: str, counters: dict[str, int]) -> pa.Table:
-    """The rows the pipeline wrote for one variant and kind (one file per bucket for purified rows), checked
-    against its own count of them (a file sink that lost a file would otherwise look like fewer rows)."""
+def _check_staged(staging: Path, variant: Variant, kind: str, counters: dict[str, int], rows: int) -> None:
+    """The rows the pipeline wrote for one variant and kind checked against its own count of them (a file sink
+    that lost a file would otherwise look like fewer rows)."""
     dest = beam_pipeline.destination(variant, kind)
-    table = beam_pipeline.read_staged(staging, dest)
     reported = any(k.startswith(("purified/", "dead/")) for k in counters)  # a runner without metrics has none
     expected = counters.get(beam_pipeline.row_counter(variant, kind), 0)
-    if reported and table.num_rows != expected:
-        raise StagingMismatch(f"{staging}: {table.num_rows} staged rows for {dest}, but the pipeline produced "
+    if reported and rows != expected:
+        raise StagingMismatch(f"{staging}: {rows} staged rows for {dest}, but the pipeline produced "
                               f"{expected}; nothing was committed")
+
+
+def _staged_dead(staging: Path, variant: Variant, counters: dict[str, int]) -> pa.Table:
+    table = beam_pipeline.read_staged(staging, beam_pipeline.destination(variant, "dead"))
+    _check_staged(staging, variant, "dead", counters, table.num_rows)
     return table
+
+
+def _staged_purified(staging: Path, variant: Variant, counters: dict[str, int]) -> list[Path]:
+    """The staged files of a variant's purified rows (one per bucket, each sorted), their rows checked."""
+    files = sorted(staging.glob(f"{beam_pipeline.destination(variant, 'purified')}-*.parquet"))
+    _check_staged(staging, variant, "purified", counters, staged_rows(files))
+    return files
 
 
 def _committed_otherwise(out: Path, layout: RunLayout, iteration: int, variant: Variant, run_id: str,
@@ -265,8 +277,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             raise ShardError(reasons[0] if reasons else f"{raw_dir}: a raw part failed validation; nothing was "
                              "committed")
         for variant, h in variants:
-            table = _staged(staging, variant, "purified", counters).sort_by(SORT)
-            dead = _staged(staging, variant, "dead", counters).sort_by([("raw_key", "ascending")])
+            files = _staged_purified(staging, variant, counters)
+            dead = _staged_dead(staging, variant, counters).sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
             inputs = [record_path(cfg.storage.root, raw_dir / "_MANIFEST.json")]
             dead_dir = layout.dead_letter_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
@@ -279,9 +291,14 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
                     f"(limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
             extra = {"dead": dead.num_rows, "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
                      "checkpoint": record_path(cfg.storage.root, checkpoint)}
-            write_shard(_purified_dir(layout, iteration, variant), table, PURIFIED, h, inputs=inputs, extra=extra,
-                        rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
-            results.append(VariantResult(variant, table.num_rows, dead.num_rows, False))
+            # committed a chunk (one row group) at a time, in the order of one sort of all its rows
+            with ShardWriter(_purified_dir(layout, iteration, variant), PURIFIED, h, inputs=inputs,
+                             rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression,
+                             row_groups=True) as writer:
+                for chunk in sorted_chunks(files):
+                    writer.write(chunk)
+                manifest = writer.commit(extra)
+            results.append(VariantResult(variant, manifest.rows, dead.num_rows, False))
     except OSError as e:  # committing: a full or read-only disk is one line, and the partition is not written
         raise os_error(e, f"writing the purified shards of {raw_dir.parent}") from None
     finally:

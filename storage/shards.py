@@ -75,6 +75,15 @@ def _crc32(data: bytes | memoryview) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
+def _file_crc32(path: Path) -> tuple[int, str]:
+    """(size, crc32) of a file read in 4 MiB blocks: a part's checksum without holding its bytes."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return size, f"{crc & 0xFFFFFFFF:08x}"
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -96,13 +105,19 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
+def atomic_write_parquet(path: Path, table: pa.Table | list[pa.Table]) -> None:
     """One Parquet file written under a unique temporary name beside `path`, then renamed over it: a
-    reader (or a retried writer) sees the whole file or none, never a half-written one."""
+    reader (or a retried writer) sees the whole file or none, never a half-written one. A list of tables
+    (one schema) is written a row group each."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        pq.write_table(table, tmp)
+        if isinstance(table, pa.Table):
+            pq.write_table(table, tmp)
+        else:
+            with pq.ParquetWriter(str(tmp), table[0].schema) as writer:
+                for group in table:
+                    writer.write_table(group)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -124,6 +139,11 @@ class ShardWriter:
 
     Refuses to touch a committed shard with a different config hash: nothing already written is
     overwritten. Orphan parts of a crashed earlier attempt are removed first.
+
+    `row_groups`: each write() goes to the open part as it comes, as its own row group(s), so the writer holds
+    one write's rows, not a part's (the purify stage commits a partition of 16k-token rows this way). Off, a part
+    is written whole, as one row group (every other shard); a shard written in one write() is the same bytes
+    either way while that write is within one part.
     """
 
     def __init__(
@@ -134,6 +154,7 @@ class ShardWriter:
         inputs: Iterable[str] = (),
         rows_per_part: int = 50_000,
         compression: str = "zstd",
+        row_groups: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.schema = schema
@@ -151,6 +172,9 @@ class ShardWriter:
         self._dictionary = [f.name for f in schema if not (pa.types.is_list(f.type) or pa.types.is_struct(f.type))]
         self._pending: list[pa.Table] = []
         self._pending_rows = 0
+        self._row_groups = row_groups
+        self._open: dict[str, tuple[pq.ParquetWriter, Path]] = {}  # row_groups: the part, summary, text written
+        self._open_rows = 0
         self._committed = False
         existing = read_manifest(self.directory)
         if existing is not None:
@@ -191,19 +215,122 @@ class ShardWriter:
             table = data
         if not table.schema.equals(self.schema, check_metadata=False):
             table = table.cast(self.schema)
+        if self._row_groups:
+            while table.num_rows:
+                room = self.rows_per_part - self._open_rows
+                self._append(table.slice(0, room))
+                table = table.slice(room)
+                if self._open_rows == self.rows_per_part:
+                    self._close_part()
+            return
         self._pending.append(table)
         self._pending_rows += table.num_rows
         while self._pending_rows >= self.rows_per_part:
             self._flush(self.rows_per_part)
+
+    def _part_paths(self) -> tuple[str, Path, Path]:
+        name = f"part-{len(self._parts):05d}.parquet"
+        return name, self.directory / name, self.directory / f".{name}.tmp-{os.getpid()}"
+
+    def _append(self, rows: pa.Table) -> None:
+        """row_groups: `rows` written to the open part (opened first if none) as row group(s) of their own, and
+        their summary and text to the part's (per row, so a part's are its row groups' in order)."""
+        rows = rows.replace_schema_metadata(self.schema.metadata)
+        summary, text = self._sides(rows)
+        self._write_open("part", rows, use_dictionary=self._dictionary)
+        self._open_rows += rows.num_rows
+        if summary is not None:
+            self._write_open("summary", summary)
+        if text is not None and self._texter:
+            try:
+                self._write_open("text", text)
+            except Exception as e:  # noqa: BLE001 - as in _sides: a shard is committed without text, never lost
+                self._drop_texts(e)
+
+    def _write_open(self, kind: str, table: pa.Table, **options: Any) -> None:
+        name = f"{kind}-{len(self._parts):05d}.parquet"
+        if kind not in self._open:
+            tmp = self.directory / f".{name}.tmp-{os.getpid()}"
+            try:
+                self._open[kind] = (pq.ParquetWriter(str(tmp), table.schema, compression=self.compression,
+                                                     **options), tmp)
+            except OSError as e:
+                raise os_error(e, f"writing {self.directory / name}") from None
+        writer = self._open[kind][0]
+        try:
+            writer.write_table(table if table.schema.equals(writer.schema) else table.cast(writer.schema))
+        except OSError as e:
+            raise os_error(e, f"writing {self.directory / name}") from None
+
+    def _close_part(self) -> None:
+        """row_groups: the open part (and its summary and text) closed, checksummed from disk in blocks and
+        renamed into place."""
+        index = len(self._parts)
+        for kind, listed in (("part", self._parts), ("summary", self._summaries), ("text", self._texts)):
+            if kind not in self._open:
+                continue
+            writer, tmp = self._open.pop(kind)
+            final = self.directory / f"{kind}-{index:05d}.parquet"
+            try:
+                writer.close()
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                size, crc = _file_crc32(tmp)
+                os.replace(tmp, final)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise os_error(e, f"writing {final}") from None
+            listed.append(PartInfo(name=final.name, rows=self._open_rows, bytes=size, crc32=crc))
+        self._open_rows = 0
+
+    def _close_open(self, kinds: Iterable[str]) -> None:
+        """Open files of these kinds closed and removed (an aborted write, or text given up)."""
+        for kind in kinds:
+            writer, tmp = self._open.pop(kind, (None, None))
+            if writer is not None:
+                try:
+                    writer.close()
+                except OSError:
+                    pass  # e.g. the full disk that aborted the write: the file is removed anyway
+                tmp.unlink(missing_ok=True)
+
+    def _sides(self, rows: pa.Table) -> tuple[pa.Table | None, pa.Table | None]:
+        """The summary and decoded text of some rows of a part (None: this shard has none): both are per row, so
+        a part's are its row groups' concatenated."""
+        summary = self._summarize(rows) if self._summarize is not None else None
+        if self._texter is None:
+            self._texter = texts.texter(self.schema, self.directory, self.inputs) or False
+        text = None
+        if self._texter:
+            try:
+                text = self._texter(rows)
+            except Exception as e:  # noqa: BLE001 - text is for people: a shard is committed without it, never lost
+                self._drop_texts(e)
+        return summary, text
+
+    def _drop_texts(self, e: Exception) -> None:
+        self._close_open(["text"])
+        for p in self._texts:
+            (self.directory / p.name).unlink(missing_ok=True)
+        self._texts, self._texter = [], False
+        warnings.warn(f"{self.directory}: committed without decoded text ({type(e).__name__}: {e})", stacklevel=3)
+
+    def _record_sides(self, summary: pa.Table | None, text: pa.Table | None) -> None:
+        index = len(self._parts) - 1
+        if summary is not None:
+            self._summaries.append(self._write_summary(summary, index))
+        if text is not None and self._texter:
+            try:
+                self._texts.append(self._write_summary(text, index, "text"))
+            except Exception as e:  # noqa: BLE001 - as in _sides: a shard is committed without text, never lost
+                self._drop_texts(e)
 
     def _flush(self, rows: int) -> None:
         table = pa.concat_tables(self._pending)
         head, tail = table.slice(0, rows), table.slice(rows)
         self._pending = [tail] if tail.num_rows else []
         self._pending_rows = tail.num_rows
-        name = f"part-{len(self._parts):05d}.parquet"
-        final = self.directory / name
-        tmp = self.directory / f".{name}.tmp-{os.getpid()}"
+        name, final, tmp = self._part_paths()
         # Written straight to the file (an in-memory sink would copy the part several times as it grows);
         # the checksum then reads it back from the page cache.
         try:
@@ -217,19 +344,7 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise os_error(e, f"writing {final}") from None
         self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
-        if self._summarize is not None:
-            self._summaries.append(self._write_summary(self._summarize(head), len(self._parts) - 1))
-        if self._texter is None:
-            self._texter = texts.texter(self.schema, self.directory, self.inputs) or False
-        if self._texter:
-            try:
-                self._texts.append(self._write_summary(self._texter(head), len(self._parts) - 1, "text"))
-            except Exception as e:  # noqa: BLE001 - text is for people: a shard is committed without it, never lost
-                for p in self._texts:
-                    (self.directory / p.name).unlink(missing_ok=True)
-                self._texts, self._texter = [], False
-                warnings.warn(f"{self.directory}: committed without decoded text ({type(e).__name__}: {e})",
-                              stacklevel=2)
+        self._record_sides(*self._sides(head))
 
     def _write_summary(self, table: pa.Table, index: int, kind: str = "summary") -> PartInfo:
         name = f"{kind}-{index:05d}.parquet"
@@ -243,7 +358,11 @@ class ShardWriter:
         return PartInfo(name=name, rows=table.num_rows, bytes=len(data), crc32=_crc32(data))
 
     def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
-        if self._pending_rows or not self._parts:
+        if self._row_groups and (self._open or not self._parts):
+            if not self._open:
+                self._append(self.schema.empty_table())  # an empty shard still gets one (empty) part
+            self._close_part()
+        elif self._pending_rows or not self._parts:
             self._flush(self._pending_rows)  # an empty shard still gets one (empty) part
         manifest = Manifest(
             schema=schema_id(self.schema),
@@ -272,6 +391,7 @@ class ShardWriter:
         return manifest
 
     def abort(self) -> None:
+        self._close_open(list(self._open))
         for p in self._leftovers():
             p.unlink(missing_ok=True)
         self._parts, self._summaries, self._texts, self._pending, self._pending_rows = [], [], [], [], 0
@@ -400,6 +520,37 @@ def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksu
         want = schema if columns is None else pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
         table = upgrade(table, want)
     return table
+
+
+def iter_part_batches(directory: Path, part: PartInfo, schema: pa.Schema, batch_rows: int) -> Iterator[pa.Table]:
+    """One validated part of a committed shard, `batch_rows` rows at a time (what read_part checks: size and crc32,
+    taken in blocks before any row is decoded, then schema and rows), without holding the part's bytes or rows:
+    a raw part holds up to storage.rows_per_part rows of up to 32k tokens (the purify stage reads it so)."""
+    global FULL_READS
+    path = Path(directory) / part.name
+    try:
+        before = verified.identity_values(path)
+        size, crc = _file_crc32(path)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: listed in the manifest but missing") from None
+    FULL_READS += 1
+    if size != part.bytes:
+        raise ShardError(f"{path}: {size} bytes, manifest says {part.bytes}")
+    if crc != part.crc32:
+        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+    try:
+        # buffered and one thread: pages read as they are decoded (else a row group's column chunks are read whole)
+        pf = pq.ParquetFile(path, buffer_size=1 << 16)
+        written = _check_schema(path, pf.schema_arrow, schema)
+        if pf.metadata.num_rows != part.rows:
+            raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
+        for batch in pf.iter_batches(batch_size=batch_rows, use_threads=False):  # threads read ahead
+            rows = pa.Table.from_batches([batch])
+            yield rows if written is schema else upgrade(rows, schema)
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: corrupt Parquet ({e})") from None
+    if verified.identity_values(path) != before:  # the checksum vouched for other bytes than those decoded
+        raise ShardError(f"{path}: changed while it was read (file changed after commit)")
 
 
 def iter_parts(

@@ -182,3 +182,29 @@ def test_dynamic_filter_drops_uniform_groups(stage, tmp_path):
     m = read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5))
     assert len(rows) == 64 - 4 * m.extra["filtered_groups"] and m.extra["filtered_groups"] > 0
     assert all(len({r.reward for r in rows if r.prompt_id == p}) == 2 for p in {r.prompt_id for r in rows})
+
+
+def test_a_partition_committed_in_chunks_and_parts_holds_the_rows_of_one_sort(stage, tmp_path, monkeypatch):
+    """The commit merges the sorted staged buckets a chunk (a row group) at a time, across part boundaries: the
+    partition holds the rows, in the order, that one sort of all of them gives, and every part, summary and text
+    checks against the manifest."""
+    from purifier import commit
+    from storage.shards import summary_parts, text_parts
+
+    cfg, _ = stage
+    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
+                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    monkeypatch.setattr(commit, "COMMIT_TOKENS", 3_000)  # a few rows of the tiny policy's rollouts per chunk
+    c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
+    c.storage.rows_per_part = 10
+    run_purify_stage(c, "w", 0)
+    out = RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)
+    m = read_manifest(out)
+    assert [p.rows for p in m.parts] == [10] * 6 + [4]
+    assert len(summary_parts(m)) == len(text_parts(m)) == 7
+    groups = [pq.ParquetFile(out / p.name).num_row_groups for p in m.parts]
+    assert max(groups) > 1  # chunks ended inside parts
+    whole = RunLayout(cfg.storage.root, "w").purified_dir(0, "saar", 0.5)
+    assert read_shard(out, PURIFIED).equals(read_shard(whole, PURIFIED))  # checksums checked as it is read
+    with Catalog(tmp_path) as cat:
+        assert cat.query("SELECT count(*) AS n FROM purified_texts").to_pylist() == [{"n": 64}]
