@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.modes import IS_MODES, Variant
+from pipeline.similarity import Measure
 from purifier.batch import SORT
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -171,7 +172,25 @@ class ArrowTableCoder(beam.coders.Coder):
 
 
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
-BucketFile = beam.typehints.Tuple[beam.typehints.Any, str]  # ((variant, bucket), path: BucketFiles)
+
+
+class VariantCoder(beam.coders.Coder):
+    """A Variant as the JSON of its fields: deterministic, as a GroupByKey key must be (Beam's fallback for a
+    dataclass works too, but warns at every bundle)."""
+
+    def encode(self, v: Variant) -> bytes:
+        return json.dumps([v.mode, v.threshold, v.measure.similarity, v.measure.on]).encode()
+
+    def decode(self, data: bytes) -> Variant:
+        mode, threshold, similarity, on = json.loads(data)
+        return Variant(mode, threshold, Measure(similarity, on))
+
+    def is_deterministic(self) -> bool:
+        return True
+
+
+beam.coders.registry.register_coder(Variant, VariantCoder)
+BucketFile = beam.typehints.Tuple[beam.typehints.Tuple[Variant, int], str]  # ((variant, bucket), path: BucketFiles)
 DestinedTable = beam.typehints.Tuple[str, pa.Table]
 
 

@@ -208,3 +208,21 @@ def test_a_partition_committed_in_chunks_and_parts_holds_the_rows_of_one_sort(st
     assert read_shard(out, PURIFIED).equals(read_shard(whole, PURIFIED))  # checksums checked as it is read
     with Catalog(tmp_path) as cat:
         assert cat.query("SELECT count(*) AS n FROM purified_texts").to_pylist() == [{"n": 64}]
+
+
+def test_variant_keys_have_a_coder_of_their_own(stage, tmp_path, caplog):
+    """The GroupByKey's keys (variant, bucket) go through VariantCoder: deterministic, round-trips every field, and
+    Beam does not fall back to (and warn about) its pickling coder for the dataclass at every bundle."""
+    from pipeline.modes import Variant
+    from pipeline.similarity import Measure
+
+    v = Variant.of("saar", 0.3, Measure("difflib", "code"))
+    coder = beam_pipeline.VariantCoder()
+    assert coder.decode(coder.encode(v)) == v and coder.is_deterministic()
+    assert coder.encode(Variant.of("saar", 0.3, Measure("difflib", "code"))) == coder.encode(v)
+    cfg, _ = stage
+    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
+                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    with caplog.at_level("WARNING"):
+        run_purify_stage(cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5]), "w", 0)
+    assert not [r for r in caplog.records if "fallback deterministic coder" in r.getMessage()]
