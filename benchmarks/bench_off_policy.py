@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -118,8 +119,8 @@ def run(repeat: int = 3) -> BenchResult:
                         None, "fraction", higher_is_better=False, target="<= 0.05", passed=scoring / wall_is <= 0.05))
         rows.append(Row("rollout wall with live importance rollbacks vs similarity rollbacks", wall_is, wall_sim, "s",
                         higher_is_better=False))
-        notes.append(f"live: {TASKS} tasks × 4 samples, best of {repeat} interleaved (by wall; the machine was shared "
-                     f"with other jobs); {n_scored} rollbacks scored in {forwards} batched forwards, {scoring:.2f} s: a "
+        notes.append(f"live: {TASKS} tasks × 4 samples, best of {repeat} interleaved (by wall; 1-minute load "
+                     f"average {os.getloadavg()[0]:.1f} at the end); {n_scored} rollbacks scored in {forwards} batched forwards, {scoring:.2f} s: a "
                      "rollback is scored once its retry's tool result is back, together with every rollback asked by "
                      "then, each row on its trajectory's kept KV. The share counts those forwards in full; their KV is "
                      f"kept, and the turns after the retries that replaced their failed turn reused {saved} of the "
