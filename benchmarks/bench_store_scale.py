@@ -136,8 +136,7 @@ def run() -> BenchResult:
                      f"about 0.5 s here), best of {REPEAT} taken round-robin over the three stores, after a first "
                      "process has checked every part once and built the scan index and the packs; republish is "
                      "storage.catalog.publish in-process right after an iteration was committed, best of 3; load "
-                     f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other processes share "
-                     "the machine)")
+                     f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return BenchResult("store_scale", "A store at real size: inspect and republication at 20, 200 and 2,000 "
