@@ -15,6 +15,12 @@ file read in all; otherwise it validates the shard from its manifest again. The 
 back; a replaced manifest or a copied store has new inodes; a file added to or removed from a folder (a part
 the manifest does not list, a new shard folder) changes the folder's mtime, so the index also keeps each
 folder's sub-folders by its identity, and finding the shards costs a stat per folder instead of a listing.
+An iteration folder whose every folder is a shard or leads to one, and whose shards are all indexed, gets one
+entry of its own: one digest of every identity below it (its folders', then each shard's folder, manifest and
+files), so an unchanged iteration is its stats and one comparison; a change anywhere below it falls back to the
+folder and shard entries (the folders' entries of such an iteration are not kept: listing its few folders again
+is cheap). A folder without a manifest keeps its iteration out of this: the digest could not see a part
+written into it later.
 
 The index only ever saves work, like the verification records:
 - the file identities it holds are taken from the verification record after the check, identities at which
@@ -49,7 +55,7 @@ from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_s
                             summary_parts, text_parts)
 
 INDEX = "index.json"  # in packs.FOLDER, beside the packs
-VERSION = 2  # 2: identities kept as one digest per shard and per folder (_ids_digest)
+VERSION = 3  # 3: one digest per iteration folder too (_Index.indexed_iteration)
 ITERATIONS = "runs/*/iteration=*"
 # Each view's shard folders below an iteration folder, one name (or glob pattern) per level
 SOURCES: dict[str, tuple[tuple[str, ...], pa.Schema]] = {
@@ -58,6 +64,7 @@ SOURCES: dict[str, tuple[tuple[str, ...], pa.Schema]] = {
     "dead_letters": (("dead_letter", "mode=*", "*=*"), DEAD_LETTER),
     "metrics": (("metrics", "stage=*"), METRICS),
 }
+_VIEW_OF = {names[0]: view for view, (names, _) in SOURCES.items()}  # a shard's view by its first folder name
 SETTLE_NS = 2_000_000_000  # covers a coarse clock tick (2 s on FAT-like filesystems) and then some
 identity = verified.identity_values  # a file's identity as the index holds it
 _SEP = os.sep
@@ -126,10 +133,11 @@ class _Index:
 
     def __init__(self, root: Path) -> None:
         self.root, self.base, self.path = root, str(root) + _SEP, root / packs.FOLDER / INDEX
-        self.old: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "packs": {}}
-        self.new: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "packs": {}}
+        self.old: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "iterations": {}, "packs": {}}
+        self.new: dict[str, dict[str, Any]] = {"shards": {}, "folders": {}, "iterations": {}, "packs": {}}
         self.settled = time.time_ns() - SETTLE_NS  # identities younger than this are not recorded
         self.listed: dict[str, list[str]] = {}  # this scan's sub-folder names per folder
+        self.folder_ids: dict[str, tuple[bytes, bool]] = {}  # per folder listed: its packed identity, settled?
         try:
             ident = identity(str(self.path))
             cached = _LOADED.get(str(self.path))
@@ -169,15 +177,17 @@ class _Index:
             except OSError:
                 return []
         self.listed[key] = names
-        if key and ident[1] < self.settled and ident[2] < self.settled:  # never the root's: every save
+        settled = ident[1] < self.settled and ident[2] < self.settled
+        self.folder_ids[key] = (_IDENTITY.pack(*ident), settled)
+        if key and settled:  # never the root's: every save
             self.new["folders"][key] = [ident_digest, names]                  # (and publish) changes it
         elif key in self.old["folders"]:  # kept, though it will not match again: no rewrite for a new shard
             self.new["folders"][key] = self.old["folders"][key]
         return names
 
-    def indexed(self, directory: str) -> tuple[ShardFiles, list[str]] | None:
-        """The shard and its files' crc32s as its entry says, when the folder, the manifest and every file it
-        lists are unchanged."""
+    def indexed(self, directory: str) -> tuple[ShardFiles, list[str], list[bytes]] | None:
+        """The shard, its files' crc32s as its entry says and the identities compared (packed), when the folder,
+        the manifest and every file it lists are unchanged."""
         key = directory[len(self.base):]
         entry = self.old["shards"].get(key)
         prefix = directory + _SEP
@@ -196,19 +206,72 @@ class _Index:
         except (OSError, TypeError, ValueError, struct.error):
             return None
         self.new["shards"][key] = entry
-        return found, crcs
+        return found, crcs, packed
 
-    def record(self, directory: str, entry: list[Any]) -> None:
-        """Index a validated shard (_validate's entry: the identities, then what the index keeps beside them)."""
+    def record(self, directory: str, entry: list[Any]) -> list[bytes] | None:
+        """Index a validated shard (_validate's entry: the identities, then what the index keeps beside them);
+        its identities packed when it was indexed."""
         key = directory[len(self.base):]
         ids, *kept = entry
         if self.settled_ids(*ids):
             try:
-                self.new["shards"][key] = [_ids_digest(ids), *kept]
+                packed = [_IDENTITY.pack(*ident) for ident in ids]
             except struct.error:  # not a file's identity (the record's values are checked as ints only)
-                pass
-        elif key in self.old["shards"]:  # kept, though it will not match again (as for folders)
+                return None
+            self.new["shards"][key] = [_digest(b"".join(packed)), *kept]
+            return packed
+        if key in self.old["shards"]:  # kept, though it will not match again (as for folders)
             self.new["shards"][key] = self.old["shards"][key]
+        return None
+
+    def indexed_iteration(self, folder: str) -> list[tuple[str, str, ShardFiles, list[str]]] | None:
+        """Every shard below an iteration folder (view, folder, files, crc32s) as the index holds them, when that
+        folder, every folder below it and every shard's folder, manifest and file are unchanged: one digest of
+        their identities compared per iteration, where shard by shard a scan of 2,000 iterations spends more
+        time on its own bookkeeping than on the 30,000 stats."""
+        key = folder[len(self.base):]
+        entry = self.old["iterations"].get(key)
+        if entry is None:
+            return None
+        try:
+            digest, folders, shard_names = entry
+            paths, found = [folder, *[folder + _SEP + f for f in folders]], []
+            for name in shard_names:
+                shard = self.old["shards"][key + _SEP + name]
+                _, version, parts, summaries, texts, crcs = shard
+                names = [*parts, *(summaries or ()), *texts]
+                if len(names) != len(crcs):
+                    return None
+                directory = folder + _SEP + name
+                prefix = directory + _SEP
+                paths += [directory, prefix + MANIFEST, *[prefix + n for n in names]]
+                files = ShardFiles([prefix + n for n in parts], version,
+                                   None if summaries is None else [prefix + n for n in summaries],
+                                   tuple(prefix + n for n in texts))
+                found.append((_VIEW_OF[name.split(_SEP, 1)[0]], directory, files, crcs, shard))
+            if _digest(b"".join([_packed_identity(p) for p in paths])) != digest:
+                return None
+        except (OSError, TypeError, ValueError, KeyError, AttributeError, struct.error):
+            return None
+        self.new["iterations"][key] = entry
+        for _, directory, _, _, shard in found:
+            self.new["shards"][directory[len(self.base):]] = shard
+        return [(view, directory, files, crcs) for view, directory, files, crcs, _ in found]
+
+    def record_iteration(self, folder: str, shards: dict[str, list[bytes]]) -> None:
+        """Index an iteration folder whose every folder was listed at settled identities and whose every shard
+        (`shards`: folder -> packed identities) was indexed; its folders' own entries are then not needed."""
+        key = folder[len(self.base):]
+        below = sorted(k for k in self.folder_ids if k.startswith(key + _SEP))
+        if key not in self.folder_ids or not all(self.folder_ids[k][1] for k in (key, *below)):
+            return
+        names = sorted(shards)
+        packed = [self.folder_ids[k][0] for k in (key, *below)]
+        packed += [ident for name in names for ident in shards[name]]
+        self.new["iterations"][key] = [_digest(b"".join(packed)), [k[len(key) + 1:] for k in below],
+                                       [name[len(folder) + 1:] for name in names]]
+        for k in (key, *below):
+            self.new["folders"].pop(k, None)
 
     def save(self, whole_root: bool) -> None:
         """Written when it changed, under a temporary name then renamed (atomic); best effort: a root that cannot
@@ -237,8 +300,8 @@ _IDENTITY = struct.Struct("<QqqQQ")  # size, mtime_ns, ctime_ns (signed: before 
 
 def _ids_digest(ids: list[list[int]]) -> str:
     """One digest of identities (what the index keeps of them): equal exactly when every identity is (up to a
-    128-bit blake2b collision). Packed, not formatted: a scan digests 14,000 of them at 2,000 iterations."""
-    return hashlib.blake2b(b"".join([_IDENTITY.pack(*ident) for ident in ids]), digest_size=16).hexdigest()
+    128-bit blake2b collision). Packed, not formatted: a scan digests thousands of them."""
+    return _digest(b"".join([_IDENTITY.pack(*ident) for ident in ids]))
 
 
 def _packed_identity(path: str) -> bytes:
@@ -304,6 +367,27 @@ def _not_committed(directory: str) -> bool:
     return bool(fnmatch.filter(names, PART_GLOB) or fnmatch.filter(names, ".part-*"))
 
 
+def _shard(index: _Index, directory: str, schema: pa.Schema, verify: bool,
+           problems: list[Problem]) -> tuple[ShardFiles, list[str], list[bytes] | None] | None:
+    """A shard folder through the index, else validated from its manifest: its files, their crc32s and its packed
+    identities when it is indexed (None: it is not, or not yet). None for a folder that is no committed, valid
+    shard (named in `problems` when it holds parts)."""
+    indexed = None if verify else index.indexed(directory)
+    if indexed is not None:
+        return indexed
+    if not os.path.isfile(directory + _SEP + MANIFEST):
+        if _not_committed(directory):
+            problems.append(Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage is "
+                                    "writing it or crashed before committing; rerun the stage)", False))
+        return None
+    try:
+        found, crcs, entry = _validate(directory, schema, verify)
+    except (ShardError, OSError) as e:
+        problems.append(Problem(Path(directory), str(e), True))
+        return None
+    return found, crcs, None if entry is None else index.record(directory, entry)
+
+
 def scan(root: Path, verify: bool = False, iterations: str = ITERATIONS) -> Scan:
     """The committed, validated shards under `root`, through the root's index (`verify`: every file checked in
     full whatever the index and the verification records say). `iterations` narrows the scan to some iteration
@@ -312,34 +396,37 @@ def scan(root: Path, verify: bool = False, iterations: str = ITERATIONS) -> Scan
     root = Path(root).resolve()
     index, whole_root = _Index(root), iterations == ITERATIONS
     cut = len(index.base)
-    problems: list[Problem] = []
+    found: dict[str, list[tuple[str, ShardFiles, list[str]]]] = {view: [] for view in SOURCES}
+    problems: dict[str, list[Problem]] = {view: [] for view in SOURCES}
+    for it in _folders(index, [str(root)], tuple(Path(iterations).parts)):
+        unchanged = None if verify else index.indexed_iteration(it)
+        if unchanged is not None:
+            for view, directory, files, crcs in unchanged:
+                found[view].append((directory, files, crcs))
+            continue
+        indexed: dict[str, list[bytes]] = {}  # shard folder -> packed identities, of each shard indexed
+        complete = True  # every folder below `it` a shard, and each one indexed
+        for view, (names, schema) in SOURCES.items():
+            for directory in _folders(index, [it], names):
+                shard = _shard(index, directory, schema, verify, problems[view])
+                if shard is None or shard[2] is None:
+                    complete = False
+                if shard is not None:
+                    found[view].append((directory, shard[0], shard[1]))
+                    if shard[2] is not None:
+                        indexed[directory] = shard[2]
+        if complete and not verify:
+            index.record_iteration(it, indexed)
     shards: dict[str, list[ShardFiles]] = {view: [] for view in SOURCES}
     packable: dict[str, dict[str, tuple[str, str]]] = {kind: {} for kind in packs.KINDS}  # path -> crc32, version
-    its = _folders(index, [str(root)], tuple(Path(iterations).parts))
-    for view, (names, schema) in SOURCES.items():
+    for view in SOURCES:
         kinds = [(kind, what) for kind, (v, what) in packs.KINDS.items() if v == view]
-        for directory in sorted(_folders(index, its, names)):
-            indexed = None if verify else index.indexed(directory)
-            if indexed is not None:
-                found, crcs = indexed
-            elif not os.path.isfile(directory + _SEP + MANIFEST):
-                if _not_committed(directory):
-                    problems.append(Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage "
-                                            "is writing it or crashed before committing; rerun the stage)", False))
-                continue
-            else:
-                try:
-                    found, crcs, entry = _validate(directory, schema, verify)
-                except (ShardError, OSError) as e:
-                    problems.append(Problem(Path(directory), str(e), True))
-                    continue
-                if entry is not None:
-                    index.record(directory, entry)
-            shards[view].append(found)
+        for _, files, crcs in sorted(found[view], key=lambda f: f[0]):
+            shards[view].append(files)
             for kind, what in kinds:  # crcs are in the order parts, summaries, texts
-                first, paths = (0, found.parts) if what == "parts" else (len(found.parts), found.summaries or ())
+                first, paths = (0, files.parts) if what == "parts" else (len(files.parts), files.summaries or ())
                 for i, path in enumerate(paths, first):
-                    packable[kind][path[cut:]] = (crcs[i], found.version)
+                    packable[kind][path[cut:]] = (crcs[i], files.version)
     held: dict[str, list[tuple[str, str, set[str]]]] = {}
     if whole_root:
         pk = packs.Packs(root, index.old["packs"], packable, index.settled, verify)
@@ -347,4 +434,5 @@ def scan(root: Path, verify: bool = False, iterations: str = ITERATIONS) -> Scan
         index.new["packs"], held = pk.packs, pk.of()
         pk.collect()
     index.save(whole_root)
-    return Scan(shards, problems, held)
+    ordered = [p for view in SOURCES for p in sorted(problems[view], key=lambda p: str(p.path))]
+    return Scan(shards, ordered, held)

@@ -287,3 +287,38 @@ def test_publish_keeps_a_current_catalog_and_rebuilds_any_other(store_indexed, s
 
     with duckdb.connect(str(db), read_only=True) as con:
         assert con.sql("SELECT max(iteration) FROM raw_trajectories").fetchall() == [(ITERATIONS,)]
+
+
+def _index_doc(root: Path) -> dict:
+    return json.loads(_index(root).read_bytes().partition(b"\n")[2])
+
+
+def test_an_indexed_iteration_is_one_entry_and_a_new_partition_in_it_is_seen(store_indexed, settle):
+    store = store_indexed
+    Catalog(store).close()
+    its = _index_doc(store)["iterations"]
+    assert sorted(its) == [f"runs/scale/iteration={i:04d}" for i in range(ITERATIONS)]
+    assert its["runs/scale/iteration=0004"][2] == ["metrics/stage=update", "purified/mode=saar/gamma=0.50",
+                                                   "purified/mode=saar/gamma=0.50-difflib-segment", "raw"]
+    before = _rows(store)["purified_summary"]
+    layout = RunLayout(store, "scale")
+    new = layout.purified_dir(4, "saar", 0.7)
+    shutil.copytree(layout.purified_dir(4, "saar", 0.5), new)  # a replay's partition, in an indexed iteration
+    assert len(_rows(store)["purified_summary"]) == len(before) + 4
+    assert str(new / "part-00000.parquet") in [p for s in shard_index.scan(store).shards["purified"] for p in s.parts]
+
+
+def test_a_folder_without_a_manifest_keeps_its_iteration_checked_folder_by_folder(store_indexed, settle):
+    """An empty shard folder is no shard, so the iteration's digest could not cover a part written into it
+    later: such an iteration is not indexed as one entry, and the part is named as soon as it appears."""
+    store = store_indexed
+    d = RunLayout(store, "scale").purified_dir(6, "saar", 0.7)
+    d.mkdir(parents=True)
+    settle()
+    for _ in range(2):
+        Catalog(store).close()
+        settle()
+    assert "runs/scale/iteration=0006" not in _index_doc(store)["iterations"]
+    shutil.copy(RunLayout(store, "scale").purified_dir(6, "saar", 0.5) / "part-00000.parquet", d)
+    with Catalog(store) as cat:
+        assert [(p.path, p.committed) for p in cat.problems] == [(d, False)]
