@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,13 +60,6 @@ def error_label(text: str) -> str:
     return next((label for label in ERROR_LABELS if label in text), "unknown_error")
 
 
-def _reason(stderr: str, exit_code: int | None) -> str:
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    if lines:
-        return lines[-1].strip()
-    return f"the process ended with exit code {exit_code}"
-
-
 def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
     """What the model is shown, and how the failure is counted (docs/saar.md)."""
     limit = cfg.response_chars
@@ -79,7 +73,9 @@ def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
     if ex.exit_code == 0:
         return ToolResult("success", format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
                           None, None, 0, ex.duration_s, False)
-    text = format_tool_response(False, ex.stdout, ex.stderr, reason=_reason(ex.stderr, ex.exit_code), limit=limit)
+    reason = next((ln.strip() for ln in reversed(ex.stderr.splitlines()) if ln.strip()),  # the error's last line
+                  f"the process ended with exit code {ex.exit_code}")
+    text = format_tool_response(False, ex.stdout, ex.stderr, reason=reason, limit=limit)
     return ToolResult("failure", text, error_label(ex.stderr), "model", ex.exit_code, ex.duration_s, False)
 
 
@@ -101,11 +97,9 @@ class _Worker:
         self.info = json.loads(hello)
 
     def _readline(self, timeout: float) -> str | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
             return None
-        line = self.proc.stdout.readline()
-        return line or None
+        return self.proc.stdout.readline() or None
 
     def call(self, request: dict, timeout: float) -> dict | None:
         try:
@@ -122,19 +116,13 @@ class _Worker:
     def kill(self, grace_s: float = 0.0) -> None:
         """Stop the worker (end of input first, so it finishes the call it is in), then remove its call
         directory from here: inside its own mount namespace that directory is a mount point."""
-        try:
+        with suppress(OSError):
             self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
+        with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with suppress(OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         base = getattr(self, "info", {}).get("base")
@@ -150,11 +138,9 @@ class SandboxPool:
         self.layers = layers
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = []
+        self._workers = [_Worker(i, self.cfg, layers) for i in range(self.cfg.workers)]
         self.replaced = 0
-        for i in range(self.cfg.workers):
-            w = _Worker(i, self.cfg, layers)
-            self._workers.append(w)
+        for w in self._workers:
             self._idle.put(w)
         for problem in self._workers[0].info.get("degraded", []):
             log.warning("sandbox degraded: %s", problem)

@@ -11,10 +11,11 @@ Per worker, once (kernel-enforced):
   tmpfs, with only the interpreter's own directories bound back (read-only) so an unprivileged uid
   can import the stdlib even when Python lives under /root; call directories live on a small tmpfs.
 - the worker is a child subreaper: whatever a call leaves running is re-parented to it and killed.
+- a pid namespace whose init (pid 1, with a /proc showing that namespace only) serves every call and,
+  after each, kills everything else left in it, whatever its uid.
 
-Per call: the worker forks a call process (own session, killed whole on timeout), which enters new
-pid and mount namespaces and forks a tiny init (pid 1, mounts a /proc showing only the call's
-processes); init forks the code process (pid 2), which, before running anything it was sent:
+Per call: init forks the call process (own session, killed whole on timeout), which, before running
+anything it was sent:
 - switches to an unprivileged uid of its own (when the worker is root of the initial user namespace),
   drops every capability and sets no_new_privs;
 - applies rlimits (address space, CPU seconds, processes, file size, open files, no core) and a
@@ -23,7 +24,6 @@ processes); init forks the code process (pid 2), which, before running anything 
   signals to other processes, pidfd, ptrace, mknod, mount and namespace calls, uid changes, sockets,
   and other kernel attack surface;
 - installs an audit hook (a second, Python-level layer that gives readable errors).
-When init's code process ends, init exits and the kernel kills everything left in its pid namespace.
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import suppress
 
 # Warm imports the model's code commonly needs: the child inherits them already loaded.
 import math, fractions, decimal, itertools, functools, collections, statistics, random, re, string  # noqa: E401,F401
@@ -364,9 +365,22 @@ def _report(fd: int, message: str) -> None:
     os.write(fd, (message.replace("\n", " ")[:2000] + "\n").encode())
 
 
-def _code_process(code: str, workdir: str, req: dict, iso: dict, report_fd: int) -> None:
-    """Runs the model's code; never returns. Every layer goes up before the code is compiled."""
+def _call_process(workdir: str, req: dict, iso: dict, report_fd: int) -> None:
+    """Forked by init (or, degraded, by the worker) for one call: runs the model's code; never returns.
+    Every layer goes up before the code is compiled."""
     try:
+        os.setsid()  # its own group: killed whole on timeout
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed worker takes its call with it
+        outputs = [os.path.join(workdir, "stdout"), os.path.join(workdir, "stderr")]
+        new_file = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        for path, flags, target in ((outputs[0], new_file, 1), (outputs[1], new_file, 2), (os.devnull, os.O_RDONLY, 0)):
+            fd = os.open(path, flags, 0o600)
+            os.dup2(fd, target)
+            os.close(fd)
+        uid = iso["uid"]
+        if uid is not None:
+            for path in (workdir, *outputs):
+                os.chown(path, uid, uid)
         mem = int(req["memory_mb"]) * 2**20
         for res, value in (
             (resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, int(req["timeout_s"]) + 1), (resource.RLIMIT_CORE, 0),
@@ -379,19 +393,17 @@ def _code_process(code: str, workdir: str, req: dict, iso: dict, report_fd: int)
         os.environ.clear()
         os.environ.update(SAFE_ENV, TMPDIR=workdir)
         tempfile.tempdir = workdir  # the worker's cached choice (/tmp) is read-only here
-        uid = iso["uid"]
         if uid is not None:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # again: setuid clears it
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
         _drop_capabilities()
         if iso["seccomp"]:
             bpf = iso.get("bpf")
             _load_bpf(bytes.fromhex(bpf) if bpf else _compile_seccomp(iso["readonly_fs"], os.getpid()))
-        sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-        sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+        sys.stdout, sys.stderr = (open(fd, "w", encoding="utf-8", errors="replace", closefd=False) for fd in (1, 2))
         sys.dont_write_bytecode = True
         for name in ("_posixsubprocess", "_ctypes"):  # readable refusals; the filter is the real fence
             sys.modules[name] = None  # type: ignore[assignment]
@@ -406,7 +418,7 @@ def _code_process(code: str, workdir: str, req: dict, iso: dict, report_fd: int)
             os._exit(121)
     status = 0
     try:
-        compiled = compile(code, "<code>", "exec")
+        compiled = compile(req["code"], "<code>", "exec")
         exec(compiled, {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -421,26 +433,6 @@ def _code_process(code: str, workdir: str, req: dict, iso: dict, report_fd: int)
         sys.stderr.flush()
     finally:
         os._exit(status)
-
-
-def _call_process(code: str, workdir: str, req: dict, iso: dict, report_fd: int) -> None:
-    """Forked by init (or, degraded, by the worker) for one call; never returns."""
-    try:
-        os.setsid()  # its own group: killed whole on timeout
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed worker takes its call with it
-        out = os.open(os.path.join(workdir, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        err = os.open(os.path.join(workdir, "stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        for fd, target in ((out, 1), (err, 2), (devnull, 0)):
-            os.dup2(fd, target)
-            os.close(fd)
-        if iso["uid"] is not None:
-            for path in (workdir, os.path.join(workdir, "stdout"), os.path.join(workdir, "stderr")):
-                os.chown(path, iso["uid"], iso["uid"])
-    except BaseException as e:
-        _report(report_fd, f"setup-failed {type(e).__name__}: {e}")
-        os._exit(121)
-    _code_process(code, workdir, req, iso, report_fd)
 
 
 def _children() -> list[int]:
@@ -467,29 +459,20 @@ def kill_leftovers(pid_namespace: bool) -> None:
     still running is a child here (each round's kills re-parent the next generation)."""
     for _ in range(100):
         if pid_namespace:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(-1, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             kids = []
-            while True:
-                try:
-                    pid, _ = os.waitpid(-1, 0)
-                    kids.append(pid)
-                except ChildProcessError:
-                    break
+            with suppress(ChildProcessError):
+                while True:
+                    kids.append(os.waitpid(-1, 0)[0])
         else:
             kids = _children()
             for pid in kids:
-                try:
+                with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             for pid in kids:
-                try:
+                with suppress(ChildProcessError):
                     os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
         if not kids:
             return
 
@@ -519,10 +502,8 @@ def _remove_tree(path: str) -> None:
     """Remove a call directory; the code may have left it unreadable to root-less traversal (chmod 000)."""
     for dirpath, dirnames, _ in os.walk(path):
         for d in dirnames:
-            try:
+            with suppress(OSError):
                 os.chmod(os.path.join(dirpath, d), 0o700)
-            except OSError:
-                pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -533,31 +514,26 @@ def run_one(req: dict, base: str, iso: dict) -> dict:
     pid = os.fork()
     if pid == 0:
         os.close(report_r)
-        _call_process(req["code"], workdir, req, iso, report_w)
+        _call_process(workdir, req, iso, report_w)
     os.close(report_w)
     deadline = start + float(req["timeout_s"])
-    timed_out, status = False, None
+    timed_out = False
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, 0 if timed_out else os.WNOHANG)  # blocks once the call is killed
         if done:
             break
         if time.monotonic() >= deadline:
             timed_out = True
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            _, status = os.waitpid(pid, 0)
-            break
-        time.sleep(0.0005 if time.monotonic() - start < 0.05 else 0.005)
+        else:
+            time.sleep(0.0005 if time.monotonic() - start < 0.05 else 0.005)
     duration = time.monotonic() - start
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)  # stragglers the code left in its group
-    except (ProcessLookupError, PermissionError):
-        pass
     kill_leftovers(iso["pid_namespace"])
     reports = _read_reports(report_r)
-    exit_code = os.waitstatus_to_exitcode(status) if status is not None else None
+    exit_code = os.waitstatus_to_exitcode(status)
     setup_failed = "ready" not in reports  # the code never ran: not the model's doing, even on timeout
     limit = int(req["output_chars"])
     stdout, out_size = _read_head(os.path.join(workdir, "stdout"), limit)
@@ -573,12 +549,9 @@ def run_one(req: dict, base: str, iso: dict) -> dict:
 
 
 def main() -> None:
-    worker_idx = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    base, iso = set_up_worker(worker_idx, options.get("layers", {}), int(options.get("tmpfs_mb", 256)))
-    out = sys.stdout
-    out.write(json.dumps({"ready": True, **{k: v for k, v in iso.items() if k != "bpf"}}) + "\n")
-    out.flush()
+    worker_idx, options = int(sys.argv[1]), json.loads(sys.argv[2])  # as SandboxPool starts it
+    base, iso = set_up_worker(worker_idx, options["layers"], int(options["tmpfs_mb"]))
+    print(json.dumps({"ready": True, **{k: v for k, v in iso.items() if k != "bpf"}}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -586,8 +559,7 @@ def main() -> None:
             reply = run_one(json.loads(line), base, iso)
         except Exception as e:  # the worker's own failure: reported as infra, not the model's
             reply = {"internal_error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+        print(json.dumps(reply), flush=True)
     # The pool removes `base` once this process is gone: in our mount namespace it is a mount point.
 
 

@@ -193,9 +193,8 @@ class Scheduler:
             while self._active < self.slots and self._queued:
                 _, c = heapq.heappop(self._queued)
                 self._active += 1
-                future = self.tools.submit(*c.call)
-                c.future = future
-                future.add_done_callback(self._tool_ended)
+                c.future = self.tools.submit(*c.call)
+                c.future.add_done_callback(self._tool_ended)
 
     def _tool_ended(self, _: cf.Future) -> None:
         with self._slot_lock:
@@ -216,9 +215,12 @@ class Scheduler:
             self._settled.set()
         return await fut
 
-    def _wake(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
-        self._running += 1
-        self._settled.clear()
+    def _wake(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None,
+              blocked: bool = True) -> None:
+        """Resolve `fut`; the trajectory `blocked` on it runs again."""
+        if blocked:
+            self._running += 1
+            self._settled.clear()
         fut.set_exception(error) if error is not None else fut.set_result(value)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -276,27 +278,19 @@ class Scheduler:
         asked = sorted(self._scorings, key=lambda a: a[0])  # trajectory order: the batch is the same every run
         self._scorings = []
         requests = [r for _, r, _ in asked]
+        error = None
         try:
             if hasattr(self.scorer, "score_turns"):
                 scores = self.scorer.score_turns(requests)
             else:
                 scores = [self.scorer.score_turn(list(r.context), list(r.turn), r.temperature, r.key) for r in requests]
         except Exception as e:  # each trajectory that asked fails on its own
-            for _, _, fut in asked:
-                self._settle(fut, error=e)
-            return
+            scores, error = [None] * len(asked), e
         for (_, _, fut), got in zip(asked, scores):
-            self._settle(fut, got)
-
-    def _settle(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
-        """A score's result: it wakes its trajectory if that one is waiting, else waits in the future."""
-        if fut in self._awaited:
+            # a trajectory waiting for its score goes on; otherwise the score waits in its future
+            blocked = fut in self._awaited
             self._awaited.discard(fut)
-            self._wake(fut, value, error)
-        elif error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
+            self._wake(fut, got, error, blocked)
 
     def _deliver_tools(self) -> bool:
         if self.deterministic:
