@@ -16,16 +16,16 @@ from typing import Iterator
 
 from storage.errors import CleanerError
 
-# (logger name, start of the message): records that say nothing to a user of a CPU pipeline.
-_NOISE: tuple[tuple[str, str], ...] = (
+# logger name -> starts of its messages that say nothing to a user of a CPU pipeline.
+_NOISE: dict[str, tuple[str, ...]] = {
     # Beam probes for cloud file systems whose client libraries are optional extras.
-    ("apache_beam.io.filesystems", "Failed to import GCSFileSystem"),
-    ("", "apitools not found"),  # Beam's GCP module logs this on the root logger
+    "apache_beam.io.filesystems": ("Failed to import GCSFileSystem",),
+    "": ("apitools not found",),  # Beam's GCP module logs this on the root logger
     # DeepSpeed falls back to its CPU accelerator by design here.
-    ("DeepSpeed", "Setting accelerator to CPU"),
+    "DeepSpeed": ("Setting accelerator to CPU",),
     # bitsandbytes (an OpenRLHF dependency; cleaner quantizes nothing) probes an optional kernels package.
-    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
-)
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
+}
 _PYNVML = "The pynvml package is deprecated"  # torch.cuda imports pynvml whether or not a GPU exists
 
 
@@ -35,8 +35,7 @@ class _DropMessages(logging.Filter):
         self.prefixes = prefixes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.msg if isinstance(record.msg, str) else str(record.msg)
-        return not msg.startswith(self.prefixes)
+        return not str(record.msg).startswith(self.prefixes)
 
 
 def quiet_libraries() -> None:
@@ -49,10 +48,7 @@ def quiet_libraries() -> None:
     # transformers draws a "Loading weights" / "Writing model shards" bar for a 5 MB model several
     # times per iteration; cleaner draws its own progress per stage.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    by_logger: dict[str, tuple[str, ...]] = {}
-    for name, prefix in _NOISE:
-        by_logger[name] = by_logger.get(name, ()) + (prefix,)
-    for name, prefixes in by_logger.items():
+    for name, prefixes in _NOISE.items():
         logger = logging.getLogger(name or None)
         if not any(isinstance(f, _DropMessages) for f in logger.filters):
             logger.addFilter(_DropMessages(prefixes))
@@ -90,13 +86,9 @@ def command_prints_errors() -> Iterator[None]:
         _COMMAND_PRINTS_ERRORS = before
 
 
-def _user_error_names() -> set[str]:
-    names, todo = set(), [CleanerError]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo += cls.__subclasses__()
-    return names
+def _user_error_names(cls: type = CleanerError) -> set[str]:
+    """The names of CleanerError and of every class below it."""
+    return {cls.__name__}.union(*(_user_error_names(c) for c in cls.__subclasses__()))
 
 
 class _UserErrors(logging.Filter):
@@ -162,10 +154,10 @@ def print_metrics(title: str, metrics: dict, as_json: bool = False) -> None:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
+    table.add_column("metric")
     columns = [k for k, v in metrics.items() if isinstance(v, dict) and all(not isinstance(x, dict) for x in v.values())
                and k not in ("finish_reasons", "first_call_failures_by_label")]
     if columns and len(columns) == sum(isinstance(v, dict) for v in metrics.values()):
-        table.add_column("metric")
         for c in columns:
             table.add_column(c, justify="right")
         for key in dict.fromkeys(k for c in columns for k in metrics[c]):
@@ -174,7 +166,6 @@ def print_metrics(title: str, metrics: dict, as_json: bool = False) -> None:
             if key not in columns:
                 table.add_row(key, _cell(value), *[""] * (len(columns) - 1))
     else:
-        table.add_column("metric")
         table.add_column("value", justify="right")
         for key, value in sorted(metrics.items()):
             table.add_row(key, _cell(value))

@@ -19,13 +19,6 @@ QUERIES = """\
   duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"""
 
 
-def command_args(config: Path | None, overrides: list[str]) -> str:
-    """` -c FILE KEY=VALUE …` as the user ran them, shell-quoted: printed follow-up commands look at the
-    same workspace and settings."""
-    parts = (["-c", str(config)] if config else []) + list(overrides)
-    return "".join(" " + shlex.quote(p) for p in parts)
-
-
 def _load(args: argparse.Namespace):
     cfg = config_of(args)
     from flows.env import configure_prefect
@@ -81,7 +74,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
     page = write_report(cfg.storage.root, cfg.flow.run_id, gamma=cfg.train.gamma)
     run_dir = cfg.storage.root / "runs" / cfg.flow.run_id
-    again = command_args(config, args.overrides)
+    # the follow-up commands printed below look at the same workspace and settings
+    again = "".join(f" {shlex.quote(p)}" for p in ["-c", str(config), *args.overrides])
     print("\n" + markdown_table(iteration_table(cfg.storage.root, cfg.flow.run_id)) + "\n")
     print(f"""Where to look:
   report      {page}

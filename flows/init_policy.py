@@ -149,14 +149,17 @@ def save_compact(small: Qwen3ForCausalLM, used: list[int], losses: list[float], 
          "recipe": "python -m flows.init_policy --retrain (flows/init_policy.py)"}) + "\n")
 
 
-def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausalLM, list[int]]:
+def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausalLM, list[int], list[float]]:
+    """What train_compact returned when save_compact wrote `directory` (its first and last loss only)."""
     meta = json.loads((directory / "compact.json").read_text())
+    if meta["settings"] != asdict(cfg):
+        raise CleanerError(f"{directory} holds weights trained with {meta['settings']}; pass retrain=True")
     small_cfg = qwen3_config(cfg)
     small_cfg.vocab_size, small_cfg.pad_token_id = len(meta["used_token_ids"]), 0
     small = Qwen3ForCausalLM(small_cfg).float()
     small.load_state_dict(load_file(directory / "compact.safetensors"), strict=False)
     small.tie_weights()
-    return small.eval(), meta["used_token_ids"]
+    return small.eval(), meta["used_token_ids"], meta["sft_loss_first_last"]
 
 
 def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = False, log=print,
@@ -186,11 +189,8 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
         save_compact(small, used, losses, cfg, COMPACT_DIR)
         model = expand(small, used, cfg)
     else:
-        meta = json.loads((COMPACT_DIR / "compact.json").read_text())
-        if meta["settings"] != asdict(cfg):
-            raise CleanerError(f"{COMPACT_DIR} holds weights trained with {meta['settings']}; pass retrain=True")
-        model = expand(*load_compact(COMPACT_DIR, cfg), cfg)
-        losses = meta["sft_loss_first_last"]
+        small, used, losses = load_compact(COMPACT_DIR, cfg)
+        model = expand(small, used, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

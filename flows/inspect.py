@@ -133,20 +133,13 @@ def columns_help() -> str:
 
 
 def _partition(row: dict) -> str:
-    """`saar γ=0.5`, `saar γ=0.5 difflib-segment`, `saar_is τ=0.5`, `raw`: a partition in a few words."""
-    from pipeline.modes import IS_MODES, SPLICING_MODES
-    from pipeline.similarity import DEFAULT_MEASURE
+    """`saar γ=0.5`, `saar γ=0.5 (difflib, segment)`, `saar_is τ=0.5`, `raw`: the report's partition label, its
+    measure in words a narrow column can wrap."""
+    from flows.report_tables import partition_label
 
-    mode, gamma, measure = row["mode"], row["gamma"], row.get("measure")
-    if mode in IS_MODES:
-        return f"{mode} τ={gamma:g}"
-    if mode not in SPLICING_MODES:
-        return mode
-    other = measure and measure != DEFAULT_MEASURE.key
-    return f"{mode} γ={gamma:g}" + (f" ({measure.replace('-', ', ')})" if other else "")
-
-
-DERIVED = {"partition": _partition}  # columns computed from a row's others
+    measure = row.get("measure")
+    label = partition_label(row["mode"], row["gamma"], measure)
+    return label.replace(f"({measure})", f"({measure.replace('-', ', ')})") if measure else label
 
 
 def _cell(value: object) -> str:
@@ -181,10 +174,10 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
 
     # its own line: a table's title is wrapped to the table's width, a query to a column of 5 characters
     console.print(title, style="italic", markup=False, highlight=False)
-    shown = ([c for c in columns if not (c.wide and not wide) and not (c.narrow and wide)] if columns
+    shown = ([c for c in columns if not (c.narrow if wide else c.wide)] if columns
              else [Column(n, n, "") for n in table.column_names])
-    rows = [[_cell(DERIVED[c.name](row) if c.name in DERIVED and c.name not in row else row[c.name]) for c in shown]
-            for row in table.to_pylist()]
+    rows = [[_cell(_partition(row) if c.name == "partition" and "partition" not in row else row[c.name])
+             for c in shown] for row in table.to_pylist()]
     widths = _widths([[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1)
     out = Table()
     for j, c in enumerate(shown):
@@ -192,54 +185,37 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
                        justify="left" if c.name in ("run_id", "partition", "mode", "measure") else "right")
     for r in rows:
         out.add_row(*r)
+    width = console.width
     if widths is None:  # rather too wide than cut
-        width = console.width
         console.width = console.measure(out, options=console.options.update_width(10_000)).maximum
-        try:
-            console.print(out)
-        finally:
-            console.width = width
-    else:
+    try:
         console.print(out)
+    finally:
+        console.width = width
     if footnote:
         console.print(footnote, style="italic", highlight=False)
-
-
-def _duckdb_error(e: Exception, db) -> InspectError:
-    import duckdb
-
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, duckdb.IOException):
-        return InspectError(f"{db}: cannot open the catalog ({first})")
-    return InspectError(f"SQL error: {first}")
-
-
-def _unpublished(db, e: Exception) -> str:
-    """The warning when the catalog file cannot be republished (a read-only root): what this command prints
-    does not depend on it, so it names the reason and sends nobody to rerun inspect."""
-    reason = (e.strerror or str(e)).lower() if isinstance(e, OSError) else (str(e).strip().splitlines() or [""])[0]
-    return (f"catalog {db} not republished ({reason or type(e).__name__}); the tables below are read from the "
-            "shards directly")
 
 
 def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False,
                 verify: bool = False, show_all: bool = False, wide: bool = False) -> int:
     import duckdb
 
+    if not print_queries and not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
+        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
+                             "storage.root or --config)")
     try:
-        if verify:
-            return _verify(cfg)
-        return _inspect(cfg, sql, run_id, print_queries, show_all, wide)
+        return _verify(cfg) if verify else _inspect(cfg, sql, run_id, print_queries, show_all, wide)
     except duckdb.Error as e:
-        raise _duckdb_error(e, cfg.storage.root / cfg.storage.catalog) from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, duckdb.IOException):
+            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({first})") from None
+        raise InspectError(f"SQL error: {first}") from None
 
 
 def _verify(cfg: CleanerConfig) -> int:
     """Every committed part checked in full; each bad shard named with what is wrong."""
     import sys
 
-    if not cfg.storage.root.is_dir():
-        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (check storage.root or --config)")
     from storage import shards
     from storage.catalog import Catalog
 
@@ -265,16 +241,16 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         for title, q in EXAMPLE_QUERIES.items():
             console.print(f"-- {title}\n{q};\n")
         return 0
-    if not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
-        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
-                             "storage.root or --config)")
     from storage.catalog import Catalog, publish, scan
 
     scanned = scan(cfg.storage.root)  # once, for the published file and the in-memory catalog alike
     try:
         publish(cfg.storage.root, db, scanned)
     except Exception as e:  # noqa: BLE001 - the tables below are built in memory and do not need the file
-        print(f"cleaner inspect: {_unpublished(db, e)}", file=sys.stderr)
+        # e.g. a read-only root: the reason, and nobody sent to rerun inspect (what it prints does not need the file)
+        reason = (e.strerror or str(e)).lower() if isinstance(e, OSError) else (str(e).strip().splitlines() or [""])[0]
+        print(f"cleaner inspect: catalog {db} not republished ({reason or type(e).__name__}); the tables below are "
+              "read from the shards directly", file=sys.stderr)
     with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)

@@ -12,7 +12,7 @@ states the token-level rule per mode on the run's page.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Iterator
 
 from rich.console import Console
 from rich.table import Table
@@ -24,19 +24,17 @@ RULE = ("coarse rule, disproved (it did not predict in the project's own experim
         "shown for comparison only, use the token-level rule): purification helps when recovered trajectories' "
         "mean advantage is positive, hurts when it is negative")
 KINDS_SQL = ("SELECT iteration, kind, trajectories, mean_reward, correct, mean_advantage FROM trajectory_kinds "
-             "WHERE run_id = $run {iteration} ORDER BY iteration, kind")
+             "WHERE run_id = $run AND ($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, kind")
 FAILED_SQL = ("SELECT iteration, mode, gamma, measure, failed_call_tokens, trained, on_negative, on_positive, "
-              "share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run {iteration} "
-              "ORDER BY iteration, mode, gamma, measure")
+              "share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run AND ($iteration IS NULL "
+              "OR iteration = $iteration) ORDER BY iteration, mode, gamma, measure")
 
 
 def premise_rows(cat: Catalog, run_id: str, iteration: int | None = None) -> tuple[list[dict], list[dict]]:
     """(trajectory_kinds rows, failed_call_advantage rows) of a run, or of one iteration of it."""
-    where = "" if iteration is None else "AND iteration = $iteration"
-    params: dict[str, Any] = {"run": run_id} | ({} if iteration is None else {"iteration": iteration})
-    kinds = cat.con.sql(KINDS_SQL.format(iteration=where), params=params).to_arrow_table().to_pylist()
-    failed = cat.con.sql(FAILED_SQL.format(iteration=where), params=params).to_arrow_table().to_pylist()
-    return kinds, failed
+    params = {"run": run_id, "iteration": iteration}
+    kinds = cat.con.sql(KINDS_SQL, params=params).to_arrow_table().to_pylist()
+    return kinds, cat.con.sql(FAILED_SQL, params=params).to_arrow_table().to_pylist()
 
 
 def prediction(kinds: list[dict], iteration: int) -> str:
@@ -46,11 +44,9 @@ def prediction(kinds: list[dict], iteration: int) -> str:
     if not recovered:
         return f"iteration {iteration}: no recovered trajectory, no prediction"
     advantage = recovered[0]["mean_advantage"]
-    verdict = ("the disproved coarse rule would say help" if advantage > 0 else
-               "the disproved coarse rule would say hurt" if advantage < 0 else
-               "the disproved coarse rule would say nothing")
+    says = "help" if advantage > 0 else "hurt" if advantage < 0 else "nothing"
     return (f"iteration {iteration}: recovered trajectories' mean advantage {advantage:+.3f} over "
-            f"{recovered[0]['trajectories']}: {verdict}")
+            f"{recovered[0]['trajectories']}: the disproved coarse rule would say {says}")
 
 
 TOKEN_RULE = ("token-level rule (held in 6 of 6 predictions in the project's experiment, two synthetic worlds, each "
@@ -69,6 +65,15 @@ def removed_by_sign(raw: dict, mode: dict) -> tuple[int, int]:
     """Failed-call tokens raw trains and `mode` does not: (under negative, under positive advantage).
     Rows are `failed_call_advantage` rows, or sums of their on_negative/on_positive over iterations."""
     return raw["on_negative"] - mode["on_negative"], raw["on_positive"] - mode["on_positive"]
+
+
+def removals(failed: list[dict]) -> Iterator[tuple[dict, dict, int, int]]:
+    """(partition row, raw row of its iteration, removed_by_sign) of each `failed_call_advantage` row the rule
+    applies to (NOT_A_REMOVAL left out) whose iteration has a raw partition."""
+    raws = {r["iteration"]: r for r in failed if r["mode"] == "raw"}
+    for r in failed:
+        if r["mode"] not in NOT_A_REMOVAL and r["iteration"] in raws:
+            yield (r, raws[r["iteration"]], *removed_by_sign(raws[r["iteration"]], r))
 
 
 def predicts_slower(negative: int, positive: int) -> bool:
@@ -101,35 +106,24 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     """Per purified partition of the iteration: the failed-call tokens it no longer trains, compared with the
     raw partition, by the sign of their advantage, and what the token-level rule predicts from them."""
     rows = [r for r in failed if r["iteration"] == iteration]
-    raw = next((r for r in rows if r["mode"] == "raw"), None)
-    if raw is None:
+    if not any(r["mode"] == "raw" for r in rows):
         return [f"iteration {iteration}: no raw partition to compare with (purify.modes needs raw), no prediction"]
-    out = []
-    for r in rows:
-        if r["mode"] in NOT_A_REMOVAL:
-            continue
-        neg, pos = removed_by_sign(raw, r)
-        out.append(f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} "
-                   f"positive-advantage failed-call tokens: {verdict(neg, pos)}")
-    return out
+    return [f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} positive-advantage failed-call "
+            f"tokens: {verdict(neg, pos)}" for r, _, neg, pos in removals(rows)]
 
 
 def token_rule_by_mode(failed: list[dict]) -> list[dict]:
     """The token-level rule per purified partition of a run (mode, γ, measure; roc and raw left out), summed over
     the iterations that hold both that partition and raw: iterations, raw's failed-call tokens under negative /
     positive advantage there, the tokens the partition stops training under each sign, and the verdict."""
-    raws = {r["iteration"]: r for r in failed if r["mode"] == "raw"}
     out: dict[tuple, dict] = {}
-    for r in failed:
-        if r["mode"] in NOT_A_REMOVAL or r["iteration"] not in raws:
-            continue
-        neg, pos = removed_by_sign(raws[r["iteration"]], r)
+    for r, raw, neg, pos in removals(failed):
         m = out.setdefault((r["mode"], r["gamma"], r.get("measure")), {
             "mode": r["mode"], "gamma": r["gamma"], "measure": r.get("measure"), "iterations": [],
             "raw_negative": 0, "raw_positive": 0, "removed_negative": 0, "removed_positive": 0})
         m["iterations"].append(r["iteration"])
-        m["raw_negative"] += raws[r["iteration"]]["on_negative"]
-        m["raw_positive"] += raws[r["iteration"]]["on_positive"]
+        m["raw_negative"] += raw["on_negative"]
+        m["raw_positive"] += raw["on_positive"]
         m["removed_negative"] += neg
         m["removed_positive"] += pos
     for m in out.values():
@@ -138,7 +132,7 @@ def token_rule_by_mode(failed: list[dict]) -> list[dict]:
     return sorted(out.values(), key=lambda m: (m["mode"], m["gamma"], m["measure"] or ""))
 
 
-def _cell(v: object) -> str:
+def cell(v: object) -> str:
     return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
 
 
@@ -149,7 +143,7 @@ def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -
     for col in ("kind", "trajectories", "mean reward", "correct", "mean advantage"):
         table.add_column(col, justify="left" if col == "kind" else "right")
     for r in kinds:
-        table.add_row(r["kind"], *map(_cell, (r["trajectories"], r["mean_reward"], r["correct"], r["mean_advantage"])))
+        table.add_row(r["kind"], *map(cell, (r["trajectories"], r["mean_reward"], r["correct"], r["mean_advantage"])))
     console.print(table)
     table = Table(title="failed-call tokens (call segments of failed attempts) each purified partition trains, by "
                         "the sign of their advantage; shares of all the iteration's failed-call tokens")
@@ -157,9 +151,9 @@ def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -
                 "share negative", "share positive"):
         table.add_column(col, justify="left" if col in ("mode", "measure") else "right")
     for r in failed:
-        table.add_row(r["mode"], *map(_cell, (r["gamma"], r["measure"], r["failed_call_tokens"], r["trained"],
-                                              r["on_negative"], r["on_positive"], r["share_negative"],
-                                              r["share_positive"])))
+        table.add_row(r["mode"], *map(cell, (r["gamma"], r["measure"], r["failed_call_tokens"], r["trained"],
+                                             r["on_negative"], r["on_positive"], r["share_negative"],
+                                             r["share_positive"])))
     console.print(table)
     console.print(TOKEN_RULE, highlight=False)
     for line in token_predictions(failed, iteration):

@@ -5,11 +5,14 @@ flows/report_tables.py)."""
 from __future__ import annotations
 
 import html
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import quote
 
-from flows.premise import premise_rows
-from flows.report_tables import STYLE, by_partition, iteration_href, label, link, rule_section, table, viewer_note
+from flows.premise import cell, premise_rows
+from flows.report_tables import (STYLE, by_partition, iteration_href, link, partition_label, rule_section, table,
+                                 viewer_note)
 from storage.catalog import Catalog
 from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
 from storage.shards import ShardError, ShardMissing
@@ -82,9 +85,8 @@ def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     cols = list(rows[0])
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
     return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows])
+                     + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows])
 
 
 CAPTIONS = {
@@ -110,7 +112,7 @@ CAPTIONS = {
 
 
 def _variant(r: dict) -> str:
-    return label(r["mode"], r["gamma"], r.get("measure"))
+    return partition_label(r["mode"], r["gamma"], r.get("measure"))
 
 
 def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None = None) -> Path:
@@ -118,6 +120,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
     from matplotlib.ticker import MaxNLocator
 
     layout = RunLayout(root, run_id)
@@ -147,93 +150,88 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
         raise ShardMissing(f"run {run_id!r} has no committed raw shards under {root}")
     out.mkdir(parents=True, exist_ok=True)  # only once there is something to write: a refusal leaves nothing
     x = [r["iteration"] for r in its]
-    figs: dict[str, str] = {}
+    figs: list[str] = []  # the plots written, in page order
 
-    def axes(title: str, ylabel: str, xlabel: str = "iteration"):
+    @contextmanager
+    def plot(name: str, title: str, ylabel: str, xlabel: str = "iteration") -> Iterator[Axes]:
+        """Axes for the plot `name`, saved as name.png when the block ends."""
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
         ax.set_title(title), ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
         if xlabel == "iteration":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        return fig, ax
-
-    def save(name: str, fig) -> None:
+        yield ax
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=90)
         plt.close(fig)
-        figs[name] = f"{name}.png"
+        figs.append(name)
 
-    fig, ax = axes("reward and accuracy", "reward (−1…1) / accuracy (0…1)")
-    ax.plot(x, [r["mean_reward"] for r in its], "o-", label="mean reward")
-    ax.plot(x, [r["accuracy"] for r in its], "s-", label="accuracy")
-    ax.set_ylim(-1.05, 1.05), ax.legend()  # the whole range: small changes are not blown up
-    save("reward_accuracy", fig)
-    fig, ax = axes("tool-error rate", "failed first attempts / trajectory")
-    ax.plot(x, [r["tool_errors_per_traj"] for r in its], "o-", color="tab:red")
-    ax.set_ylim(0, max(1.0, max(r["tool_errors_per_traj"] or 0 for r in its) * 1.1))
-    save("tool_error_rate", fig)
-    fig, ax = axes("splice similarity", "splices", xlabel="similarity of failed and retried calls")
-    for measure in sorted({s["measure"] for s in sims}):
-        ax.hist([s["similarity"] for s in sims if s["measure"] == measure and abs(s["gamma"] - gamma) < 1e-9]
-                or [s["similarity"] for s in sims if s["measure"] == measure], bins=20, range=(0, 1), alpha=0.6,
-                label=measure)
-    ax.axvline(gamma, color="k", linestyle="--", label=f"γ = {gamma:g}")
-    ax.set_xlim(0, 1), ax.legend(fontsize=8)
-    save("similarity_hist", fig)
+    with plot("reward_accuracy", "reward and accuracy", "reward (−1…1) / accuracy (0…1)") as ax:
+        ax.plot(x, [r["mean_reward"] for r in its], "o-", label="mean reward")
+        ax.plot(x, [r["accuracy"] for r in its], "s-", label="accuracy")
+        ax.set_ylim(-1.05, 1.05), ax.legend()  # the whole range: small changes are not blown up
+    with plot("tool_error_rate", "tool-error rate", "failed first attempts / trajectory") as ax:
+        ax.plot(x, [r["tool_errors_per_traj"] for r in its], "o-", color="tab:red")
+        ax.set_ylim(0, max(1.0, max(r["tool_errors_per_traj"] or 0 for r in its) * 1.1))
+    with plot("similarity_hist", "splice similarity", "splices", xlabel="similarity of failed and retried calls") as ax:
+        for measure in sorted({s["measure"] for s in sims}):
+            ax.hist([s["similarity"] for s in sims if s["measure"] == measure and abs(s["gamma"] - gamma) < 1e-9]
+                    or [s["similarity"] for s in sims if s["measure"] == measure], bins=20, range=(0, 1), alpha=0.6,
+                    label=measure)
+        ax.axvline(gamma, color="k", linestyle="--", label=f"γ = {gamma:g}")
+        ax.set_xlim(0, 1), ax.legend(fontsize=8)
     variants = sorted({(s["gamma"], s["measure"]) for s in sims})
-    fig, ax = axes("shallow / deep splices per purified iteration", "splices per iteration", xlabel="γ (measure)")
-    for offset, kind in ((-0.2, "shallow"), (0.2, "deep")):
-        means = []
-        for g, m in variants:
-            iterations = {r["iteration"] for r in compare if r["mode"] == "saar" and r["gamma"] == g
-                          and r["measure"] == m} or {0}
-            means.append(sum(s["kind"] == kind and s["gamma"] == g and s["measure"] == m for s in sims) / len(iterations))
-        ax.bar([i + offset for i in range(len(variants))], means, width=0.4, label=kind)
-    ax.set_xticks(range(len(variants)), [f"{g:g}" + ("" if m == DEFAULT_MEASURE_KEY else f"\n{m}") for g, m in variants],
-                  fontsize=8)
-    ax.legend()
-    save("shallow_deep", fig)
-    fig, ax = axes("raw vs purified length", "mean response tokens")
-    for name in sorted({_variant(r) for r in compare}):
-        rows = [r for r in compare if _variant(r) == name]
-        ax.plot([r["iteration"] for r in rows], [r["purified_response_tokens"] for r in rows], "o-", label=name,
-                alpha=0.8)
-    ax.plot(x, [r["response_tokens"] for r in its], "k--", label="raw (lived)")  # on top: mode=raw equals it
-    ax.set_ylim(bottom=0), ax.legend(fontsize=7)
-    save("lengths", fig)
+    with plot("shallow_deep", "shallow / deep splices per purified iteration", "splices per iteration",
+              xlabel="γ (measure)") as ax:
+        for offset, kind in ((-0.2, "shallow"), (0.2, "deep")):
+            means = []
+            for g, m in variants:
+                iterations = {r["iteration"] for r in compare if r["mode"] == "saar" and r["gamma"] == g
+                              and r["measure"] == m} or {0}
+                means.append(sum(s["kind"] == kind and s["gamma"] == g and s["measure"] == m for s in sims)
+                             / len(iterations))
+            ax.bar([i + offset for i in range(len(variants))], means, width=0.4, label=kind)
+        ax.set_xticks(range(len(variants)),
+                      [f"{g:g}" + ("" if m == DEFAULT_MEASURE_KEY else f"\n{m}") for g, m in variants], fontsize=8)
+        ax.legend()
+    with plot("lengths", "raw vs purified length", "mean response tokens") as ax:
+        for name in sorted({_variant(r) for r in compare}):
+            rows = [r for r in compare if _variant(r) == name]
+            ax.plot([r["iteration"] for r in rows], [r["purified_response_tokens"] for r in rows], "o-", label=name,
+                    alpha=0.8)
+        ax.plot(x, [r["response_tokens"] for r in its], "k--", label="raw (lived)")  # on top: mode=raw equals it
+        ax.set_ylim(bottom=0), ax.legend(fontsize=7)
     if ratios:
         import math
 
-        fig, ax = axes("importance ratio of each splice", "splices", xlabel="log10 IS (moved retry, as trained vs as sampled)")
-        for name in sorted({_variant(r) for r in ratios}):
-            ax.hist([r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name], bins=30, alpha=0.6,
-                    label=name)
-        ax.axvline(math.log10(0.5), color="k", linestyle="--", label="IS = 0.5")
-        ax.legend(fontsize=7)
-        save("is_ratio", fig)
-    fig, ax = axes("tokens spent on failed attempts", "share of generated tokens")
-    ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
-    ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
-    save("failed_tokens", fig)
+        with plot("is_ratio", "importance ratio of each splice", "splices",
+                  xlabel="log10 IS (moved retry, as trained vs as sampled)") as ax:
+            for name in sorted({_variant(r) for r in ratios}):
+                ax.hist([r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name], bins=30, alpha=0.6,
+                        label=name)
+            ax.axvline(math.log10(0.5), color="k", linestyle="--", label="IS = 0.5")
+            ax.legend(fontsize=7)
+    with plot("failed_tokens", "tokens spent on failed attempts", "share of generated tokens") as ax:
+        ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
+        ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
     for name, title, ylabel, key in (("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
                                      ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory",
                                       "tool failures/traj")):
         if not curves:
             break
-        fig, ax = axes(title, ylabel, xlabel="checkpoint (iteration it rolls out)")
-        for setting, style in (("saar_on", "o-"), ("saar_off", "s--")):
-            pts = [r for r in curves if r[f"{setting} {key}"] is not None]
-            err = [r[f"{setting} pass@1 se"] or 0.0 for r in pts] if key == "pass@1" else None
-            if pts:
-                ax.errorbar([r["iteration"] for r in pts], [r[f"{setting} {key}"] for r in pts], yerr=err, fmt=style,
-                            capsize=3, label=f"SAAR {setting.split('_')[1]} at test")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(0, 1.05) if key == "pass@1" else ax.set_ylim(bottom=0)  # pass@1: the whole range
-        ax.legend(fontsize=8)
-        save(name, fig)
+        with plot(name, title, ylabel, xlabel="checkpoint (iteration it rolls out)") as ax:
+            for setting, style in (("saar_on", "o-"), ("saar_off", "s--")):
+                pts = [r for r in curves if r[f"{setting} {key}"] is not None]
+                err = [r[f"{setting} pass@1 se"] or 0.0 for r in pts] if key == "pass@1" else None
+                if pts:
+                    ax.errorbar([r["iteration"] for r in pts], [r[f"{setting} {key}"] for r in pts], yerr=err,
+                                fmt=style, capsize=3, label=f"SAAR {setting.split('_')[1]} at test")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylim(0, 1.05) if key == "pass@1" else ax.set_ylim(bottom=0)  # pass@1: the whole range
+            ax.legend(fontsize=8)
 
     config = layout.run_json.read_text() if layout.run_json.is_file() else "(no run.json)"
-    plots = "".join(f'<figure><img src="{f}" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
-                    for n, f in figs.items())
+    plots = "".join(f'<figure><img src="{n}.png" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
+                    for n in figs)
     it_links = {"iteration": lambda r: iteration_href(r["iteration"])}
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>cleaner report: {html.escape(run_id)}</title>

@@ -9,13 +9,12 @@ trajectory, `../../RUN` the run. Opened as a file they do not resolve; the page 
 from __future__ import annotations
 
 import html
-import math
 import numbers
 import shlex
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
-from flows.premise import NOT_A_REMOVAL, RULE, TOKEN_RULE, WRITEUP, removed_by_sign, token_rule_by_mode, verdict
+from flows.premise import NOT_A_REMOVAL, RULE, TOKEN_RULE, WRITEUP, cell, removals, token_rule_by_mode, verdict
 from pipeline.modes import SPLICING_MODES
 from storage.layout import DEFAULT_MEASURE_KEY
 
@@ -48,12 +47,6 @@ def esc(v: object) -> str:
     return html.escape("" if v is None else str(v), quote=True)
 
 
-def cell(v: object) -> str:
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
-    return "" if v is None else str(v)
-
-
 def header(name: str) -> str:
     """A column name that may wrap after its underscores (escaped first)."""
     return esc(name).replace("_", "_<wbr>")
@@ -73,11 +66,11 @@ def trajectory_href(iteration: int, prompt_id: str, sample_idx: int) -> str:
 
 
 def partition_key(mode: str, gamma: float, measure: str | None) -> str:
-    """The viewer's partition filter value (flows/viewer/trajectory.py variant_key)."""
+    """A partition as a URL value, the viewer's partition filter: mode:γ[:measure]."""
     return f"{mode}:{gamma:g}" + (f":{measure}" if measure else "")
 
 
-def label(mode: str, gamma: float, measure: str | None) -> str:
+def partition_label(mode: str, gamma: float, measure: str | None) -> str:
     if mode == "saar_is":
         return f"saar_is τ={gamma:g}"
     if mode not in SPLICING_MODES:
@@ -109,7 +102,7 @@ def table(rows: list[dict], links: dict | None = None, table_id: str = "") -> st
 def by_partition(rows: list[dict]) -> list[dict]:
     """Rows keyed by (iteration, mode, gamma, measure) with the last three folded into one partition label,
     key columns first: fewer, narrower columns."""
-    return [{"iteration": r["iteration"], "partition": label(r["mode"], r["gamma"], r["measure"]),
+    return [{"iteration": r["iteration"], "partition": partition_label(r["mode"], r["gamma"], r["measure"]),
              **{k: v for k, v in r.items() if k not in ("run_id", "iteration", "mode", "gamma", "measure")}}
             for r in rows]
 
@@ -144,7 +137,7 @@ def _examples(m: dict, examples: list[dict]) -> str:
 
 
 def mode_sentence(m: dict, examples: list[dict]) -> str:
-    name = label(m["mode"], m["gamma"], m["measure"])
+    name = partition_label(m["mode"], m["gamma"], m["measure"])
     return (f'<li class="mode-rule" data-mode="{esc(m["mode"])}"><strong>{esc(name)}</strong>: over '
             f"{esc(_span(m['iterations']))}, raw trains {m['raw_negative']} failed-call tokens under negative "
             f"advantage and {m['raw_positive']} under positive; {esc(name)} stops training {m['removed_negative']} "
@@ -155,18 +148,11 @@ def mode_sentence(m: dict, examples: list[dict]) -> str:
 def per_iteration(failed: list[dict]) -> list[dict]:
     """One row per purified partition and iteration that has a raw partition beside it: the token-level counts
     and verdict (the report's detail table)."""
-    raws = {r["iteration"]: r for r in failed if r["mode"] == "raw"}
-    rows = []
-    for r in failed:
-        if r["mode"] in NOT_A_REMOVAL or r["iteration"] not in raws:
-            continue
-        neg, pos = removed_by_sign(raws[r["iteration"]], r)
-        rows.append({"iteration": r["iteration"], "partition": label(r["mode"], r["gamma"], r["measure"]),
-                     "raw trains on negative": raws[r["iteration"]]["on_negative"],
-                     "raw trains on positive": raws[r["iteration"]]["on_positive"],
-                     "stops training on negative": neg, "stops training on positive": pos,
-                     "prediction": verdict(neg, pos), "_key": partition_key(r["mode"], r["gamma"], r["measure"])})
-    return rows
+    return [{"iteration": r["iteration"], "partition": partition_label(r["mode"], r["gamma"], r["measure"]),
+             "raw trains on negative": raw["on_negative"], "raw trains on positive": raw["on_positive"],
+             "stops training on negative": neg, "stops training on positive": pos,
+             "prediction": verdict(neg, pos), "_key": partition_key(r["mode"], r["gamma"], r["measure"])}
+            for r, raw, neg, pos in removals(failed)]
 
 
 def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: list[dict]) -> str:

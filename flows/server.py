@@ -27,7 +27,6 @@ from pipeline.processes import alive, dies_with, terminate
 from storage.errors import CleanerError
 
 HOST = "127.0.0.1"
-STATE_FILE = "server.json"
 
 
 class ServerError(CleanerError):
@@ -47,7 +46,7 @@ def prefect_home(root: Path) -> Path:
 
 
 def _state_path(root: Path) -> Path:
-    return prefect_home(root) / STATE_FILE
+    return prefect_home(root) / "server.json"
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:
@@ -58,16 +57,18 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def running_server(root: Path) -> ServerState | None:
-    """The project's server if its recorded pid is alive and it answers; None otherwise."""
-    path = _state_path(root)
+def _recorded(root: Path) -> ServerState | None:
+    """The server state file's record, or None when it is missing or unreadable."""
     try:
-        state = ServerState(**json.loads(path.read_text()))
+        return ServerState(**json.loads(_state_path(root).read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if alive(state.pid) and healthy(state.url):
-        return state
-    return None
+
+
+def running_server(root: Path) -> ServerState | None:
+    """The project's server if its recorded pid is alive and it answers; None otherwise."""
+    state = _recorded(root)
+    return state if state is not None and alive(state.pid) and healthy(state.url) else None
 
 
 def free_port() -> int:
@@ -92,17 +93,19 @@ def _wait_started(proc: subprocess.Popen, url: str, timeout: float, what: str, l
     raise ServerError(f"{what} {problem}: {tail[0]} (log: {log_path})")
 
 
-def _launch(port: int, env: dict[str, str], log_path: Path, flags: list[str], bound: bool) -> subprocess.Popen:
+def _launch(port: int, env: dict[str, str], log_path: Path, flags: list[str], bound: bool
+            ) -> tuple[subprocess.Popen, str]:
     """`prefect server start` in the foreground of a child of ours (Prefect's own command; its web server runs
-    in that one process), output to log_path, in its own group: stopped as a whole, by our pid. bound: the
-    child dies with this process, however it dies (kill -9 included)."""
+    in that one process), output to log_path, in its own group: stopped as a whole, by our pid; with its API
+    URL. bound: the child dies with this process, however it dies (kill -9 included)."""
     env = {**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the server itself must not try to talk to another one
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port), "--analytics-off",
            *flags]
     with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True, preexec_fn=dies_with(os.getpid(), signal.SIGKILL) if bound else None)
+    return proc, f"http://{HOST}:{port}/api"
 
 
 def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
@@ -116,9 +119,8 @@ def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
     home = prefect_home(root)
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    url = f"http://{HOST}:{port}/api"
     log_path = home / "server.log"
-    proc = _launch(port, {**os.environ, "PREFECT_HOME": str(home)}, log_path, ["--ui" if ui else "--no-ui"], bound)
+    proc, url = _launch(port, {**os.environ, "PREFECT_HOME": str(home)}, log_path, ["--ui" if ui else "--no-ui"], bound)
     state = ServerState(proc.pid, port, url, str(log_path))
     _wait_started(proc, url, timeout, "prefect server", log_path)
     tmp = _state_path(root).with_suffix(".tmp")
@@ -129,14 +131,12 @@ def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
 
 def stop_server(root: Path) -> ServerState | None:
     """Stop the project's server by its recorded pid; returns what was stopped (None: nothing ran)."""
-    path = _state_path(root)
-    try:
-        state = ServerState(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+    state = _recorded(root)
+    if state is None:
         return None
     if alive(state.pid):
         terminate(state.pid)
-    path.unlink(missing_ok=True)
+    _state_path(root).unlink(missing_ok=True)
     return state
 
 
@@ -156,9 +156,8 @@ def start_temporary_server(root: Path) -> str | None:
     configure_prefect(root)
     port = free_port()
     log_path = Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"
-    proc = _launch(port, dict(os.environ), log_path, ["--no-ui", "--no-scheduler", "--no-late-runs"], bound=True)
+    proc, url = _launch(port, dict(os.environ), log_path, ["--no-ui", "--no-scheduler", "--no-late-runs"], bound=True)
     atexit.register(lambda: proc.poll() is None and terminate(proc.pid))  # a normal exit; kill -9: PDEATHSIG
-    url = f"http://{HOST}:{port}/api"
     with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
         _wait_started(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
                       "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",

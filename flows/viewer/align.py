@@ -17,6 +17,7 @@ aligned with difflib instead, and what it added shows as inserted spans.
 from __future__ import annotations
 
 import difflib
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
@@ -140,9 +141,7 @@ def align(segs: list[Segment], response: list[int], prefer: Callable[[Segment], 
 def _diff(segs: list[Segment], response: list[int]) -> list[Span]:
     flat = [t for s in segs for t in s.ids]
     owner = [i for i, s in enumerate(segs) for _ in s.ids]
-    first = [0] * len(segs)  # each segment's first offset in `flat`
-    for i in range(1, len(segs)):
-        first[i] = first[i - 1] + len(segs[i - 1].ids)
+    first = list(accumulate((len(s.ids) for s in segs[:-1]), initial=0))  # each segment's first offset in `flat`
     matcher = difflib.SequenceMatcher(None, flat, response, autojunk=len(flat) > 20_000)
     spans: list[Span] = []
     for tag, a0, a1, b0, b1 in matcher.get_opcodes():

@@ -22,12 +22,13 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from flows.report_tables import partition_label
 from flows.viewer import table as tables
 from flows.viewer.pages import render, report_parts
-from flows.viewer.sql_box import SqlRefused, run_sql
+from flows.viewer.sql_box import SqlRefused, first_line, run_sql
 from flows.viewer.store import NotFound, Store
 from flows.viewer.tokens import find_source, token_text
-from flows.viewer.trajectory import COLOURS, build, variant_key, variant_label
+from flows.viewer.trajectory import COLOURS, build
 from storage.errors import CleanerError
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
@@ -65,7 +66,6 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
     store = Store(root, catalog_file)
     app = FastAPI(title="cleaner view", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=[*hosts, "testserver"])
-    app.state.store = store
     base: dict[str, Any] = {"root": str(store.root)}
 
     @app.middleware("http")
@@ -78,32 +78,31 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         response.headers["Server-Timing"] = f"app;dur={(time.perf_counter() - t0) * 1000:.1f}"
         return response
 
+    def error_page(status: int, message: str, back: str = "/", back_label: str = "all runs",
+                   heading: str = "Not found", title: str = "not found") -> Response:
+        return render("error.jinja", status, heading=heading, message=message, back=back, back_label=back_label,
+                      title=title, error=status != 404, **base)
+
     @app.exception_handler(NotFound)
     async def not_found(_request: Request, e: NotFound):
-        return render("error.jinja", 404, heading="Not found", message=str(e), back=e.back, back_label=e.back_label,
-                      title="not found", **base)
+        return error_page(404, str(e), e.back, e.back_label)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
-            return render("error.jinja", 404, heading="Not found", message=f"no page at {request.url.path}",
-                          back="/", back_label="all runs", title="not found", **base)
-        return render("error.jinja", e.status_code, heading=str(e.status_code), message=str(e.detail), back="/",
-                      back_label="all runs", title=str(e.status_code), error=True, **base)
+            return error_page(404, f"no page at {request.url.path}")
+        return error_page(e.status_code, str(e.detail), heading=str(e.status_code), title=str(e.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, e: RequestValidationError):
-        return render("error.jinja", 404, heading="Not found", message=f"bad address: {e.errors()[0].get('msg')}",
-                      back="/", back_label="all runs", title="not found", **base)
+        return error_page(404, f"bad address: {e.errors()[0].get('msg')}")
 
     @app.exception_handler(duckdb.Error)
     @app.exception_handler(CleanerError)
     @app.exception_handler(OSError)
     async def unreadable(_request: Request, e: Exception):
         # a shard changed or removed after the catalog listed it: named, and the other pages still work
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return render("error.jinja", 503, heading="Could not read the store", message=first, back="/",
-                      back_label="all runs", title="unreadable", error=True, **base)
+        return error_page(503, first_line(e), heading="Could not read the store", title="unreadable")
 
     @app.get("/")
     def index():
@@ -134,9 +133,7 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         store.check_run(run_id)
         its = store.iterations(run_id)
         for it in its:
-            for p in it["partitions"]:
-                p["key"], p["label"] = (variant_key(p["mode"], p["gamma"], p["measure"]),
-                                        variant_label(p["mode"], p["gamma"], p["measure"]))
+            it["partitions"] = tables.named(it["partitions"])
         return render("run.jinja", run=run_id, iterations=its, problems=run_problems(run_id), title=run_id,
                       crumbs=[(f"/runs/{quote(run_id, safe='')}", run_id)], **base)
 
@@ -153,7 +150,7 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         examples = store.spliced_examples(run_id)
         for e in examples:
             e["href"] = trajectory_href(run_id, e["iteration"], e["prompt_id"], e["sample_idx"])
-            e["label"] = variant_label(e["mode"], e["gamma"], e["measure"])
+            e["label"] = partition_label(e["mode"], e["gamma"], e["measure"])
         iterations = [r["iteration"] for r in store.query(
             "SELECT DISTINCT iteration FROM raw_summary WHERE run_id = $run ORDER BY 1", run=run_id)]
         return render("report.jinja", run=run_id, report=body, report_style=style, examples=examples,

@@ -3,7 +3,6 @@ page shows — model output, code, tool output, error messages, SQL results — 
 built with html.escape (flows/viewer/trajectory.py) and the run's own report body are passed as Markup."""
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -12,25 +11,19 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.responses import HTMLResponse
 
+from flows.premise import cell
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
-def _num(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
-    return str(v)
-
-
 def _cell(v: Any) -> str:
-    text = _num(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else str(v) if v is not None else "NULL"
+    text = cell(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else str(v) if v is not None else "NULL"
     return text if len(text) <= 2000 else text[:2000] + f"… ({len(text)} characters)"
 
 
 ENV = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(default=True,
                   default_for_string=True, enabled_extensions=("jinja", "html")))
-ENV.filters["num"] = _num
+ENV.filters["num"] = cell
 ENV.filters["cell"] = _cell
 
 

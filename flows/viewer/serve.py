@@ -10,15 +10,12 @@ from pathlib import Path
 
 from storage.errors import CleanerError, WorkspaceError
 
-LOOPBACK_NAMES = ("localhost",)
-
-
 class ViewError(CleanerError):
     """The viewer cannot start: its port, its address or its storage root."""
 
 
 def is_loopback(host: str) -> bool:
-    if host in LOOPBACK_NAMES:
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -48,11 +45,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url(host: str, port: int) -> str:
-    shown = f"[{host.strip('[]')}]" if ":" in host else host
-    return f"http://{shown}:{port}/"
-
-
 def serve(root: Path, catalog_file: Path, host: str = "127.0.0.1", port: int = 8765) -> int:
     import uvicorn
 
@@ -69,9 +61,10 @@ def serve(root: Path, catalog_file: Path, host: str = "127.0.0.1", port: int = 8
     port = sock.getsockname()[1]
     hosts = ("127.0.0.1", "localhost", "[::1]", "::1") if loopback else ("*",)
     app = create_app(root, catalog_file, hosts=hosts)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", server_header=False)
-    server = uvicorn.Server(config)
-    print(f"cleaner view: {url(host, port)}  (storage root {Path(root).resolve()}; Ctrl-C stops)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           server_header=False))
+    shown = f"[{host.strip('[]')}]" if ":" in host else host
+    print(f"cleaner view: http://{shown}:{port}/  (storage root {Path(root).resolve()}; Ctrl-C stops)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -73,7 +73,7 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 1000, time
         try:
             statements = cur.extract_statements(sql)
         except duckdb.Error as e:
-            raise SqlRefused(_first_line(e)) from None
+            raise SqlRefused(first_line(e)) from None
         if not statements:
             raise SqlRefused("no statement to run")
         for s in statements:
@@ -82,22 +82,20 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 1000, time
                                  f"this is a {s.type.name} statement")
         timer.start()
         try:
-            rel = None
             for s in statements:  # the last statement's rows are shown
-                rel = cur.execute(s.query)
-            described = rel is not None and rel.description
-            rows = rel.fetchmany(max_rows + 1) if described else []
-            columns = [d[0] for d in rel.description] if described else []
+                cur.execute(s.query)
+            rows = cur.fetchmany(max_rows + 1) if cur.description else []
+            columns = [d[0] for d in cur.description or []]
         except duckdb.InterruptException:
             raise SqlRefused(f"query stopped after {timeout_s:g} s") from None
         except duckdb.Error as e:
-            raise SqlRefused(_first_line(e)) from None
+            raise SqlRefused(first_line(e)) from None
         return SqlResult(columns, rows[:max_rows], len(rows) > max_rows)
     finally:
         timer.cancel()
         cur.close()
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flows.report_tables import partition_key, partition_label
 from flows.viewer.store import Scope
-from flows.viewer.trajectory import variant_key, variant_label
 
 KINDS = ("clean", "recovered", "not_recovered", "infra")
-ADVANTAGES = {"positive": "> 0", "negative": "< 0", "zero": "= 0"}
+ADVANTAGES = ("positive", "negative", "zero")
 MAX_ROWS = 2000
 
 
@@ -29,10 +29,14 @@ class Filters:
     q: str = ""
 
 
+def named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of partitions (mode, gamma, measure, …) with the partition's URL key and label."""
+    return [{"key": partition_key(r["mode"], r["gamma"], r["measure"]),
+             "label": partition_label(r["mode"], r["gamma"], r["measure"]), **r} for r in rows]
+
+
 def partitions(scope: Scope) -> list[dict[str, Any]]:
-    rows = scope.rows("SELECT DISTINCT mode, gamma, measure FROM purified_summary ORDER BY ALL")
-    return [{"key": variant_key(r["mode"], r["gamma"], r["measure"]),
-             "label": variant_label(r["mode"], r["gamma"], r["measure"]), **r} for r in rows]
+    return named(scope.rows("SELECT DISTINCT mode, gamma, measure FROM purified_summary ORDER BY ALL"))
 
 
 def labels(scope: Scope) -> list[str]:

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from markupsafe import Markup
 
+from flows.report_tables import partition_key, partition_label
 from flows.viewer.align import Segment, Span, align, segments, splice_preference
 from flows.viewer.tokens import TokenText
-from storage.layout import DEFAULT_MEASURE_KEY
 
 Colour = Literal["delta", "behaviour", "old", "none"]
 COLOURS: dict[str, str] = {
@@ -27,19 +27,6 @@ COLOURS: dict[str, str] = {
     "none": "no colour",
 }
 ORIGINS = {0: "not sampled", 1: "in place", 2: "shallow splice", 3: "deep splice", 4: "moved"}
-
-
-def variant_label(mode: str, gamma: float, measure: str | None) -> str:
-    if mode == "saar_is":
-        return f"saar_is τ={gamma:g}"
-    if mode in ("saar", "saar_correct"):
-        return f"{mode} γ={gamma:g}" + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
-    return mode
-
-
-def variant_key(mode: str, gamma: float, measure: str | None) -> str:
-    """A partition as a URL value: mode:γ[:measure] (the filters' partition key)."""
-    return f"{mode}:{gamma:g}" + (f":{measure}" if measure else "")
 
 
 @dataclass
@@ -86,16 +73,11 @@ def _seg_html(tt: TokenText, seg: Segment) -> str:
     return f'<span class="seg {seg.kind}">{escape("".join(tt.pieces(list(seg.ids))))}</span>'
 
 
-def _attempt_turn_html(tt: TokenText, segs: list[Segment]) -> tuple[Markup, Markup]:
-    turn = "".join(_seg_html(tt, s) for s in segs if s.kind != "tool")
-    tool = "".join(_seg_html(tt, s) for s in segs if s.kind == "tool")
-    return Markup(turn), Markup(tool)
-
-
 def _splice_notes(purified: list[dict[str, Any]]) -> dict[tuple[int, int], list[str]]:
     """(position, retry attempt) -> what each variant's splice of that retry was."""
     notes: dict[tuple[int, int], list[str]] = {}
     for row in purified:
+        name = partition_label(row["mode"], row["gamma"], row.get("measure"))
         for s in row["splices"] or []:
             sim = s.get("similarity")
             sim_text = "" if sim is None or (isinstance(sim, float) and math.isnan(sim)) else \
@@ -103,7 +85,7 @@ def _splice_notes(purified: list[dict[str, Any]]) -> dict[tuple[int, int], list[
             ratio = s.get("log_is_ratio")
             is_text = "" if ratio is None or math.isnan(ratio) else f", importance ratio {math.exp(ratio):.3g}"
             notes.setdefault((s["position_idx"], s["attempt_idx"]), []).append(
-                f"{variant_label(row['mode'], row['gamma'], row.get('measure'))}: {s['kind']} splice{sim_text}{is_text}")
+                f"{name}: {s['kind']} splice{sim_text}{is_text}")
     return notes
 
 
@@ -118,7 +100,9 @@ def timeline(tt: TokenText, raw: dict[str, Any], segs: list[Segment], purified: 
         views = []
         for a in p["attempts"] or []:
             result = a.get("result") or {}
-            turn, tool = _attempt_turn_html(tt, by_attempt.get((p["position_idx"], a["attempt_idx"]), []))
+            mine = by_attempt.get((p["position_idx"], a["attempt_idx"]), [])
+            turn = Markup("".join(_seg_html(tt, s) for s in mine if s.kind != "tool"))
+            tool = Markup("".join(_seg_html(tt, s) for s in mine if s.kind == "tool"))
             views.append(AttemptView(
                 label="attempt 0" if a["attempt_idx"] == 0 else f"retry {a['attempt_idx']}",
                 attempt_idx=a["attempt_idx"], status=result.get("status") or "no call run",
@@ -151,19 +135,15 @@ def _token_style(colour: Colour, mask: int, origin: int, behaviour: float | None
 
 
 def _tokens_html(tt: TokenText, row: dict[str, Any], start: int, end: int, colour: Colour) -> str:
-    ids = row["response_ids"][start:end]
-    pieces = tt.pieces(ids)
     mask, origin = row["loss_mask"], row.get("token_origin") or []
     behaviour, old = row.get("behaviour_logprobs"), row["old_logprobs"]
     out = []
-    for k, piece in enumerate(pieces):
-        i = start + k
+    for i, piece in enumerate(tt.pieces(row["response_ids"][start:end]), start):
         m, o = mask[i], (origin[i] if i < len(origin) else 1)
         b = behaviour[i] if behaviour else None
-        lp = old[i]
-        style = _token_style(colour, m, o, b, lp)
-        title = f"#{i} {ORIGINS.get(o, o)}" + (f" · mask {m}") + (f" · behaviour {b:.3f}" if b is not None else "") + \
-            f" · old {lp:.3f}"
+        style = _token_style(colour, m, o, b, old[i])
+        title = f"#{i} {ORIGINS.get(o, o)} · mask {m}" + (f" · behaviour {b:.3f}" if b is not None else "") + \
+            f" · old {old[i]:.3f}"
         out.append(f'<span class="t m{m}" title="{title}"' + (f' style="{style}"' if style else "") +
                    f">{escape(piece)}</span>")
     return "".join(out)
@@ -187,8 +167,8 @@ def variants(tt: TokenText, segs: list[Segment], purified: list[dict[str, Any]],
         body = "".join(_span_html(tt, row, s, colour) for s in spans)
         splices = [f"position {s['position_idx']} retry {s['attempt_idx']}: {s['kind']}" for s in row["splices"] or []]
         out.append(VariantView(
-            label=variant_label(row["mode"], row["gamma"], row.get("measure")),
-            key=variant_key(row["mode"], row["gamma"], row.get("measure")), reward=row["reward"],
+            label=partition_label(row["mode"], row["gamma"], row.get("measure")),
+            key=partition_key(row["mode"], row["gamma"], row.get("measure")), reward=row["reward"],
             advantage=row["advantage"], tokens=len(row["response_ids"]), trained=sum(row["loss_mask"]),
             splices=splices, recompute_from=row["recompute_from"], tokens_forwarded=row["tokens_forwarded"],
             has_behaviour=row.get("behaviour_logprobs") is not None, body=Markup(body)))
