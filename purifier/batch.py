@@ -99,8 +99,6 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     rows (a pickled slice would carry the whole batch's buffers)."""
     if table.num_rows == 0:
         return []
-    if n == 1:
-        return [(0, table)]
     ids = pc.dictionary_encode(table["prompt_id"]).combine_chunks()  # hash each prompt once, not each sample
     of_prompt = np.fromiter((zlib.crc32(p.encode()) % n for p in ids.dictionary.to_pylist()), dtype=np.int64,
                             count=len(ids.dictionary))

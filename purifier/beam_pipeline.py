@@ -40,7 +40,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import apache_beam as beam
 import pyarrow as pa
@@ -50,10 +50,10 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.modes import IS_MODES, Variant
 from pipeline.similarity import Measure
-from purifier.batch import SORT
+from purifier.batch import SORT, buckets, recompute_groups, token_slices, with_advantages
 from storage.errors import CleanerError
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
-from storage.shards import atomic_write_parquet
+from storage.shards import PartInfo, ShardError, atomic_write_json, atomic_write_parquet, iter_part_batches
 
 BUCKETS = 8
 # Lived tokens purified at a time (PurifyBatches): bounds the Python objects of one slice of a raw part,
@@ -96,14 +96,22 @@ class PurifyJob:
     runner: str = "FnApiRunner"
     beam_options: tuple[str, ...] = ()
 
-    def backend_key(self) -> tuple:
-        return (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url,
-                self.vllm_urls)
-
     def backend(self):
         """The recompute backend of this job, once per process (None: recompute off)."""
-        return per_process("recompute", self.backend_key(), lambda: _recompute_backend(
-            self.recompute, self.checkpoint, self.temperature, self.sglang_url, self.vllm_urls))
+        key = (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url,
+               self.vllm_urls)
+        return per_process("recompute", key, self._build_backend)
+
+    def _build_backend(self):
+        if not (self.recompute == "sglang" or self.checkpoint and self.recompute in ("cpu", "vllm")):
+            return None
+        from purifier.recompute import CPURecompute, SGLangRecompute, VLLMRecompute  # torch: only when recomputing
+
+        if self.recompute == "cpu":
+            return CPURecompute(Path(self.checkpoint), self.temperature)
+        if self.recompute == "sglang":
+            return SGLangRecompute(self.sglang_url, self.temperature)
+        return VLLMRecompute(list(self.vllm_urls), Path(self.checkpoint), self.temperature)
 
 
 class StagingIncomplete(CleanerError, RuntimeError):
@@ -134,12 +142,6 @@ def per_process(kind: str, key: Any, build: Callable[[], Any]) -> Any:
         return _held[kind][1]
 
 
-def release_per_process() -> None:
-    """Drop what this process holds (the driver, after an in-process run: the model is not kept)."""
-    with _held_lock:
-        _held.clear()
-
-
 def _files_key(directory: str | None) -> tuple:
     """What identifies a checkpoint's content cheaply: its files' names, sizes and modification times."""
     if not directory:
@@ -166,9 +168,6 @@ class ArrowTableCoder(beam.coders.Coder):
     def estimate_size(self, table: pa.Table) -> int:
         # Beam samples element sizes for its metrics; the default would serialise every table once more
         return table.nbytes
-
-    def is_deterministic(self) -> bool:
-        return False
 
 
 beam.coders.registry.register_coder(pa.Table, ArrowTableCoder)
@@ -223,8 +222,6 @@ def staged_file(staging: Path, dest: str, shard: str = "00000-of-00001") -> Path
 def write_staged(staging: Path, dest: str, table: pa.Table, shard: str = "00000-of-00001") -> int:
     """One staged file, written to a hidden temporary name and renamed: a retried or re-executed bundle (a
     worker lost mid-run) rewrites the same complete file, never a second copy of its rows."""
-    from purifier.batch import token_slices
-
     schema = schema_of(dest)
     path = staged_file(staging, dest, shard)
     path.parent.mkdir(parents=True, exist_ok=True)  # <variant.partition>/, on whichever worker writes it
@@ -252,8 +249,6 @@ def _tokenizer_decode(tokenizer_dir: str) -> Callable[[list[int]], str]:
 def raw_slices(batches: Iterator[pa.Table], budget: int) -> Iterator[pa.Table]:
     """A raw part read in batches (storage.shards.iter_part_batches) as the slices `token_slices` cuts the whole
     part into (its greedy cut is the same from any slice's start), holding one slice and one batch at a time."""
-    from purifier.batch import token_slices
-
     pending: list[pa.Table] = []
     tokens = 0
     for batch in batches:
@@ -316,8 +311,8 @@ class PurifyBatches(beam.DoFn):
     to staging; the driver then refuses the whole shard. One output for all (a tuple key is a group, a str key a
     destination; see `build`): tagged outputs are not kept apart by every runner."""
 
-    def __init__(self, job: PurifyJob, n_buckets: int = BUCKETS, slice_tokens: int | None = None) -> None:
-        self.job, self.n_buckets, self.slice_tokens = job, n_buckets, slice_tokens or SLICE_TOKENS
+    def __init__(self, job: PurifyJob, slice_tokens: int | None = None) -> None:
+        self.job, self.slice_tokens = job, slice_tokens or SLICE_TOKENS
 
     def setup(self) -> None:
         tokenizer_dir = self.job.tokenizer_dir
@@ -326,12 +321,8 @@ class PurifyBatches(beam.DoFn):
         # saar_is scores every rollback with the recompute model (the same one GroupStage uses, once per process)
         self.score = self.job.backend().score if any(v.mode in IS_MODES for v in self.job.variants) else None
 
-    def infer_output_type(self, input_type):
-        return beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]
-
     def process(self, element):
-        from purifier.batch import buckets, purify_batch
-        from storage.shards import PartInfo, ShardError, iter_part_batches
+        from purifier.batch import purify_batch  # looked up per call: test_purify_memory spies on it
 
         directory, part = element
         info = PartInfo(**part)
@@ -345,7 +336,7 @@ class PurifyBatches(beam.DoFn):
                                                            self.score).items():
                     if dead:
                         letters.append((destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
-                    for bucket, rows in buckets(table, self.n_buckets):
+                    for bucket, rows in buckets(table, BUCKETS):
                         files.write(variant, bucket, rows)
         except ShardError as e:
             files.abort()
@@ -356,23 +347,6 @@ class PurifyBatches(beam.DoFn):
             raise
         yield from letters
         yield from files.close()
-
-
-def _recompute_backend(recompute: str, checkpoint: str | None, temperature: float, sglang_url: str,
-                       vllm_urls: tuple[str, ...] = ()):
-    if recompute == "cpu" and checkpoint:
-        from purifier.recompute import CPURecompute
-
-        return CPURecompute(Path(checkpoint), temperature)
-    if recompute == "sglang":
-        from purifier.recompute import SGLangRecompute
-
-        return SGLangRecompute(sglang_url, temperature)
-    if recompute == "vllm" and checkpoint:
-        from purifier.recompute import VLLMRecompute
-
-        return VLLMRecompute(list(vllm_urls), Path(checkpoint), temperature)
-    return None
 
 
 class GroupStage(beam.DoFn):
@@ -386,12 +360,7 @@ class GroupStage(beam.DoFn):
     def setup(self) -> None:
         self.backend = self.job.backend()  # once per process and checkpoint: Dask calls setup for every bundle
 
-    def infer_output_type(self, input_type):
-        return DestinedTable
-
     def process(self, element):
-        from purifier.batch import recompute_groups, with_advantages
-
         (variant, bucket), files = element
         job = self.job
         rows = pa.concat_tables([pq.read_table(f) for f in sorted(files)])  # one bucket: every part's rows of it
@@ -411,57 +380,37 @@ class GroupStage(beam.DoFn):
             yield COUNTS_DESTINATION, pa.table({"name": list(counts), "value": list(counts.values())}, schema=COUNTS)
 
 
-class WriteStaged(beam.DoFn):
+def _write_destination(record: tuple[str, Iterable[pa.Table]], staging: str) -> tuple[str, int]:
     """(destination, its tables) → one Parquet file in staging (`write_staged`), then (destination, rows written)."""
-
-    def __init__(self, staging: str) -> None:
-        self.staging = staging
-
-    def process(self, element):
-        dest, tables = element
-        yield dest, write_staged(Path(self.staging), dest, pa.concat_tables(list(tables)))
+    dest, tables = record
+    return dest, write_staged(Path(staging), dest, pa.concat_tables(list(tables)))
 
 
-class WriteSummary(beam.DoFn):
+def _write_summary(record: tuple[int, Iterable[tuple[str, int]]], staging: str) -> None:
     """All (destination, rows) of the run → SUMMARY, the pipeline's own account of what it staged."""
-
-    def __init__(self, staging: str) -> None:
-        self.staging = staging
-
-    def process(self, element):
-        _, written = element
-        summary = {dest: rows for dest, rows in written if dest}
-        path = Path(self.staging) / SUMMARY
-        tmp = path.with_name(f".{SUMMARY}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_text(json.dumps(summary, sort_keys=True))
-        os.replace(tmp, path)
-        yield len(summary)
+    atomic_write_json(Path(staging) / SUMMARY, {dest: rows for dest, rows in record[1] if dest})
 
 
 def _is_destined(record) -> bool:
     return isinstance(record[0], str)
 
 
-def _is_group(record) -> bool:
-    return not isinstance(record[0], str)
-
-
 def build(p: beam.Pipeline, job: PurifyJob) -> None:
-    staging = job.staging
     purified = (p | "RawParts" >> beam.Create(list(job.raw_parts))
-                | "Purify" >> beam.ParDo(PurifyBatches(job)))
+                | "Purify" >> beam.ParDo(PurifyBatches(job)).with_output_types(
+                    beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]))
     grouped = (
         purified
-        | "Groups" >> beam.Filter(_is_group).with_output_types(BucketFile)
+        | "Groups" >> beam.Filter(lambda record: not _is_destined(record)).with_output_types(BucketFile)
         | "ByPromptBucket" >> beam.GroupByKey()
-        | "GroupStage" >> beam.ParDo(GroupStage(job))
+        | "GroupStage" >> beam.ParDo(GroupStage(job)).with_output_types(DestinedTable)
     )
     letters = purified | "DeadAndRefused" >> beam.Filter(_is_destined).with_output_types(DestinedTable)
     written = (
         (grouped, letters)
         | "ToStage" >> beam.Flatten()
         | "ByDestination" >> beam.GroupByKey()
-        | "WriteStaged" >> beam.ParDo(WriteStaged(str(staging))).with_output_types(beam.typehints.Tuple[str, int])
+        | "WriteStaged" >> beam.Map(_write_destination, job.staging).with_output_types(beam.typehints.Tuple[str, int])
     )
     # the last transform depends on every branch (Dask computes only what the last one needs); the
     # empty record makes a summary even when nothing was staged
@@ -471,7 +420,7 @@ def build(p: beam.Pipeline, job: PurifyJob) -> None:
         | "OneKey" >> beam.Map(lambda record: (0, record)).with_output_types(
             beam.typehints.Tuple[int, beam.typehints.Tuple[str, int]])
         | "Together" >> beam.GroupByKey()
-        | "WriteSummary" >> beam.ParDo(WriteSummary(str(staging)))
+        | "WriteSummary" >> beam.Map(_write_summary, job.staging)
     )
 
 
@@ -529,5 +478,6 @@ def run(job: PurifyJob) -> dict[str, int]:
             client.close()
         for log, level in zip(quiet, levels):
             log.setLevel(level)
-        release_per_process()  # an in-process runner built the model here: do not keep it past the stage
+        with _held_lock:  # an in-process runner built the model here: do not keep it past the stage
+            _held.clear()
     return staged_counts(Path(job.staging))

@@ -43,10 +43,6 @@ class _Cursor:
         return head
 
 
-def staged_rows(files: list[Path]) -> int:
-    return sum(pq.read_metadata(f).num_rows for f in files)
-
-
 def _keys(files: list[Path]) -> pa.Table:
     """Every staged row's sort key, file, row in its file and tokens, in commit order."""
     tables = []

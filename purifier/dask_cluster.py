@@ -19,6 +19,7 @@ them (the same venv). A multi-node cluster needs the same on every node: docs/sc
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -118,10 +119,10 @@ def running_address(directory: Path) -> str:
     return st.cluster.address
 
 
-def worker_env(threads: int = 1, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of every cluster process: the checkout importable, one BLAS/torch thread per task
-    thread, and a fixed hash seed (Beam and Dask key by tokenize/crc32, but user code may use hash())."""
-    env = dict(os.environ if base is None else base)
+def worker_env(threads: int, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of every cluster process (this one's with `extra`): the checkout importable, one BLAS/torch
+    thread per task thread, and a fixed hash seed (Beam and Dask key by tokenize/crc32, but user code may use hash())."""
+    env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env.update({"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
@@ -200,7 +201,7 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         scheduler_file.unlink(missing_ok=True)
     except OSError as e:
         raise ClusterError(f"{directory}: cannot hold the Dask cluster's files: {e.strerror or e}") from None
-    base = worker_env(threads, {**os.environ, **(env or {})})
+    base = worker_env(threads, env or {})
     deadline = time.monotonic() + timeout
     started: list[subprocess.Popen] = []
     try:
@@ -235,8 +236,6 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
 
 def _shutdown(cluster: Cluster, grace: float) -> None:
     """Dask's own stop, through a running scheduler: it closes its workers, then itself."""
-    import logging
-
     from distributed import Client
 
     quiet = logging.getLogger("distributed")  # a scheduler closing under its client logs the lost connection

@@ -30,6 +30,18 @@ def _needs(t: PurifiedTrajectory) -> list[int]:
     return [i for i, (m, v) in enumerate(zip(t.loss_mask, t.logprob_valid)) if m == 1 and v == 0]
 
 
+def _filled(trajectories: list[PurifiedTrajectory], todo: list[tuple[int, PurifiedTrajectory, list[int]]],
+            logprobs: list[list[float]], forwarded: list[int]) -> list[PurifiedTrajectory]:
+    """The group with each todo row's (index, row, _needs) recomputed log-probs (one per need) and tokens forwarded."""
+    result = list(trajectories)
+    for (k, t, need), values, n in zip(todo, logprobs, forwarded):
+        lps = list(t.old_logprobs)
+        for i, v in zip(need, values):
+            lps[i] = v
+        result[k] = replace(t, old_logprobs=lps, tokens_forwarded=n)
+    return result
+
+
 class CPURecompute:
     def __init__(self, checkpoint: Path, temperature: float = 1.0, threads: int | None = 1,
                  chunk_tokens: int = 1024) -> None:
@@ -47,8 +59,7 @@ class CPURecompute:
     @torch.inference_mode()
     def group(self, trajectories: list[PurifiedTrajectory]) -> list[PurifiedTrajectory]:
         """Fill in recomputed log-probs for one prompt group (all rows share prompt_ids)."""
-        todo = [(k, t, _needs(t)) for k, t in enumerate(trajectories)]
-        todo = [(k, t, need) for k, t, need in todo if need]
+        todo = [(k, t, need) for k, t in enumerate(trajectories) if (need := _needs(t))]
         if not todo:
             return trajectories
         prompt = todo[0][1].prompt_ids
@@ -88,14 +99,8 @@ class CPURecompute:
                 # token that needs its log-prob: before a late splice, 151,936 logits per position are wasted
                 if wanted[:, a:b].any():
                     logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
-        result = list(trajectories)
-        for r, (k, t, need) in enumerate(todo):
-            lps = list(t.old_logprobs)
-            for i in need:
-                lps[i] = float(logp[r, i])
-            result[k] = replace(t, old_logprobs=lps, tokens_forwarded=len(inputs[r]))
-        return result
-
+        return _filled(trajectories, todo, [[float(logp[r, i]) for i in need] for r, (_, _, need) in enumerate(todo)],
+                       [len(x) for x in inputs])
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
         """log π(turn[k] | context, turn[:k]) for every k: one rollback's importance-ratio numerator (saar_is)."""
@@ -112,20 +117,14 @@ class ServedRecompute:
         self.temperature = temperature
 
     def group(self, trajectories: list[PurifiedTrajectory]) -> list[PurifiedTrajectory]:
-        todo = [(k, t, _needs(t)) for k, t in enumerate(trajectories)]
-        todo = [(k, t, need) for k, t, need in todo if need]
+        todo = [(k, t, need) for k, t in enumerate(trajectories) if (need := _needs(t))]
         if not todo:
             return trajectories
         seqs = [t.prompt_ids + t.response_ids[: need[-1] + 1] for _, t, need in todo]
         starts = [len(t.prompt_ids) + need[0] for _, t, need in todo]
         scores = self.engine.score(seqs, starts, self.temperature)
-        result = list(trajectories)
-        for (k, t, need), s, start in zip(todo, scores, starts):
-            lps = list(t.old_logprobs)
-            for i in need:
-                lps[i] = s[len(t.prompt_ids) + i - start]
-            result[k] = replace(t, old_logprobs=lps, tokens_forwarded=len(s))
-        return result
+        return _filled(trajectories, todo, [[s[len(t.prompt_ids) + i - start] for i in need] for (_, t, need), s, start
+                                            in zip(todo, scores, starts)], [len(s) for s in scores])
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
         """As CPURecompute.score, by a prefill on the server."""

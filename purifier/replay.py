@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from rapidfuzz.distance import Indel
+
 from pipeline.similarity import REFERENCE_MEASURE, Measure
 from pipeline.trajectory import Trajectory, fingerprint
 from purifier.saar import Scorer, purify
@@ -138,14 +140,17 @@ def log_histogram_lines(log_ratios: list[float], taus: list[float], width: int =
     counts = [0] * (len(IS_EDGES) - 1)
     for v in log_ratios:
         counts[min(len(counts) - 1, max(0, bisect.bisect_right(IS_EDGES, math.exp(v)) - 1))] += 1
+    bins = list(zip(IS_EDGES, IS_EDGES[1:]))
+    return _bars(counts, [f"IS {lo:>6g}–{hi:<6g}" for lo, hi in bins],
+                 [[t for t in taus if lo <= t < hi] for lo, hi in bins], "τ", width)
+
+
+def _bars(counts: list[int], labels: list[str], cuts: list[list[float]], symbol: str, width: int) -> list[str]:
+    """One histogram line per bin: its label, a bar scaled to the largest count, the count, the cuts it holds."""
     top = max(counts) or 1
-    lines = []
-    for i, c in enumerate(counts):
-        lo, hi = IS_EDGES[i], IS_EDGES[i + 1]
-        cuts = [t for t in taus if lo <= t < hi]
-        mark = f"  ← τ={', '.join(f'{t:g}' for t in cuts)}" if cuts else ""
-        lines.append(f"IS {lo:>6g}–{hi:<6g}│{'█' * round(width * c / top):<{width}}│ {c:4d}{mark}")
-    return lines
+    return [f"{label}│{'█' * round(width * c / top):<{width}}│ {c:4d}"
+            + (f"  ← {symbol}={', '.join(f'{t:g}' for t in cut)}" if cut else "")
+            for label, c, cut in zip(labels, counts, cuts)]
 
 
 def candidates(raws: list[Trajectory], decode: Decode, measure: Measure, live: Measure) -> list[Candidate]:
@@ -154,20 +159,12 @@ def candidates(raws: list[Trajectory], decode: Decode, measure: Measure, live: M
     out = []
     for raw in with_retries(raws):
         for x in purify(raw, raw.gamma_live, "saar", decode, live).splices:
-            pos = raw.positions[x.position_idx]
-            old = _current_call(raw, x.position_idx, x.attempt_idx, decode)
-            new_turn = pos.attempts[x.attempt_idx]
-            new = decode(new_turn.turn_ids[max(new_turn.call_start, 0):])
+            attempts = raw.positions[x.position_idx].attempts
+            # compared against the call as spliced so far: a shallow splice keeps the old reasoning but always
+            # takes the retry's call, so it is the previous attempt's call
+            old, new = (decode(a.turn_ids[max(a.call_start, 0):]) for a in attempts[x.attempt_idx - 1: x.attempt_idx + 1])
             out.append(Candidate(raw.key, x.position_idx, x.attempt_idx, old, new, measure(old, new)))
     return out
-
-
-def _current_call(raw: Trajectory, position: int, attempt: int, decode: Decode) -> str:
-    """The call segment a retry was compared against: that of the previous attempt as spliced so far
-    (a shallow splice keeps the old reasoning but always takes the retry's call, so it is the call of
-    the previous attempt)."""
-    prev = raw.positions[position].attempts[attempt - 1]
-    return decode(prev.turn_ids[max(prev.call_start, 0):])
 
 
 def sweep_gammas(start: float = 0.0, stop: float = 1.0, step: float = 0.05) -> list[float]:
@@ -180,22 +177,15 @@ def histogram_lines(values: list[float], gammas: list[float], bins: int = 20, wi
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, int(v * bins))] += 1
-    top = max(counts) or 1
-    lines = []
-    for i, c in enumerate(counts):
-        lo, hi = i / bins, (i + 1) / bins
-        cuts = [g for g in gammas if lo <= g < hi or (i == bins - 1 and g == 1.0)]
-        mark = f"  ← γ={', '.join(f'{g:g}' for g in cuts)}" if cuts else ""
-        lines.append(f"{lo:4.2f}–{hi:4.2f} │{'█' * round(width * c / top):<{width}}│ {c:4d}{mark}")
-    return lines
+    edges = [(i / bins, (i + 1) / bins) for i in range(bins)]
+    return _bars(counts, [f"{lo:4.2f}–{hi:4.2f} " for lo, hi in edges],
+                 [[g for g in gammas if lo <= g < hi or (hi == 1.0 and g == 1.0)] for lo, hi in edges], "γ", width)
 
 
 def diff_window(old: str, new: str, width: int = 70, context: int = 12) -> tuple[str, str]:
     """An example pair as two lines of at most `width` characters, both starting `context` characters before
     the first difference (rapidfuzz's Indel opcodes): calls share a long JSON prefix (`<tool_call>{"name":
     "python", "arguments": {"code": "`), and a head cut of each would show only that."""
-    from rapidfuzz.distance import Indel
-
     old, new = old.replace("\n", "⏎"), new.replace("\n", "⏎")
     first = next((op for op in Indel.opcodes(old, new) if op.tag != "equal"), None)
     start = 0 if first is None else max(0, first.src_start - context)  # = dest_start: all before it is shared

@@ -30,6 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from purifier.unspliced import row_keys
+
 ROC_PENALTY = "roc_penalty"  # a column that travels with roc rows from purify_batch to the group stage only
 MALFORMED = ("unclosed", "bad_json", "unknown_tool")
 NO_CALL_RAN = 0.5  # the reference's error ratio for a trajectory without tool responses
@@ -64,9 +66,7 @@ def roc_penalties(raw: pa.Table) -> np.ndarray:
 
 def with_roc_penalty(purified: pa.Table, raw: pa.Table) -> pa.Table:
     """`purified` (rows of `raw`, any order, some possibly dead-lettered) with each row's ROC_PENALTY."""
-    key = pc.binary_join_element_wise(raw["run_id"], pc.cast(raw["iteration"], pa.string()), raw["prompt_id"],
-                                      pc.cast(raw["sample_idx"], pa.string()), "/")  # = pipeline.trajectory.row_key
-    of_key = dict(zip(key.to_pylist(), roc_penalties(raw).tolist()))
+    of_key = dict(zip(row_keys(raw).to_pylist(), roc_penalties(raw).tolist()))
     return purified.append_column(ROC_PENALTY, pa.array([of_key[k] for k in purified["raw_key"].to_pylist()],
                                                         pa.float64()))
 

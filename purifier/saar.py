@@ -57,7 +57,7 @@ class PurifyError(ValueError):
 @dataclass
 class _Builder:
     prompt: list[int]
-    attempts: dict[int, Attempt]  # _key(position, attempt_idx) -> attempt
+    attempts: dict[tuple[int, int], Attempt]  # (position, attempt_idx) -> attempt
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -81,7 +81,7 @@ class _Builder:
         for attempt_idx, j0, j1 in piece.sources:
             n = j1 - j0
             at = len(self.ids)
-            ok = self._context_matches(self.attempts[_key(position, attempt_idx)], j0)
+            ok = self._context_matches(self.attempts[position, attempt_idx], j0)
             sampled = piece.logprobs[at_piece: at_piece + n]
             self.ids += piece.ids[at_piece: at_piece + n]
             self.mask += [1] * n
@@ -103,10 +103,6 @@ class _Builder:
         if j0 and self.ids[len(self.ids) - j0:] != attempt.turn_ids[:j0]:
             return False
         return fingerprint(self.prompt + self.ids[: len(self.ids) - j0]) == attempt.context_fingerprint
-
-
-def _key(position: int, attempt_idx: int) -> int:
-    return position * 1024 + attempt_idx
 
 
 def validate_raw(raw: Trajectory) -> None:
@@ -162,16 +158,16 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
     if mode == "saar_is" and score is None:
         raise ValueError("mode saar_is scores each rollback: pass score= (a recompute backend's score)")
     validate_raw(raw)
-    attempts = {_key(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
+    attempts = {(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
     if raw.final_turn is not None:
-        attempts[_key(len(raw.positions), 0)] = raw.final_turn
+        attempts[len(raw.positions), 0] = raw.final_turn
     b = _Builder(list(raw.prompt_ids), attempts)
     splices: list[Splice] = []
     saar_on = sequence_rule(raw, mode) == "saar" and raw.saar_gate
     masking = mode == "mask_failed" and raw.reward > 0 and trajectory_kind(raw) == "recovered"
     void = False
 
-    def whole(pos_idx: int, a: Attempt) -> TurnPiece:
+    def whole(a: Attempt) -> TurnPiece:
         return piece_from_attempt(a.attempt_idx, a.turn_ids, a.logprobs, a.call_start)
 
     for p in raw.positions:
@@ -187,12 +183,12 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         if not saar_on or not retries or infra_first:
             for i, a in enumerate(p.attempts):  # kept exactly as sampled, every error included
                 start = len(b.ids)
-                b.turn(whole(p.position_idx, a), p.position_idx)
+                b.turn(whole(a), p.position_idx)
                 if masking and failed_call(a):  # kept in the sequence, out of the loss
                     b.mask[start:] = [0] * (len(b.ids) - start)
                 b.feedback(a.feedback_ids if i < len(p.attempts) - 1 else last_feedback)
             continue
-        current = whole(p.position_idx, p.attempts[0])
+        current = whole(p.attempts[0])
         previous = p.attempts[0]
         gave_up = None
         spliced: dict[int, str] = {}
@@ -205,16 +201,15 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
                 if not log_is >= math.log(gamma):  # append: the failed turn and its error stay
                     b.turn(current, p.position_idx, spliced)
                     b.feedback(previous.feedback_ids)
-                    current, previous = whole(p.position_idx, r), r
-                    continue
-                removed = len(current.ids) + len(previous.feedback_ids)
-                splices.append(Splice(p.position_idx, r.attempt_idx, "deep", math.nan, removed, -1, False,
-                                      len(r.turn_ids), log_is))
-                spliced[r.attempt_idx] = "deep"
-                current, previous = whole(p.position_idx, r), r
+                else:
+                    removed = len(current.ids) + len(previous.feedback_ids)
+                    splices.append(Splice(p.position_idx, r.attempt_idx, "deep", math.nan, removed, -1, False,
+                                          len(r.turn_ids), log_is))
+                    spliced[r.attempt_idx] = "deep"
+                current, previous = whole(r), r
                 continue
-            decision = decide(current, whole(p.position_idx, r), gamma, decode, measure)
-            new = splice(current, whole(p.position_idx, r), decision)
+            decision = decide(current, whole(r), gamma, decode, measure)
+            new = splice(current, whole(r), decision)
             removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
             splices.append(Splice(p.position_idx, r.attempt_idx, decision.kind, decision.similarity, removed, -1,
                                   decision.split_failed))
@@ -230,13 +225,13 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
                     s.moved_tokens = moved
         b.feedback(last_feedback if previous is p.attempts[-1] else previous.feedback_ids)
         if gave_up is not None:  # no purification beyond what was spliced before the give-up
-            b.turn(whole(p.position_idx, gave_up), p.position_idx)
+            b.turn(whole(gave_up), p.position_idx)
             saar_on = False
-        elif p.outcome in ("exhausted",):
+        elif p.outcome == "exhausted":
             saar_on = False
     if raw.final_turn is not None:
         void |= mode == "void_turn" and _is_void(raw.final_turn, decode)
-        b.turn(whole(len(raw.positions), raw.final_turn), len(raw.positions))
+        b.turn(whole(raw.final_turn), len(raw.positions))
     loss_mask = [0] * len(b.mask) if (mode == "void_turn" and void) else b.mask
     invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]
     return PurifiedTrajectory(

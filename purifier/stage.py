@@ -6,6 +6,7 @@ partitions beside it.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -14,14 +15,14 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig, roc_group_size
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
-from purifier.commit import sorted_chunks, staged_rows
+from purifier.commit import sorted_chunks
 from pipeline.modes import IS_MODES, Variant, live_measure
 from pipeline.similarity import Measure
 from storage.layout import RunLayout, record_path, resolve_recorded
@@ -61,18 +62,15 @@ class VariantResult:
         return self.variant.threshold
 
 
-def mode_settings(cfg: CleanerConfig, mode: str) -> dict:
-    """The purify.* settings (PURIFY_MODE_SETTINGS) that change one mode's partitions and no other's."""
-    return {"roc_group_size": roc_group_size(cfg)} if mode == "roc" else {}
-
-
 def purify_config_hash(cfg: CleanerConfig, variant: Variant, raw_hash: str) -> str:
     """What a partition was purified with: the same record for every variant (its partition path names the mode,
     threshold and measure). Partitions committed by a cleaner before this record (issue 28) hash otherwise: the
     stage refuses them in one line that says how to re-purify (`_committed_otherwise`)."""
     settings = cfg.purify.model_dump(mode="json", exclude=PURIFY_REPLAY_SETTINGS | PURIFY_MODE_SETTINGS)
+    # PURIFY_MODE_SETTINGS change one mode's partitions and no other's
+    mode_settings = {"roc_group_size": roc_group_size(cfg)} if variant.mode == "roc" else {}
     record = {"purify": settings, "temperature": cfg.rollout.temperature, "variant": variant.partition,
-              "mode_settings": mode_settings(cfg, variant.mode), "raw": raw_hash}
+              "mode_settings": mode_settings, "raw": raw_hash}
     data = json.dumps(record, sort_keys=True)
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
@@ -80,39 +78,24 @@ def purify_config_hash(cfg: CleanerConfig, variant: Variant, raw_hash: str) -> s
 def _check_staged(staging: Path, variant: Variant, kind: str, counters: dict[str, int], rows: int) -> None:
     """The rows the pipeline wrote for one variant and kind checked against its own count of them (a file sink
     that lost a file would otherwise look like fewer rows)."""
-    dest = beam_pipeline.destination(variant, kind)
-    reported = any(k.startswith(("purified/", "dead/")) for k in counters)  # a runner without metrics has none
     expected = counters.get(beam_pipeline.row_counter(variant, kind), 0)
-    if reported and rows != expected:
-        raise StagingMismatch(f"{staging}: {rows} staged rows for {dest}, but the pipeline produced "
-                              f"{expected}; nothing was committed")
+    if rows != expected:
+        raise StagingMismatch(f"{staging}: {rows} staged rows for {beam_pipeline.destination(variant, kind)}, but "
+                              f"the pipeline produced {expected}; nothing was committed")
 
 
-def _staged_dead(staging: Path, variant: Variant, counters: dict[str, int]) -> pa.Table:
-    table = beam_pipeline.read_staged(staging, beam_pipeline.destination(variant, "dead"))
-    _check_staged(staging, variant, "dead", counters, table.num_rows)
-    return table
-
-
-def _staged_purified(staging: Path, variant: Variant, counters: dict[str, int]) -> list[Path]:
-    """The staged files of a variant's purified rows (one per bucket, each sorted), their rows checked."""
-    files = sorted(staging.glob(f"{beam_pipeline.destination(variant, 'purified')}-*.parquet"))
-    _check_staged(staging, variant, "purified", counters, staged_rows(files))
-    return files
-
-
-def _committed_otherwise(out: Path, layout: RunLayout, iteration: int, variant: Variant, run_id: str,
-                         wanted: str) -> ShardError:
+def _committed_otherwise(out: Path, dead: Path, iteration: int, run_id: str, wanted: str) -> ShardError:
     """A committed partition is never overwritten; one with another config hash was purified with other settings
     (or by a cleaner before issue 28, whose hash left out what defaults were): re-purify it by hand."""
-    dead = layout.dead_letter_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
     return ShardError(f"{out}: committed with other purify settings or by an earlier cleaner (config hash "
                       f"{read_manifest(out).config_hash}, now {wanted}); to purify it again remove {out} and {dead}, "
                       f"then run `cleaner purify --run {run_id} --iteration {iteration}`, or use a new flow.run_id")
 
 
-def _purified_dir(layout: RunLayout, iteration: int, variant: Variant) -> Path:
-    return layout.purified_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
+def _partition_dirs(layout: RunLayout, iteration: int, variant: Variant) -> tuple[Path, Path]:
+    """A variant's purified partition and its dead letters."""
+    where = (iteration, variant.mode, variant.threshold, variant.measure_key)
+    return layout.purified_dir(*where), layout.dead_letter_dir(*where)
 
 
 def _clean_stale_staging(staging_root: Path) -> None:
@@ -142,18 +125,17 @@ def _clean_stale_staging(staging_root: Path) -> None:
 
 
 def _remove_if_empty(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not empty (another purification is running) or already gone
         folder.rmdir()
-    except OSError:
-        pass  # not empty (another purification is running) or already gone
 
 
-def _os_error_in(e: BaseException) -> OSError | None:
-    """The OSError behind a failure inside Beam (which re-raises it as another type, keeping the chain)."""
+def _in_chain(e: BaseException | None, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception of `e`'s chain that `match`es: Beam re-raises a DoFn's failure as another type,
+    keeping the chain."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
+        if match(e):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -185,17 +167,11 @@ def _vllm_urls(cfg: CleanerConfig, checkpoint: Path) -> list[str]:
     return vllm_urls(cfg.rollout, checkpoint)
 
 
-def _dask_failure(e: BaseException) -> BaseException | None:
-    """The cluster's own failure behind an exception (a worker lost too often, the scheduler gone or not
-    answering), as opposed to an error raised by the pipeline's code, which keeps its traceback."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__module__.split(".")[0] == "distributed" or isinstance(
-                e, (beam_pipeline.RunLost, TimeoutError, ConnectionError)) or (type(e) is OSError and e.errno is None):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
+def _is_dask_failure(e: BaseException) -> bool:
+    """The cluster's own failure (a worker lost too often, the scheduler gone or not answering), as opposed to
+    an error raised by the pipeline's code, which keeps its traceback."""
+    return type(e).__module__.split(".")[0] == "distributed" or isinstance(
+        e, (beam_pipeline.RunLost, TimeoutError, ConnectionError)) or (type(e) is OSError and e.errno is None)
 
 
 def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
@@ -203,7 +179,7 @@ def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
     try:
         return beam_pipeline.run(job)
     except Exception as e:  # noqa: BLE001 - only environment failures are translated; the rest propagate
-        lost = _dask_failure(e) if runner == beam_pipeline.DASK_RUNNER else None
+        lost = _in_chain(e, _is_dask_failure) if runner == beam_pipeline.DASK_RUNNER else None
         if lost is not None:
             address = next((o.split("=", 1)[1] for o in options if o.startswith("--dask_client_address=")), "?")
             what = " ".join(str(lost).split()) or "no details"
@@ -212,7 +188,7 @@ def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
                                 "workers' logs, then rerun") from None
         if isinstance(e, CleanerError):
             raise
-        cause = _os_error_in(e)
+        cause = _in_chain(e, lambda c: isinstance(c, OSError) and c.errno is not None)  # the OSError behind it
         if cause is None:
             raise
         raise os_error(cause, f"purification staging in {staging}") from None
@@ -244,12 +220,12 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     measure = live_measure(cfg.rollout.saar)  # a replay under another measure overrides rollout.saar
     for variant in wanted_variants(modes, gammas, is_thresholds or cfg.purify.is_thresholds, measure):
         h = purify_config_hash(cfg, variant, raw_manifest.config_hash)
-        out = _purified_dir(layout, iteration, variant)
+        out, dead_dir = _partition_dirs(layout, iteration, variant)
         if is_committed(out, h):
             m = read_manifest(out)
             results.append(VariantResult(variant, m.rows, m.extra.get("dead", 0), True))
         elif is_committed(out):
-            raise _committed_otherwise(out, layout, iteration, variant, run_id, h)
+            raise _committed_otherwise(out, dead_dir, iteration, run_id, h)
         else:
             variants.append((variant, h))
     if not variants:
@@ -276,12 +252,16 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())
             raise ShardError(reasons[0] if reasons else f"{raw_dir}: a raw part failed validation; nothing was "
                              "committed")
+        inputs = [record_path(cfg.storage.root, raw_dir / "_MANIFEST.json")]
         for variant, h in variants:
-            files = _staged_purified(staging, variant, counters)
-            dead = _staged_dead(staging, variant, counters).sort_by([("raw_key", "ascending")])
+            # one sorted file per bucket, merged a chunk at a time below
+            files = sorted(staging.glob(f"{beam_pipeline.destination(variant, 'purified')}-*.parquet"))
+            _check_staged(staging, variant, "purified", counters, sum(pq.read_metadata(f).num_rows for f in files))
+            dead = beam_pipeline.read_staged(staging, beam_pipeline.destination(variant, "dead"))
+            _check_staged(staging, variant, "dead", counters, dead.num_rows)
+            dead = dead.sort_by([("raw_key", "ascending")])
             fraction = dead.num_rows / max(1, raw_manifest.rows)
-            inputs = [record_path(cfg.storage.root, raw_dir / "_MANIFEST.json")]
-            dead_dir = layout.dead_letter_dir(iteration, variant.mode, variant.threshold, variant.measure_key)
+            out, dead_dir = _partition_dirs(layout, iteration, variant)
             if not is_committed(dead_dir):
                 write_shard(dead_dir, dead, DEAD_LETTER, h, inputs=inputs)
             if fraction > cfg.purify.max_dead_letter_fraction:
@@ -292,9 +272,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             extra = {"dead": dead.num_rows, "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
                      "checkpoint": record_path(cfg.storage.root, checkpoint)}
             # committed a chunk (one row group) at a time, in the order of one sort of all its rows
-            with ShardWriter(_purified_dir(layout, iteration, variant), PURIFIED, h, inputs=inputs,
-                             rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression,
-                             row_groups=True) as writer:
+            with ShardWriter(out, PURIFIED, h, inputs=inputs, rows_per_part=cfg.storage.rows_per_part,
+                             compression=cfg.storage.compression) as writer:
                 for chunk in sorted_chunks(files):
                     writer.write(chunk)
                 manifest = writer.commit(extra)

@@ -67,6 +67,12 @@ def unspliced_mask(table: pa.Table) -> np.ndarray:
     return ok
 
 
+def row_keys(raw: pa.Table) -> pa.ChunkedArray:
+    """pipeline.trajectory.row_key of every raw row, column-wise."""
+    return pc.binary_join_element_wise(raw["run_id"], pc.cast(raw["iteration"], pa.string()), raw["prompt_id"],
+                                       pc.cast(raw["sample_idx"], pa.string()), "/")
+
+
 def purified_table(raw: pa.Table, mode: str, gamma: float) -> pa.Table:
     """The purified rows (PURIFIED schema, advantage not yet set) of rows `unspliced_mask` accepted."""
     if mode not in UNSPLICED_MODES:
@@ -75,14 +81,12 @@ def purified_table(raw: pa.Table, mode: str, gamma: float) -> pa.Table:
     lived = raw["lived_ids"].combine_chunks()
     ones = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(_lengths(lived))]), pa.int32()),
                                     pa.array(np.ones(len(pc.list_flatten(lived)), dtype=np.int8)))
-    key = pc.binary_join_element_wise(raw["run_id"], pc.cast(raw["iteration"], pa.string()), raw["prompt_id"],
-                                      pc.cast(raw["sample_idx"], pa.string()), "/")  # = pipeline.trajectory.row_key
     flat_mask = pc.list_flatten(raw["lived_mask"].combine_chunks())
     origin = pa.ListArray.from_arrays(ones.offsets, pc.cast(flat_mask, pa.int8()))  # mask 1: sampled in place
     columns = {
         "run_id": raw["run_id"], "iteration": raw["iteration"], "prompt_id": raw["prompt_id"],
         "sample_idx": raw["sample_idx"], "mode": pa.array([mode] * n, pa.string()),
-        "gamma": pa.array(np.full(n, partition_gamma(mode, gamma))), "raw_key": key,
+        "gamma": pa.array(np.full(n, partition_gamma(mode, gamma))), "raw_key": row_keys(raw),
         "prompt_ids": raw["prompt_ids"], "response_ids": lived, "loss_mask": raw["lived_mask"],
         "old_logprobs": raw["lived_logprobs"], "logprob_valid": ones, "reward": raw["reward"],
         "advantage": pa.array(np.full(n, math.nan)), "splices": pa.array([[]] * n, pa.list_(SPLICE)),

@@ -240,19 +240,19 @@ class Catalog:
         self.verify = verify  # check every part in full, whatever the verification records say
         self.database = str(database) if database is not None else ":memory:"
         self.problems: list[Problem] = []
-        self._scanned = scanned  # the first refresh uses it; later ones scan again
         # Written in a format the duckdb CLI that set-up installs (duckdb-cli 1.5.x; the registry has no
         # 2.x CLI) can open: the 2.0 client's default storage version is newer than it reads.
         config = {} if self.database == ":memory:" else {"storage_compatibility_version": CLI_STORAGE_VERSION}
         self.con = duckdb.connect(self.database, config=config)
         try:
-            self.refresh()
+            self.refresh(scanned)
         except BaseException:
             self.con.close()
             raise
 
-    def refresh(self) -> None:
-        scanned, self._scanned = self._scanned or scan(self.root, self.verify), None
+    def refresh(self, scanned: Scan | None = None) -> None:
+        """The views rebuilt over `scanned` (by default, a scan of the root now)."""
+        scanned = scanned or scan(self.root, self.verify)
         self.problems = list(scanned.problems)
         # VIEWS_SQL's views are bound when created, each binding the views they name (thousands of files at 2,000
         # iterations) again: created over empty stand-ins (temporary: never in the file), they cost what they
@@ -277,22 +277,27 @@ class Catalog:
             partitioned = view in ("purified", "dead_letters")  # one partition per (mode, γ, measure)
             if view in SUMMARY_SQL:
                 self._summary_view(view, shards, scanned, stand_ins)
-            if files:
-                # One read per schema version, each binding only its first file's footer: union_by_name over
-                # every file would read every footer each time a view over it is bound (seconds at 2,000
-                # iterations); versions are combined by column name (older ones get NULL for newer columns).
-                versions: dict[str, list[str]] = {}
-                for path, version in files:
-                    versions.setdefault(version, []).append(path)
-                reads = [f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
-                         + (", filename=true)" if partitioned else ")") for _, paths in sorted(
-                             versions.items(), key=lambda kv: kv[0] != schema_id(schema))]
-                source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
-            else:
-                source = _empty_table(self.con, view, schema, stand_ins)
-            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned and files else (
-                "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *")
-            self.con.execute(f"CREATE OR REPLACE VIEW {view} AS {select} FROM {source}")
+            # One read per schema version, each binding only its first file's footer: union_by_name over every
+            # file would read every footer each time a view over it is bound (seconds at 2,000 iterations);
+            # versions are combined by column name (older ones get NULL for newer columns).
+            versions: dict[str, list[str]] = {}
+            for path, version in files:
+                versions.setdefault(version, []).append(path)
+            self._view(view, [f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
+                              + (", filename=true)" if partitioned else ")") for _, paths in sorted(
+                                  versions.items(), key=lambda kv: kv[0] != schema_id(schema))],
+                       schema, partitioned, stand_ins)
+
+    def _view(self, name: str, reads: list[str], schema: pa.Schema, partitioned: bool, stand_in: bool) -> None:
+        """View `name` over these reads combined by column name, or over a typed empty table of `schema` when there
+        are none. A partitioned view's reads carry each row's file name, which gives it its similarity measure."""
+        if reads:
+            source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
+            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned else "SELECT *"
+        else:
+            source = _empty_table(self.con, name, schema, stand_in)
+            select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
+        self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}")
 
     def _text_views(self, scanned: Scan) -> None:
         """`raw_texts`, `raw_attempt_texts` and `purified_texts`: the decoded text written beside each part at
@@ -307,10 +312,8 @@ class Catalog:
             "a.position_idx AS position_idx, a.attempt_idx AS attempt_idx, a.turn_text AS turn_text, "
             "a.feedback_text AS feedback_text FROM (SELECT run_id, iteration, prompt_id, sample_idx, UNNEST(attempts) "
             f"AS a FROM {raw_source})")
-        self.con.execute("CREATE OR REPLACE VIEW purified_texts AS " + (
-            f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure FROM read_parquet({_sql_list(purified)}, "
-            "hive_partitioning=false, filename=true)" if purified else "SELECT *, CAST(NULL AS VARCHAR) AS measure "
-            f"FROM {_empty_table(self.con, 'purified_texts', PURIFIED_TEXT)}"))
+        self._view("purified_texts", [f"SELECT * FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, "
+                                      "filename=true)"] if purified else [], PURIFIED_TEXT, True, False)
 
     def _summary_view(self, view: str, shards: list[ShardFiles], scanned: Scan, stand_in: bool) -> None:
         """`<view>_summary`: the row summaries written at commit (their packs, storage/packs.py, and the files no
@@ -331,13 +334,7 @@ class Catalog:
         if parts_only:
             columns = SUMMARY_SQL[view] + (", filename" if partitioned else "")
             reads.append(f"SELECT {columns} FROM read_parquet({_sql_list(parts_only)}, union_by_name=true, {options})")
-        if not reads:
-            source = _empty_table(self.con, name, summary_schema, stand_in)
-            select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
-        else:
-            source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
-            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned else "SELECT *"
-        self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}")
+        self._view(name, reads, summary_schema, partitioned, stand_in)
 
     def query(self, sql: str) -> pa.Table:
         return self.con.sql(sql).to_arrow_table()

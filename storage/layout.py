@@ -18,21 +18,19 @@ def format_gamma(gamma: float) -> str:
     return two if float(two) == gamma else repr(float(gamma))
 
 
-def gamma_partition(gamma: float, measure: str = "") -> str:
-    """'gamma=0.50' for the default similarity measure (the paths every earlier run wrote), and
-    'gamma=0.50-difflib-segment' for another one (purifier.saar.partition_measure names it), so
-    replays under different measures sit side by side and the `mode=*/gamma=*` globs see them all."""
-    return f"gamma={format_gamma(gamma)}" + (f"-{measure}" if measure else "")
-
-
 # Modes whose partitions are named by an importance-ratio threshold τ (tau=0.50) instead of γ
 # (pipeline.modes.IS_MODES, tested equal).
 IS_MODES = ("saar_is",)
 
 
 def threshold_partition(mode: str, value: float, measure: str = "") -> str:
-    """A variant's partition folder name: tau=… for the importance-ratio modes, else gamma_partition."""
-    return f"tau={format_gamma(value)}" if mode in IS_MODES else gamma_partition(value, measure)
+    """A variant's partition folder name: tau=0.50 for the importance-ratio modes; else 'gamma=0.50' for the
+    default similarity measure (the paths every earlier run wrote), and 'gamma=0.50-difflib-segment' for another
+    one (purifier.saar.partition_measure names it), so replays under different measures sit side by side and the
+    `mode=*/gamma=*` globs see them all."""
+    if mode in IS_MODES:
+        return f"tau={format_gamma(value)}"
+    return f"gamma={format_gamma(value)}" + (f"-{measure}" if measure else "")
 
 
 def record_path(root: Path, path: Path | str) -> str:
@@ -97,6 +95,4 @@ class RunLayout:
         return self.run_dir / "checkpoints" / f"iteration={iteration:04d}"
 
     def iterations(self) -> list[int]:
-        if not self.run_dir.is_dir():
-            return []
         return sorted(int(p.name.split("=")[1]) for p in self.run_dir.glob("iteration=*") if p.is_dir())

@@ -6,6 +6,7 @@ crashed leaves no manifest, so readers treat it as absent and a rerun rewrites i
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -15,7 +16,7 @@ import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -26,8 +27,6 @@ from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
-SUMMARY_GLOB = "summary-*.parquet"  # per-part row summaries (storage/summaries.py), listed in the manifest
-TEXT_GLOB = "text-*.parquet"  # per-part decoded text (storage/texts.py), listed in the manifest
 
 
 class ShardError(CleanerError, RuntimeError):
@@ -109,15 +108,12 @@ def atomic_write_parquet(path: Path, table: pa.Table | list[pa.Table]) -> None:
     """One Parquet file written under a unique temporary name beside `path`, then renamed over it: a
     reader (or a retried writer) sees the whole file or none, never a half-written one. A list of tables
     (one schema) is written a row group each."""
-    path = Path(path)
+    path, groups = Path(path), [table] if isinstance(table, pa.Table) else table
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        if isinstance(table, pa.Table):
-            pq.write_table(table, tmp)
-        else:
-            with pq.ParquetWriter(str(tmp), table[0].schema) as writer:
-                for group in table:
-                    writer.write_table(group)
+        with pq.ParquetWriter(str(tmp), groups[0].schema) as writer:  # what pq.write_table does for one table
+            for group in groups:
+                writer.write_table(group)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -137,13 +133,12 @@ def is_committed(directory: Path, config_hash: str | None = None) -> bool:
 class ShardWriter:
     """Writes one shard atomically. Use as a context manager, or call commit() yourself.
 
-    Refuses to touch a committed shard with a different config hash: nothing already written is
-    overwritten. Orphan parts of a crashed earlier attempt are removed first.
+    Refuses to touch a committed shard, whatever its config hash: nothing already written is overwritten.
+    Orphan parts of a crashed earlier attempt are removed first.
 
-    `row_groups`: each write() goes to the open part as it comes, as its own row group(s), so the writer holds
-    one write's rows, not a part's (the purify stage commits a partition of 16k-token rows this way). Off, a part
-    is written whole, as one row group (every other shard); a shard written in one write() is the same bytes
-    either way while that write is within one part.
+    Each write() goes to the open part as it comes, as its own row group(s), so the writer holds one write's rows,
+    not a part's (the purify stage commits a partition of 16k-token rows this way); a part is closed when it holds
+    `rows_per_part` rows, so a shard written in one write() has one row group per part.
     """
 
     def __init__(
@@ -154,7 +149,6 @@ class ShardWriter:
         inputs: Iterable[str] = (),
         rows_per_part: int = 50_000,
         compression: str = "zstd",
-        row_groups: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.schema = schema
@@ -170,10 +164,7 @@ class ShardWriter:
         # Dictionary encoding only for flat columns (ids, modes, names): on token-id lists it costs a third more
         # bytes at Qwen3's vocabulary (19.6 vs 13.0 bytes/token, benchmarks/RESULTS.md `bytes`)
         self._dictionary = [f.name for f in schema if not (pa.types.is_list(f.type) or pa.types.is_struct(f.type))]
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-        self._row_groups = row_groups
-        self._open: dict[str, tuple[pq.ParquetWriter, Path]] = {}  # row_groups: the part, summary, text written
+        self._open: dict[str, tuple[pq.ParquetWriter, Path]] = {}  # the part, summary and text being written
         self._open_rows = 0
         self._committed = False
         existing = read_manifest(self.directory)
@@ -192,78 +183,58 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None and not self._committed:
-            try:
+        try:
+            if exc_type is None and not self._committed:
                 self.commit()
-            except BaseException:
+        finally:
+            if not self._committed:  # the stage or the commit failed
                 self.abort()
-                raise
-        elif exc_type is not None and not self._committed:
-            self.abort()
 
     def _leftovers(self) -> list[Path]:
-        return [*self.directory.glob(PART_GLOB), *self.directory.glob(".part-*"), *self.directory.glob(SUMMARY_GLOB),
-                *self.directory.glob(".summary-*"), *self.directory.glob(TEXT_GLOB), *self.directory.glob(".text-*"),
-                *self.directory.glob(f".{MANIFEST}.tmp-*")]
+        """The files of an earlier attempt (or of this one, aborted): parts, their summaries and texts (storage/
+        summaries.py, texts.py), and the temporary files of each and of the manifest."""
+        return [p for pattern in (PART_GLOB, ".part-*", "summary-*.parquet", ".summary-*", "text-*.parquet",
+                                  ".text-*", f".{MANIFEST}.tmp-*") for p in self.directory.glob(pattern)]
 
-    def write(self, data: pa.Table | pa.RecordBatch | list[dict[str, Any]]) -> None:
-        if isinstance(data, list):
-            table = pa.Table.from_pylist(data, schema=self.schema)
-        elif isinstance(data, pa.RecordBatch):
-            table = pa.Table.from_batches([data])
-        else:
-            table = data
+    def write(self, table: pa.Table) -> None:
         if not table.schema.equals(self.schema, check_metadata=False):
             table = table.cast(self.schema)
-        if self._row_groups:
-            while table.num_rows:
-                room = self.rows_per_part - self._open_rows
-                self._append(table.slice(0, room))
-                table = table.slice(room)
-                if self._open_rows == self.rows_per_part:
-                    self._close_part()
-            return
-        self._pending.append(table)
-        self._pending_rows += table.num_rows
-        while self._pending_rows >= self.rows_per_part:
-            self._flush(self.rows_per_part)
-
-    def _part_paths(self) -> tuple[str, Path, Path]:
-        name = f"part-{len(self._parts):05d}.parquet"
-        return name, self.directory / name, self.directory / f".{name}.tmp-{os.getpid()}"
+        while table.num_rows:
+            room = self.rows_per_part - self._open_rows
+            self._append(table.slice(0, room))
+            table = table.slice(room)
+            if self._open_rows == self.rows_per_part:
+                self._close_part()
 
     def _append(self, rows: pa.Table) -> None:
-        """row_groups: `rows` written to the open part (opened first if none) as row group(s) of their own, and
-        their summary and text to the part's (per row, so a part's are its row groups' in order)."""
+        """`rows` written to the open part (opened first if none) as row group(s) of their own, and their summary
+        and decoded text to the part's (both per row, so a part's are its row groups' in order)."""
         rows = rows.replace_schema_metadata(self.schema.metadata)
-        summary, text = self._sides(rows)
         self._write_open("part", rows, use_dictionary=self._dictionary)
         self._open_rows += rows.num_rows
-        if summary is not None:
-            self._write_open("summary", summary)
-        if text is not None and self._texter:
+        if self._summarize is not None:
+            self._write_open("summary", self._summarize(rows))
+        if self._texter is None:
+            self._texter = texts.texter(self.schema, self.directory, self.inputs) or False
+        if self._texter:
             try:
-                self._write_open("text", text)
-            except Exception as e:  # noqa: BLE001 - as in _sides: a shard is committed without text, never lost
+                self._write_open("text", self._texter(rows))
+            except Exception as e:  # noqa: BLE001 - text is for people: a shard is committed without it, never lost
                 self._drop_texts(e)
 
     def _write_open(self, kind: str, table: pa.Table, **options: Any) -> None:
         name = f"{kind}-{len(self._parts):05d}.parquet"
-        if kind not in self._open:
-            tmp = self.directory / f".{name}.tmp-{os.getpid()}"
-            try:
+        try:
+            if kind not in self._open:
+                tmp = self.directory / f".{name}.tmp-{os.getpid()}"
                 self._open[kind] = (pq.ParquetWriter(str(tmp), table.schema, compression=self.compression,
                                                      **options), tmp)
-            except OSError as e:
-                raise os_error(e, f"writing {self.directory / name}") from None
-        writer = self._open[kind][0]
-        try:
-            writer.write_table(table if table.schema.equals(writer.schema) else table.cast(writer.schema))
-        except OSError as e:
+            self._open[kind][0].write_table(table)  # parts cast in write(); summaries and texts are of one schema
+        except OSError as e:  # e.g. a full disk: one line naming the file; the writer's abort removes the rest
             raise os_error(e, f"writing {self.directory / name}") from None
 
     def _close_part(self) -> None:
-        """row_groups: the open part (and its summary and text) closed, checksummed from disk in blocks and
+        """The open part (and its summary and text) closed, checksummed from disk in blocks (the page cache) and
         renamed into place."""
         index = len(self._parts)
         for kind, listed in (("part", self._parts), ("summary", self._summaries), ("text", self._texts)):
@@ -279,34 +250,20 @@ class ShardWriter:
                 os.replace(tmp, final)
             except OSError as e:
                 tmp.unlink(missing_ok=True)
+                if kind == "text":  # as in _append: a shard is committed without text, never lost
+                    self._drop_texts(e)
+                    continue
                 raise os_error(e, f"writing {final}") from None
             listed.append(PartInfo(name=final.name, rows=self._open_rows, bytes=size, crc32=crc))
         self._open_rows = 0
 
     def _close_open(self, kinds: Iterable[str]) -> None:
         """Open files of these kinds closed and removed (an aborted write, or text given up)."""
-        for kind in kinds:
-            writer, tmp = self._open.pop(kind, (None, None))
-            if writer is not None:
-                try:
-                    writer.close()
-                except OSError:
-                    pass  # e.g. the full disk that aborted the write: the file is removed anyway
-                tmp.unlink(missing_ok=True)
-
-    def _sides(self, rows: pa.Table) -> tuple[pa.Table | None, pa.Table | None]:
-        """The summary and decoded text of some rows of a part (None: this shard has none): both are per row, so
-        a part's are its row groups' concatenated."""
-        summary = self._summarize(rows) if self._summarize is not None else None
-        if self._texter is None:
-            self._texter = texts.texter(self.schema, self.directory, self.inputs) or False
-        text = None
-        if self._texter:
-            try:
-                text = self._texter(rows)
-            except Exception as e:  # noqa: BLE001 - text is for people: a shard is committed without it, never lost
-                self._drop_texts(e)
-        return summary, text
+        for kind in [k for k in kinds if k in self._open]:
+            writer, tmp = self._open.pop(kind)
+            with contextlib.suppress(OSError):  # e.g. the full disk that aborted the write: the file is removed anyway
+                writer.close()
+            tmp.unlink(missing_ok=True)
 
     def _drop_texts(self, e: Exception) -> None:
         self._close_open(["text"])
@@ -315,55 +272,11 @@ class ShardWriter:
         self._texts, self._texter = [], False
         warnings.warn(f"{self.directory}: committed without decoded text ({type(e).__name__}: {e})", stacklevel=3)
 
-    def _record_sides(self, summary: pa.Table | None, text: pa.Table | None) -> None:
-        index = len(self._parts) - 1
-        if summary is not None:
-            self._summaries.append(self._write_summary(summary, index))
-        if text is not None and self._texter:
-            try:
-                self._texts.append(self._write_summary(text, index, "text"))
-            except Exception as e:  # noqa: BLE001 - as in _sides: a shard is committed without text, never lost
-                self._drop_texts(e)
-
-    def _flush(self, rows: int) -> None:
-        table = pa.concat_tables(self._pending)
-        head, tail = table.slice(0, rows), table.slice(rows)
-        self._pending = [tail] if tail.num_rows else []
-        self._pending_rows = tail.num_rows
-        name, final, tmp = self._part_paths()
-        # Written straight to the file (an in-memory sink would copy the part several times as it grows);
-        # the checksum then reads it back from the page cache.
-        try:
-            pq.write_table(head.replace_schema_metadata(self.schema.metadata), str(tmp), compression=self.compression,
-                           use_dictionary=self._dictionary)
-            with open(tmp, "rb+") as f:
-                data = f.read()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except OSError as e:  # e.g. a full disk: one line naming the part; the writer's abort removes the rest
-            tmp.unlink(missing_ok=True)
-            raise os_error(e, f"writing {final}") from None
-        self._parts.append(PartInfo(name=name, rows=head.num_rows, bytes=len(data), crc32=_crc32(data)))
-        self._record_sides(*self._sides(head))
-
-    def _write_summary(self, table: pa.Table, index: int, kind: str = "summary") -> PartInfo:
-        name = f"{kind}-{index:05d}.parquet"
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, compression=self.compression)
-        data = sink.getvalue().to_pybytes()
-        try:
-            _atomic_write_bytes(self.directory / name, data)
-        except OSError as e:
-            raise os_error(e, f"writing {self.directory / name}") from None
-        return PartInfo(name=name, rows=table.num_rows, bytes=len(data), crc32=_crc32(data))
-
     def commit(self, extra: dict[str, Any] | None = None) -> Manifest:
-        if self._row_groups and (self._open or not self._parts):
-            if not self._open:
-                self._append(self.schema.empty_table())  # an empty shard still gets one (empty) part
+        if not self._open and not self._parts:
+            self._append(self.schema.empty_table())  # an empty shard still gets one (empty) part
+        if self._open:
             self._close_part()
-        elif self._pending_rows or not self._parts:
-            self._flush(self._pending_rows)  # an empty shard still gets one (empty) part
         manifest = Manifest(
             schema=schema_id(self.schema),
             rows=sum(p.rows for p in self._parts),
@@ -381,20 +294,15 @@ class ShardWriter:
         # the parts' checksums were taken from the bytes just written: readers need not read them again. Their
         # identity is taken now (renaming a file changes its ctime, so not before): a part changed since it was
         # written is caught by its checksum when read for training, and by `cleaner inspect --verify`.
-        try:
-            written = [(p.name, p.crc32, verified.identity(self.directory / p.name))
-                       for p in [*self._parts, *self._summaries, *self._texts]]
-        except OSError:  # a part gone already: nothing recorded, readers check in full
-            written = []
-        if written:
-            verified.remember(self.directory, written)
+        with contextlib.suppress(OSError):  # a part gone already: nothing recorded, readers check in full
+            verified.remember(self.directory, [(p.name, p.crc32, verified.identity(self.directory / p.name))
+                                               for p in [*self._parts, *self._summaries, *self._texts]])
         return manifest
 
     def abort(self) -> None:
         self._close_open(list(self._open))
         for p in self._leftovers():
             p.unlink(missing_ok=True)
-        self._parts, self._summaries, self._texts, self._pending, self._pending_rows = [], [], [], [], 0
         for d in self._created:  # innermost first; a folder something else wrote into stays
             try:
                 d.rmdir()
@@ -402,15 +310,25 @@ class ShardWriter:
                 break
 
 
-def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash: str, **kw: Any) -> Manifest:
-    extra = kw.pop("extra", None)
+def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash: str,
+                extra: dict[str, Any] | None = None, **kw: Any) -> Manifest:
     with ShardWriter(directory, schema, config_hash, **kw) as w:
         w.write(table)
         return w.commit(extra)
 
 
-def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> pa.Schema:
-    """The schema the part was written with (`want`, or an earlier version `want` still reads), checked."""
+def _check_file(path: Path, part: PartInfo, size: int, crc: str | None) -> None:
+    """A listed file's size and crc32 (None: not checked) against its manifest entry."""
+    if size != part.bytes:
+        raise ShardError(f"{path}: {size} bytes, manifest says {part.bytes}")
+    if crc is not None and crc != part.crc32:
+        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+
+
+def _check_footer(path: Path, pf: pq.ParquetFile, part: PartInfo, want: pa.Schema) -> pa.Schema:
+    """The schema the part was written with (`want`, or an earlier version `want` still reads), checked with its
+    rows against the manifest."""
+    got = pf.schema_arrow
     meta = (got.metadata or {}).get(SCHEMA_META_KEY)
     written = readable_as(meta.decode(), want) if meta else None
     if written is None:
@@ -422,6 +340,8 @@ def _check_schema(path: Path, got: pa.Schema, want: pa.Schema) -> pa.Schema:
             raise ShardError(f"{path}: missing column {f.name!r}")
         if not got.field(idx).type.equals(f.type):
             raise ShardError(f"{path}: column {f.name!r} has type {got.field(idx).type}, expected {f.type}")
+    if pf.metadata.num_rows != part.rows:
+        raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
     return written
 
 
@@ -439,29 +359,22 @@ def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
     return manifest
 
 
-def _open_part(directory: Path, part: PartInfo, schema: pa.Schema,
+def _open_part(path: Path, part: PartInfo, schema: pa.Schema,
                verify_checksums: bool) -> tuple[pq.ParquetFile, pa.Schema]:
-    """One part checked against its manifest entry: size, crc32, schema version, columns and types, rows;
-    with the schema it was written with (`schema` or an earlier version of it)."""
+    """One part read whole and checked against its manifest entry: size, crc32, schema version, columns and
+    types, rows; with the schema it was written with (`schema` or an earlier version of it)."""
     global FULL_READS
-    path = Path(directory) / part.name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing") from None
     FULL_READS += 1
-    if len(data) != part.bytes:
-        raise ShardError(f"{path}: {len(data)} bytes, manifest says {part.bytes}")
-    if verify_checksums and _crc32(data) != part.crc32:
-        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+    _check_file(path, part, len(data), _crc32(data) if verify_checksums else None)
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: corrupt Parquet ({e})") from None
-    written = _check_schema(path, pf.schema_arrow, schema)
-    if pf.metadata.num_rows != part.rows:
-        raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
-    return pf, written
+    return pf, _check_footer(path, pf, part, schema)
 
 
 def summary_parts(manifest: Manifest) -> list[PartInfo]:
@@ -474,56 +387,32 @@ def text_parts(manifest: Manifest) -> list[PartInfo]:
     return [PartInfo(**p) for p in manifest.extra.get("texts", [])]
 
 
-def check_summary(directory: Path, part: PartInfo, force: bool = False) -> None:
-    """A summary file as its manifest lists it (size, crc32; once, then by identity, like a part)."""
+def _check_once(directory: Path, part: PartInfo, force: bool, check: Callable[[Path], object]) -> None:
+    """`check` of a listed file, in full the first time, then only its identity while the file is unchanged
+    (storage.verified); `force` checks in full whatever the record says (`cleaner inspect --verify`)."""
     if not force and verified.is_verified(directory, part.name, part.bytes, part.crc32):
         return
     path = Path(directory) / part.name
     try:
         before = verified.identity(path)  # before reading: what the record may vouch for (verified.remember)
-        data = path.read_bytes()
+        check(path)
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing") from None
-    if len(data) != part.bytes or _crc32(data) != part.crc32:
-        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
     verified.remember(directory, [(part.name, part.crc32, before)])
+
+
+def check_summary(directory: Path, part: PartInfo, force: bool = False) -> None:
+    """A summary or text file as its manifest lists it: size and crc32 (once, then by identity, like a part)."""
+    _check_once(directory, part, force, lambda path: _check_file(path, part, *_file_crc32(path)))
 
 
 def check_part(directory: Path, part: PartInfo, schema: pa.Schema, force: bool = False) -> None:
-    """Validate one committed part without decoding its rows (what the catalog does before a view reads it):
-    in full the first time, then only its identity while the file is unchanged (storage.verified); `force`
-    checks in full whatever the record says (`cleaner inspect --verify`)."""
-    if not force and verified.is_verified(directory, part.name, part.bytes, part.crc32):
-        return
-    path = Path(directory) / part.name
-    try:
-        before = verified.identity(path)  # before reading: what the record may vouch for (verified.remember)
-    except FileNotFoundError:
-        raise ShardError(f"{path}: listed in the manifest but missing") from None
-    _open_part(directory, part, schema, True)
-    verified.remember(directory, [(part.name, part.crc32, before)])
-
-
-def read_part(directory: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool = True,
-              columns: list[str] | None = None) -> pa.Table:
-    """One validated part of a committed shard (readers that spread parts over workers, e.g. Beam)."""
-    path = Path(directory) / part.name
-    pf, written = _open_part(directory, part, schema, verify_checksums)
-    stored = columns if columns is None or written is schema else [c for c in columns if c in written.names]
-    try:
-        table = pf.read(columns=stored)
-    except (pa.ArrowException, OSError) as e:
-        raise ShardError(f"{path}: corrupt Parquet ({e})") from None
-    if table.num_rows != part.rows:
-        raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
-    if written is not schema:  # an earlier version: read as this one (storage.schemas.upgrade)
-        want = schema if columns is None else pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
-        table = upgrade(table, want)
-    return table
+    """Validate one committed part without decoding its rows (what the catalog does before a view reads it)."""
+    _check_once(directory, part, force, lambda path: _open_part(path, part, schema, True))
 
 
 def iter_part_batches(directory: Path, part: PartInfo, schema: pa.Schema, batch_rows: int) -> Iterator[pa.Table]:
-    """One validated part of a committed shard, `batch_rows` rows at a time (what read_part checks: size and crc32,
+    """One validated part of a committed shard, `batch_rows` rows at a time (what read_shard checks: size and crc32,
     taken in blocks before any row is decoded, then schema and rows), without holding the part's bytes or rows:
     a raw part holds up to storage.rows_per_part rows of up to 32k tokens (the purify stage reads it so)."""
     global FULL_READS
@@ -534,16 +423,11 @@ def iter_part_batches(directory: Path, part: PartInfo, schema: pa.Schema, batch_
     except FileNotFoundError:
         raise ShardError(f"{path}: listed in the manifest but missing") from None
     FULL_READS += 1
-    if size != part.bytes:
-        raise ShardError(f"{path}: {size} bytes, manifest says {part.bytes}")
-    if crc != part.crc32:
-        raise ShardError(f"{path}: checksum mismatch (file changed after commit)")
+    _check_file(path, part, size, crc)
     try:
         # buffered and one thread: pages read as they are decoded (else a row group's column chunks are read whole)
         pf = pq.ParquetFile(path, buffer_size=1 << 16)
-        written = _check_schema(path, pf.schema_arrow, schema)
-        if pf.metadata.num_rows != part.rows:
-            raise ShardError(f"{path}: {pf.metadata.num_rows} rows, manifest says {part.rows}")
+        written = _check_footer(path, pf, part, schema)
         for batch in pf.iter_batches(batch_size=batch_rows, use_threads=False):  # threads read ahead
             rows = pa.Table.from_batches([batch])
             yield rows if written is schema else upgrade(rows, schema)
@@ -553,21 +437,25 @@ def iter_part_batches(directory: Path, part: PartInfo, schema: pa.Schema, batch_
         raise ShardError(f"{path}: changed while it was read (file changed after commit)")
 
 
-def iter_parts(
-    directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
-) -> Iterator[tuple[Path, pa.Table]]:
-    """Validated (path, table) per part of a committed shard, in part order."""
-    directory = Path(directory)
-    manifest = committed_manifest(directory, schema)
-    for part in manifest.parts:
-        yield directory / part.name, read_part(directory, part, schema, verify_checksums, columns)
-
-
 def read_shard(
     directory: Path, schema: pa.Schema, verify_checksums: bool = True, columns: list[str] | None = None
 ) -> pa.Table:
-    tables = [t for _, t in iter_parts(directory, schema, verify_checksums, columns)]
+    """A committed shard's rows (or these columns), every part validated and read whole; parts of an earlier
+    schema version read as this one (storage.schemas.upgrade)."""
+    directory = Path(directory)
     want = schema if columns is None else pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+    tables = []
+    for part in committed_manifest(directory, schema).parts:
+        path = directory / part.name
+        pf, written = _open_part(path, part, schema, verify_checksums)
+        try:
+            table = pf.read(columns=columns if columns is None or written is schema
+                            else [c for c in columns if c in written.names])
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{path}: corrupt Parquet ({e})") from None
+        if table.num_rows != part.rows:
+            raise ShardError(f"{path}: {table.num_rows} rows, manifest says {part.rows}")
+        tables.append(table if written is schema else upgrade(table, want))
     if not tables:
         return want.empty_table()
     return pa.concat_tables(tables).cast(want) if columns is None else pa.concat_tables(tables)

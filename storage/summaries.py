@@ -2,7 +2,7 @@
 `cleaner inspect` tables and the report need (counts, rewards, statistics, lengths, splices), a few dozen
 bytes per trajectory instead of its token lists, so those tables cost the same at iteration 2,000 as at 20.
 
-A summary is one Parquet file per part (`part-NNNNN.summary.parquet`), computed column-wise from the part's
+A summary is one Parquet file per part (`summary-NNNNN.parquet`), computed column-wise from the part's
 Arrow table, written before the manifest and listed in it (`Manifest.extra["summaries"]`: name, rows,
 crc32), so a committed shard's summaries are as trustworthy as its parts. Shards committed without them
 (by an earlier cleaner) are summarised by the catalog from their parts, in SQL (storage/catalog.py).
@@ -42,46 +42,39 @@ def _lengths(column: pa.ChunkedArray | pa.Array) -> pa.Array:
     return pc.cast(pc.fill_null(pc.list_value_length(column), 0), pa.int64())
 
 
-def _sum_lists(column: pa.ChunkedArray | pa.Array, rows: int) -> np.ndarray:
-    """Σ of each row's list (int8/int32 lists): one pass over the flattened values."""
+def list_values(column: pa.ChunkedArray | pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """A list column's values, and the row of each."""
     arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    values = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
-    parents = pc.list_parent_indices(arr).to_numpy()
-    return np.bincount(parents, weights=values, minlength=rows).astype(np.int64)
+    return pc.list_flatten(arr), pc.list_parent_indices(arr).to_numpy()
+
+
+def _per_row(rows: int, row: np.ndarray, weights: np.ndarray | None = None) -> pa.Array:
+    """Σ of the weights (without: the count) of the values of each of `rows` rows, `row` naming each one's row."""
+    return pa.array(np.bincount(row, weights=weights, minlength=rows).astype(np.int64))
 
 
 def raw_summary(table: pa.Table) -> pa.Table:
-    n = table.num_rows
-    positions = table["positions"].combine_chunks()
-    pos_row = pc.list_parent_indices(positions).to_numpy()
-    attempts = pc.list_flatten(positions).field("attempts")
-    att_row = pos_row[pc.list_parent_indices(attempts).to_numpy()]
-    flat = pc.list_flatten(attempts)
-    failed = pc.fill_null(pc.equal(flat.field("result").field("status"), "failure"), False).to_numpy(zero_copy_only=False)
-    tokens = (_lengths(flat.field("turn_ids")).to_numpy() + _lengths(flat.field("feedback_ids")).to_numpy())
-    failed_tokens = np.bincount(att_row[failed], weights=tokens[failed], minlength=n).astype(np.int64)
-    return pa.table([table["run_id"], table["iteration"], table["prompt_id"], table["sample_idx"], table["reward"],
-                     table["stats"], _lengths(table["lived_ids"]), pa.array(failed_tokens)], schema=RAW_SUMMARY)
+    positions, pos_row = list_values(table["positions"])
+    attempts, att_pos = list_values(positions.field("attempts"))
+    failed = pc.fill_null(pc.equal(attempts.field("result").field("status"), "failure"), False).to_numpy(
+        zero_copy_only=False)
+    tokens = _lengths(attempts.field("turn_ids")).to_numpy() + _lengths(attempts.field("feedback_ids")).to_numpy()
+    return pa.table([*(table[name] for name, _ in IDENTITY), table["reward"], table["stats"],
+                     _lengths(table["lived_ids"]), _per_row(table.num_rows, pos_row[att_pos][failed], tokens[failed])],
+                    schema=RAW_SUMMARY)
 
 
 def purified_summary(table: pa.Table) -> pa.Table:
     n = table.num_rows
-    splices = table["splices"].combine_chunks()
-    flat = pc.list_flatten(splices)
-    parent = pc.list_parent_indices(splices).to_numpy()
-    kind = flat.field("kind").to_numpy(zero_copy_only=False) if len(flat) else np.array([], dtype=object)
-    removed = pc.fill_null(flat.field("tokens_removed"), 0).to_numpy() if len(flat) else np.array([], dtype=np.int64)
-
-    def count(mask: np.ndarray, weights: np.ndarray | None = None) -> pa.Array:
-        w = None if weights is None else weights[mask]
-        return pa.array(np.bincount(parent[mask], weights=w, minlength=n).astype(np.int64))
-
-    every = np.ones(len(parent), dtype=bool)
-    return pa.table([table["run_id"], table["iteration"], table["prompt_id"], table["sample_idx"], table["mode"],
-                     table["gamma"], table["reward"], table["advantage"], _lengths(table["response_ids"]),
-                     pa.array(_sum_lists(table["loss_mask"], n)), count(every), count(kind == "shallow"),
-                     count(kind == "deep"), count(every, removed.astype(np.float64)), table["tokens_forwarded"]],
-                    schema=PURIFIED_SUMMARY)
+    splices, row = list_values(table["splices"])
+    kind = splices.field("kind").to_numpy(zero_copy_only=False)
+    mask, mask_row = list_values(table["loss_mask"])
+    return pa.table([*(table[name] for name, _ in IDENTITY), table["mode"], table["gamma"], table["reward"],
+                     table["advantage"], _lengths(table["response_ids"]),
+                     _per_row(n, mask_row, mask.to_numpy(zero_copy_only=False)), _per_row(n, row),
+                     _per_row(n, row[kind == "shallow"]), _per_row(n, row[kind == "deep"]),
+                     _per_row(n, row, pc.fill_null(splices.field("tokens_removed"), 0).to_numpy()),
+                     table["tokens_forwarded"]], schema=PURIFIED_SUMMARY)
 
 
 SUMMARIZERS = {b"raw": raw_summary, b"purified": purified_summary}

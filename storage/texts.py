@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from storage.layout import resolve_recorded
 from storage.schemas import IDENTITY, SCHEMA_META_KEY, _versioned
+from storage.summaries import list_values
 
 ATTEMPT_TEXT = pa.struct([
     ("position_idx", pa.int32()),
@@ -93,50 +94,31 @@ def checkpoint_of(root: Path, inputs: list[str]) -> Path | None:
     return first
 
 
-def find_tokenizer(directory: Path, inputs: list[str]) -> Path | None:
-    """The tokenizer.json of the checkpoint a shard's inputs record (see `checkpoint_of`), if it exists."""
-    root = store_root(directory)
-    checkpoint = checkpoint_of(root, inputs) if root is not None else None
-    if checkpoint is None:
-        return None
-    path = checkpoint / TOKENIZER_FILE
-    return path if path.is_file() else None
-
-
 def _texts(decode: Decode, column: pa.Array) -> pa.Array:
     """Each row's id list decoded (NULL where the list is NULL)."""
     lists = column.to_pylist()
-    present = [ids for ids in lists if ids is not None]
-    decoded = iter(decode(present)) if present else iter(())
+    decoded = iter(decode([ids for ids in lists if ids is not None]))
     return pa.array([None if ids is None else next(decoded) for ids in lists], pa.string())
 
 
 def raw_texts(table: pa.Table, decode: Decode) -> pa.Table:
-    n = table.num_rows
-    positions = table["positions"].combine_chunks()
-    pos_row = pc.list_parent_indices(positions).to_numpy()
-    flat_positions = pc.list_flatten(positions)
-    attempts = flat_positions.field("attempts")
-    att_pos = pc.list_parent_indices(attempts).to_numpy()
-    flat = pc.list_flatten(attempts)
-    att_row = pos_row[att_pos] if len(att_pos) else np.array([], dtype=np.int64)
-    per_row = np.bincount(att_row, minlength=n).astype(np.int32) if len(att_row) else np.zeros(n, np.int32)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32))
-    position_idx = flat_positions.field("position_idx").to_numpy(zero_copy_only=False)
+    positions, pos_row = list_values(table["positions"])
+    attempts, att_pos = list_values(positions.field("attempts"))
+    # each row's attempts, over all its positions, in order: offsets from the number of attempts per row
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(pos_row[att_pos], minlength=table.num_rows))])
     structs = pa.StructArray.from_arrays(
-        [pa.array(position_idx[att_pos] if len(att_pos) else [], pa.int32()), flat.field("attempt_idx"),
-         _texts(decode, flat.field("turn_ids")), _texts(decode, flat.field("feedback_ids"))],
+        [pc.take(positions.field("position_idx"), att_pos), attempts.field("attempt_idx"),
+         _texts(decode, attempts.field("turn_ids")), _texts(decode, attempts.field("feedback_ids"))],
         fields=list(ATTEMPT_TEXT))
-    final = table["final_turn"].combine_chunks()
-    final_ids = pc.if_else(final.is_valid(), final.field("turn_ids"), pa.nulls(n, final.type.field("turn_ids").type))
-    return pa.table([table["run_id"], table["iteration"], table["prompt_id"], table["sample_idx"],
-                     _texts(decode, table["lived_ids"].combine_chunks()), _texts(decode, final_ids),
-                     pa.ListArray.from_arrays(offsets, structs, type=pa.list_(ATTEMPT_TEXT))], schema=RAW_TEXT)
+    return pa.table([*(table[name] for name, _ in IDENTITY), _texts(decode, table["lived_ids"].combine_chunks()),
+                     _texts(decode, pc.struct_field(table["final_turn"].combine_chunks(), "turn_ids")),
+                     pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), structs, type=pa.list_(ATTEMPT_TEXT))],
+                    schema=RAW_TEXT)
 
 
 def purified_texts(table: pa.Table, decode: Decode) -> pa.Table:
-    return pa.table([table["run_id"], table["iteration"], table["prompt_id"], table["sample_idx"], table["mode"],
-                     table["gamma"], _texts(decode, table["response_ids"].combine_chunks())], schema=PURIFIED_TEXT)
+    return pa.table([*(table[name] for name, _ in IDENTITY), table["mode"], table["gamma"],
+                     _texts(decode, table["response_ids"].combine_chunks())], schema=PURIFIED_TEXT)
 
 
 TEXTERS = {b"raw": raw_texts, b"purified": purified_texts}
@@ -144,12 +126,11 @@ TEXTERS = {b"raw": raw_texts, b"purified": purified_texts}
 
 def texter(schema: pa.Schema, directory: Path, inputs: list[str]) -> Callable[[pa.Table], pa.Table] | None:
     """The function that decodes a part of this shard to its text table, or None: a schema without text (dead
-    letters, metrics) or a shard whose recorded checkpoint has no tokenizer."""
+    letters, metrics) or a shard whose recorded checkpoint (`checkpoint_of`) has no tokenizer.json."""
     kind = TEXTERS.get(schema.metadata[SCHEMA_META_KEY].split(b"/")[0])
-    if kind is None:
+    root = store_root(directory) if kind is not None else None
+    checkpoint = checkpoint_of(root, inputs) if root is not None else None
+    if checkpoint is None or not (checkpoint / TOKENIZER_FILE).is_file():
         return None
-    tokenizer = find_tokenizer(directory, inputs)
-    if tokenizer is None:
-        return None
-    decode = load_decoder(tokenizer)
+    decode = load_decoder(checkpoint / TOKENIZER_FILE)
     return lambda part: kind(part, decode)

@@ -13,7 +13,7 @@ The record only ever saves work: it is written atomically with a digest of its o
 is missing, unreadable, of another version or whose digest does not match is ignored (the parts are checked
 in full and the record rewritten), so a corrupt record can never make a corrupt part pass. A root that cannot
 be written (read-only) just keeps checking in full. Readers that feed training (purification, the update)
-check every byte they read whatever the record says (storage.shards.read_part).
+check every byte they read whatever the record says (storage.shards.read_shard, iter_part_batches).
 """
 from __future__ import annotations
 
