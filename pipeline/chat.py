@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -175,13 +177,8 @@ def format_tool_response(
     success: bool, stdout: str = "", stderr: str = "", reason: str = "", limit: int = 256
 ) -> str:
     """The reference response text: success/failure header, then the non-empty fields."""
-    lines = ["Tool call success" if success else "Tool call failure"]
-    if not success and reason:
-        lines.append(f"reason: {reason}")
-    if stdout:
-        lines.append(f"stdout: {stdout}")
-    if stderr:
-        lines.append(f"stderr: {stderr}")
+    fields = (("reason", "" if success else reason), ("stdout", stdout), ("stderr", stderr))
+    lines = ["Tool call success" if success else "Tool call failure"] + [f"{k}: {v}" for k, v in fields if v]
     return middle_truncate("\n".join(lines), limit)
 
 
@@ -255,16 +252,11 @@ def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, 
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    # GPT-2's byte <-> printable-unicode table used by byte-level BPE vocabularies: a printable byte stands for
+    # itself, the others, in byte order, for chr(256), chr(257), ...
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
 # printable character -> byte, for reading a byte-level vocabulary's tokens as the bytes they stand for
@@ -298,27 +290,13 @@ def find_call_start(turn_ids: list[int], marker_ids: list[int], token_bytes: lis
     (and the splice falls back to deep).
     """
     if len(marker_ids) == 1:
-        try:
-            return turn_ids.index(marker_ids[0])
-        except ValueError:
-            return -1
-    marker = b"".join(token_bytes[i] for i in marker_ids)
-    offsets, pos = [], 0
-    for t in turn_ids:
-        offsets.append(pos)
-        pos += len(token_bytes[t])
-    joined = b"".join(token_bytes[t] for t in turn_ids)
-    at = joined.find(marker)
+        return turn_ids.index(marker_ids[0]) if marker_ids[0] in turn_ids else -1
+    at = b"".join(token_bytes[t] for t in turn_ids).find(b"".join(token_bytes[i] for i in marker_ids))
     if at < 0:
         return -1
-    lo, hi = 0, len(offsets)
-    while lo < hi:  # first token starting at or after the marker's byte offset
-        mid = (lo + hi) // 2
-        if offsets[mid] < at:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo if lo < len(offsets) and offsets[lo] == at else -1
+    offsets = list(accumulate((len(token_bytes[t]) for t in turn_ids), initial=0))  # each token's first byte
+    i = bisect_left(offsets, at)  # the first token starting at or after the marker's byte offset
+    return i if i < len(turn_ids) and offsets[i] == at else -1
 
 
 class ChatFormat:

@@ -13,6 +13,8 @@ with no logit soft-capping or scaling in between (true of Qwen2/2.5/3, Llama, Mi
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -33,20 +35,19 @@ def split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.M
     return body, head
 
 
+def _logits(hidden: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
+    logits = head(hidden).float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
                     temperature: float) -> torch.Tensor:
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets[:, None])[:, 0]
-    return picked - torch.logsumexp(logits, dim=-1)
+    logits = _logits(hidden, head, temperature)
+    return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
 def _chunk_entropy(hidden: torch.Tensor, head: torch.nn.Module, temperature: float) -> torch.Tensor:
-    logits = head(hidden).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(_logits(hidden, head, temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -57,13 +58,10 @@ def token_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.M
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).long()
     grad = torch.is_grad_enabled() and (flat_h.requires_grad or any(p.requires_grad for p in head.parameters()))
-    parts = []
-    for a in range(0, flat_t.numel(), chunk):
-        h, t = flat_h[a: a + chunk], flat_t[a: a + chunk]
-        if grad:  # keep only this chunk's hidden states; backward recomputes its logits
-            parts.append(checkpoint(_chunk_logprobs, h, t, head, temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(h, t, head, temperature))
+    # under autograd, keep only each chunk's hidden states; backward recomputes its logits
+    run = partial(checkpoint, _chunk_logprobs, use_reentrant=False) if grad else _chunk_logprobs
+    parts = [run(flat_h[a: a + chunk], flat_t[a: a + chunk], head, temperature)
+             for a in range(0, flat_t.numel(), chunk)]
     if not parts:
         return torch.zeros(shape, dtype=torch.float32, device=hidden.device)
     return torch.cat(parts).reshape(shape)

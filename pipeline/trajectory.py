@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field, fields
+from functools import cache
 from typing import Any, Literal
 
 import numpy as np
@@ -195,19 +196,10 @@ class PurifiedTrajectory:
 
 # ---- Arrow row conversion -------------------------------------------------------------------
 
-def _result_from_row(row: dict[str, Any] | None) -> ToolResult | None:
-    return None if row is None else ToolResult(**row)
-
-
-_NAMES: dict[type, tuple[str, ...]] = {}
-
-
+@cache
 def _names(cls: type) -> tuple[str, ...]:
     # dataclasses.fields() is slow per call and these run once per row: cache the names per class.
-    names = _NAMES.get(cls)
-    if names is None:
-        names = _NAMES[cls] = tuple(f.name for f in fields(cls))
-    return names
+    return tuple(f.name for f in fields(cls))
 
 
 def _flat(obj: Any) -> dict[str, Any]:
@@ -222,9 +214,8 @@ def attempt_to_row(a: Attempt) -> dict[str, Any]:
 
 
 def attempt_from_row(row: dict[str, Any]) -> Attempt:
-    data = dict(row)
-    data["result"] = _result_from_row(data.get("result"))
-    return Attempt(**data)
+    result = row.get("result")
+    return Attempt(**{**row, "result": None if result is None else ToolResult(**result)})
 
 
 def trajectory_to_row(t: Trajectory) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.logprobs import DEFAULT_CHUNK, _chunk_entropy, _chunk_logprobs, split_causal_lm, token_logprobs
+from pipeline.logprobs import DEFAULT_CHUNK, _chunk_logprobs, split_causal_lm, token_entropy, token_logprobs
 
 # logits one lm_head call may hold (positions × vocabulary): DEFAULT_CHUNK positions at Qwen3's vocabulary,
 # ~311 MB in float32 (what bounds the update's memory at 151,936 ids, benchmarks/bench_scale.py)
@@ -61,11 +61,7 @@ def action_log_probs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, 
     log_probs[where] = picked
     action = log_probs * action_mask.float()
     entropy = None
-    if return_entropy:
-        with torch.no_grad():
-            flat = h.detach()
-            parts = [_chunk_entropy(flat[a: a + step], head, actor.temperature) for a in range(0, flat.shape[0], step)]
-            entropy = torch.zeros(action_mask.shape, dtype=torch.float32, device=hidden.device)
-            if parts:
-                entropy[where] = torch.cat(parts)
+    if return_entropy:  # a metric: no gradient
+        entropy = torch.zeros(action_mask.shape, dtype=torch.float32, device=hidden.device)
+        entropy[where] = token_entropy(h, head, actor.temperature, step)
     return action, entropy

@@ -24,7 +24,7 @@ product). `train.rollout_correction_bounds` replaces a preset's [lower, upper].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.config import TrainConfig
 
@@ -50,11 +50,9 @@ PRESETS: dict[str, Correction | None] = {
 def correction_of(cfg: TrainConfig) -> Correction | None:
     """The OpenRLHF gate train.rollout_correction asks for, with train.rollout_correction_bounds applied; None: off."""
     preset = PRESETS[cfg.rollout_correction]
-    if preset is None:
-        return None
-    if cfg.rollout_correction_bounds is None:
+    if preset is None or cfg.rollout_correction_bounds is None:
         return preset
-    return Correction(preset.level, preset.mode, preset.gating, tuple(cfg.rollout_correction_bounds), preset.verl)
+    return replace(preset, bounds=tuple(cfg.rollout_correction_bounds))
 
 
 def policy_loss_kwargs(cfg: TrainConfig) -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,9 +20,8 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.grpo import (GRPOUpdate, UpdateError, UpdateProgress, load_schedule_state, make_actor,
-                          policy_loss, warmup_schedule)
-from trainer.correction import correction_of
+from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, load_schedule_state, warmup_schedule
+from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
 
@@ -74,39 +72,25 @@ def make_strategy(cfg: TrainConfig):
     return strategy
 
 
-class TokenizerFiles:
-    """What `DeepspeedStrategy.save_model` calls `save_pretrained` on: copies the source checkpoint's
-    tokenizer files (cleaner never loads a tokenizer object to train)."""
-
-    def __init__(self, src: Path, names: tuple[str, ...]) -> None:
-        self.src, self.names = src, names
-
-    def save_pretrained(self, out: str) -> None:
-        for name in self.names:
-            if (self.src / name).is_file():
-                shutil.copy2(self.src / name, Path(out) / name)
-
-
 class DeepSpeedGRPOUpdate(GRPOUpdate):
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, strategy, temperature: float = 1.0) -> None:
         import torch.distributed as dist
 
-        self.cfg = cfg
         self.strategy = strategy
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.loss_fn = policy_loss(cfg)
-        self.correction = correction_of(cfg)
-        self.dpo_pairs = {}
+        super().__init__(model, cfg, temperature)
+
+    def prepare(self, model: torch.nn.Module, actor) -> None:
+        cfg = self.cfg
         prep = {"optim": "adam", "adam": {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8,
                                           "weight_decay": cfg.weight_decay},
                 "lr_scheduler": "constant", "scheduler_steps": 1, "max_norm": cfg.grad_clip}
-        self.actor, self.optimizer, _ = strategy.prepare((make_actor(model, temperature), prep))
+        self.actor, self.optimizer, _ = self.strategy.prepare((actor, prep))
         self.engine = self.actor.model
         self.model = self.engine  # train()/eval() reach the wrapped module
         self.scheduler = warmup_schedule(self.engine.basic_optimizer, cfg)  # the torch optimizer inside ZeRO
         self.engine.lr_scheduler = self.scheduler  # the engine steps it; same schedule as the local strategy
-        self.global_step = 0
 
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         if len(groups) < self.world_size:
@@ -170,5 +154,7 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.load_state(folder, tag)
         return progress
 
-    def save_weights(self, out: Path, src: Path, tokenizer_files: tuple[str, ...]) -> None:
-        self.strategy.save_model(self.actor, TokenizerFiles(src, tokenizer_files), str(out), safe_serialization=True)
+    def save_weights(self, out: Path, src: Path) -> None:
+        # save_model ends with tokenizer.save_pretrained(out): here, src's tokenizer files copied
+        tokenizer = SimpleNamespace(save_pretrained=lambda folder: copy_tokenizer_files(src, Path(folder)))
+        self.strategy.save_model(self.actor, tokenizer, str(out), safe_serialization=True)

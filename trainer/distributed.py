@@ -26,8 +26,8 @@ from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError
 from storage.layout import RunLayout, record_path
 from trainer.grpo import UpdateError, UpdateProgress
-from trainer.inputs import (TOKENIZER_FILES, dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir,
-                            start_checkpoint, update_inputs, write_update_metrics)
+from trainer.inputs import (dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir, start_checkpoint,
+                            update_inputs, write_update_metrics)
 from trainer.resume import partial_dir
 
 LOG_PREFIX = "[update]"
@@ -99,7 +99,7 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if rank == 0:
         start_checkpoint(inputs.target)
     dist.barrier()
-    update.save_weights(tmp, inputs.src, TOKENIZER_FILES)  # collective under ZeRO-3 (gathers), rank 0 writes
+    update.save_weights(tmp, inputs.src)  # collective under ZeRO-3 (gathers), rank 0 writes
     update.save_state(tmp / DS_STATE, STATE_TAG)  # every rank writes its optimizer partition
     dist.barrier()
     if rank == 0:

@@ -92,12 +92,8 @@ def pairs_of(row: dict) -> tuple[list[CallPair], int]:
 
 def read_pairs(raw_dir: Path) -> tuple[list[CallPair], int]:
     """Every tool-call pair of an iteration's raw shard, and the positions skipped."""
-    pairs, skipped = [], 0
-    for row in read_shard(raw_dir, RAW, columns=RAW_COLUMNS).to_pylist():
-        got, n = pairs_of(row)
-        pairs += got
-        skipped += n
-    return pairs, skipped
+    found = [pairs_of(row) for row in read_shard(raw_dir, RAW, columns=RAW_COLUMNS).to_pylist()]
+    return [p for pairs, _ in found for p in pairs], sum(skipped for _, skipped in found)
 
 
 def pair_rows(pairs: list[CallPair]) -> list[PairRow]:

@@ -94,7 +94,7 @@ def make_actor(model: torch.nn.Module, temperature: float):
 
 def policy_loss(cfg: TrainConfig):
     """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean; with train.rollout_correction its IS
-    gate over π_old / π_behaviour (trainer/correction.py), and exactly the call of before when that is off."""
+    gate over π_old / π_behaviour (trainer/correction.py)."""
     return openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                                         dual_clip=cfg.dual_clip, token_level_loss=True,
                                         policy_loss_type=cfg.policy_loss_type, **policy_loss_kwargs(cfg))
@@ -119,27 +119,28 @@ def filtered_tokens(loss_fn, logp: torch.Tensor, m, is_filter_ratio: torch.Tenso
 class GRPOUpdate:
     """The local strategy: every group of a mini-batch is trained in this process.
 
-    A distributed strategy overrides the hooks below (`my_groups`, `reduce`, `backward`, `step`);
+    A distributed strategy overrides the hooks below (`prepare`, `my_groups`, `reduce`, `backward`, `step`);
     the loss, its token-mean over the whole mini-batch and the metrics stay the same.
     """
 
     world_size = 1
-
-    # (micro-batches done, micro-batches in the mini-batch), after each backward: the stage's progress (a class
-    # default: the DeepSpeed subclass builds itself without this __init__)
+    # (micro-batches done, micro-batches in the mini-batch), after each backward: the stage's progress
     on_micro_batch: Callable[[int, int], None] | None = None
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0) -> None:
         self.cfg = cfg
-        self.model = model
-        self.actor = make_actor(model, temperature)
         self.loss_fn = policy_loss(cfg)
         self.correction = correction_of(cfg)
         self.dpo_pairs: dict[str, list[CallPair]] = {}
-        self.optimizer, self.scheduler = build_optimizer(model, cfg)
         self.global_step = 0
+        self.prepare(model, make_actor(model, temperature))
 
     # -- strategy hooks -------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module, actor) -> None:
+        """The model, actor, optimizer and schedule this strategy trains."""
+        self.model, self.actor = model, actor
+        self.optimizer, self.scheduler = build_optimizer(model, self.cfg)
+
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         return groups
 
@@ -220,20 +221,17 @@ class GRPOUpdate:
             # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
             logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
                                              return_entropy=self.cfg.log_entropy)
-            if self.correction is None:  # exactly the call of before the correction existed
-                loss, clip_ratio, ppo_kl, _, _ = self.loss_fn(logp, m.old_log_probs, m.advantages, action_mask=m.action_mask,
-                                                              batch_num_tokens=max(1, tokens), dp_size=self.world_size)
-            else:
-                if m.rollout_log_probs is None:
-                    raise UpdateError(f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
-                                      f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
-                                      f"version 1); re-purify the iteration with this cleaner")
-                loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
-                    logp, m.old_log_probs, m.advantages, action_mask=m.action_mask, rollout_log_probs=m.rollout_log_probs,
-                    batch_num_tokens=max(1, tokens), dp_size=self.world_size)
-                if m.num_actions:  # an emptied micro-batch's ratios are 0/0
-                    filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
-                    beh_kl += float(vllm_kl) * m.num_actions
+            if self.correction is not None and m.rollout_log_probs is None:
+                raise UpdateError(f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
+                                  f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
+                                  f"version 1); re-purify the iteration with this cleaner")
+            # PolicyLoss reads rollout_log_probs only when its correction is on
+            loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
+                logp, m.old_log_probs, m.advantages, action_mask=m.action_mask, rollout_log_probs=m.rollout_log_probs,
+                batch_num_tokens=max(1, tokens), dp_size=self.world_size)
+            if self.correction is not None and m.num_actions:  # an emptied micro-batch's ratios are 0/0
+                filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
+                beh_kl += float(vllm_kl) * m.num_actions
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
                                          f"(rows {m.rows[:3]}...); no checkpoint written")
@@ -276,11 +274,8 @@ class GRPOUpdate:
             after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:
         torch.manual_seed(self.cfg.seed)
         schedule = [mb for _ in range(self.cfg.epochs) for mb in mini_batches(rows, self.cfg.mini_batches)]
-        for k, groups in enumerate(schedule):
-            if k < progress.minibatches_done:
-                continue  # done before an interruption
-            if stop_after is not None and k >= stop_after:
-                break
+        done = progress.minibatches_done  # before an interruption
+        for k, groups in enumerate(schedule[done:stop_after], start=done):
             progress.metrics.append(self.minibatch(groups, pad_id))
             progress.minibatches_done = k + 1
             if after_minibatch:

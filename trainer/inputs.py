@@ -117,7 +117,7 @@ def log_steps(metrics: list, log) -> None:
         entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
         corrected = "" if m.correction_filtered is None else (
             f" is-filtered {m.correction_filtered:.3f} behaviour-kl {m.behaviour_kl:+.4f}")
-        dpo = "" if getattr(m, "dpo_pairs", None) is None else f" dpo {m.dpo_loss:.4f} ({m.dpo_pairs} pairs)"
+        dpo = "" if m.dpo_pairs is None else f" dpo {m.dpo_loss:.4f} ({m.dpo_pairs} pairs)"
         log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
             f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}{corrected}{dpo}")
 
@@ -133,9 +133,16 @@ def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metr
                                              "tokens", "lr", "seconds")]
     records += [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
                  "value": float(getattr(m, name))}
-                for m in metrics for name in OPTIONAL_METRICS if getattr(m, name, None) is not None]
+                for m in metrics for name in OPTIONAL_METRICS if getattr(m, name) is not None]
     if not is_committed(inputs.metrics_dir):
         write_shard(inputs.metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+
+
+def copy_tokenizer_files(src: Path, out: Path) -> None:
+    """The source checkpoint's tokenizer files beside the new weights (an update never loads a tokenizer)."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
 
 
 def staging_dir(target: Path) -> Path:

@@ -93,8 +93,7 @@ def train_sft(
             order = list(range(len(data)))
             rng.shuffle(order)
         batch = collate([data[order.pop()] for _ in range(cfg.batch_size)], pad_id)
-        out = model(**batch)
-        loss = out.loss
+        loss = model(**batch).loss
         if not math.isfinite(loss.item()):
             raise FloatingPointError(f"SFT loss became {loss.item()} at step {step}")
         opt.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
 from trainer.distributed import launch
 from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, total_minibatches
-from trainer.inputs import (TOKENIZER_FILES, TRAINER_STATE, dpo_note, finish_checkpoint, load_policy, log_steps,
+from trainer.inputs import (TRAINER_STATE, copy_tokenizer_files, dpo_note, finish_checkpoint, load_policy, log_steps,
                             start_checkpoint, update_inputs, write_update_metrics)
 from trainer.resume import load_local, partial_dir, save_local
 
@@ -37,9 +37,7 @@ def _write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, st
             shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(DONE_MARKER, TRAINER_STATE))
         else:
             model.save_pretrained(tmp, safe_serialization=True)
-            for name in TOKENIZER_FILES:
-                if (src / name).is_file():
-                    shutil.copy2(src / name, tmp / name)
+            copy_tokenizer_files(src, tmp)
         with open(tmp / TRAINER_STATE, "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
             torch.save(state["trainer"], f)
         finish_checkpoint(tmp, target, {k: v for k, v in state.items() if k != "trainer"})

@@ -20,9 +20,9 @@ class SGLangUnavailable(ServerUnavailable):
     """No SGLang server answers at the configured URL (or sglang is not installed)."""
 
 
-def sampling_params(params: SamplingParams, seed: int | None = None, max_new_tokens: int | None = None) -> dict:
+def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
     sp: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature, "top_p": params.top_p,
         "stop_token_ids": list(params.stop_ids), "skip_special_tokens": False, "no_stop_trim": True,
     }
@@ -70,14 +70,13 @@ class SGLangEngine:
             self.health()
 
     # ---- transport ----------------------------------------------------------------------------
-    def _post(self, route: str, payload: dict | None = None, method: str = "POST") -> Any:
-        return http_json(self.url, route, payload, method, self.timeout_s, name="SGLang", hint=LAUNCH_HINT,
+    def _post(self, route: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None) -> Any:
+        return http_json(self.url, route, payload, method, timeout or self.timeout_s, name="SGLang", hint=LAUNCH_HINT,
                          unavailable=SGLangUnavailable)
 
     def health(self) -> None:
         try:
-            http_json(self.url, "/health", method="GET", timeout=10, name="SGLang", hint=LAUNCH_HINT,
-                      unavailable=SGLangUnavailable)
+            self._post("/health", method="GET", timeout=10)
         except ServerRefused as e:
             raise SGLangUnavailable(f"SGLang server at {self.url} is unhealthy ({e})") from None
 

@@ -20,14 +20,13 @@ Facts from vLLM 0.32.0's source (the venv scripts/setup_vllm.sh builds) that sha
 """
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from pipeline.engines.base import Generation, Request, SamplingParams
-from pipeline.engines.vllm_server import EXTENSION_DIR, WORKER_EXTENSION, cpu_head_problem
+from pipeline.engines.vllm_server import EXTENSION_DIR, WORKER_EXTENSION, checkpoint_config, cpu_head_problem
 from pipeline.engines.served import ConcurrentTurns, ServerRefused, ServerUnavailable, StickyRouter, http_json
 from storage.checkpoints import policy_version
 from storage.errors import CleanerError
@@ -67,7 +66,6 @@ class VLLMEngine(ConcurrentTurns):
     concurrent_requests = True
 
     def __init__(self, urls: list[str], checkpoint: Path, *, tokenizer: Any = None, max_context: int | None = None,
-                 context_source: str = "rollout.max_prompt_tokens + rollout.max_response_tokens",
                  max_in_flight: int = 64, deterministic: bool = True, timeout_s: float = 600.0) -> None:
         if not urls:
             raise VLLMMismatch("no vLLM server to use: set rollout.vllm_urls or leave it empty for cleaner to start one")
@@ -81,9 +79,9 @@ class VLLMEngine(ConcurrentTurns):
                       "score_prompt_tokens": 0, "score_cached_tokens": 0, "failovers": 0}
         for s in self.servers:
             if max_context and max_context > s.max_model_len:
-                raise VLLMMismatch(f"{context_source} = {max_context} tokens does not fit the vLLM server at {s.url} "
-                                   f"(max_model_len {s.max_model_len}): lower them or start it with --max-model-len "
-                                   f"{max_context}")
+                raise VLLMMismatch(f"rollout.max_prompt_tokens + rollout.max_response_tokens = {max_context} tokens "
+                                   f"does not fit the vLLM server at {s.url} (max_model_len {s.max_model_len}): lower "
+                                   f"them or start it with --max-model-len {max_context}")
             if s.setting("device_config", "device") == "cpu" and (problem := cpu_head_problem(self.checkpoint)):
                 raise VLLMMismatch(f"vLLM server at {s.url}: {problem}")
             self._check_tokenizer(s, tokenizer)
@@ -296,10 +294,8 @@ class VLLMEngine(ConcurrentTurns):
 
 
 def _tied(checkpoint: Path) -> bool:
-    try:
-        return bool(json.loads((Path(checkpoint) / "config.json").read_text()).get("tie_word_embeddings"))
-    except (OSError, ValueError):
-        return True  # unknown: assume the case that needs the extension
+    cfg = checkpoint_config(checkpoint)
+    return True if cfg is None else bool(cfg.get("tie_word_embeddings"))  # unknown: the case that needs the extension
 
 
 def vllm_urls(rollout: Any, checkpoint: Path, log: Callable[[str], None] | None = None) -> list[str]:

@@ -11,6 +11,7 @@ life of the process (a flow's rollout, purification and next rollout share them)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -56,11 +58,16 @@ os._exit(code)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def head_dim(checkpoint: Path) -> int | None:
+def checkpoint_config(checkpoint: Path) -> dict | None:
+    """The checkpoint's config.json, None when it cannot be read."""
     try:
-        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
+        return json.loads((Path(checkpoint) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def head_dim(checkpoint: Path) -> int | None:
+    cfg = checkpoint_config(checkpoint) or {}
     heads = cfg.get("num_attention_heads")
     return cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
 
@@ -95,10 +102,8 @@ class ManagedServer:
     def stop(self) -> None:
         if self.proc.poll() is None:
             terminate(self.pid, grace=10.0)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def free_port() -> int:
@@ -117,21 +122,16 @@ class _Keeper:
 
     def _run(self) -> None:
         while True:
-            fn, box = self.jobs.get()
+            fn, done = self.jobs.get()
             try:
-                box.append((fn(), None))
+                done.set_result(fn())
             except BaseException as e:  # handed back to the caller
-                box.append((None, e))
+                done.set_exception(e)
 
     def call(self, fn: Callable[[], subprocess.Popen]) -> subprocess.Popen:
-        box: list = []
-        self.jobs.put((fn, box))
-        while not box:
-            time.sleep(0.01)
-        result, error = box[0]
-        if error is not None:
-            raise error
-        return result
+        done: Future = Future()
+        self.jobs.put((fn, done))
+        return done.result()
 
 
 _keeper: _Keeper | None = None
@@ -263,19 +263,14 @@ def _wait(servers: list[ManagedServer], checkpoint: Path, timeout_s: float, say:
 
 def model_max_len(checkpoint: Path) -> int:
     """The checkpoint's max_position_embeddings (0 when it does not say)."""
-    try:
-        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    return int(cfg.get("max_position_embeddings") or 0)
+    return int((checkpoint_config(checkpoint) or {}).get("max_position_embeddings") or 0)
 
 
 def _identity(checkpoint: Path) -> tuple:
     """What a started server can serve: checkpoints with this architecture and tokenizer (a later checkpoint of
     the same run is loaded into it by reload_weights)."""
-    try:
-        cfg = json.loads((Path(checkpoint) / "config.json").read_text())
-    except (OSError, ValueError):
+    cfg = checkpoint_config(checkpoint)
+    if cfg is None:
         return (str(Path(checkpoint).resolve()),)
     return tuple(json.dumps(cfg.get(k), sort_keys=True) for k in
                  ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
