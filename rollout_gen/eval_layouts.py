@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from rollout_gen.lcb import CodeTests, LCBFormatError, decode_test_cases
+from rollout_gen.lcb import CodeTests, LCBFormatError, code_tests, decode_test_cases
 
 
 class LayoutError(ValueError):
@@ -117,13 +117,9 @@ def _lcb_v6(row: dict, source: str) -> Row:
         raise ValueError("column 'reward_model' has no ground_truth {inputs: [...], outputs: [...]}")
     if len(truth["inputs"]) != len(truth["outputs"]):
         raise ValueError(f"column 'reward_model': {len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
-    extra = _json_field(row, "extra_info") if row.get("extra_info") is not None else {}
-    qid = (extra or {}).get("question_id") if isinstance(extra, dict) else None
-    text = [x if isinstance(x, str) else json.dumps(x) for x in truth["inputs"]]
-    outs = [x if isinstance(x, str) else json.dumps(x) for x in truth["outputs"]]
-    fn = truth.get("fn_name")
-    return _code(row["problem"], CodeTests(text, outs, str(fn) if fn else None, None if qid is None else str(qid)),
-                 source)
+    extra = _json_field(row, "extra_info")
+    qid = extra.get("question_id") if isinstance(extra, dict) else None
+    return _code(row["problem"], code_tests(truth["inputs"], truth["outputs"], truth.get("fn_name"), qid), source)
 
 
 def _lcb_native(row: dict, source: str) -> Row:

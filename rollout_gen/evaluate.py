@@ -8,7 +8,7 @@ from pipeline.passk import summarize
 from pipeline.trajectory import Trajectory
 
 
-def world_metrics(trajectories: list[Trajectory], wall_s: float, decode=None) -> dict:
+def world_metrics(trajectories: list[Trajectory], wall_s: float) -> dict:
     n = len(trajectories)
     call_turns = [a for t in trajectories for p in t.positions for a in p.attempts if a.has_call]
     # A malformed call block is lived as no call (the turn is final), but it was an attempt at one:

@@ -129,14 +129,15 @@ def parse_tests(ground_truth: str) -> CodeTests:
         raise LCBFormatError("tests must be {inputs: [...], outputs: [...]} or a list of {input, output}")
     if len(data["inputs"]) != len(data["outputs"]):
         raise LCBFormatError(f"{len(data['inputs'])} inputs but {len(data['outputs'])} outputs")
-    fn = data.get("fn_name")
-    qid = data.get("question_id")
-    return CodeTests([_text(x) for x in data["inputs"]], [_text(x) for x in data["outputs"]],
-                     str(fn) if fn else None, None if qid is None else str(qid))
+    return code_tests(data["inputs"], data["outputs"], data.get("fn_name"), data.get("question_id"))
 
 
-def _text(value: object) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+def code_tests(inputs: list, outputs: list, fn_name: object, question_id: object) -> CodeTests:
+    """CodeTests of LiveCodeBench's input_output values: inputs and outputs as text (JSON unless strings)."""
+    def text(value: object) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+    return CodeTests([text(x) for x in inputs], [text(x) for x in outputs], str(fn_name) if fn_name else None,
+                     None if question_id is None else str(question_id))
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -206,13 +207,11 @@ def run_tests(program: str, tests: CodeTests, sandbox) -> list[TestResult]:
 def score(response_text: str, ground_truth: str, sandbox) -> float:
     """Share of tests passed (1.0: solved as LiveCodeBench counts it); −1 without a code block or tests."""
     program = extract_code(response_text)
-    if not program.strip():
-        return -1.0
     try:
         tests = parse_tests(ground_truth)
     except LCBFormatError:
         return -1.0
-    if not tests.inputs:
+    if not program.strip() or not tests.inputs:
         return -1.0
     results = run_tests(program, tests, sandbox)
     return sum(r.passed for r in results) / len(results)

@@ -13,6 +13,7 @@ Protocol, one JSON object a line: the child writes {"ready": true} once imported
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -87,10 +88,8 @@ class MathVerifier:
             proc.kill()
             proc.wait()
             for f in (proc.stdin, proc.stdout):
-                try:
+                with contextlib.suppress(OSError):
                     f.close()
-                except OSError:
-                    pass
 
     def close(self) -> None:
         with self._lock:

@@ -76,7 +76,7 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         if truth is None:
             raise TaskFileError(f"{path}: row {i}: missing reward_model.ground_truth (or answer)")
         src = source or r.get("data_source") or path.stem
-        kind = "code" if "code" in str(src).lower() or "livecodebench" in str(src).lower() else "math"
+        kind = "code" if "code" in str(src).lower() else "math"  # livecodebench, code_contests, …
         if not isinstance(truth, str):
             truth = json.dumps(truth)
         tasks.append(Task(stable_id(src, question), src, question, truth, kind))

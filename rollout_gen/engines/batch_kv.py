@@ -122,9 +122,8 @@ def stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tenso
         values = torch.zeros_like(keys)
         r = 0
         for layers, m in parts:
-            k, v = layers[li]
-            keys[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = k
-            values[r:r + m.shape[0], :, left + width - m.shape[1]:left + width] = v
+            rs, cs = slice(r, r + m.shape[0]), slice(left + width - m.shape[1], left + width)
+            keys[rs, :, cs], values[rs, :, cs] = layers[li]
             r += m.shape[0]
         bufs.append((keys, values))
     mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, m in parts])  # zeros on the left: padding

@@ -13,9 +13,10 @@ a fraction of its per-call work, which is most of a step when few rows are runni
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable
+from typing import Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
 from storage.errors import CheckpointError
 from rollout_gen.engines.batch_kv import growing, left_pad, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
-from rollout_gen.engines.qwen3_forward import engine_forward
+from rollout_gen.engines.qwen3_forward import Forward, engine_forward
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,10 +60,15 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     return (probs / q).argmax(dim=-1)
 
 
+def _last(outputs: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The last of `outputs`, each one released as the next is computed."""
+    return deque(outputs, maxlen=1)[0]
+
+
 def _kept_batch(pasts: list[KV | None], lens: list[int]) -> tuple[DynamicCache, torch.Tensor]:
     """Rows' kept KV (`lens[i]` tokens of row i, or none) right-aligned in one cache, and its mask."""
     width = max(lens)
-    past_mask = torch.zeros((len(pasts), width), dtype=torch.long)
+    past_mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
     if not width:
         return DynamicCache(), past_mask
     ref = next(p for p in pasts if p is not None)
@@ -74,9 +80,6 @@ def _kept_batch(pasts: list[KV | None], lens: list[int]) -> tuple[DynamicCache, 
             if p is not None:
                 keys[i, :, width - lens[i]:], values[i, :, width - lens[i]:] = p[li]
         layers.append((keys, values))
-    for i, n in enumerate(lens):
-        if n:
-            past_mask[i, width - n:] = 1
     return DynamicCache(ddp_cache_data=layers), past_mask
 
 
@@ -98,9 +101,7 @@ class CPUEngine:
                  chunk_tokens: int = 1024, kv_cache_tokens: int = 1 << 20, reuse_kv: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.checkpoint = Path(checkpoint)
-        self.model = self._load(self.checkpoint)
-        self.forward = engine_forward(self.model)
+        self._load(checkpoint)
         self.pad_id = pad_id if pad_id is not None else (self.model.config.pad_token_id or 0)
         self.chunk_tokens = chunk_tokens  # prefill positions per forward, over all rows
         self.reuse_kv = reuse_kv  # keep each trajectory's KV between its turns
@@ -118,19 +119,18 @@ class CPUEngine:
         # kv_store.least_forwards, the floor any prefix cache would forward for the same turns.
         self.turn_log: list[tuple[Hashable, tuple[int, ...], list[int]]] | None = None
 
-    @staticmethod
-    def _load(checkpoint: Path) -> torch.nn.Module:
+    def _load(self, checkpoint: Path) -> None:
         if not (Path(checkpoint) / "config.json").is_file():
             raise CheckpointError(f"no HF checkpoint at {checkpoint} (config.json missing)")
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
-        return model.eval()
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+        self.forward = engine_forward(self.model)
+        self.checkpoint = Path(checkpoint)
 
     def update_weights(self, checkpoint: Path) -> None:
         if self.busy():
             raise RuntimeError("update_weights while requests are running")
-        self.model = self._load(Path(checkpoint))
-        self.forward = engine_forward(self.model)
-        self.checkpoint = Path(checkpoint)
+        self._load(checkpoint)
         self.kept.clear()  # KV of the old weights is not the new policy's
 
     def close(self) -> None:
@@ -178,10 +178,7 @@ class CPUEngine:
             ids, mask = left_pad([seq[n:-1] for seq, n in zip(seqs, lens)], self.pad_id)
             self.prefill_tokens += int(mask.sum())
             pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
-            full_mask = torch.cat([past_mask, mask], dim=1)
-            step = max(1, self.chunk_tokens // len(rows))  # chunks of positions bound memory, as prefills do
-            hidden = torch.cat([hidden_states(ids[:, a:a + step], full_mask[:, :past_mask.shape[1] + a + step],
-                                              pos[:, a:a + step], cache) for a in range(0, ids.shape[1], step)], dim=1)
+            hidden = torch.cat(list(self._chunked(hidden_states, ids, mask, pos, past_mask, cache)), dim=1)
             _, head = split_causal_lm(self.model)
             by_temperature: dict[float, list[int]] = {}
             for j, (i, _, _) in enumerate(rows):
@@ -193,7 +190,7 @@ class CPUEngine:
                 for j, t in zip(js, turns):
                     out[rows[j][0]], lps = lps[:len(t)], lps[len(t):]
             for j, (i, _, _) in enumerate(rows):
-                m = full_mask[j].bool()
+                m = torch.cat([past_mask[j], mask[j]]).bool()
                 self.kept.offer(requests[i].key, seqs[j][:-1], [(k[j][:, m], v[j][:, m]) for k, v in _layers(cache)])
         return out
 
@@ -236,24 +233,22 @@ class CPUEngine:
         return [got[id(r)] for r in reqs]
 
     # ---- steps -------------------------------------------------------------------------------
-    def _forward_chunked(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past_mask: torch.Tensor,
-                         cache: DynamicCache) -> torch.Tensor:
-        """Forward `ids` through the cache in chunks of positions; logits of the last position only.
-
-        Only the last position's logits are needed to start sampling (`logits_to_keep=1`), and the
-        chunks bound the attention scores: memory does not grow with the square of the context."""
+    def _chunked(self, forward: Forward, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+                 past_mask: torch.Tensor, cache: DynamicCache) -> Iterator[torch.Tensor]:
+        """`forward` of `ids` through the cache, chunk by chunk of positions, each chunk's output yielded as it
+        is computed: the chunks bound the attention scores, so memory does not grow with the square of the
+        context. A prefill needs only the last chunk's logits (of its last position: `logits_to_keep=1`) to
+        start sampling, and keeps no other (_last): at Qwen3's vocabulary each is rows × 151,936 floats."""
         step = max(1, self.chunk_tokens // max(1, ids.shape[0]))
-        logits = None
         for a in range(0, ids.shape[1], step):
-            b = min(ids.shape[1], a + step)
-            logits = self.forward(ids[:, a:b], torch.cat([past_mask, mask[:, :b]], dim=-1), pos[:, a:b], cache)
-        return logits
+            yield forward(ids[:, a:a + step], torch.cat([past_mask, mask[:, :a + step]], dim=-1), pos[:, a:a + step],
+                          cache)
 
     def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
         """The unpadded KV of each prefix (computed together, each once)."""
         ids, mask = left_pad(prefixes, self.pad_id)
         cache = DynamicCache()
-        self._forward_chunked(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache)
+        _last(self._chunked(self.forward, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache))
         return [[(layer.keys[i][:, -len(p):], layer.values[i][:, -len(p):]) for layer in cache.layers] for i, p in enumerate(prefixes)]
 
     def _admit(self, reqs: list[Request]) -> list[tuple[Request, Generation]]:
@@ -286,7 +281,7 @@ class CPUEngine:
         cache, past_mask = _kept_batch(pasts, lens)
         ids, mask = left_pad(suffixes, self.pad_id)
         pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward_chunked(ids, mask, pos, past_mask, cache)
+        logits = _last(self._chunked(self.forward, ids, mask, pos, past_mask, cache))
         tokens, logps = self._sample(logits, rows)
         self._join(_layers(cache), torch.cat([past_mask, mask], dim=1), rows, tokens)
         return self._record(range(len(self._rows) - len(rows), len(self._rows)), tokens, logps)

@@ -34,10 +34,7 @@ class Kept:
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     """Length of the longest common prefix of a and b, at most `limit`."""
     n = min(len(a), len(b), limit)
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class KVStore:

@@ -80,10 +80,7 @@ class Qwen3Forward:
 
     def _repeat(self, x: torch.Tensor) -> torch.Tensor:
         groups = self.heads // self.kv_heads
-        if groups == 1:
-            return x
-        b, h, n, d = x.shape
-        return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:

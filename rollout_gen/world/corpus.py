@@ -46,12 +46,11 @@ def code_for(expr: str, style: int) -> str:
     if style == 1:
         return f"result = {expr}\nprint(result)"
     names = iter("abcdefgh")
-    assigned, lines = [], []
+    lines = []
 
     def name_number(m: re.Match) -> str:
         n = next(names)
         lines.append(f"{n} = {m.group(0)}")
-        assigned.append(n)
         return n
 
     body = re.sub(r"\d+", name_number, expr)

@@ -1,6 +1,7 @@
 """Arithmetic tasks solved with the Python tool: the embedded default world."""
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Iterator
 
@@ -65,5 +66,4 @@ def task_stream(cfg: WorldConfig, seed: int) -> Iterator[Task]:
 
 
 def training_tasks(cfg: WorldConfig, n: int, seed: int) -> list[Task]:
-    stream = task_stream(cfg, seed)
-    return [next(stream) for _ in range(n)]
+    return list(itertools.islice(task_stream(cfg, seed), n))
