@@ -29,7 +29,7 @@ ALWAYS_DEEP = 1.01
 
 def check_gamma(g: float) -> float:
     """SAAR's shallow/deep threshold: in [0, 1], or ALWAYS_DEEP; nan/inf/negatives are mistakes."""
-    if not math.isfinite(g) or not (0.0 <= g <= 1.0 or g == ALWAYS_DEEP):
+    if not (0.0 <= g <= 1.0 or g == ALWAYS_DEEP):  # nan compares false
         raise ValueError(f"γ must be in [0, 1], or {ALWAYS_DEEP} for always deep")
     return float(g)
 
@@ -39,7 +39,7 @@ Gamma = Annotated[float, AfterValidator(check_gamma)]
 
 def check_is_threshold(tau: float) -> float:
     """saar_is's τ: a positive finite ratio (IS ≥ τ replaces the failed turn; τ > 1 favours appending)."""
-    if not math.isfinite(tau) or tau <= 0:
+    if not 0 < tau < math.inf:  # nan compares false
         raise ValueError("the importance-ratio threshold τ must be a finite number > 0")
     return float(tau)
 
@@ -54,7 +54,7 @@ class Section(BaseModel):
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info) -> Any:
         # pydantic's lax mode reads `true` as 1: a boolean where a count or a number belongs is a mistake
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float, "int", "float"):
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
             raise ValueError("expected a number, not a boolean")
         return value
 
@@ -369,14 +369,15 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
     dotted, raw = assignment.split("=", 1)
-    path = dotted.strip().split(".")
-    if dotted.strip() not in _known_keys(CleanerConfig):
-        raise ConfigError(_unknown_key(dotted.strip()))
+    dotted = dotted.strip()
+    if dotted not in _known_keys(CleanerConfig):
+        raise ConfigError(_unknown_key(dotted))
+    *sections, key = dotted.split(".")
     node = data
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
+    for section in sections:
+        node = node.setdefault(section, {})
     try:
-        node[path[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        node[key] = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {assignment!r}: not valid YAML ({_yaml_problem(e)}); quote lists, "
                           f"e.g. 'purify.gammas=[0.3,0.7]'") from None
@@ -389,22 +390,21 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> CleanerConfig:
-    data: dict[str, Any] = {}
+    data: Any = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p}: not valid YAML ({_yaml_problem(e)})") from None
         except OSError as e:
             raise ConfigError(f"config file {p}: cannot be read ({e.strerror})") from None
-        if not isinstance(loaded, dict):
+        if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
-        data = loaded
     for assignment in overrides:
         apply_override(data, assignment)
     try:

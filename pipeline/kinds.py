@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pipeline.trajectory import Attempt, Position, Trajectory
+from pipeline.trajectory import Attempt, Trajectory
 
 TrajectoryKind = Literal["clean", "recovered", "not_recovered", "infra"]
 
@@ -35,12 +35,8 @@ def _ran(a: Attempt) -> bool:
     return a.result is not None and a.result.status == "success"
 
 
-def _infra(p: Position) -> bool:
-    return any(a.result is not None and a.result.error_class == "infra" for a in p.attempts)
-
-
 def trajectory_kind(t: Trajectory) -> TrajectoryKind:
-    if any(_infra(p) for p in t.positions):
+    if any(a.result is not None and a.result.error_class == "infra" for p in t.positions for a in p.attempts):
         return "infra"
     failed = [p for p in t.positions if any(failed_call(a) for a in p.attempts)]
     if not failed:

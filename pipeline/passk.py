@@ -18,10 +18,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
     if n - c < k:  # every k-subset holds a correct sample
         return 1.0
-    product = 1.0
-    for j in range(n - c + 1, n + 1):
-        product *= 1.0 - k / j
-    return 1.0 - product
+    return 1.0 - math.prod(1.0 - k / j for j in range(n - c + 1, n + 1))
 
 
 def report_ks(n: int) -> list[int]:

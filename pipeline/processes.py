@@ -2,6 +2,7 @@
 services cleaner starts and stops by pid (the project's Prefect server, the local Dask cluster, vLLM servers)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -45,9 +46,7 @@ def terminate(pid: int, grace: float = 10.0) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and alive(pid):
             time.sleep(0.05)
-        try:
+        with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
         if not alive(pid):
             return

@@ -7,32 +7,28 @@ stderr otherwise). Progress never goes to stdout, so commands' results stay pipe
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 import time
 from typing import Callable
 
 
-def _stderr_line(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-class StageProgress:
+class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
     def __init__(self, stage: str, unit: str, total: int, log: Callable[[str], None] | None = None,
                  every_s: float = 10.0, bar: bool | None = None) -> None:
         self.stage, self.unit, self.total, self.every_s = stage, unit, max(int(total), 0), every_s
-        self.log = log or _stderr_line
+        self.log = log or functools.partial(print, file=sys.stderr, flush=True)
         self.t0 = self._last = time.monotonic()
         self.done = 0
         self._bar = None
-        use_bar = bar if bar is not None else (log is None and sys.stderr.isatty())
-        if use_bar:
+        if bar or (bar is None and log is None and sys.stderr.isatty()):
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._bar = Progress(TextColumn(f"[{stage}]", markup=False), BarColumn(), MofNCompleteColumn(),
                                  TextColumn(unit, markup=False), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[note]}", markup=False), console=Console(stderr=True),
-                                 transient=False)
+                                 TextColumn("{task.fields[note]}", markup=False), console=Console(stderr=True))
             self._bar.start()
             self._task = self._bar.add_task(stage, total=self.total, note="")
         else:
@@ -59,9 +55,6 @@ class StageProgress:
             return
         self.log(f"[{self.stage}] {self._fraction()} in {time.monotonic() - self.t0:.1f} s"
                  + (f", {note}" if note else ""))
-
-    def __enter__(self) -> "StageProgress":
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
