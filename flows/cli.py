@@ -28,7 +28,7 @@ def build_parser() -> Parser:
     parser = Parser(prog="cleaner", description="CLEANER: offline two-phase agentic RL with self-purified "
                     "trajectories (SAAR).", epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    command_parser(sub, "config", "print the resolved config tree", "").set_defaults(func=run_config)
+    command_parser(sub, "config", "print the resolved config tree", "", func=run_config)
     for module in COMMAND_MODULES:
         importlib.import_module(module).add_parser(sub)
     return parser
@@ -51,15 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with command_prints_errors():  # a flow's records of a user error leave its line to the one below
             return int(args.func(args) or 0)
-    except Exception as e:  # noqa: BLE001 - user-facing failures get one line, bugs keep their traceback
+    except (CleanerError, OSError) as e:  # user-facing failures get one line, bugs keep their traceback
         if os.environ.get("CLEANER_TRACEBACK"):
             raise
-        if isinstance(e, CleanerError):
-            message, code = str(e), e.exit_code
-        elif isinstance(e, OSError):  # the environment's: a missing file, a full or read-only disk
-            message, code = describe_os_error(e), 1
-        else:
-            raise
+        # an OSError is the environment's: a missing file, a full or read-only disk
+        message, code = (str(e), e.exit_code) if isinstance(e, CleanerError) else (describe_os_error(e), 1)
         print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
         return code
 

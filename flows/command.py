@@ -55,7 +55,7 @@ def split_overrides(parser: Parser, argv: list[str]) -> tuple[list[str], list[st
 
 
 def command_parser(subparsers, name: str, help: str, example: str, description: str | None = None,
-                   config: bool = True, actions: tuple[str, ...] = (), func: Callable | None = None) -> Parser:
+                   config: bool = True, actions: tuple[str, ...] = (), *, func: Callable) -> Parser:
     """A command's parser: its help, description and examples, the function it runs (`func`), its first
     positional ACTION if it has `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional
     with their epilog."""

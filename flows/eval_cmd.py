@@ -69,16 +69,14 @@ def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from rollout_gen.eval_run import check_samples
+    from rollout_gen.eval_run import EvalError, check_samples
 
     cfg = config_of(args)
     if not args.world and not args.tasks:
-        print("cleaner eval: give --world (the held-out world tasks) or --tasks FILE.parquet", file=sys.stderr)
-        return 2
+        raise EvalError("give --world (the held-out world tasks) or --tasks FILE.parquet")
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
         if args.export_lcb:
-            print("cleaner eval: --export-lcb runs without --flow (one setting, one file)", file=sys.stderr)
-            return 2
+            raise EvalError("--export-lcb runs without --flow (one setting, one file)")
         check_samples(cfg, args.samples)  # refused before a server starts
         if args.tasks:
             from rollout_gen.tasks import load_task_parquet
@@ -111,7 +109,7 @@ def add_parser(sub) -> None:
         "failures by label, retry success, tool failures per trajectory, tokens, latency, and per benchmark (task "
         "source) avg@k pass@1 and the unbiased pass@k (k = 1, 4, 16, … up to --samples) with standard errors over "
         "tasks. Sample s uses seed rollout.seed + s. Code tasks count as solved only when every test passes, as "
-        "LiveCodeBench counts them (docs/eval.md).")
+        "LiveCodeBench counts them (docs/eval.md).", func=run)
     p.add_argument("--world", action="store_true", help="evaluate on the tool-use world's held-out set")
     p.add_argument("--tasks", type=Path, help="evaluate on a task file: Open-AgentRL-Eval (AIME2024, AIME2025, "
                    "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
@@ -125,4 +123,3 @@ def add_parser(sub) -> None:
     p.add_argument("--flow", action="store_true",
                    help="run as the Prefect eval flow: pass@k, tool errors and latency with SAAR on and off")
     p.add_argument("--json", action="store_true", help="print one JSON document (for scripts) instead of a table")
-    p.set_defaults(func=run)

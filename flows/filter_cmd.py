@@ -31,17 +31,10 @@ GROUP BY prompt_id ORDER BY prompt_id
 """
 
 
-
 class FilterError(CleanerError, ValueError):
     """Bounds that keep nothing, or a filter that kept no task; nothing was written."""
 
     exit_code = 2
-
-
-def check_bounds(min_pass: float, max_pass: float) -> None:
-    if not (0.0 <= min_pass < max_pass <= 1.0):
-        raise FilterError(f"pass-rate bounds must satisfy 0 <= --min-pass < --max-pass <= 1 (got {min_pass:g} and "
-                          f"{max_pass:g}); tasks strictly between them are kept")
 
 
 def pass_rates(root: Path, run_id: str, iterations: list[int] | None = None) -> list[dict]:
@@ -97,7 +90,9 @@ def write_task_file(rows: list[dict], out: Path) -> None:
 def run_filter(root: Path, run_id: str, iterations: list[int] | None, min_pass: float, max_pass: float,
                out: Path) -> tuple[int, int]:
     """Write the task file; returns (tasks kept, tasks seen)."""
-    check_bounds(min_pass, max_pass)
+    if not (0.0 <= min_pass < max_pass <= 1.0):
+        raise FilterError(f"pass-rate bounds must satisfy 0 <= --min-pass < --max-pass <= 1 (got {min_pass:g} and "
+                          f"{max_pass:g}); tasks strictly between them are kept")
     rows = pass_rates(root, run_id, iterations)
     keep = kept(rows, min_pass, max_pass)
     if not keep:
@@ -124,10 +119,9 @@ def add_parser(sub) -> None:
         "Per task of a run, the share of its committed rollouts with a positive reward (from the raw shards, "
         "through the DuckDB catalog: uncommitted shards are never read); tasks with min-pass < pass rate < "
         "max-pass are written as a task file that rollout.tasks accepts. The defaults keep tasks neither always "
-        "nor never solved.")
+        "nor never solved.", func=run)
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iterations", type=int, nargs="+", help="only these iterations (default: all committed)")
     p.add_argument("--min-pass", type=float, default=0.0, help="keep tasks whose pass rate is above this [0]")
     p.add_argument("--max-pass", type=float, default=1.0, help="keep tasks whose pass rate is below this [1]")
     p.add_argument("--out", type=Path, required=True, help="task file to write (Parquet)")
-    p.set_defaults(func=run)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from flows.command import command_parser, config_of
+from flows.stage_cmds import published
 from pipeline.config import CleanerConfig
 from pipeline.modes import partition_gamma, partition_measure
 from storage.layout import RunLayout
@@ -15,27 +15,26 @@ from storage.retention import empty_trash, plan, remove
 def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
     """The partitions (mode=…/gamma=…) the run's own flow writes and trains on, from its frozen config
     (run.json): a resumed or continued run would purify them again, with checkpoints gc may have removed."""
-    from pipeline.config import CleanerConfig as Config
     from pipeline.modes import IS_MODES, live_measure
 
     layout = RunLayout(cfg.storage.root, run_id)
     if layout.run_json.is_file():
         frozen = json.loads(layout.run_json.read_text())
-        cfg = Config.model_validate({**cfg.model_dump(mode="json"), **{k: v for k, v in frozen.items()
-                                                                        if k in ("purify", "train", "rollout")}})
+        cfg = CleanerConfig.model_validate({**cfg.model_dump(mode="json"), **{
+            k: v for k, v in frozen.items() if k in ("purify", "train", "rollout")}})
     p, t = cfg.purify, cfg.train
     measure = live_measure(cfg.rollout.saar)
     wanted = {(m, v) for m in [*p.modes, t.mode] for v in (p.is_thresholds if m in IS_MODES else [*p.gammas, t.gamma])}
-    out = set()
-    for mode, value in wanted:
-        folder = layout.purified_dir(0, mode, partition_gamma(mode, value), partition_measure(mode, measure))
-        out.add(f"{folder.parent.name}/{folder.name}")
-    return out
+    folders = (layout.purified_dir(0, mode, partition_gamma(mode, value), partition_measure(mode, measure))
+               for mode, value in wanted)
+    return {f"{folder.parent.name}/{folder.name}" for folder in folders}
 
 
-def run_gc(cfg: CleanerConfig, run_id: str, keep_last: int, keep: list[int], partitions: list[str],
-           dry_run: bool) -> int:
-    items = plan(cfg.storage.root, run_id, keep_last, tuple(keep), tuple(partitions),
+def run(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    run_id, dry_run = args.run or cfg.flow.run_id, args.dry_run
+    partitions = args.remove_partition or []
+    items = plan(cfg.storage.root, run_id, args.keep_last, tuple(args.keep or []), tuple(partitions),
                  run_partitions(cfg, run_id) if partitions else set())
     total = sum(i.bytes for i in items)
     verb = "would remove" if dry_run else "removing"
@@ -45,18 +44,10 @@ def run_gc(cfg: CleanerConfig, run_id: str, keep_last: int, keep: list[int], par
         empty_trash(cfg.storage.root)  # what a gc killed mid-way left
         for item in items:
             remove(cfg.storage.root, item)
-        from flows.run_config import publish_catalog
-
-        publish_catalog(cfg, lambda m: print(f"cleaner gc: {m}", file=sys.stderr))
+        published(cfg, "cleaner gc")
     print(f"{'would free' if dry_run else 'freed'} {total / 2**20:.1f} MiB in {len(items)} item(s)"
           + (" (dry run: nothing changed)" if dry_run else ""))
     return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    cfg = config_of(args)
-    return run_gc(cfg, args.run or cfg.flow.run_id, args.keep_last, args.keep or [], args.remove_partition or [],
-                  args.dry_run)
 
 
 def add_parser(sub) -> None:
@@ -68,7 +59,7 @@ def add_parser(sub) -> None:
         "writing, every raw shard and the partition the run trains on; removes the other checkpoints and the "
         "purified/dead-letter partitions named with --remove-partition in every iteration. Each item goes in one "
         "rename (never half-removed); the catalog is republished. Replays of an iteration whose checkpoint was "
-        "removed cannot recompute log-probs (keep it with --keep).")
+        "removed cannot recompute log-probs (keep it with --keep).", func=run)
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--keep-last", type=int, default=2, help="newest committed checkpoints to keep (≥ 1; default 2)")
     p.add_argument("--keep", type=int, nargs="+", metavar="ITERATION", help="also keep these iterations' checkpoints")
@@ -76,4 +67,3 @@ def add_parser(sub) -> None:
                    help="replay partitions to remove from every iteration, as named under purified/ "
                    "(e.g. mode=saar/gamma=0.30); never the one the run trains on")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed and change nothing")
-    p.set_defaults(func=run)

@@ -39,25 +39,23 @@ def add_parser(sub) -> None:
         sub, "bootstrap", "build the tool-use world's tokenizer, SFT corpus and tiny policy",
         "Example:\n  cleaner bootstrap --out /tmp/policy --steps 200 --corpus-size 500   # a quick one",
         "Generate the SFT corpus (tool outputs from the real sandbox), train the byte-level BPE tokenizer and a "
-        "tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.")
+        "tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.", func=run_bootstrap)
     p.add_argument("--out", type=Path, help="output folder (default: rollout.policy)")
     p.add_argument("--steps", type=int, default=3500, help="SFT optimizer steps (batch 8)")
     p.add_argument("--corpus-size", type=int, default=12_000, help="number of transcripts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--force", action="store_true", help="overwrite an existing policy")
-    p.set_defaults(func=run_bootstrap)
 
     p = command_parser(
         sub, "init-policy", "write a small Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151,936)",
         "Example:\n  cleaner init-policy --out /tmp/qwen3-tiny && cleaner rollout rollout.policy=/tmp/qwen3-tiny",
         "A Qwen3-layout checkpoint (real tokenizer, <tool_call>=151657, <think> blocks, Qwen3's chat template) of "
         "small width, briefly SFT'd to emit tool calls; it runs through exactly the code a real Qwen3 checkpoint "
-        "does (flows/init_policy.py).", config=False)
+        "does (flows/init_policy.py).", config=False, func=run_init_policy)
     p.add_argument("--out", type=Path, required=True, help="output folder (an HF checkpoint directory)")
     p.add_argument("--random", action="store_true", help="random weights (never emits a tool call)")
     p.add_argument("--retrain", action="store_true", help="rerun the SFT (minutes) instead of the committed weights")
     p.add_argument("--template", choices=TEMPLATE_FAMILIES, default="qwen3",
                    help="chat template family: qwen3 (Qwen3-4B, Instruct-2507's generation prompt) or thinking-2507 "
                    "(opens every assistant turn with <think>, as Qwen3-4B-Thinking-2507)")
-    p.set_defaults(func=run_init_policy)

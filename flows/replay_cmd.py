@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flows.command import config_of
 from flows.console import working
-from flows.stage_cmds import purify_parser
+from flows.stage_cmds import published, purify_parser
 from pipeline.config import CleanerConfig, SaarConfig
 from pipeline.modes import live_measure
 from pipeline.similarity import REFERENCE_MEASURE
@@ -75,14 +75,13 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from storage.shards import read_manifest, read_shard
 
     layout = RunLayout(cfg.storage.root, run_id)
-    gammas = (gammas or sweep_gammas()) if sweep else (gammas or cfg.flow.replay_gammas)
-    if taus and not modes:
-        modes = ["saar_is"]
+    gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
+    modes = modes or (["saar_is"] if taus else ["saar"])
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
-        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(modes or ['saar'])} × γ "
+        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(modes)} × γ "
                      f"{' '.join(f'{g:g}' for g in gammas)}" + (f" (τ {' '.join(f'{t:g}' for t in taus)})" if taus else "")
                      + f" beside the committed partitions on Beam ({cfg.purify.runner})"):
-            run_purify_stage(cfg, run_id, iteration, modes or ["saar"], gammas, is_thresholds=taus)
+            run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
     with working(f"[replay {run_id} it {iteration}] reading the raw shard and the tokenizer of the policy that "
                  "sampled it"):
         raw_dir = layout.raw_dir(iteration)
@@ -110,9 +109,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
                   f"old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did (γ_live="
                   f"{saar.gamma_live:g}, {live.key}); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
                   f"at the same γ", style="italic", highlight=False, markup=False)
-    if taus or (sweep and "saar_is" in (modes or [])):
-        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, sampled_by, cfg,
-                        histogram=sweep)
+    if taus or (sweep and "saar_is" in modes):
+        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, sampled_by, cfg, histogram=sweep)
     from flows.premise import print_premise
     from storage.catalog import Catalog
 
@@ -122,7 +120,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         return 0
     cands = candidates(raws, chat.decode, measure, live)
     console.print(f"similarity ({measure.key}) of the {len(cands)} splice candidates as lived:")
-    marks = sorted({g for g in (0.3, 0.5, 0.7, 0.9, saar.gamma_live)})
+    marks = sorted({0.3, 0.5, 0.7, 0.9, saar.gamma_live})
     for line in histogram_lines([c.similarity for c in cands], marks):
         console.print(line, highlight=False)
     for g in marks:
@@ -137,20 +135,17 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.run_config import publish_catalog
-
     cfg = config_of(args)
     code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep,
                       args.is_threshold)
-    publish_catalog(cfg, lambda message: print(f"cleaner: {message}", file=sys.stderr))
+    published(cfg)
     return code
 
 
 def add_parser(sub) -> None:
     p = purify_parser(sub, "replay", "re-purify stored raw shards under other γ / modes, never touching them, and "
-                      "compare", "cleaner replay --run demo --iteration 0 --gamma 0.3 0.5 0.7")
+                      "compare", "cleaner replay --run demo --iteration 0 --gamma 0.3 0.5 0.7", run)
     p.add_argument("--sweep", action="store_true", help=(
         "γ 0.0–1.0 step 0.05 (or --gamma values) in memory, no partitions written: table, similarity "
         "histogram, example pairs around γ, PNG under runs/RUN/report/; measure: rollout.saar.similarity(_on); "
         "with --mode saar_is or --is-threshold: the importance-ratio histogram and decisions per τ"))
-    p.set_defaults(func=run)

@@ -27,9 +27,8 @@ def _frozen(data: dict) -> dict:
     rollout = out["rollout"]
     rollout.pop("loop", None)  # removed by issue 28: every run rolls out on the asynchronous loop
     tuning = dict(rollout.get("engine_tuning") or {})
-    for key in MOVED_TO_ENGINE_TUNING:  # a run frozen before rollout.engine_tuning held them
-        if key in rollout:
-            tuning[key] = rollout.pop(key)
+    # a run frozen before rollout.engine_tuning held them
+    tuning.update({key: rollout.pop(key) for key in MOVED_TO_ENGINE_TUNING if key in rollout})
     tuning.pop("threads", None)  # speed only: a rerun may use other threads
     rollout["engine_tuning"] = tuning
     return out

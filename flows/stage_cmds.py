@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from flows.command import command_parser, config_of
-from pipeline.config import check_gamma, check_is_threshold
+from pipeline.config import CleanerConfig, check_gamma, check_is_threshold
 from pipeline.modes import IS_MODES, MODES
 
 
@@ -23,15 +23,14 @@ def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], flo
     return value
 
 
-def stage_parser(sub, name: str, help: str, example: str, description: str,
-                 func: Callable | None = None) -> argparse.ArgumentParser:
+def stage_parser(sub, name: str, help: str, example: str, description: str, func: Callable) -> argparse.ArgumentParser:
     p = command_parser(sub, name, help, f"Example:\n  {example}", description, func=func)
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iteration", type=int, default=0)
     return p
 
 
-def purify_parser(sub, name: str, help: str, example: str, func: Callable | None = None) -> argparse.ArgumentParser:
+def purify_parser(sub, name: str, help: str, example: str, func: Callable) -> argparse.ArgumentParser:
     """purify's and replay's: an iteration, γ values, modes and τ values."""
     p = stage_parser(sub, name, help, example, help + ". One partition per (mode, γ) is written beside the "
                      "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.",
@@ -44,11 +43,11 @@ def purify_parser(sub, name: str, help: str, example: str, func: Callable | None
     return p
 
 
-def published(cfg) -> None:
-    """A stage run alone republishes the catalog file too (one warning if it cannot)."""
+def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
+    """A command that committed republishes the catalog file too (one warning on stderr if it cannot)."""
     from flows.run_config import publish_catalog
 
-    publish_catalog(cfg, lambda message: print(f"cleaner: {message}", file=sys.stderr))
+    publish_catalog(cfg, lambda message: print(f"{prefix}: {message}", file=sys.stderr))
 
 
 def run_rollout(args: argparse.Namespace) -> int:

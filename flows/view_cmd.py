@@ -25,9 +25,9 @@ def add_parser(sub) -> None:
         "label, partition, spliced, reward, advantage sign, text), one trajectory's attempt tree beside every "
         "purified variant aligned at token level (kept, removed and inserted spans, loss mask, advantage, behaviour "
         "vs recomputed log-probs as colour), the run's report (`cleaner report`), and a SQL box on a read-only "
-        "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.")
+        "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.",
+        func=run)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
                    "the network (a warning says so)")
     p.add_argument("--port", type=int, default=8765, help="port [8765]; 0 picks a free one")
-    p.set_defaults(func=run)

@@ -19,7 +19,6 @@ DONE_MARKER = "_CHECKPOINT.json"  # written last into a checkpoint folder: the c
 
 
 def check_safetensors(path: Path) -> None:
-    path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -40,8 +39,8 @@ def check_safetensors(path: Path) -> None:
                               "restore or re-copy the checkpoint")
 
 
-def check_checkpoint(checkpoint: Path) -> None:
-    """The checkpoint folder exists and every weight file in it is whole."""
+def check_checkpoint(checkpoint: Path) -> list[Path]:
+    """The checkpoint folder exists and every weight file in it is whole; returns those files, sorted."""
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist")
@@ -50,14 +49,14 @@ def check_checkpoint(checkpoint: Path) -> None:
         raise CheckpointError(f"no *.safetensors weights in checkpoint {checkpoint}")
     for w in weights:
         check_safetensors(w)
+    return weights
 
 
 def policy_version(checkpoint: Path) -> str:
     """Content identity of a checkpoint: its weights' hash (names alone can be reused)."""
-    check_checkpoint(checkpoint)  # exists, and every weight file is whole: one line, not a loader traceback
-    weights = sorted(Path(checkpoint).glob("*.safetensors"))
     h = hashlib.blake2b(digest_size=8)
-    for w in weights:
+    # exists, and every weight file is whole: one line, not a loader traceback
+    for w in check_checkpoint(checkpoint):
         with open(w, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)

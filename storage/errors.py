@@ -40,8 +40,7 @@ class InspectError(CleanerError):
 
 def describe_os_error(e: OSError, doing: str = "") -> str:
     """One line for an OSError: what was being done, the file, and the fix for the common causes."""
-    path = e.filename if e.filename is not None else ""
-    where = f"{path}: " if path else ""
+    where = f"{e.filename}: " if e.filename else ""
     what = f"{doing}: " if doing else ""
     reason = e.strerror or str(e)
     fix = {
@@ -62,7 +61,7 @@ def os_error(e: OSError, doing: str = "") -> CleanerError:
     return cls(describe_os_error(e, doing))
 
 
-def check_writable_root(root: Path, create: bool = True) -> Path:
+def check_writable_root(root: Path, create: bool = True) -> None:
     """storage.root exists (created when `create`) and takes a write; one line naming it otherwise.
 
     Checked before anything long starts (a Prefect server whose database lives under the root, an
@@ -79,4 +78,3 @@ def check_writable_root(root: Path, create: bool = True) -> Path:
         probe.unlink()
     except OSError as e:
         raise os_error(e, f"storage.root {root} is not a writable folder") from None
-    return root

@@ -66,11 +66,10 @@ def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), pa
         if name in protected:
             raise RetentionError(f"--remove-partition {name}: the run's own flow writes it (purify.modes/gammas or "
                                  "train.mode/gamma): a resumed run would purify it again; only replay partitions go")
-    out: list[Removal] = []
     done = sorted((p for p in (layout.run_dir / "checkpoints").glob("iteration=*") if (p / DONE_MARKER).is_file()),
                   key=_iteration_of)
-    kept = {p for p in done[-keep_last:]} | {p for p in done if _iteration_of(p) in keep}
-    out += [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
+    kept = set(done[-keep_last:]) | {p for p in done if _iteration_of(p) in keep}
+    out = [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
     for name in partitions:
         for kind, what in (("purified", "partition"), ("dead_letter", "dead letters")):
             for p in sorted(layout.run_dir.glob(f"iteration=*/{kind}/{name}")):
