@@ -198,11 +198,9 @@ class _Index:
                 return None
             packed = [_packed_identity(directory), _packed_identity(prefix + MANIFEST),
                       *[_packed_identity(prefix + name) for name in names]]
-            if hashlib.blake2b(b"".join(packed), digest_size=16).hexdigest() != ids:
+            if _digest(b"".join(packed)) != ids:
                 return None
-            found = ShardFiles([prefix + n for n in parts], version,
-                               None if summaries is None else [prefix + n for n in summaries],
-                               tuple(prefix + n for n in texts))
+            found = _files(directory, version, parts, summaries, texts)
         except (OSError, TypeError, ValueError, struct.error):
             return None
         self.new["shards"][key] = entry
@@ -245,10 +243,8 @@ class _Index:
                 directory = folder + _SEP + name
                 prefix = directory + _SEP
                 paths += [directory, prefix + MANIFEST, *[prefix + n for n in names]]
-                files = ShardFiles([prefix + n for n in parts], version,
-                                   None if summaries is None else [prefix + n for n in summaries],
-                                   tuple(prefix + n for n in texts))
-                found.append((_VIEW_OF[name.split(_SEP, 1)[0]], directory, files, crcs, shard))
+                found.append((_VIEW_OF[name.split(_SEP, 1)[0]], directory,
+                              _files(directory, version, parts, summaries, texts), crcs, shard))
             if _digest(b"".join([_packed_identity(p) for p in paths])) != digest:
                 return None
         except (OSError, TypeError, ValueError, KeyError, AttributeError, struct.error):
@@ -289,6 +285,14 @@ class _Index:
             _LOADED[str(self.path)] = (identity(str(self.path)), new)
         except OSError:
             tmp.unlink(missing_ok=True)
+
+
+def _files(directory: str, version: str, parts: list[str], summaries: list[str] | None,
+           texts: list[str]) -> ShardFiles:
+    """A shard's files from their names (as its manifest, or its index entry, lists them)."""
+    prefix = directory + _SEP
+    return ShardFiles([prefix + n for n in parts], version, None if summaries is None else [prefix + n for n in summaries],
+                      tuple(prefix + n for n in texts))
 
 
 def _digest(body: bytes) -> str:
@@ -338,10 +342,8 @@ def _validate(directory: str, schema: pa.Schema, force: bool) -> tuple[ShardFile
         check_part(d, part, schema, force)
     for part in [*summaries, *texts]:
         check_summary(d, part, force)
-    prefix = directory + _SEP
-    files = ShardFiles([prefix + p.name for p in manifest.parts], manifest.schema,
-                       [prefix + p.name for p in summaries] if summaries else None,
-                       tuple(prefix + p.name for p in texts))
+    files = _files(directory, manifest.schema, [p.name for p in manifest.parts],
+                   [p.name for p in summaries] if summaries else None, [p.name for p in texts])
     listed = [*manifest.parts, *summaries, *texts]
     crcs = [p.crc32 for p in listed]
     # The identities each file was verified at (the record's, never a stat taken now): a change after the
