@@ -13,6 +13,11 @@ if TYPE_CHECKING:  # `cleaner --help` reads COLUMNS: DuckDB, Arrow and rich load
 
     from pipeline.config import CleanerConfig
 
+# what the catalog holds (storage/catalog.py), named in --help and under the summary
+VIEWS = ("raw_trajectories", "raw_attempts", "raw_summary", "purified", "purified_summary", "splices", "purify_compare",
+         "dead_letters", "metrics", "raw_kinds", "trajectory_kinds", "failed_call_advantage", "off_policy", "raw_texts",
+         "raw_attempt_texts", "purified_texts", "catalog_problems")
+
 EXAMPLE_QUERIES = {
     "tool-error rate per iteration": (
         "SELECT run_id, iteration, avg(stats.first_attempt_failures) AS first_failures_per_traj, "
@@ -97,7 +102,8 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column("deep", "deep", "splices that replaced the whole failed turn (similarity < γ)", wide=True),
         Column("tokens_removed", "tokens removed", "tokens the splices removed, summed"),
         Column("tokens_forwarded", "tokens forwarded", "mean tokens per row the log-prob recompute ran through "
-               "the model (from the first token whose context changed; prefix KV reused)", wide=True),
+               "the model (CPU: the response up to its last recomputed token, the prompt's KV shared; SGLang: from "
+               "the first token whose context changed)", wide=True),
         Column("mean_reward", "mean reward", "mean reward of the rows"),
     ),
     "per iteration": (
@@ -107,8 +113,8 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included", wide=True),
         Column("response_tokens", "response tokens", _RESPONSE),
         Column("generated_tokens", "generated tokens", "tokens sampled, summed, failed attempts included", wide=True),
-        Column("failed_token_share", "failed token share", "share of the generated tokens spent on failed "
-               "attempts (their call and its error)"),
+        Column("failed_token_share", "failed token share", "share of the response tokens (sampled and tool "
+               "feedback, summed) that failed attempts take up: their call and its error"),
         Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
         Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),
     ),
@@ -143,7 +149,7 @@ def _partition(row: dict) -> str:
 
 
 def _cell(value: object) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _widths(texts: list[list[str]], budget: int) -> list[int] | None:
@@ -171,6 +177,7 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
     headings. A table that cannot fit the terminal without cutting a word is printed at its own width (the
     terminal wraps it, `less -S` scrolls it): a cut value would read as another number."""
     from rich.table import Table
+    from rich.text import Text
 
     # its own line: a table's title is wrapped to the table's width, a query to a column of 5 characters
     console.print(title, style="italic", markup=False, highlight=False)
@@ -181,10 +188,10 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
     widths = _widths([[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1)
     out = Table()
     for j, c in enumerate(shown):
-        out.add_column(c.header, width=widths[j] if widths else None,
+        out.add_column(Text(c.header), width=widths[j] if widths else None,
                        justify="left" if c.name in ("run_id", "partition", "mode", "measure") else "right")
-    for r in rows:
-        out.add_row(*r)
+    for r in rows:  # as Text: a cell holds model code and tool output (`lst[i]`, `[/]`), never rich markup
+        out.add_row(*map(Text, r))
     width = console.width
     if widths is None:  # rather too wide than cut
         console.width = console.measure(out, options=console.options.update_width(10_000)).maximum
@@ -200,16 +207,22 @@ def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None =
                 verify: bool = False, show_all: bool = False, wide: bool = False) -> int:
     import duckdb
 
+    if sql is not None and not sql.strip():
+        raise InspectError("--sql needs a query (e.g. --sql \"SELECT * FROM purify_compare\")")
     if not print_queries and not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
         raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
                              "storage.root or --config)")
     try:
         return _verify(cfg) if verify else _inspect(cfg, sql, run_id, print_queries, show_all, wide)
     except duckdb.Error as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, duckdb.IOException):
-            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({first})") from None
-        raise InspectError(f"SQL error: {first}") from None
+            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({_first_line(e)})"
+                               ) from None
+        raise InspectError(f"SQL error: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _verify(cfg: CleanerConfig) -> int:
@@ -232,9 +245,11 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
              show_all: bool = False, wide: bool = False) -> int:
     import sys
 
+    import duckdb
     from rich.console import Console
 
-    console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
+    # pipes and logs get whole columns; `:x:` in a value or a query is text, not an emoji
+    console = Console(width=None if sys.stdout.isatty() else 220, emoji=False)
     db = (cfg.storage.root / cfg.storage.catalog).resolve()
     if print_queries:
         console.print(f"duckdb -readonly {db}")
@@ -254,9 +269,16 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
     with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
-        if sql:
-            print_table(console, sql, cat.query(sql))
+        if sql is not None:
+            try:
+                result = cat.query(sql)
+            except duckdb.Error as e:  # the user's SQL, whatever it opens: not the catalog's failure
+                raise InspectError(f"SQL error: {_first_line(e)}") from None
+            print_table(console, sql, result)
             return 0
+        known = [r["run_id"] for r in cat.query("SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]
+        if run_id is not None and run_id not in known:
+            raise InspectError(f"no run {run_id!r} in {cfg.storage.root} (runs: {', '.join(known) or 'none yet'})")
         conditions = ["run_id = '{}'".format(run_id.replace("'", "''"))] if run_id else []
         longest = cat.query("SELECT coalesce(max(n), 0) AS n FROM (SELECT count(DISTINCT iteration) AS n "
                             "FROM raw_summary GROUP BY run_id)").to_pylist()[0]["n"]
@@ -277,18 +299,14 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
                 print_table(console, title, result, COLUMNS[title], wide, FOOTNOTES.get(title))
         from flows.report import ITERATIONS_SQL
 
-        runs = [run_id] if run_id else [r["run_id"] for r in cat.query(
-            "SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]
-        for run in runs:  # the numbers `cleaner report` plots
+        for run in [run_id] if run_id else known:  # the numbers `cleaner report` plots
             its = cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table()
             print_table(console, f"per iteration: {run}", its.slice(max(0, its.num_rows - RECENT)) if cut else its,
                         COLUMNS["per iteration"], wide)
         if cut:
             console.print(f"(the last {RECENT} iterations of each run; `cleaner inspect --all` shows every one)",
                           style="italic", highlight=False)
-    console.print(f"catalog: duckdb -readonly {db}  (views: raw_trajectories, raw_attempts, raw_summary, purified, "
-                  "purified_summary, splices, purify_compare, dead_letters, metrics, raw_kinds, trajectory_kinds, "
-                  "failed_call_advantage, off_policy, raw_texts, raw_attempt_texts, purified_texts, catalog_problems)")
+    console.print(f"catalog: duckdb -readonly {db}  (views: {', '.join(VIEWS)})")
     return 0
 
 
@@ -302,16 +320,16 @@ def add_parser(sub) -> None:
         sub, "inspect", "summarise runs from the DuckDB catalog, or run SQL on its views",
         "Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
         "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + columns_help(),
-        "Views: raw_trajectories, raw_attempts, purified, splices, purify_compare, dead_letters, metrics, "
-        "raw_kinds, trajectory_kinds, failed_call_advantage, off_policy. Every part is checked in full once "
+        f"Views: {', '.join(VIEWS)}. Every part is checked in full once "
         "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.", func=run)
-    p.add_argument("--sql", help="run this SQL against the catalog and print the result")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--sql", help="run this SQL against the catalog and print the result")
     p.add_argument("--run", help="restrict the summary to one run id")
-    p.add_argument("--queries", action="store_true", help="print example queries to try")
+    what.add_argument("--queries", action="store_true", help="print example queries to try")
     p.add_argument("--all", action="store_true", help="summary tables of every iteration (default: each run's last 10)")
     p.add_argument("--wide", action="store_true", help=(
         "every column of the summary tables (default: those that fit 100 columns; a table wider than the terminal "
         "is printed whole, for `less -S`)"))
-    p.add_argument("--verify", action="store_true", help=(
+    what.add_argument("--verify", action="store_true", help=(
         "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
         "name each bad file, and exit 1 if any is bad"))

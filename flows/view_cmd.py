@@ -15,6 +15,13 @@ def run(args: argparse.Namespace) -> int:
     return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
 
 
+def _port(text: str) -> int:
+    """A TCP port, refused by argparse (one line, exit 2) when outside 0-65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0 picks a free one)")
+    return int(text)
+
+
 def add_parser(sub) -> None:
     p = command_parser(
         sub, "view", "browse runs, trajectories and their purified variants in a local web app",
@@ -30,4 +37,4 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
                    "the network (a warning says so)")
-    p.add_argument("--port", type=int, default=8765, help="port [8765]; 0 picks a free one")
+    p.add_argument("--port", type=_port, default=8765, help="port [8765]; 0 picks a free one")

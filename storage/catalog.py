@@ -235,10 +235,15 @@ class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
     def __init__(self, root: Path, database: str | Path | None = None, verify: bool = False,
-                 scanned: Scan | None = None) -> None:
+                 scanned: Scan | None = None, published_as: Path | None = None) -> None:
         self.root = Path(root).resolve()  # views hold absolute paths: usable from any directory
         self.verify = verify  # check every part in full, whatever the verification records say
         self.database = str(database) if database is not None else ":memory:"
+        # A file's views hold the absolute paths of the root it was published for: a copy of the file (a workspace
+        # copied or moved) would read the original's shards, or fail on a missing file. Every view of a published
+        # file checks that it is opened where it was published, else fails saying how to republish it.
+        self._guard = "" if published_as is None else " WHERE cleaner_catalog_in_place()"
+        self.published_as = published_as
         self.problems: list[Problem] = []
         # Written in a format the duckdb CLI that set-up installs (duckdb-cli 1.5.x; the registry has no
         # 2.x CLI) can open: the 2.0 client's default storage version is newer than it reads.
@@ -254,6 +259,15 @@ class Catalog:
         """The views rebuilt over `scanned` (by default, a scan of the root now)."""
         scanned = scanned or scan(self.root, self.verify)
         self.problems = list(scanned.problems)
+        if self.published_as is not None:
+            here, root = (str(p).replace("'", "''") for p in (self.published_as, self.root))
+            self.con.execute(
+                # any database of the connection: a notebook may ATTACH it under a name of its own
+                "CREATE OR REPLACE MACRO cleaner_catalog_in_place() AS (SELECT CASE WHEN count(*) > 0 THEN true ELSE "
+                "error('this catalog was published as {here}, which no database open here is (a copied or moved "
+                "workspace?): its views read the shards under {root}. Run `cleaner inspect storage.root=<the "
+                "workspace it is in now>` to publish it there') END FROM duckdb_databases() WHERE path = '{here}')"
+                .format(here=here, root=root))
         # VIEWS_SQL's views are bound when created, each binding the views they name (thousands of files at 2,000
         # iterations) again: created over empty stand-ins (temporary: never in the file), they cost what they
         # cost over an empty store; every query binds them over the views as they are.
@@ -297,7 +311,7 @@ class Catalog:
         else:
             source = _empty_table(self.con, name, schema, stand_in)
             select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
-        self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}")
+        self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}{self._guard if reads else ''}")
 
     def _text_views(self, scanned: Scan) -> None:
         """`raw_texts`, `raw_attempt_texts` and `purified_texts`: the decoded text written beside each part at
@@ -306,12 +320,13 @@ class Catalog:
         purified = [p for s in scanned.shards["purified"] for p in s.texts]
         raw_source = (f"read_parquet({_sql_list(raw)}, hive_partitioning=false)" if raw
                       else _empty_table(self.con, "raw_texts", RAW_TEXT))
-        self.con.execute(f"CREATE OR REPLACE VIEW raw_texts AS SELECT * EXCLUDE (attempts) FROM {raw_source}")
+        guard = self._guard if raw else ""
+        self.con.execute(f"CREATE OR REPLACE VIEW raw_texts AS SELECT * EXCLUDE (attempts) FROM {raw_source}{guard}")
         self.con.execute(
             "CREATE OR REPLACE VIEW raw_attempt_texts AS SELECT run_id, iteration, prompt_id, sample_idx, "
             "a.position_idx AS position_idx, a.attempt_idx AS attempt_idx, a.turn_text AS turn_text, "
             "a.feedback_text AS feedback_text FROM (SELECT run_id, iteration, prompt_id, sample_idx, UNNEST(attempts) "
-            f"AS a FROM {raw_source})")
+            f"AS a FROM {raw_source}{guard})")
         self._view("purified_texts", [f"SELECT * FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, "
                                       "filename=true)"] if purified else [], PURIFIED_TEXT, True, False)
 
@@ -374,7 +389,7 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
     for path in leftovers:
         path.unlink(missing_ok=True)
     try:
-        with Catalog(root, tmp, scanned=scanned) as cat:
+        with Catalog(root, tmp, scanned=scanned, published_as=database) as cat:
             problems = cat.problems
             cat.con.execute("CHECKPOINT")
         built = identity(tmp)

@@ -369,6 +369,27 @@ def _not_committed(directory: str) -> bool:
     return bool(fnmatch.filter(names, PART_GLOB) or fnmatch.filter(names, ".part-*"))
 
 
+def _named_as_input(directory: str) -> str | None:
+    """The manifest of a shard of the same iteration that records `directory`'s manifest as its input (so
+    `directory` was committed and has lost its manifest since), or None. Read only for a folder of parts without a
+    manifest: rare, and the whole iteration's manifests are few."""
+    iteration = directory
+    while not os.path.basename(iteration).startswith("iteration="):
+        if os.path.dirname(iteration) == iteration:
+            return None
+        iteration = os.path.dirname(iteration)
+    lost = directory + _SEP + MANIFEST
+    for manifest in sorted(Path(iteration).rglob(MANIFEST)):
+        try:
+            inputs = json.loads(manifest.read_bytes()).get("inputs") or []
+        except (OSError, ValueError, AttributeError):
+            continue  # a manifest unreadable itself is named where its own shard is scanned
+        # recorded relative to the root (earlier cleaners: absolute)
+        if any(isinstance(i, str) and (i == lost or lost.endswith(_SEP + i)) for i in inputs):
+            return str(manifest)
+    return None
+
+
 def _shard(index: _Index, directory: str, schema: pa.Schema, verify: bool,
            problems: list[Problem]) -> tuple[ShardFiles, list[str], list[bytes] | None] | None:
     """A shard folder through the index, else validated from its manifest: its files, their crc32s and its packed
@@ -379,7 +400,11 @@ def _shard(index: _Index, directory: str, schema: pa.Schema, verify: bool,
         return indexed
     if not os.path.isfile(directory + _SEP + MANIFEST):
         if _not_committed(directory):
-            problems.append(Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage is "
+            named_by = _named_as_input(directory)
+            problems.append(Problem(Path(directory), f"{directory}: committed, but its {MANIFEST} is gone ({named_by} "
+                                    "names it as its input): restore the file from a copy of the store, or remove the "
+                                    "iteration's shards and run them again", True) if named_by else
+                            Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage is "
                                     "writing it or crashed before committing; rerun the stage)", False))
         return None
     try:

@@ -40,3 +40,43 @@ def test_help_explains_every_column_of_the_summary_tables(store):
     missing = sorted(n for n in names if n not in text)
     assert not missing, f"not explained in `cleaner inspect --help`: {missing}\n{text}"
     assert "purified_response_tokens" in text and "every attempt" in text
+
+
+def test_values_print_as_they_are_not_as_markup(store):
+    """Cells hold model code, LaTeX and tool output: `[i]`, `\\[`, `:x:` and `[/]` print literally."""
+    sql = "SELECT 'print(lst[i] + d[b])' AS code, 'Find \\[x^2\\]' AS q, 'a:x:b' AS e, 'x[/]' AS s"
+    out = run_cleaner(["inspect", "--sql", sql, f"storage.root={store}"], store)
+    assert out.returncode == 0, out.stderr
+    for literal in ("print(lst[i] + d[b])", "Find \\[x^2\\]", "a:x:b", "x[/]"):
+        assert out.stdout.count(literal) == 2, out.stdout  # the query echoed, then the cell
+
+
+def test_an_error_of_the_users_sql_is_an_sql_error_and_an_unknown_run_is_named(store):
+    missing = store / "none.parquet"
+    out = run_cleaner(["inspect", "--sql", f"SELECT * FROM read_parquet('{missing}')", f"storage.root={store}"], store)
+    assert out.returncode != 0 and out.stderr.startswith("cleaner inspect: SQL error:"), out.stderr
+    assert "catalog" not in out.stderr, out.stderr
+    out = run_cleaner(["inspect", "--run", "nope", f"storage.root={store}"], store)
+    assert out.returncode != 0, out.stdout
+    assert "run 'nope'" in out.stderr and "tiny" in out.stderr, out.stderr  # the runs there are named
+    out = run_cleaner(["inspect", "--sql", "", f"storage.root={store}"], store)
+    assert out.returncode != 0 and "--sql" in out.stderr, out.stdout
+
+
+def test_failed_token_share_is_a_share_of_the_lived_tokens(store):
+    """Failed attempts' tokens (their call and its error) over the response tokens they are part of: at most 1."""
+    from flows.report import iteration_table
+    from storage.catalog import Catalog
+
+    rows = iteration_table(store, "tiny")
+    with Catalog(store) as cat:
+        want = cat.query("SELECT iteration, sum(failed_attempt_tokens) / sum(response_tokens) AS share FROM "
+                         "raw_summary WHERE run_id = 'tiny' GROUP BY 1 ORDER BY 1").to_pylist()
+    assert [r["failed_token_share"] for r in rows] == pytest.approx([w["share"] for w in want])
+    assert all(0 <= r["failed_token_share"] <= 1 for r in rows) and any(r["failed_token_share"] for r in rows), rows
+
+
+def test_a_missing_value_prints_empty_not_none(store):
+    out = run_cleaner(["inspect", "--sql", "SELECT NULL AS nothing, 1 AS one", f"storage.root={store}"], store)
+    assert out.returncode == 0, out.stderr
+    assert "None" not in out.stdout, out.stdout

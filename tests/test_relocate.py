@@ -46,3 +46,31 @@ def test_a_moved_store_works_from_another_directory_without_the_original(uninter
     again = read_manifest(RunLayout(moved, "tiny").purified_dir(1, "saar", 0.3))
     assert again.rows > 0 and again.extra["checkpoint"] == "runs/tiny/checkpoints/iteration=0001"  # the copy's own
     assert [ln for ln in second.stdout.splitlines() if "│" in ln] == [ln for ln in first.stdout.splitlines() if "│" in ln]
+
+
+def test_a_copied_catalog_file_refuses_to_read_the_originals_shards(uninterrupted, tmp_path):
+    """The published catalog.duckdb holds absolute paths: opened in a copied workspace (by the duckdb CLI, a
+    notebook) its views fail, naming the file they were published as, until a cleaner command publishes it there."""
+    import duckdb
+    import pytest
+
+    from storage.catalog import publish
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    shutil.copytree(uninterrupted / "runs", original / "runs")
+    publish(original, original / "catalog.duckdb")
+    with duckdb.connect(str(original / "catalog.duckdb"), read_only=True) as con:
+        rows = con.sql("SELECT count(*) FROM raw_trajectories").fetchall()[0][0]
+    with duckdb.connect() as con:  # a notebook attaching it under a name of its own
+        con.execute(f"ATTACH '{original / 'catalog.duckdb'}' AS c (READ_ONLY)")
+        assert con.sql("SELECT count(*) FROM c.raw_trajectories").fetchall()[0][0] == rows > 0
+    shutil.copytree(original, copy)
+    for view in ("raw_trajectories", "purified", "raw_summary", "metrics", "raw_kinds", "raw_texts"):
+        with duckdb.connect(str(copy / "catalog.duckdb"), read_only=True) as con:
+            with pytest.raises(duckdb.Error, match=f"published as {original / 'catalog.duckdb'}.*storage.root"):
+                con.sql(f"SELECT count(*) FROM {view}").fetchall()
+    out = run_cleaner(["inspect", f"storage.root={copy}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shutil.rmtree(original)
+    with duckdb.connect(str(copy / "catalog.duckdb"), read_only=True) as con:
+        assert con.sql("SELECT count(*) FROM raw_trajectories").fetchall()[0][0] == rows

@@ -322,3 +322,25 @@ def test_a_folder_without_a_manifest_keeps_its_iteration_checked_folder_by_folde
     shutil.copy(RunLayout(store, "scale").purified_dir(6, "saar", 0.5) / "part-00000.parquet", d)
     with Catalog(store) as cat:
         assert [(p.path, p.committed) for p in cat.problems] == [(d, False)]
+
+
+def test_a_committed_shard_that_lost_its_manifest_is_bad_not_uncommitted(store_indexed):
+    """A raw folder of parts without a manifest is a stage still writing, unless a committed shard of its iteration
+    records that manifest as its input: then the shard was committed and lost its manifest since. `inspect --verify`
+    names it BAD and exits 1 (before: 'uncommitted', exit 0, and the report left the iteration out silently)."""
+    store = store_indexed
+    layout = RunLayout(store, "scale")
+    purified = layout.purified_dir(3, "saar", 0.5) / "_MANIFEST.json"
+    doc = json.loads(purified.read_text())
+    doc["inputs"] = ["runs/scale/iteration=0003/raw/_MANIFEST.json"]  # what the purify stage records
+    purified.write_text(json.dumps(doc))
+    (layout.raw_dir(3) / "_MANIFEST.json").unlink()
+    (layout.raw_dir(4) / "_MANIFEST.json").unlink()  # named by no shard: a stage writing it, as before
+    with Catalog(store) as cat:
+        found = {p.path: (p.committed, p.message) for p in cat.problems}
+    assert found[layout.raw_dir(3)][0] and str(purified) in found[layout.raw_dir(3)][1], found
+    assert found[layout.raw_dir(4)][0] is False, found
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", "--verify", f"storage.root={store}"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"BAD {layout.raw_dir(3)}: committed, but its _MANIFEST.json is gone" in out.stderr, out.stderr

@@ -213,6 +213,13 @@ def test_port_in_use_is_one_line(store):
                                                "view`, or another server); choose another with --port"]
 
 
+@pytest.mark.parametrize("port", ["99999", "-5", "http"])
+def test_a_port_out_of_range_is_one_line(store, port):
+    out = run_cleaner(["view", "--port", port, f"storage.root={store}"], store, env=BARE, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    assert f"argument --port: {port!r} is not a port (0-65535" in out.stderr, out.stderr
+
+
 def test_cleaner_view_prints_its_url_serves_and_warns_off_loopback(store):
     from flows.viewer.serve import is_loopback
 
