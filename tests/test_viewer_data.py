@@ -175,6 +175,43 @@ def test_unknown_keys_are_a_404_page_that_links_back(client, path, names):
     assert names in text and 'id="back" href="/' in text
 
 
+@pytest.mark.parametrize("query, names", [
+    ("kind=bogus", "unknown kind 'bogus': one of clean, recovered"),
+    ("spliced=maybe", "unknown spliced 'maybe': one of yes, no"),
+    ("advantage=up", "unknown advantage 'up': one of positive, negative, zero"),
+    ("partition=bogus", "unknown partition 'bogus': one of "),
+    ("reward_min=abc", "reward_min 'abc' is not a number"),
+    ("reward_max=nan", "reward_max 'nan' is not a number"),
+])
+def test_a_filter_value_the_table_does_not_know_is_a_400_that_says_which(client, query, names):
+    """Ignored before: the page showed every row while saying it filtered them (or 0 rows, for an unknown kind)."""
+    r = client.get(f"/runs/w/0?{query}")
+    assert r.status_code == 400, r.text[-1500:]
+    assert names in r.text.replace("&#39;", "'") and 'id="back" href="/runs/w/0"' in r.text
+    assert client.get("/runs/w/0?kind=recovered&spliced=yes&reward_min=-1&advantage=negative").status_code == 200
+
+
+def test_splices_with_no_partition_chosen_are_the_most_any_partition_made(client, store):
+    """Not their sum over the partitions (a trajectory spliced once under three γ showed 3)."""
+    import re
+
+    from storage.catalog import Catalog
+
+    with Catalog(store) as cat:
+        want = {(r["prompt_id"], r["sample_idx"]): r["n"] for r in cat.query(
+            "SELECT prompt_id, sample_idx, max(splices) AS n FROM purified_summary WHERE run_id = 'w' AND iteration = 0 "
+            "GROUP BY ALL").to_pylist()}
+        partitions = cat.query("SELECT count(DISTINCT (mode, gamma, measure)) AS n FROM purified_summary WHERE "
+                               "run_id = 'w' AND iteration = 0").to_pylist()[0]["n"]
+    assert partitions > 1 and any(want.values())
+    page = client.get("/runs/w/0").text
+    shown = {(p, int(s)): int(n) for p, s, n in re.findall(
+        r'<tr class="traj"><td><a class="open" href="[^"]*">([^<]+)</a></td><td class="num">(\d+)</td>.*?'
+        r'<td class="num">(\d+)</td><td class="num">[^<]*</td></tr>', page, flags=re.S)}
+    assert shown and all(shown[k] == want.get(k, 0) for k in shown), (shown, want)
+    assert "Splices: the most any partition made" in page
+
+
 def test_a_corrupt_shard_is_a_banner_and_every_page_still_works(store, tmp_path):
     from flows.viewer.app import create_app
     from storage.catalog import publish

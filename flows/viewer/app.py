@@ -26,7 +26,7 @@ from flows.report_tables import partition_label
 from flows.viewer import table as tables
 from flows.viewer.pages import render, report_parts
 from flows.viewer.sql_box import SqlRefused, first_line, run_sql
-from flows.viewer.store import NotFound, Store
+from flows.viewer.store import BadFilter, NotFound, Store
 from flows.viewer.tokens import find_source, token_text
 from flows.viewer.trajectory import COLOURS, build
 from storage.errors import CleanerError
@@ -48,13 +48,6 @@ def _int(text: str, what: str, back: str, back_label: str) -> int:
         return int(text)
     except ValueError:
         raise NotFound(f"unknown {what} {text!r}: not a number", back, back_label) from None
-
-
-def _float(text: str | None) -> float | None:
-    try:
-        return float(text) if text not in (None, "") else None
-    except ValueError:
-        return None
 
 
 def trajectory_href(run_id: str, iteration: int, prompt_id: str, sample_idx: int) -> str:
@@ -85,7 +78,7 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
 
     @app.exception_handler(NotFound)
     async def not_found(_request: Request, e: NotFound):
-        return error_page(404, str(e), e.back, e.back_label)
+        return error_page(e.status, str(e), e.back, e.back_label, heading=e.heading, title=e.heading.lower())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -176,8 +169,11 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
                        spliced: str = "", reward_min: str = "", reward_max: str = "", advantage: str = "", q: str = ""):
         it = _int(iteration, "iteration", f"/runs/{quote(run_id, safe='')}", f"run {run_id}")
         scope = store.scope(run_id, it)
-        f = tables.Filters(kind, label, partition, spliced, _float(reward_min), _float(reward_max), advantage, q)
         parts = tables.partitions(scope)
+        try:
+            f = tables.filters(parts, kind, label, partition, spliced, reward_min, reward_max, advantage, q)
+        except ValueError as e:
+            raise BadFilter(str(e), f"/runs/{quote(run_id, safe='')}/{it}", f"iteration {it}, unfiltered") from None
         rows, total_matching = tables.trajectories(scope, f, parts)
         for r in rows:
             r["href"] = trajectory_href(run_id, it, r["prompt_id"], r["sample_idx"])
@@ -185,6 +181,7 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         return render("iteration.jinja", run=run_id, iteration=it, f=f, kinds=tables.KINDS, labels=tables.labels(scope),
                       partitions=parts, rows=rows, total=total, truncated=total_matching > len(rows),
                       adv_source="the chosen partition's" if partition else "GRPO advantage in the prompt group (raw rewards)",
+                      splice_source="the chosen partition's" if partition else "the most any partition made",
                       problems=[vars(p) for p in scope.problems], title=f"{run_id} iteration {it}",
                       crumbs=crumbs(run_id, it), **base)
 

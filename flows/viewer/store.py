@@ -38,9 +38,17 @@ def rows_of(cur: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) ->
 class NotFound(Exception):
     """An unknown run, iteration or trajectory: a 404 page that says which and links back."""
 
+    status, heading = 404, "Not found"
+
     def __init__(self, message: str, back: str, back_label: str) -> None:
         super().__init__(message)
         self.back, self.back_label = back, back_label
+
+
+class BadFilter(NotFound):
+    """A filter value a table does not know: a 400 page that says which and links to the table unfiltered."""
+
+    status, heading = 400, "Bad filter"
 
 
 @dataclass

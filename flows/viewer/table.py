@@ -6,6 +6,7 @@ partition chosen, its rows' own advantage and splices are used instead.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from flows.viewer.store import Scope
 
 KINDS = ("clean", "recovered", "not_recovered", "infra")
 ADVANTAGES = ("positive", "negative", "zero")
+SPLICED = ("yes", "no")
 MAX_ROWS = 2000
 
 
@@ -27,6 +29,27 @@ class Filters:
     reward_max: float | None = None
     advantage: str = ""  # positive | negative | zero | ""
     q: str = ""
+
+
+def filters(parts: list[dict[str, Any]], kind: str = "", label: str = "", partition: str = "", spliced: str = "",
+            reward_min: str = "", reward_max: str = "", advantage: str = "", q: str = "") -> Filters:
+    """The table's filters from a page's query string: ValueError naming the first value the table does not know
+    (a value ignored would show rows the page says it filtered). An error label unseen in this iteration is no
+    error: no row has it."""
+    for name, value, known in (("kind", kind, KINDS), ("spliced", spliced, SPLICED), ("advantage", advantage, ADVANTAGES),
+                               ("partition", partition, [p["key"] for p in parts])):
+        if value and value not in known:
+            raise ValueError(f"unknown {name} {value!r}: one of {', '.join(known) or '(none in this iteration)'}")
+    bounds: list[float | None] = []
+    for name, value in (("reward_min", reward_min), ("reward_max", reward_max)):
+        try:
+            bound = float(value) if value.strip() else None
+        except ValueError:
+            bound = math.nan
+        if bound is not None and not math.isfinite(bound):
+            raise ValueError(f"{name} {value!r} is not a number")
+        bounds.append(bound)
+    return Filters(kind, label, partition, spliced, bounds[0], bounds[1], advantage, q)
 
 
 def named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,7 +74,8 @@ WITH att AS (
            bool_or(error_label = $label) AS has_label
     FROM raw_attempts GROUP BY ALL
 ), part AS (
-    SELECT prompt_id, sample_idx, sum(splices)::BIGINT AS splices, any_value(advantage) AS advantage
+    -- one row per trajectory in a chosen partition; with none chosen, the most splices any partition made
+    SELECT prompt_id, sample_idx, max(splices)::BIGINT AS splices, any_value(advantage) AS advantage
     FROM purified_summary
     WHERE $partition = '' OR (mode = $mode AND gamma = $gamma AND measure IS NOT DISTINCT FROM $measure)
     GROUP BY ALL
@@ -98,6 +122,6 @@ def trajectories(scope: Scope, f: Filters, parts: list[dict[str, Any]]) -> tuple
         TABLE_SQL, kind=f.kind, label=f.label, partition=f.partition if chosen else "",
         mode=chosen["mode"] if chosen else "", gamma=chosen["gamma"] if chosen else 0.0,
         measure=chosen["measure"] if chosen else None, spliced=f.spliced, reward_min=f.reward_min,
-        reward_max=f.reward_max, advantage=f.advantage if f.advantage in ADVANTAGES else "", q=f.q.lower().strip(),
+        reward_max=f.reward_max, advantage=f.advantage, q=f.q.lower().strip(),
         limit=MAX_ROWS)
     return rows, (rows[0]["matching"] if rows else 0)
