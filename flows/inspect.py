@@ -186,10 +186,15 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
     rows = [[_cell(_partition(row) if c.name == "partition" and "partition" not in row else row[c.name])
              for c in shown] for row in table.to_pylist()]
     widths = _widths([[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1)
+    import pyarrow as pa
+
+    # numbers to the right, text to the left (a summary table's text columns by name, a query's by type)
+    text = {"run_id", "partition", "mode", "measure"} if columns else {
+        f.name for f in table.schema if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+                                             or pa.types.is_decimal(f.type))}
     out = Table()
     for j, c in enumerate(shown):
-        out.add_column(Text(c.header), width=widths[j] if widths else None,
-                       justify="left" if c.name in ("run_id", "partition", "mode", "measure") else "right")
+        out.add_column(Text(c.header), width=widths[j] if widths else None, justify="left" if c.name in text else "right")
     for r in rows:  # as Text: a cell holds model code and tool output (`lst[i]`, `[/]`), never rich markup
         out.add_row(*map(Text, r))
     width = console.width

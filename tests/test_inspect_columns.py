@@ -80,3 +80,11 @@ def test_a_missing_value_prints_empty_not_none(store):
     out = run_cleaner(["inspect", "--sql", "SELECT NULL AS nothing, 1 AS one", f"storage.root={store}"], store)
     assert out.returncode == 0, out.stderr
     assert "None" not in out.stdout, out.stdout
+
+
+def test_query_results_put_text_left_and_numbers_right(store):
+    out = run_cleaner(["inspect", "--sql", "SELECT 'ab' AS word, 12345 AS n UNION ALL SELECT 'abcdefgh', 1 ORDER BY n",
+                       f"storage.root={store}"], store)
+    assert out.returncode == 0, out.stderr
+    rows = [ln for ln in out.stdout.splitlines() if "ab" in ln and "│" in ln]
+    assert [ln.split("│")[1:3] for ln in rows] == [[" abcdefgh ", "     1 "], [" ab       ", " 12345 "]], out.stdout

@@ -153,6 +153,10 @@ def test_sql_box_in_the_browser(served, browser):
     box.send_keys("SELECT mode, count(*) AS n FROM purified_texts GROUP BY ALL ORDER BY ALL")
     _go(browser, browser.find_element(By.ID, "run"))
     assert "saar" in browser.find_element(By.ID, "result").text
+    # a cell's lines (a traceback, code) stay lines, as the cell holds them
+    browser.get(server.url + "/sql?q=" + "SELECT%20'line%201'%20||%20chr(10)%20||%20'%20%20^'%20AS%20t")
+    cell = browser.find_element(By.CSS_SELECTOR, "#result td")
+    assert browser.execute_script("return arguments[0].innerText", cell) == "line 1\n  ^"
 
 
 def test_the_report_is_a_page_of_the_viewer_with_links_to_trajectories(served, browser):

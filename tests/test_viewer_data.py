@@ -175,6 +175,11 @@ def test_unknown_keys_are_a_404_page_that_links_back(client, path, names):
     assert names in text and 'id="back" href="/' in text
 
 
+def test_the_report_files_address_leads_to_the_report_page(client):
+    r = client.get("/runs/w/report/index.html", follow_redirects=False)
+    assert r.status_code in (302, 307) and r.headers["location"] == "/runs/w/report/", r.status_code
+
+
 @pytest.mark.parametrize("query, names", [
     ("kind=bogus", "unknown kind 'bogus': one of clean, recovered"),
     ("spliced=maybe", "unknown spliced 'maybe': one of yes, no"),

@@ -154,6 +154,8 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
     @app.get("/runs/{run_id}/report/{name}")
     def report_file(run_id: str, name: str):
         layout = store.check_run(run_id)
+        if name == "index.html":  # the file `cleaner report` writes is this page in the viewer
+            return RedirectResponse(f"/runs/{quote(run_id, safe='')}/report/")
         path = layout.run_dir / "report" / name
         if not REPORT_FILE.match(name) or not path.is_file():
             raise NotFound(f"no report file {name!r} for run {run_id!r}", f"/runs/{quote(run_id, safe='')}/report/",
