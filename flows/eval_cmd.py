@@ -34,6 +34,7 @@ def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: 
     from rollout_gen.lcb import custom_output
     from rollout_gen.tasks import load_task_parquet
     from rollout_gen.world.tasks import eval_tasks
+    from storage.checkpoints import check_checkpoint
     from storage.shards import atomic_write_json
 
     check_samples(cfg, samples)
@@ -42,6 +43,7 @@ def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: 
     if write and samples != 1:  # metrics.json beside a policy records its one-sample evaluation
         raise EvalError(f"--write records the one-sample evaluation in {METRICS_FILE}; run it without --samples {samples}")
     policy = cfg.rollout.policy
+    check_checkpoint(policy)  # a missing folder or a truncated weight file: one line, before any task is loaded
     tasks = load_task_parquet(tasks_file)[:limit] if tasks_file else eval_tasks(cfg.world)[:limit]
     where = str(tasks_file) if tasks_file else "the world's held-out tasks"
     if export_lcb is not None:
@@ -78,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         if args.export_lcb:
             raise EvalError("--export-lcb runs without --flow (one setting, one file)")
         check_samples(cfg, args.samples)  # refused before a server starts
+        from storage.checkpoints import check_checkpoint
+
+        check_checkpoint(cfg.rollout.policy)
         if args.tasks:
             from rollout_gen.tasks import load_task_parquet
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -32,7 +33,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 from pipeline.chat import CALL_OPEN, ChatFormat
 from pipeline.config import SandboxConfig, WorldConfig
 from pipeline.qwen3_tokenizer import MODEL_VOCAB, TOKENIZER_DIR, chat_template
-from storage.errors import CleanerError
+from storage.errors import CheckpointError, CleanerError
 
 COMPACT_DIR = TOKENIZER_DIR.parent / "qwen3-tiny-calls"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -174,6 +175,10 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     policy writes itself after Qwen3's."""
     cfg = cfg or InitPolicyConfig()
     template_text = chat_template(template)  # an unknown family fails before anything is written
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):  # never over a model (policies/tiny-tool-policy)
+        raise CheckpointError(f"--out {out} already exists{' and holds files' if out.is_dir() else ''}: init-policy "
+                              "writes a new folder; choose another, or remove it first")
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -191,20 +196,29 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     else:
         small, used, losses = load_compact(COMPACT_DIR, cfg)
         model = expand(small, used, cfg)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(TOKENIZER_DIR / name, out / name)
-    (out / "chat_template.jinja").write_text(template_text, encoding="utf-8")
-    provenance = {"recipe": "cleaner init-policy (flows/init_policy.py)", "settings": asdict(cfg),
-                  "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
-                  "parameters": sum(p.numel() for p in model.parameters()),
-                  "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,
-                  "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)", "chat_template": template,
-                  "wall_s": round(time.perf_counter() - t0, 1)}
-    (out / "PROVENANCE.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    # written beside `out`, then renamed into place: a folder that appears whole or not at all
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(staging)
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(TOKENIZER_DIR / name, staging / name)
+        (staging / "chat_template.jinja").write_text(template_text, encoding="utf-8")
+        provenance = {"recipe": "cleaner init-policy (flows/init_policy.py)", "settings": asdict(cfg),
+                      "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
+                      "parameters": sum(p.numel() for p in model.parameters()),
+                      "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,
+                      "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)", "chat_template": template,
+                      "wall_s": round(time.perf_counter() - t0, 1)}
+        (staging / "PROVENANCE.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); a file written into it since makes this fail, and nothing is lost
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     log(f"[init-policy] wrote {out} ({provenance['parameters']:,} parameters, {provenance['wall_s']} s)")
     return provenance
 

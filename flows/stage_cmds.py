@@ -89,13 +89,14 @@ def run_purify(args: argparse.Namespace) -> int:
 
 def run_update(args: argparse.Namespace) -> int:
     from flows.console import working
-    from storage.checkpoints import DONE_MARKER
+    from pipeline.config import train_settings
+    from storage.checkpoints import committed_update
     from storage.layout import RunLayout
 
     cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
     target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(args.iteration + 1)
-    done = (target / DONE_MARKER).is_file()
+    done = committed_update(target, train_settings(cfg.train))
     if not done:  # a committed checkpoint is kept without loading the trainer (seconds of torch and OpenRLHF)
         with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
             from trainer.stage import run_update_stage

@@ -78,11 +78,12 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str
 
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
-    from storage.checkpoints import DONE_MARKER
+    from pipeline.config import train_settings
+    from storage.checkpoints import committed_update
 
     log = get_run_logger().info
     target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
-    if (target / DONE_MARKER).is_file():  # kept without importing the trainer (seconds of torch and OpenRLHF)
+    if committed_update(target, train_settings(cfg.train)):  # kept without importing the trainer (seconds of torch and OpenRLHF)
         log(f"[update it {iteration}] checkpoint {target.name} already committed: kept")
         return as_state(str(target), True)
     log(f"[update it {iteration}] loading the trainer (torch, OpenRLHF) and checkpoint {iteration}")

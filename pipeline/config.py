@@ -48,7 +48,8 @@ IsThreshold = Annotated[float, AfterValidator(check_is_threshold)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # a number that is inf or nan (`train.lr=inf`) is a mistake in every setting
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -283,6 +284,11 @@ class TrainConfig(Section):
             raise ValueError(f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
                              f"(OpenRLHF's {self.policy_loss_type} loss does not apply the correction gate)")
         return self
+
+
+def train_settings(train: TrainConfig) -> str:
+    """What a checkpoint records of the update that trained it: a rerun with other settings is refused."""
+    return hashlib.blake2b(json.dumps(train.model_dump(mode="json"), sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 class FlowConfig(Section):

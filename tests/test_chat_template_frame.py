@@ -127,3 +127,26 @@ def test_init_policy_writes_a_thinking_2507_checkpoint(tmp_path):
     assert load_chat(out).frame.generation_prompt == "<|im_start|>assistant\n<think>\n"
     bad = run_cleaner(["init-policy", "--out", str(tmp_path / "x"), "--template", "nope"])
     assert bad.returncode != 0 and "invalid choice: 'nope'" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def test_init_policy_never_writes_over_an_existing_folder(tmp_path):
+    """`--out` naming a model folder replaced its weights and left its other files (metrics.json of the old model)
+    beside them; `--out policies/tiny-tool-policy` would have destroyed the shipped policy."""
+    import shutil
+
+    from pipeline.config import DEFAULT_POLICY
+    from tests.flow_helpers import run_cleaner
+
+    mine = tmp_path / "mine"
+    shutil.copytree(DEFAULT_POLICY, mine)
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    run = run_cleaner(["init-policy", "--out", str(mine)])
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip() == (f"cleaner init-policy: --out {mine} already exists and holds files: init-policy "
+                                  "writes a new folder; choose another, or remove it first"), run.stderr
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = run_cleaner(["init-policy", "--out", str(empty), "--random"])
+    assert run.returncode == 0, run.stderr
+    assert (empty / "model.safetensors").is_file() and not list(tmp_path.glob(".*.tmp"))

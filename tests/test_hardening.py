@@ -209,7 +209,8 @@ def test_non_utf8_config_names_the_file(tmp_path, capsys):
 @pytest.mark.parametrize("override", [
     "train.gamma=-0.1", "train.gamma=1.5", "purify.gammas=[.nan]", "flow.replay_gammas=[0.5, -1]",
     "rollout.saar.gamma_live=2", "flow.iterations=true", "rollout.samples_per_prompt=yes",
-    "rollout.saar.max_retries=false", "rollout.saar.gate_p=true", "train.clip_eps_low=-0.2",
+    "rollout.saar.max_retries=false", "rollout.saar.gate_p=true", "train.clip_eps_low=-0.2", "train.lr=inf",
+    "train.lr=.nan", "train.weight_decay=.inf",
 ])
 def test_out_of_range_values_are_refused_at_config_time(override, capsys):
     key = override.split("=")[0]
@@ -313,6 +314,32 @@ def test_truncated_safetensors_is_one_line(purified_run, tmp_path, capsys):
         line = one_line(err)
         assert code == 1 and "model.safetensors" in line and "truncated" in line, line
         assert not RunLayout(root, "w").checkpoint_dir(1).exists()
+    for flow in ([], ["--flow"]):  # cleaner eval: a 34-line safetensors traceback before
+        code, err = run_cli(capsys, "eval", "--world", "--limit", "2", *flow, f"rollout.policy={policy}",
+                            f"storage.root={tmp_path / 'eval'}")
+        line = one_line(err)
+        assert code == 1 and "model.safetensors" in line and "truncated" in line, line
+    code, err = run_cli(capsys, "eval", "--world", f"rollout.policy={tmp_path / 'none'}")
+    assert code == 1 and one_line(err).endswith(f"checkpoint {tmp_path / 'none'} does not exist"), err
+
+
+def test_an_update_rerun_with_other_train_settings_is_refused_not_kept(purified_run, tmp_path, capsys):
+    """`cleaner update` on a committed checkpoint said 'kept (already committed)', exit 0, with any train settings:
+    a user who asked for train.mode=raw or another lr believed it was trained so. Refused in one line now, as a
+    rollout or purify rerun with other settings is; the same settings still keep it."""
+    root = tmp_path / "ws"
+    shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+    code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
+    assert code == 0, err
+    marker = RunLayout(root, "w").checkpoint_dir(1) / "_CHECKPOINT.json"
+    before = marker.read_bytes()
+    code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}", "train.lr=5e-5")
+    line = one_line(err)
+    assert code == 1 and "committed by an update with other train settings" in line and "flow.run_id" in line, line
+    assert marker.read_bytes() == before
+    capsys.readouterr()
+    assert main(["update", "--run", "w", f"storage.root={root}"]) == 0
+    assert "kept (already committed)" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- §3 workspace errors

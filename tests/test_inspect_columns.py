@@ -88,3 +88,8 @@ def test_query_results_put_text_left_and_numbers_right(store):
     assert out.returncode == 0, out.stderr
     rows = [ln for ln in out.stdout.splitlines() if "ab" in ln and "│" in ln]
     assert [ln.split("│")[1:3] for ln in rows] == [[" abcdefgh ", "     1 "], [" ab       ", " 12345 "]], out.stdout
+
+
+def test_sql_queries_and_verify_are_one_at_a_time(store):
+    out = run_cleaner(["inspect", "--verify", "--sql", "SELECT 1", f"storage.root={store}"], store)
+    assert out.returncode != 0 and "one at a time" in out.stderr and out.stdout == "", out.stdout + out.stderr

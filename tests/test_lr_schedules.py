@@ -89,9 +89,7 @@ def test_grpo_update_state_round_trip_keeps_the_schedule():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
     a = GRPOUpdate.__new__(GRPOUpdate)  # the optimizer/schedule half of the update, without an Actor
     a.cfg, a.model, a.global_step = cfg, model, 0
-    from trainer.grpo import build_optimizer
-
-    a.optimizer, a.scheduler = build_optimizer(model, cfg)
+    a.prepare(model, actor=None)  # the optimizer and schedule the local strategy builds
     seen = []
     for _ in range(2):
         seen.append(a.scheduler.get_last_lr()[0])
@@ -100,7 +98,7 @@ def test_grpo_update_state_round_trip_keeps_the_schedule():
         a.global_step += 1
     b = GRPOUpdate.__new__(GRPOUpdate)
     b.cfg, b.model, b.global_step = cfg, model, 0
-    b.optimizer, b.scheduler = build_optimizer(model, cfg)
+    b.prepare(model, actor=None)
     b.load_state_dict(a.state_dict())
     for _ in range(4):
         seen.append(b.scheduler.get_last_lr()[0])
@@ -108,3 +106,38 @@ def test_grpo_update_state_round_trip_keeps_the_schedule():
         b.step()
         b.global_step += 1
     assert seen == [rule(s, lr, warmup) for s in range(6)]
+
+
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_the_configured_lr_and_weight_decay_apply_after_a_saved_state_is_loaded(warmup):
+    """The next iteration's update loads the previous one's state (AdamW moments, the schedule's step); its own
+    train.lr and weight_decay apply from there. Before, load_state_dict restored the saved ones: an update run with
+    train.lr=1e-1 wrote the same checkpoint, byte for byte, as one with train.lr=1e-7."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.config import DEFAULT_POLICY
+
+    def update(cfg: TrainConfig) -> GRPOUpdate:
+        return GRPOUpdate(AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32,
+                                                               attn_implementation="eager"), cfg)
+
+    first = update(TrainConfig(lr=1e-4, warmup_steps=warmup, weight_decay=0.01))
+    for _ in range(2):  # two optimizer steps (no gradient: the state still counts them)
+        first.optimizer.step()
+        first.scheduler.step()
+        first.global_step += 1
+    saved = first.state_dict()
+    same = update(TrainConfig(lr=1e-4, warmup_steps=warmup, weight_decay=0.01))
+    same.load_state_dict(saved)
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in first.optimizer.param_groups]
+    assert same.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    changed = update(TrainConfig(lr=3e-2, warmup_steps=warmup, weight_decay=0.2))
+    changed.load_state_dict(saved)
+    want = rule(2, 3e-2, warmup)
+    assert [g["lr"] for g in changed.optimizer.param_groups] == [want] * len(changed.optimizer.param_groups)
+    assert changed.scheduler.get_last_lr() == [want] * len(changed.optimizer.param_groups)
+    assert sorted({g["weight_decay"] for g in changed.optimizer.param_groups}) == [0.0, 0.2]
+    assert changed.optimizer.state_dict()["state"].keys() == saved["optimizer"]["state"].keys()  # moments kept
+    changed.optimizer.step()
+    changed.scheduler.step()
+    assert changed.scheduler.get_last_lr()[0] == rule(3, 3e-2, warmup)

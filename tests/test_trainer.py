@@ -9,6 +9,8 @@ import shutil
 import sys
 
 import pytest
+
+from storage.errors import CleanerError
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -167,8 +169,10 @@ def test_existing_checkpoint_is_never_overwritten(purified_run, tmp_path):
     cfg = _update_cfg(purified_run, tmp_path)
     target = run_update_stage(cfg, "w", 0, log=lambda *_: None)
     before = (target / "model.safetensors").read_bytes()
-    cfg.train.lr = 1e-2
-    assert run_update_stage(cfg, "w", 0, log=lambda *_: None) == target
+    assert run_update_stage(cfg, "w", 0, log=lambda *_: None) == target  # the same settings: kept
+    cfg.train.lr = 1e-2  # other settings: refused (it is not what they would have trained), never overwritten
+    with pytest.raises(CleanerError, match="committed by an update with other train settings"):
+        run_update_stage(cfg, "w", 0, log=lambda *_: None)
     assert (target / "model.safetensors").read_bytes() == before
 
 

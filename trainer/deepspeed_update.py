@@ -20,7 +20,8 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, load_schedule_state, warmup_schedule
+from trainer.grpo import (GRPOUpdate, UpdateError, UpdateProgress, hyperparameters, keep_configured, load_schedule_state,
+                          warmup_schedule)
 from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
@@ -90,6 +91,7 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.engine = self.actor.model
         self.model = self.engine  # train()/eval() reach the wrapped module
         self.scheduler = warmup_schedule(self.engine.basic_optimizer, cfg)  # the torch optimizer inside ZeRO
+        self.configured = hyperparameters(self.engine.basic_optimizer)
         self.engine.lr_scheduler = self.scheduler  # the engine steps it; same schedule as the local strategy
 
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
@@ -135,6 +137,7 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.global_step = client["global_step"]
         # a state saved before the schedule was transformers' counted steps done: moved on by one
         load_schedule_state(self.scheduler, self.scheduler.state_dict(), self.global_step)
+        keep_configured(self.engine.basic_optimizer, self.scheduler, self.configured)
         return True
 
     def save_progress(self, folder: Path, progress: UpdateProgress, key: str) -> None:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import CleanerConfig, dump_config, load_config
+from pipeline.config import CleanerConfig, dump_config, load_config, train_settings
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError
 from storage.layout import RunLayout, record_path
@@ -104,7 +104,7 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     dist.barrier()
     if rank == 0:
         finish_checkpoint(tmp, inputs.target, {
-            "source": record_path(cfg.storage.root, inputs.src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, inputs.part), "strategy": "deepspeed",
+            "train_settings": train_settings(cfg.train), "source": record_path(cfg.storage.root, inputs.src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, inputs.part), "strategy": "deepspeed",
             "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0})
         write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         shutil.rmtree(partial, ignore_errors=True)

@@ -80,6 +80,24 @@ def load_schedule_state(scheduler, state: dict, global_step: int) -> None:
     scheduler.load_state_dict(state)
 
 
+def hyperparameters(optimizer) -> list[dict]:
+    """Each param group's settings (lr, weight decay, betas, ...) without its parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def keep_configured(optimizer, scheduler, configured: list[dict]) -> None:
+    """After a saved state is loaded (the previous iteration's, to continue the AdamW moments and the schedule's
+    step): the settings this update's config gives, not the saved ones, which `load_state_dict` restores. A
+    changed train.lr or weight_decay applies from the next step, on the schedule's factor at that step."""
+    for group, settings in zip(optimizer.param_groups, configured):
+        group.update(settings)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (the step lines' lr)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999))
     return opt, warmup_schedule(opt, cfg)
@@ -140,6 +158,7 @@ class GRPOUpdate:
         """The model, actor, optimizer and schedule this strategy trains."""
         self.model, self.actor = model, actor
         self.optimizer, self.scheduler = build_optimizer(model, self.cfg)
+        self.configured = hyperparameters(self.optimizer)
 
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         return groups
@@ -174,6 +193,7 @@ class GRPOUpdate:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         load_schedule_state(self.scheduler, state["scheduler"], state["global_step"])
+        keep_configured(self.optimizer, self.scheduler, self.configured)
         self.global_step = state["global_step"]
 
     def set_dpo_pairs(self, pairs: list[CallPair]) -> None:

@@ -17,7 +17,8 @@ import torch
 
 from pipeline.config import CleanerConfig
 from pipeline.progress import StageProgress
-from storage.checkpoints import DONE_MARKER
+from pipeline.config import train_settings
+from storage.checkpoints import DONE_MARKER, committed_update
 from storage.errors import CheckpointError, check_writable_root
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
@@ -76,7 +77,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     """`log`: where its lines and progress go (a flow's run logger); None: stderr, with a bar on a terminal."""
     layout = RunLayout(cfg.storage.root, run_id)
     target = layout.checkpoint_dir(iteration + 1)
-    if (target / DONE_MARKER).is_file():
+    if committed_update(target, train_settings(cfg.train)):
         return target  # done before; never overwritten
     progress_log, log = log, log or _stderr
     check_writable_root(cfg.storage.root, create=False)  # before training, not at the first checkpoint write
@@ -87,7 +88,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
         if manifest.extra.get("filtered_groups", 0) > 0:
             # documented skip: every group had one reward, so GRPO has no signal; the policy carries over
             log(f"[update] {part}: all {manifest.extra['filtered_groups']} groups were filtered; policy carried over")
-            _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "source": record_path(cfg.storage.root, src),
+            _write_checkpoint(target, src, None, {"skipped": "all groups filtered", "train_settings": train_settings(cfg.train), "source": record_path(cfg.storage.root, src),
                                                   "trainer": prev_state})
             if not is_committed(inputs.metrics_dir):
                 write_shard(inputs.metrics_dir, pa.Table.from_pylist([{"run_id": run_id, "iteration": iteration, "stage": "update",
@@ -127,7 +128,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
         update.run(inputs.rows, pad, progress, after_minibatch=minibatch_done, stop_after=stop_after)
     if stop_after is not None:
         return partial  # interrupted on purpose (tests): resume by calling again
-    _write_checkpoint(target, src, model, {"source": record_path(cfg.storage.root, src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, part),
+    _write_checkpoint(target, src, model, {"train_settings": train_settings(cfg.train), "source": record_path(cfg.storage.root, src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, part),
                                            "wall_s": time.perf_counter() - t0, "trainer": update.state_dict()})
     write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
     shutil.rmtree(partial, ignore_errors=True)
