@@ -9,7 +9,7 @@ from flows.stage_cmds import published
 from pipeline.config import CleanerConfig
 from pipeline.modes import partition_gamma, partition_measure
 from storage.layout import RunLayout
-from storage.retention import empty_trash, plan, remove
+from storage.retention import empty_trash, partitions_of, plan, remove
 
 
 def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
     partitions = args.remove_partition or []
     items = plan(cfg.storage.root, run_id, args.keep_last, tuple(args.keep or []), tuple(partitions),
                  run_partitions(cfg, run_id) if partitions else set())
+    present = partitions_of(cfg.storage.root, run_id)
+    for name in partitions:  # gamma=0.3 for gamma=0.30, a typo, or removed by an earlier gc: said, not an error
+        if name not in present:
+            print(f"no iteration of run {run_id!r} has partition {name} (its partitions: {', '.join(present) or 'none'})"
+                  ": nothing to remove for it")
     total = sum(i.bytes for i in items)
     verb = "would remove" if dry_run else "removing"
     for item in items:

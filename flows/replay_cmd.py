@@ -70,11 +70,19 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
                                  sweep_gammas, sweep_taus, with_retries)
     from purifier.stage import run_purify_stage
+    from storage.errors import CheckpointError
     from storage.layout import RunLayout, resolve_recorded
     from storage.schemas import RAW
     from storage.shards import read_manifest, read_shard
 
     layout = RunLayout(cfg.storage.root, run_id)
+    raw_manifest = read_manifest(layout.raw_dir(iteration))
+    if raw_manifest is not None and raw_manifest.inputs:  # (no raw shard: the purify stage says so, in its words)
+        sampled_by = resolve_recorded(cfg.storage.root, raw_manifest.inputs[0])
+        if not sampled_by.is_dir() and (layout.run_dir / "checkpoints").resolve() in sampled_by.resolve().parents:
+            raise CheckpointError(f"{sampled_by}, the checkpoint that sampled iteration {iteration}, is gone (removed by "
+                                  "`cleaner gc`?): replay needs its tokenizer, and its weights to recompute log-probs; "
+                                  f"keep the checkpoints of iterations you will replay (`cleaner gc --keep {iteration}`)")
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
     modes = modes or (["saar_is"] if taus else ["saar"])
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)

@@ -59,14 +59,11 @@ def run_id_for(template: str, run_id: str, now: float | None = None) -> str:
 
 
 def trained_iterations(cfg: CleanerConfig, run_id: str) -> int:
-    """How many iterations of the run are done: their update's checkpoint is committed (done marker)."""
-    from storage.checkpoints import DONE_MARKER
+    """How many iterations of the run are done: its newest committed checkpoint's number (`cleaner gc` may have
+    removed the ones before it)."""
+    from storage.checkpoints import newest_checkpoint
 
-    layout = RunLayout(cfg.storage.root, run_id)
-    n = 0
-    while (layout.checkpoint_dir(n + 1) / DONE_MARKER).is_file():
-        n += 1
-    return n
+    return newest_checkpoint(RunLayout(cfg.storage.root, run_id))
 
 
 def publish_catalog(cfg: CleanerConfig, warn: Callable[[str], None]) -> None:

@@ -79,12 +79,17 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
     from pipeline.config import train_settings
-    from storage.checkpoints import committed_update
+    from storage.checkpoints import committed_update, newest_checkpoint
 
     log = get_run_logger().info
     target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
     if committed_update(target, train_settings(cfg.train)):  # kept without importing the trainer (seconds of torch and OpenRLHF)
         log(f"[update it {iteration}] checkpoint {target.name} already committed: kept")
+        return as_state(str(target), True)
+    newest = newest_checkpoint(RunLayout(cfg.storage.root, run_id))
+    if newest > iteration + 1:  # removed by `cleaner gc`: the run trained past it, and training it again is waste
+        log(f"[update it {iteration}] checkpoint {target.name} was removed (cleaner gc); the run went on to checkpoint "
+            f"{newest}: kept as done")
         return as_state(str(target), True)
     log(f"[update it {iteration}] loading the trainer (torch, OpenRLHF) and checkpoint {iteration}")
     from trainer.stage import run_update_stage

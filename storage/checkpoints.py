@@ -63,6 +63,14 @@ def policy_version(checkpoint: Path) -> str:
     return h.hexdigest()
 
 
+def newest_checkpoint(layout: RunLayout) -> int:
+    """The number of the run's newest committed checkpoint (0: none yet): checkpoint N is the policy after N
+    iterations of training."""
+    found = [int(d.name.split("=", 1)[1]) for d in layout.checkpoint_dir(0).parent.glob("iteration=*")
+             if d.name.split("=", 1)[1].isdigit() and (d / DONE_MARKER).is_file()]
+    return max(found, default=0)
+
+
 def checkpoint_for(root: Path, run_id: str, iteration: int, initial_policy: Path) -> Path:
     """The policy that rollout of `iteration` samples from: the run's committed checkpoint, or the
     initial policy for iteration 0."""

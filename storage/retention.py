@@ -68,6 +68,11 @@ def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), pa
                                  "train.mode/gamma): a resumed run would purify it again; only replay partitions go")
     done = sorted((p for p in (layout.run_dir / "checkpoints").glob("iteration=*") if (p / DONE_MARKER).is_file()),
                   key=_iteration_of)
+    numbers = [_iteration_of(p) for p in done]
+    for k in keep:  # a typo would keep nothing it meant to, silently
+        if k not in numbers:
+            raise RetentionError(f"--keep {k}: run {run_id!r} has no checkpoint {k} (its checkpoints: "
+                                 f"{', '.join(map(str, numbers)) or 'none'})")
     kept = set(done[-keep_last:]) | {p for p in done if _iteration_of(p) in keep}
     out = [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
     for name in partitions:
@@ -76,6 +81,11 @@ def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), pa
                 if p.is_dir():
                     out.append(Removal(p, what, _size(p)))
     return out
+
+
+def partitions_of(root: Path, run_id: str) -> list[str]:
+    """The purified partitions (mode=…/gamma=… or tau=…) some iteration of the run holds."""
+    return sorted({f"{p.parent.name}/{p.name}" for p in RunLayout(root, run_id).run_dir.glob("iteration=*/purified/mode=*/*")})
 
 
 def empty_trash(root: Path) -> None:

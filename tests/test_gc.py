@@ -68,9 +68,12 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
     with Catalog(run) as cat:
         assert not cat.problems
         assert cat.query("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar'").to_pylist() == [{"gamma": 0.5}]
-    # the run resumes and continues: a third iteration from the kept checkpoint
-    train(run, "flow.iterations=3")
+    # the run resumes and continues: a third iteration from the kept checkpoint, without training again the
+    # update whose checkpoint gc removed (the next train had re-run it, and gc's space came back)
+    out = train(run, "flow.iterations=3")
     assert (layout.checkpoint_dir(3) / DONE_MARKER).is_file()
+    assert not layout.checkpoint_dir(1).exists(), out[-3000:]
+    assert "checkpoint iteration=0001 was removed (cleaner gc); the run went on to checkpoint 2" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -78,12 +81,37 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
     (["--keep-last", "0"], "--keep-last 0: at least 1"),
     (["--remove-partition", "mode=saar/gamma=0.50"], "the run's own flow writes it"),
     (["--remove-partition", "saar"], "expected the form mode=MODE/gamma=G"),
+    (["--keep-last", "1", "--keep", "99"], "--keep 99: run 'tiny' has no checkpoint 99 (its checkpoints: 1, 2)"),
 ])
 def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
     before = _tree(run)
     out = _gc(run, *args)
     assert out.returncode != 0 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert _tree(run) == before
+
+
+def test_a_partition_no_iteration_has_is_named_with_the_ones_there(run):
+    """`gamma=0.3` for the folder `gamma=0.30`, or a typo: it removed nothing, silently (exit 0)."""
+    def data() -> dict[str, str]:  # (the catalog's republication rewrites verification records and the catalog)
+        return {k: v for k, v in _tree(run / "runs").items() if not k.endswith("_VERIFIED.json")}
+
+    before = data()
+    out = _gc(run, "--keep-last", "2", "--remove-partition", "mode=saar/gamma=0.3")
+    assert out.returncode == 0, out.stderr
+    assert ("no iteration of run 'tiny' has partition mode=saar/gamma=0.3 (its partitions: mode=raw/gamma=0.00, "
+            "mode=saar/gamma=0.30, mode=saar/gamma=0.50): nothing to remove for it") in out.stdout, out.stdout
+    assert data() == before
+
+
+@pytest.mark.parametrize("how", [["--sweep"], ["--gamma", "0.7"]])
+def test_replay_of_an_iteration_whose_checkpoint_gc_removed_says_so(run, how):
+    """It said 'no tokenizer in checkpoint …' (or '… does not exist') for a folder gc had removed."""
+    assert _gc(run, "--keep-last", "1").returncode == 0
+    out = run_cleaner(["replay", "--run", "tiny", "--iteration", "1", *how, f"storage.root={run}"])
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "checkpoints/iteration=0001, the checkpoint that sampled iteration 1, is gone (removed by `cleaner gc`?)" \
+        in out.stderr and "cleaner gc --keep 1" in out.stderr, out.stderr
+    assert not RunLayout(run, "tiny").purified_dir(1, "saar", 0.7).exists()
 
 
 def test_a_root_under_a_file_is_one_line(tmp_path):
