@@ -98,6 +98,8 @@ def verdict(negative: int, positive: int) -> str:
 def _label(r: dict) -> str:
     if not r["gamma"] and not r.get("measure"):  # a mode without a threshold (mask_failed)
         return r["mode"]
+    if r["mode"] == "saar_is":  # its threshold is τ, an importance ratio
+        return f"saar_is τ={r['gamma']:g}"
     measure = f" {r['measure']}" if r.get("measure") else ""
     return f"{r['mode']} γ={r['gamma']:g}{measure}"
 

@@ -47,7 +47,7 @@ def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, 
         backend = CPURecompute(checkpoint, cfg.rollout.temperature)
     stats, log_ratios = replay_is(raws, taus, decode, backend.score)
     table = Table(title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
-                        f"{len(log_ratios)} rollbacks scored")
+                        f"{len(log_ratios)} rollbacks scored over the τ (each in the context earlier decisions built)")
     for col in ("τ", "rollbacks", "replaced", "appended", "tokens removed", "≠ τ=0.5"):
         table.add_column(col, justify="right")
     for s in stats:
@@ -69,6 +69,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from pipeline.trajectory import trajectory_from_row
     from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
                                  sweep_gammas, sweep_taus, with_retries)
+    from flows.stage_cmds import print_partitions
+    from pipeline.modes import IS_MODES, SPLICING_MODES
     from purifier.stage import run_purify_stage
     from storage.errors import CheckpointError
     from storage.layout import RunLayout, resolve_recorded
@@ -86,10 +88,14 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
     modes = modes or (["saar_is"] if taus else ["saar"])
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
-        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(modes)} × γ "
-                     f"{' '.join(f'{g:g}' for g in gammas)}" + (f" (τ {' '.join(f'{t:g}' for t in taus)})" if taus else "")
-                     + f" beside the committed partitions on Beam ({cfg.purify.runner})"):
-            run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
+        # what is asked: γ only for the modes that splice by it, τ for saar_is, the others have no threshold
+        asked = [f"{m} γ {' '.join(f'{g:g}' for g in gammas)}" if m in SPLICING_MODES else
+                 f"{m} τ {' '.join(f'{t:g}' for t in taus or cfg.purify.is_thresholds)}" if m in IS_MODES else m
+                 for m in modes]
+        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(asked)} beside the committed partitions "
+                     f"on Beam ({cfg.purify.runner})"):
+            results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
+        print_partitions(results)
     with working(f"[replay {run_id} it {iteration}] reading the raw shard and the tokenizer of the policy that "
                  "sampled it"):
         raw_dir = layout.raw_dir(iteration)

@@ -75,16 +75,22 @@ def run_purify(args: argparse.Namespace) -> int:
     from purifier.stage import run_purify_stage
 
     cfg = config_of(args)
-    print(f"[purify it {args.iteration}] modes {', '.join(args.mode or cfg.purify.modes)} on Beam "
+    modes = args.mode or (["saar_is"] if args.is_threshold else None)  # τ given: its mode, as replay does
+    print(f"[purify it {args.iteration}] modes {', '.join(modes or cfg.purify.modes)} on Beam "
           f"({cfg.purify.runner}) …", file=sys.stderr, flush=True)
-    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, args.mode, args.gamma,
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, modes, args.gamma,
                                is_thresholds=args.is_threshold)
     published(cfg)
+    print_partitions(results)
+    return 0
+
+
+def print_partitions(results) -> None:
+    """One line per partition a purify stage ran: its rows and dead letters, written or kept."""
     for r in results:
         state = "kept (already committed)" if r.skipped else "written"
         threshold = f"tau={r.gamma:g}" if r.mode in IS_MODES else f"gamma={r.gamma:g}"
         print(f"mode={r.mode} {threshold}: {r.rows} rows, {r.dead} dead letters — {state}")
-    return 0
 
 
 def run_update(args: argparse.Namespace) -> int:

@@ -196,9 +196,10 @@ PURIFY_MODE_SETTINGS = frozenset({"roc_group_size"})
 
 
 class PurifyConfig(Section):
-    modes: list[Mode] = ["saar", "raw"]
-    gammas: list[Gamma] = [0.5]
-    is_thresholds: list[IsThreshold] = Field([0.5], description=(
+    # at least one each: an empty list purified nothing and said so nowhere
+    modes: list[Mode] = Field(["saar", "raw"], min_length=1)
+    gammas: list[Gamma] = Field([0.5], min_length=1)
+    is_thresholds: list[IsThreshold] = Field([0.5], min_length=1, description=(
         "mode saar_is (Open-CLEANER's Plan B): a retry replaces the failed turn when its importance ratio "
         "π(retry | context without the failed turn) / π_b(retry | as sampled) is ≥ τ, else both stay; one "
         "partition per τ (tau=0.50)"))
@@ -295,7 +296,7 @@ class FlowConfig(Section):
     run_id: str = "demo"
     iterations: int = Field(3, ge=1)
     task_retries: int = Field(1, ge=0)
-    replay_gammas: list[Gamma] = [0.3, 0.5, 0.7]
+    replay_gammas: list[Gamma] = Field([0.3, 0.5, 0.7], min_length=1)
     tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
     wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
     eval_every: int = Field(0, ge=0, description=(

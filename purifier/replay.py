@@ -86,29 +86,29 @@ def replay_is(raws: list[Trajectory], taus: list[float], decode: Decode, score: 
     scored. Decisions depend on earlier ones only through their contexts, so a memo of (context, turn) scores
     makes a τ grid cost about one τ's scoring."""
     memo: dict[tuple[str, tuple[int, ...]], list[float]] = {}
-    ratios: dict[tuple[str, tuple[int, ...]], float] = {}
-    # (a retry's turn ids name it: two attempts with the very same ids would share one sampled sum)
-    sampled = {tuple(a.turn_ids): sum(a.logprobs) for r in raws for p in r.positions for a in p.attempts}
-
-    def scored(context: list[int], turn: list[int]) -> list[float]:
-        key = (fingerprint(context), tuple(turn))
-        if key not in memo:
-            memo[key] = score(context, turn)
-            ratios[key] = sum(memo[key]) - sampled[tuple(turn)]
-        return memo[key]
+    # A retry is named by its attempt, not its turn ids: a policy that repeats its code samples the very same ids
+    # in two retries, which ids alone would count as one rollback. purify() hands the scorer each attempt's own
+    # turn_ids list, so the list object names the attempt.
+    attempt_of = {id(a.turn_ids): (r.key, q.position_idx, a.attempt_idx, sum(a.logprobs))
+                  for r in raws for q in r.positions for a in q.attempts}
+    ratios: dict[tuple[str, str, int, int], float] = {}
 
     def decisions(raw: Trajectory, tau: float) -> tuple[dict[tuple[int, int], bool], int]:
-        seen: list[tuple[str, tuple[int, ...]]] = []
+        seen: list[tuple[int, int]] = []
 
         def counting(context: list[int], turn: list[int]) -> list[float]:
-            seen.append((fingerprint(context), tuple(turn)))
-            return scored(context, turn)
+            key, position, attempt, sampled = attempt_of[id(turn)]
+            context_id = fingerprint(context)
+            if (context_id, tuple(turn)) not in memo:
+                memo[context_id, tuple(turn)] = score(context, turn)
+            scores = memo[context_id, tuple(turn)]
+            ratios[context_id, key, position, attempt] = sum(scores) - sampled
+            seen.append((position, attempt))
+            return scores
 
         p = purify(raw, tau, "saar_is", decode, score=counting)
         replaced = {(x.position_idx, x.attempt_idx) for x in p.splices}
-        by_turn = {tuple(a.turn_ids): (q.position_idx, a.attempt_idx) for q in raw.positions for a in q.attempts}
-        return ({by_turn[t]: by_turn[t] in replaced for _, t in seen},
-                sum(x.tokens_removed for x in p.splices))
+        return {a: a in replaced for a in seen}, sum(x.tokens_removed for x in p.splices)
 
     rows = with_retries(raws)
     reference = {r.key: decisions(r, reference_tau)[0] for r in rows}

@@ -210,7 +210,8 @@ def test_non_utf8_config_names_the_file(tmp_path, capsys):
     "train.gamma=-0.1", "train.gamma=1.5", "purify.gammas=[.nan]", "flow.replay_gammas=[0.5, -1]",
     "rollout.saar.gamma_live=2", "flow.iterations=true", "rollout.samples_per_prompt=yes",
     "rollout.saar.max_retries=false", "rollout.saar.gate_p=true", "train.clip_eps_low=-0.2", "train.lr=inf",
-    "train.lr=.nan", "train.weight_decay=.inf",
+    "train.lr=.nan", "train.weight_decay=.inf", "purify.modes=[]", "purify.gammas=[]", "purify.is_thresholds=[]",
+    "flow.replay_gammas=[]",
 ])
 def test_out_of_range_values_are_refused_at_config_time(override, capsys):
     key = override.split("=")[0]

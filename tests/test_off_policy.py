@@ -189,6 +189,16 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     got = con.sql("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar_is' ORDER BY 1").fetchall()
     con.close()
     assert got == [(0.3,), (0.7,)]
+    assert "mode=saar_is tau=0.3: " in run.stdout and "— written" in run.stdout, run.stdout
+    assert "saar γ" not in run.stderr, run.stderr  # it purifies saar_is at τ, no γ partition
+    again = run_cleaner(cmd)  # a rerun says what it kept (it said it was purifying, every time)
+    assert again.returncode == 0 and "mode=saar_is tau=0.7: " in again.stdout, again.stderr
+    assert "kept (already committed)" in again.stdout and "— written" not in again.stdout, again.stdout
+    # `cleaner purify --is-threshold` purifies saar_is at τ as replay does (without --mode it wrote nothing of it)
+    purify = run_cleaner(["purify", "--run", "w", "--iteration", "0", "--is-threshold", "0.9", f"storage.root={root}",
+                          "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"])
+    assert purify.returncode == 0 and "mode=saar_is tau=0.9: " in purify.stdout, purify.stdout + purify.stderr
+    assert RunLayout(root, "w").purified_dir(0, "saar_is", 0.9).is_dir()
     for bad in ("0", "nan", "-1"):
         r = run_cleaner(cmd[:3] + ["--is-threshold", bad, f"storage.root={root}"])
         assert r.returncode == 2 and f"invalid τ '{bad}'" in r.stderr
@@ -207,6 +217,17 @@ def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
     assert mid.differ_from_reference == 0 and lo.replaced >= mid.replaced >= hi.replaced
     assert all(s.replaced + s.appended == s.rollbacks for s in stats)
     assert sum(int(line.rsplit("│", 1)[1].split()[0]) for line in log_histogram_lines(ratios, [0.5])) == len(ratios)
+    # each τ's counts are what purify decides at that τ, rollback by rollback (a policy that repeats its code
+    # samples identical retries: named by their turn ids, two of them counted as one, and τ 0.3 and 0.5 showed
+    # the same counts while their partitions differed)
+    from purifier.replay import with_retries
+
+    for s in stats:
+        calls = []
+        purified = [purify(r, s.tau, "saar_is", chat.decode, score=lambda c, t, calls=calls: calls.append(1) or backend.score(c, t))
+                    for r in with_retries(raws)]
+        assert (s.rollbacks, s.replaced) == (len(calls), sum(len(p.splices) for p in purified)), s
+        assert s.tokens_removed == sum(x.tokens_removed for p in purified for x in p.splices)
 
 
 def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_path, backend, chat):
