@@ -103,12 +103,19 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         # bound: even a killed command (kill -9, a CI timeout) takes its server down with it
         server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui, bound=True)
         os.environ["PREFECT_API_URL"] = server.url
+    else:
+        from flows.server import check_api
+
+        check_api(os.environ["PREFECT_API_URL"])  # one line, before the banner says it works
     url = os.environ["PREFECT_API_URL"]
+    # the venv's own prefect: a shell without the venv activated has none on its PATH
+    prefect = Path(sys.executable).parent / "prefect"
+    prefect_cmd = shlex.quote(str(prefect)) if prefect.is_file() else "prefect"
     each = (f"a new run named {args.new_run!r}" if args.new_run else
             f"{cfg.flow.iterations} more iteration(s) of run {cfg.flow.run_id!r} from its last checkpoint")
     print(f"[schedule] every firing trains {each}\n"
           f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
-          f"  PREFECT_API_URL={url} prefect deployment run 'cleaner-training/{args.name}'\n"
+          f"  PREFECT_API_URL={url} {prefect_cmd} deployment run 'cleaner-training/{args.name}'\n"
           + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
           flush=True)
     import warnings
@@ -118,8 +125,12 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     # Prefect's runner leaves its stop coroutine unawaited when the process is told to end
     warnings.filterwarnings("ignore", message="coroutine 'Runner.astop' was never awaited")
     try:
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
         training_flow.serve(
             name=args.name, interval=args.interval, cron=args.cron,
+            # one firing at a time: a firing while one trains is cancelled (two would train the same iteration)
+            global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
             parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides),
                         "more": not args.new_run, "run_id_template": args.new_run},
             print_starting_message=False,  # its banner's trigger command lacks PREFECT_API_URL; ours above works

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -75,6 +76,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def check_api(url: str) -> None:
+    """A Prefect API the user named (PREFECT_API_URL) answers, else one line before any flow starts (Prefect's
+    own client gives a 100-line traceback, after the command has printed as if it were working)."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5.0):
+            return
+    except urllib.error.HTTPError:
+        return  # a server answered (Prefect Cloud may want a key for /health): the flow's own calls say the rest
+    except (OSError, ValueError) as e:
+        reason = str(getattr(e, "reason", "") or e)
+        raise ServerError(f"PREFECT_API_URL={url}: no Prefect server answers there ({reason}); start one (`cleaner "
+                          "server start`, then export the URL it prints) or unset PREFECT_API_URL to use a temporary "
+                          "one") from None
 
 
 def _wait_started(proc: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path) -> None:
@@ -152,6 +168,7 @@ def start_temporary_server(root: Path) -> str | None:
     with the command (PR_SET_PDEATHSIG) and is stopped by its own pid on a normal exit.
     """
     if os.environ.get("PREFECT_API_URL"):
+        check_api(os.environ["PREFECT_API_URL"])
         return None
     configure_prefect(root)
     port = free_port()

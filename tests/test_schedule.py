@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -75,9 +74,10 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         assert completed[0]["deployment_id"] is not None  # created by the deployment's schedule, not by hand
         assert read_manifest(RunLayout(tmp_path, "sched").raw_dir(0)).rows == 4
         # The printed trigger command works from a plain shell (no PREFECT_HOME, nothing but the URL).
-        trigger = re.search(r"^\s+(PREFECT_API_URL=\S+) (prefect deployment run .+)$", out, re.M)
+        trigger = re.search(r"^\s+(PREFECT_API_URL=\S+) (\S*prefect deployment run .+)$", out, re.M)
         assert trigger, out[-3000:]
-        plain = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
+        # a shell without the venv on its PATH: the printed command names the venv's prefect
+        plain = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                  trigger.group(1).split("=", 1)[0]: trigger.group(1).split("=", 1)[1]}
         ran = subprocess.run(["bash", "-c", trigger.group(2)], env=plain, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -91,6 +91,11 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         assert raw1 is not None, (tmp_path / "schedule.log").read_text()[-3000:]
         assert raw1.inputs[0].endswith("checkpoints/iteration=0001")
         assert "prefect deployment run" not in out.replace(trigger.group(0), "")  # only the command that works
+        # one firing at a time: a firing while another trains is cancelled, never run beside it
+        runs = sorted((r for r in prefect_api(url, "/flow_runs/filter", {}) if r["start_time"]),
+                      key=lambda r: r["start_time"])
+        for earlier, later in zip(runs, runs[1:]):
+            assert earlier["end_time"] and earlier["end_time"] <= later["start_time"], (earlier, later)
     finally:
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
         hung = False
@@ -131,3 +136,17 @@ def test_run_ids_from_a_template():
     t = time.mktime((2026, 11, 24, 23, 5, 9, 0, 0, -1))
     assert run_id_for("nightly-{date}", "demo", t) == "nightly-20261124"
     assert run_id_for("{run_id}-{date}-{time}", "demo", t) == "demo-20261124-230509"
+
+
+def test_a_prefect_api_url_nobody_answers_is_one_line(tmp_path):
+    """A stale PREFECT_API_URL (a `cleaner server` since stopped) gave a 100-line traceback, after `schedule` had
+    printed its banner as if it were serving."""
+    from tests.flow_helpers import run_cleaner
+
+    env = {**command_env(tmp_path), "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    for args in (["train", "-c", str(tiny_config(tmp_path))], ["schedule", "--interval", "60", "--no-ui"]):
+        out = run_cleaner(args, tmp_path, env=env, timeout=120)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(
+            f"cleaner {args[0]}: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers there"), out.stderr
+        assert "trigger a run" not in out.stdout and not (tmp_path / "runs").exists()
