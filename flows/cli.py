@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         message, code = (str(e), e.exit_code) if isinstance(e, CleanerError) else (describe_os_error(e), 1)
         print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
         return code
+    except KeyboardInterrupt:  # Ctrl-C: committed stages are kept, an update resumes from its last mini-batch
+        if os.environ.get("CLEANER_TRACEBACK"):
+            raise
+        print(f"cleaner {args.command}: interrupted; run the same command again to resume (what was committed is "
+              "kept)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

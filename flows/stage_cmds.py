@@ -26,8 +26,14 @@ def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], flo
 def stage_parser(sub, name: str, help: str, example: str, description: str, func: Callable) -> argparse.ArgumentParser:
     p = command_parser(sub, name, help, f"Example:\n  {example}", description, func=func)
     p.add_argument("--run", help="run id (default: flow.run_id)")
-    p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--iteration", type=_iteration, default=0, help="the iteration (0, 1, …) [0]")
     return p
+
+
+def _iteration(text: str) -> int:
+    if not text.isdigit():  # -1 looked for iteration=-001
+        raise argparse.ArgumentTypeError(f"invalid iteration {text!r}: a whole number ≥ 0")
+    return int(text)
 
 
 def purify_parser(sub, name: str, help: str, example: str, func: Callable) -> argparse.ArgumentParser:
@@ -35,11 +41,12 @@ def purify_parser(sub, name: str, help: str, example: str, func: Callable) -> ar
     p = stage_parser(sub, name, help, example, help + ". One partition per (mode, γ) is written beside the "
                      "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.",
                      func)
-    p.add_argument("--gamma", type=checked(check_gamma, "γ"), nargs="+", help="γ values (default: purify.gammas / flow.replay_gammas)")
+    p.add_argument("--gamma", type=checked(check_gamma, "γ"), nargs="+", help=(
+        f"γ values (default: {'purify.gammas' if name == 'purify' else 'flow.replay_gammas'})"))
     p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
     p.add_argument("--is-threshold", type=checked(check_is_threshold, "τ"), nargs="+", metavar="TAU", help=(
-        "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds); with --sweep, "
-        "also the importance-ratio histogram and the decisions per τ"))
+        "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds)"
+        + ("; with --sweep, also the importance-ratio histogram and the decisions per τ" if name == "replay" else "")))
     return p
 
 

@@ -208,6 +208,10 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     layout = RunLayout(cfg.storage.root, run_id)
     raw_dir = layout.raw_dir(iteration)
     if read_manifest(raw_dir) is None:
+        if not layout.run_dir.is_dir():  # a mistyped run or root: not a rollout to run first
+            runs = sorted(p.name for p in layout.run_dir.parent.glob("*") if p.is_dir())
+            raise ShardMissing(f"run {run_id!r} does not exist under {cfg.storage.root} (runs there: "
+                               f"{', '.join(runs) or 'none'}; check --run and storage.root)")
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
     raw_manifest = committed_manifest(raw_dir, RAW)  # schema version, no stray parts; parts are checked in Beam
     checkpoint = Path(checkpoint or (resolve_recorded(cfg.storage.root, raw_manifest.inputs[0]) if raw_manifest.inputs

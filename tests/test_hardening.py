@@ -235,10 +235,10 @@ def test_cli_gamma_is_validated_and_overrides_go_anywhere(tmp_path, capsys):
     # an override after the multi-value --gamma, and overrides on both sides of --run/--iteration
     code, err = run_cli(capsys, "replay", "--run", "missing", "--iteration", "0", "--gamma", "0.5",
                         f"storage.root={root}")
-    assert code == 1 and f"{root}/runs/missing" in one_line(err)
+    assert code == 1 and "run 'missing' does not exist under" in one_line(err)
     code, err = run_cli(capsys, "purify", f"storage.root={root}", "--run", "missing", "--iteration", "0",
                         "purify.runner=FnApiRunner")
-    assert code == 1 and f"{root}/runs/missing" in one_line(err)
+    assert code == 1 and "run 'missing' does not exist under" in one_line(err)
     assert files_under(root) == {} and [p.name for p in root.iterdir()] == []
 
 
@@ -322,6 +322,29 @@ def test_truncated_safetensors_is_one_line(purified_run, tmp_path, capsys):
         assert code == 1 and "model.safetensors" in line and "truncated" in line, line
     code, err = run_cli(capsys, "eval", "--world", f"rollout.policy={tmp_path / 'none'}")
     assert code == 1 and one_line(err).endswith(f"checkpoint {tmp_path / 'none'} does not exist"), err
+
+
+def test_a_mistyped_run_or_iteration_is_named_as_such(purified_run, tmp_path, capsys):
+    """A run that does not exist said 'no committed raw shard … (run the rollout first)'; --iteration -1 looked for
+    iteration=-001."""
+    root = purified_run.storage.root
+    for command in ("purify", "replay"):
+        code, err = run_cli(capsys, command, "--run", "nope", f"storage.root={root}")
+        assert code == 1 and "run 'nope' does not exist under" in one_line(err) and "runs there: w" in err, err
+        code, err = run_cli(capsys, command, "--run", "w", "--iteration", "-1", f"storage.root={root}")
+        assert code == 2 and "invalid iteration '-1'" in one_line(err), err
+    assert not (root / "runs" / "nope").exists()
+
+
+def test_an_update_that_diverges_is_one_line_and_writes_nothing(purified_run, tmp_path, capsys):
+    """train.lr=1e30: a 25-line FloatingPointError traceback before."""
+    root = tmp_path / "ws"
+    shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+    code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}", "train.lr=1e30", "train.warmup_steps=0")
+    line = err.strip().splitlines()[-1]  # after the steps taken (their lines are progress, not errors)
+    assert code == 1 and "Traceback" not in err and line.startswith("cleaner update: "), err[-3000:]
+    assert " is nan at optimizer step " in line and "lower train.lr" in line, line
+    assert not RunLayout(root, "w").checkpoint_dir(1).exists()
 
 
 def test_an_update_rerun_with_other_train_settings_is_refused_not_kept(purified_run, tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.grpo import (GRPOUpdate, UpdateError, UpdateProgress, hyperparameters, keep_configured, load_schedule_state,
+from trainer.grpo import (DivergedError, GRPOUpdate, UpdateError, UpdateProgress, hyperparameters, keep_configured, load_schedule_state,
                           warmup_schedule)
 from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
@@ -122,7 +122,7 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.engine.step()
         grad_norm = self.strategy.get_grad_norm(self.actor)
         if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+            raise DivergedError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
         return grad_norm
 
     # -- state: ZeRO checkpoints (every rank writes its partition) ----------------------------------

@@ -30,6 +30,14 @@ class UpdateError(CleanerError, RuntimeError):
     """An update that cannot run on its input; nothing is written."""
 
 
+class DivergedError(UpdateError, FloatingPointError):
+    """The loss or the gradient norm is not finite: nothing is committed (one line on the command line)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}; no checkpoint written: lower train.lr (or check the purified rows' log-probs) "
+                         "and run the update again")
+
+
 @dataclass
 class StepMetrics:
     step: int
@@ -181,7 +189,7 @@ class GRPOUpdate:
         """Clip, step optimizer and schedule; returns the pre-clip gradient norm."""
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
+            raise DivergedError(f"gradient norm is {grad_norm} at optimizer step {self.global_step}")
         self.optimizer.step()
         self.scheduler.step()
         return grad_norm
@@ -253,8 +261,8 @@ class GRPOUpdate:
                 filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
                 beh_kl += float(vllm_kl) * m.num_actions
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
-                                         f"(rows {m.rows[:3]}...); no checkpoint written")
+                raise DivergedError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
+                                    f"(rows {m.rows[:3]}...)")
             self.backward(loss, last=i == backwards - 1)
             self._micro_batch_done(i + 1, backwards)
             if not m.num_actions:

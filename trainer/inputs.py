@@ -55,7 +55,8 @@ def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
     manifest = read_manifest(part)
     if manifest is None:
         raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
-                           f"(run `cleaner purify --iteration {iteration}` first)")
+                           f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's -c and "
+                           "overrides)")
     # behaviour log-probs where the shard has them (purified schema version 2 on); older shards still train
     has_behaviour = BEHAVIOUR_COLUMN in PURIFIED.names and manifest.schema == schema_id(PURIFIED)
     if cfg.train.rollout_correction != "off" and not has_behaviour:
