@@ -55,7 +55,8 @@ def split_overrides(parser: Parser, argv: list[str]) -> tuple[list[str], list[st
 
 
 def command_parser(subparsers, name: str, help: str, example: str, description: str | None = None,
-                   config: bool = True, actions: tuple[str, ...] = (), *, func: Callable) -> Parser:
+                   config: bool = True, actions: tuple[str, ...] = (), *, func: Callable,
+                   config_default: str = "embedded defaults") -> Parser:
     """A command's parser: its help, description and examples, the function it runs (`func`), its first
     positional ACTION if it has `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional
     with their epilog."""
@@ -66,7 +67,7 @@ def command_parser(subparsers, name: str, help: str, example: str, description: 
     if actions:
         p.add_argument("action", choices=actions)
     if config:
-        p.add_argument("-c", "--config", type=Path, help="YAML config file (default: embedded defaults)")
+        p.add_argument("-c", "--config", type=Path, help=f"YAML config file (default: {config_default})")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     return p
 

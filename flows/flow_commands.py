@@ -189,7 +189,8 @@ def add_parser(sub) -> None:
     command_parser(sub, "demo", "the main job: a multi-iteration training flow on the embedded defaults",
                    "Example:\n  cleaner demo flow.iterations=2",
                    "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
-                   "iteration 0 under three γ, write the report and print where to look.", func=cmd_demo)
+                   "iteration 0 under three γ, write the report and print where to look.", func=cmd_demo,
+                   config_default="configs/demo.yaml")
     command_parser(sub, "train", "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
                    "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
                    "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "

@@ -33,6 +33,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 from pipeline.chat import CALL_OPEN, ChatFormat
 from pipeline.config import SandboxConfig, WorldConfig
 from pipeline.qwen3_tokenizer import MODEL_VOCAB, TOKENIZER_DIR, chat_template
+from storage.checkpoints import files_as_umask_says
 from storage.errors import CheckpointError, CleanerError
 
 COMPACT_DIR = TOKENIZER_DIR.parent / "qwen3-tiny-calls"
@@ -213,6 +214,7 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
                       "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)", "chat_template": template,
                       "wall_s": round(time.perf_counter() - t0, 1)}
         (staging / "PROVENANCE.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        files_as_umask_says(staging)
         if out.is_dir():
             out.rmdir()  # empty (checked above); a file written into it since makes this fail, and nothing is lost
         staging.rename(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -37,6 +38,15 @@ def check_safetensors(path: Path) -> None:
         what = "truncated" if 8 + n + end > size else "corrupt (trailing bytes)"
         raise CheckpointError(f"{path}: {what} safetensors file ({size} bytes, its header says {8 + n + end}); "
                               "restore or re-copy the checkpoint")
+
+
+def files_as_umask_says(folder: Path) -> None:
+    """Weight files with the mode the umask gives (safetensors writes them 0600 through a temporary file: a
+    checkpoint served or read by another user, e.g. an inference server's, could not be opened)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).glob("*.safetensors"):
+        os.chmod(path, 0o666 & ~umask)
 
 
 def check_checkpoint(checkpoint: Path) -> list[Path]:

@@ -142,3 +142,10 @@ def test_a_key_earlier_configs_had_says_what_became_of_it(tmp_path, key, says):
         with pytest.raises(ConfigError) as e:
             load()
         assert "\n" not in str(e.value) and f"config key {key!r} {says}" in str(e.value)
+
+
+def test_demo_help_names_the_config_it_reads(capsys):
+    """`cleaner demo` reads configs/demo.yaml; its -c said 'default: embedded defaults' as every command's does."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--help"])
+    assert "(default: configs/demo.yaml)" in " ".join(capsys.readouterr().out.split())

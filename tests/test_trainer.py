@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 import shutil
+import os
 import sys
 
 import pytest
@@ -169,6 +170,9 @@ def test_existing_checkpoint_is_never_overwritten(purified_run, tmp_path):
     cfg = _update_cfg(purified_run, tmp_path)
     target = run_update_stage(cfg, "w", 0, log=lambda *_: None)
     before = (target / "model.safetensors").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)  # the weights are readable as the umask says (safetensors wrote them 0600)
+    assert (target / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert run_update_stage(cfg, "w", 0, log=lambda *_: None) == target  # the same settings: kept
     cfg.train.lr = 1e-2  # other settings: refused (it is not what they would have trained), never overwritten
     with pytest.raises(CleanerError, match="committed by an update with other train settings"):

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import CleanerConfig
 from pipeline.modes import live_measure, partition_gamma, partition_measure
-from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, policy_version
+from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, files_as_umask_says, policy_version
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS, PURIFIED, schema_id
 from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
@@ -161,5 +161,6 @@ def start_checkpoint(target: Path) -> Path:
 def finish_checkpoint(tmp: Path, target: Path, record: dict) -> None:
     """The one way a checkpoint is committed, whatever the strategy: the record as `_CHECKPOINT.json`,
     then the staging folder renamed into place, so a checkpoint appears whole or not at all."""
+    files_as_umask_says(tmp)
     (tmp / DONE_MARKER).write_text(json.dumps(record, indent=1))
     tmp.rename(target)
