@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -124,6 +125,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     # Prefect's runner leaves its stop coroutine unawaited when the process is told to end
     warnings.filterwarnings("ignore", message="coroutine 'Runner.astop' was never awaited")
+    # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: Prefect's runner answers it with sys.exit inside its
+    # event loop, and the server stopped under a firing still running, which retried the API for minutes (hundreds
+    # of traceback lines). Its handler is the runner's method: replaced for this process.
+    from prefect.runner import Runner
+
+    server_pid = server.pid if started else None
+    Runner.handle_sigterm = lambda _runner, *_args, **_kw: _interrupt_firings(server_pid)
     try:
         from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
@@ -141,6 +149,24 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
             stop_server(cfg.storage.root)
     return 0
+
+
+def _interrupt_firings(server_pid: int | None) -> None:
+    """What Ctrl-C does from a terminal, for a SIGTERM sent to this process alone: SIGINT to every child but the
+    Prefect server (the firings in progress crash and are recorded so), then to this process (its event loop
+    stops on SIGINT the way it does on Ctrl-C)."""
+    import signal
+
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == me and pid != server_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
 
 
 def cmd_server(args: argparse.Namespace) -> int:

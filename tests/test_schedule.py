@@ -113,6 +113,30 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
     assert not state_file.exists(), f"stopped without removing {state_file}:\n{tail}"
 
 
+def test_sigterm_during_a_firing_stops_as_ctrl_c_does(tmp_path):
+    """`kill PID` (systemd, docker stop) while a firing trains: Prefect's runner answered it with sys.exit inside its
+    event loop, the server stopped under the firing, which retried the API for 2.5 minutes (330 lines of
+    tracebacks). Now: the firing is interrupted and recorded as crashed, the command ends in seconds, quietly."""
+    p = _start_schedule(tmp_path, 10, "sigterm-test")
+    log = tmp_path / "schedule.log"
+    try:
+        deadline = time.time() + 240
+        while "[rollout it 0]" not in log.read_text() and time.time() < deadline:
+            assert p.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert "[rollout it 0]" in log.read_text(), log.read_text()[-3000:]
+        state = json.loads((tmp_path / ".prefect" / "server.json").read_text())
+        p.send_signal(signal.SIGTERM)  # this process alone, as `kill PID` does
+        code = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0 and "Traceback" not in text and "Error logging to API" not in text, text[-4000:]
+    assert "Crash detected! Execution was aborted by an interrupt signal" in text, text[-3000:]
+    assert _gone(state["pid"]), "the Prefect server outlived `cleaner schedule`"
+
+
 def test_a_killed_schedule_command_takes_its_server_down(tmp_path):
     """kill -9 of `cleaner schedule` (a CI timeout, an OOM kill) leaves no Prefect server running."""
     p = _start_schedule(tmp_path, 3600, "killed")
