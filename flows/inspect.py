@@ -113,8 +113,9 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included", wide=True),
         Column("response_tokens", "response tokens", _RESPONSE),
         Column("generated_tokens", "generated tokens", "tokens sampled, summed, failed attempts included", wide=True),
-        Column("failed_token_share", "failed token share", "share of the response tokens (sampled and tool "
-               "feedback, summed) that failed attempts take up: their call and its error"),
+        Column("failed_tokens_per_generated", "failed tokens per generated", "failed attempts' tokens (their call "
+               "and its error message) per sampled token, summed over the iteration: a ratio, above 1 when error "
+               "messages are longer than what the model wrote (under live SAAR the lived sequence holds neither)"),
         Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
         Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),
     ),

@@ -22,14 +22,15 @@ WITH raw AS (
   SELECT iteration, count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy,
          avg(stats.first_attempt_failures) AS tool_errors_per_traj, avg(stats.tool_calls) AS tool_calls,
          avg(response_tokens) AS response_tokens, sum(stats.generated_tokens) AS generated_tokens,
-         sum(failed_attempt_tokens) AS failed_attempt_tokens, sum(response_tokens) AS lived_tokens
+         sum(failed_attempt_tokens) AS failed_attempt_tokens
   FROM raw_summary WHERE run_id = $run GROUP BY iteration
 ), upd AS (
   SELECT iteration, avg(value) FILTER (WHERE name = 'loss') AS update_loss,
          avg(value) FILTER (WHERE name = 'clip_ratio') AS clip_ratio
   FROM metrics WHERE run_id = $run AND stage = 'update' GROUP BY iteration
 )
-SELECT raw.* EXCLUDE (failed_attempt_tokens, lived_tokens), raw.failed_attempt_tokens / raw.lived_tokens AS failed_token_share,
+SELECT raw.* EXCLUDE (failed_attempt_tokens),
+       raw.failed_attempt_tokens / raw.generated_tokens AS failed_tokens_per_generated,
        upd.update_loss, upd.clip_ratio
 FROM raw LEFT JOIN upd USING (iteration)
 ORDER BY iteration
@@ -100,8 +101,8 @@ CAPTIONS = {
                     "compare with training at every iteration).",
     "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
                "each purification variant.",
-    "failed_tokens": ("Share of the response tokens (sampled and tool feedback) taken by failed attempts and "
-                      "their error feedback."),
+    "failed_tokens": ("Failed attempts' tokens (their call and its error feedback) per generated token; above 1 "
+                      "when error messages are longer than what the model wrote."),
     "eval_pass1": "Held-out avg@k pass@1 of checkpoint i (the policy iteration i rolls out from; flow.eval_every), "
                   "SAAR at test time on and off; bars: ± one standard error over tasks.",
     "eval_tool_errors": "Failed tool executions (retries included) per held-out trajectory of checkpoint i, SAAR at "
@@ -211,9 +212,9 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
                         label=name)
             ax.axvline(math.log10(0.5), color="k", linestyle="--", label="IS = 0.5")
             ax.legend(fontsize=7)
-    with plot("failed_tokens", "tokens spent on failed attempts", "share of response tokens") as ax:
-        ax.plot(x, [r["failed_token_share"] for r in its], "o-", color="tab:purple")
-        ax.set_ylim(0, max(0.1, max(r["failed_token_share"] or 0 for r in its) * 1.1))
+    with plot("failed_tokens", "tokens spent on failed attempts", "per generated token") as ax:
+        ax.plot(x, [r["failed_tokens_per_generated"] for r in its], "o-", color="tab:purple")
+        ax.set_ylim(0, max(0.1, max(r["failed_tokens_per_generated"] or 0 for r in its) * 1.1))
     for name, title, ylabel, key in (("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
                                      ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory",
                                       "tool failures/traj")):
