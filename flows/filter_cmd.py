@@ -16,6 +16,7 @@ command, since pass rates without it would be wrong.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -106,8 +107,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
     n, seen = run_filter(cfg.storage.root, run_id, args.iterations, args.min_pass, args.max_pass, args.out)
+    # the same config and overrides (pasted alone, the hint trained into ./workspace on the embedded defaults)
+    again = "".join(f" {shlex.quote(str(a))}" for a in [*(["-c", args.config] if args.config else []),
+                                                         *args.overrides])
     print(f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
-          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train rollout.tasks={args.out}")
+          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train{again} rollout.tasks={shlex.quote(str(args.out))}")
     return 0
 
 

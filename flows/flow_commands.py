@@ -132,6 +132,11 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     server_pid = server.pid if started else None
     Runner.handle_sigterm = lambda _runner, *_args, **_kw: _interrupt_firings(server_pid)
+    # SIGINT handled even when started in the background of a script (which starts it ignored): the SIGTERM
+    # above goes through it, and the firings started from here inherit it (an ignored SIGINT is inherited)
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 

@@ -28,7 +28,7 @@ EXAMPLE_QUERIES = {
         "GROUP BY ALL ORDER BY n DESC"
     ),
     "raw vs purified per γ": "SELECT * FROM purify_compare",
-    "does purification help here? (recovered mean advantage > 0 predicts yes)": (
+    "mean advantage per trajectory kind (whether purification helps: the token-level rule of `cleaner replay`)": (
         "SELECT * FROM trajectory_kinds ORDER BY ALL"
     ),
     "failed-call tokens trained under negative vs positive advantage, per mode": (

@@ -10,7 +10,7 @@ from typing import Callable
 
 from flows.command import command_parser, config_of
 from pipeline.config import CleanerConfig, check_gamma, check_is_threshold
-from pipeline.modes import IS_MODES, MODES
+from pipeline.modes import MODES
 
 
 def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], float]:
@@ -73,8 +73,10 @@ def run_rollout(args: argparse.Namespace) -> int:
               flush=True)
     manifest = run_rollout_stage(cfg, run_id, args.iteration, checkpoint)
     published(cfg)
+    too_long = manifest.extra.get("prompt_too_long", 0)
     print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
-          + (" — kept (already committed)" if done else ""))
+          + (f"; {too_long} prompts longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}) were not "
+             "rolled out" if too_long else "") + (" — kept (already committed)" if done else ""))
     return 0
 
 
@@ -94,10 +96,9 @@ def run_purify(args: argparse.Namespace) -> int:
 
 def print_partitions(results) -> None:
     """One line per partition a purify stage ran: its rows and dead letters, written or kept."""
-    for r in results:
+    for r in results:  # named as its folder is (a measure other than the default is part of it)
         state = "kept (already committed)" if r.skipped else "written"
-        threshold = f"tau={r.gamma:g}" if r.mode in IS_MODES else f"gamma={r.gamma:g}"
-        print(f"mode={r.mode} {threshold}: {r.rows} rows, {r.dead} dead letters — {state}")
+        print(f"{r.variant.partition}: {r.rows} rows, {r.dead} dead letters — {state}")
 
 
 def run_update(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ because BPE is not a bijection and chat templates drop text.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import re
 from bisect import bisect_left
@@ -347,10 +349,27 @@ class ChatFormat:
         return self.call_start(turn_ids), parse_tool_call(text, malformed)
 
 
+# A tokenizer's vocabulary, in one of the forms transformers reads (without one it builds a tokenizer of a few
+# dozen special tokens, and a rollout commits nonsense ids)
+VOCABULARY_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
 def load_chat(checkpoint: Path, template_kwargs: dict[str, Any] | None = None) -> ChatFormat:
     from transformers import AutoTokenizer
 
-    if not (Path(checkpoint) / "tokenizer_config.json").is_file():
-        raise CheckpointError(f"no tokenizer in checkpoint {checkpoint}")
-    return ChatFormat(AutoTokenizer.from_pretrained(checkpoint), template_kwargs=template_kwargs,
-                      where=f"checkpoint {checkpoint}")
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"checkpoint {checkpoint} " + ("is a file, not a checkpoint folder" if checkpoint.exists()
+                                                             else "does not exist"))
+    if not (checkpoint / "tokenizer_config.json").is_file():
+        raise CheckpointError(f"no tokenizer in checkpoint {checkpoint} (tokenizer_config.json missing)")
+    if not any(all((checkpoint / name).is_file() for name in names) for names in VOCABULARY_FILES):
+        raise CheckpointError(f"checkpoint {checkpoint}: tokenizer_config.json without a vocabulary beside it "
+                              "(tokenizer.json, or vocab.json and merges.txt, or tokenizer.model)")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a checkpoint without config.json: no check
+        vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size")
+        if isinstance(vocab, int) and len(tokenizer) > vocab:  # ids the model has no embedding for
+            raise CheckpointError(f"checkpoint {checkpoint}: its tokenizer has {len(tokenizer):,} ids and config.json "
+                                  f"vocab_size is {vocab:,}: the tokenizer is another model's")
+    return ChatFormat(tokenizer, template_kwargs=template_kwargs, where=f"checkpoint {checkpoint}")

@@ -21,13 +21,20 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_CHUNK = 512  # positions per lm_head call: 512 × 151,936 × 4 B ≈ 311 MB of logits
 
 
+def logits_transform(config: object) -> str | None:
+    """The config attribute by which a model transforms its logits after lm_head (None: it does not)."""
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            return attr
+    return None
+
+
 def split_causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(body returning final hidden states, lm_head) of a transformers causal LM."""
-    cfg = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if cfg is not None and getattr(cfg, attr, None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); chunked log-probs assume "
-                             "logits = lm_head(hidden)")
+    attr = logits_transform(getattr(model, "config", None))
+    if attr is not None:
+        raise ValueError(f"{type(model).__name__} transforms its logits ({attr}); chunked log-probs assume "
+                         "logits = lm_head(hidden)")
     head = model.get_output_embeddings()
     body = getattr(model, "base_model", None)
     if head is None or body is None or body is model:

@@ -20,9 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
+from pipeline.policy_model import load_causal_lm
 from pipeline.trajectory import PurifiedTrajectory
 
 
@@ -47,8 +48,7 @@ class CPURecompute:
                  chunk_tokens: int = 1024) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+        self.model = load_causal_lm(checkpoint, attn_implementation="eager").eval()
         self.body, self.head = split_causal_lm(self.model)
         self.temperature = temperature if temperature > 0 else 1.0
         # positions forwarded per step over all rows: bounds the attention scores and the logits

@@ -92,6 +92,11 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
     finally:
         engine.close()
     wall = time.perf_counter() - t0
+    too_long = sum(t.finish_reason == "prompt_too_long" for t in trajectories)
+    if trajectories and too_long == len(trajectories):  # a shard of empty rows would train nothing, silently
+        raise TaskFileError(f"every prompt of iteration {iteration} is longer than rollout.max_prompt_tokens "
+                            f"({cfg.rollout.max_prompt_tokens} tokens, the chat template's system prompt and tools "
+                            "included): raise it; nothing was written")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
     with ShardWriter(out, RAW, config_hash, inputs=[record_path(cfg.storage.root, checkpoint)],
                      rows_per_part=cfg.storage.rows_per_part,
@@ -99,4 +104,5 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
         w.write(table)
         generated = sum(t.stats.generated_tokens for t in trajectories)
         return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": version,
-                         "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories))})
+                         "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
+                         "prompt_too_long": too_long})

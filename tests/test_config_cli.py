@@ -149,3 +149,18 @@ def test_demo_help_names_the_config_it_reads(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--help"])
     assert "(default: configs/demo.yaml)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_partition_written_under_another_measure_is_named_with_it(capsys):
+    """`replay --gamma 0.5 rollout.saar.similarity=difflib` printed `mode=saar gamma=0.5 … written` for the folder
+    gamma=0.50-difflib-segment: it read as if the default partition had been rewritten."""
+    from flows.stage_cmds import print_partitions
+    from pipeline.modes import Variant
+    from pipeline.similarity import Measure
+    from purifier.stage import VariantResult
+
+    print_partitions([VariantResult(Variant.of("saar", 0.5, Measure("difflib")), 64, 0, False),
+                      VariantResult(Variant.of("saar_is", 0.3), 64, 1, True)])
+    assert capsys.readouterr().out.splitlines() == [
+        "mode=saar/gamma=0.50-difflib-segment: 64 rows, 0 dead letters — written",
+        "mode=saar_is/tau=0.30: 64 rows, 1 dead letters — kept (already committed)"]

@@ -91,7 +91,10 @@ def test_cli_filter_and_its_refusals(run, tmp_path, capsys):
     out = tmp_path / "t.parquet"
     root = f"storage.root={run.storage.root}"
     assert main(["filter", "--run", "w", "--min-pass", "0.1", "--max-pass", "0.9", "--out", str(out), root]) == 0
-    assert "kept" in capsys.readouterr().out and out.is_file()
+    printed = capsys.readouterr().out
+    assert "kept" in printed and out.is_file()
+    # the next command keeps this one's root (pasted alone it trained into ./workspace on the embedded defaults)
+    assert f"next: cleaner train {root} rollout.tasks={out}" in printed, printed
     assert main(["filter", "--run", "w", "--min-pass", "0.9", "--max-pass", "0.1", "--out", str(out), root]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "0 <= --min-pass < --max-pass <= 1" in err

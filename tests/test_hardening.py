@@ -336,6 +336,29 @@ def test_a_mistyped_run_or_iteration_is_named_as_such(purified_run, tmp_path, ca
     assert not (root / "runs" / "nope").exists()
 
 
+def test_the_update_of_iteration_0_trains_the_policy_its_raw_shard_records(purified_run, tmp_path, capsys):
+    """A rollout with rollout.policy=P, then `cleaner update` without that override: the update loaded the
+    default policy (and refused the shard as another tokenizer's, or trained other weights)."""
+    from storage.shards import read_manifest
+
+    root = tmp_path / "ws"
+    shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+    recorded = read_manifest(RunLayout(root, "w").raw_dir(0)).inputs[0]
+    elsewhere = tmp_path / "nowhere"  # another rollout.policy now: not what sampled the iteration
+    code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}", f"rollout.policy={elsewhere}")
+    assert code == 0, err
+    assert json.loads((RunLayout(root, "w").checkpoint_dir(1) / "_CHECKPOINT.json").read_text())["source"] == recorded
+
+
+def test_a_rollout_whose_every_prompt_is_too_long_is_refused(tmp_path, capsys):
+    """Every row finished 'prompt_too_long' with no token, the shard was committed, and the command said
+    `raw shard: 2 trajectories` (Qwen3's tool system prompt alone is ~190 tokens)."""
+    code, err = run_cli(capsys, "rollout", "--run", "p", f"storage.root={tmp_path}", "rollout.max_prompt_tokens=8",
+                        "rollout.tasks_per_iteration=2", "rollout.samples_per_prompt=1")
+    assert code == 1 and "longer than rollout.max_prompt_tokens (8 tokens" in one_line(err), err
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
 def test_an_update_that_diverges_is_one_line_and_writes_nothing(purified_run, tmp_path, capsys):
     """train.lr=1e30: a 25-line FloatingPointError traceback before."""
     root = tmp_path / "ws"

@@ -189,15 +189,15 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     got = con.sql("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar_is' ORDER BY 1").fetchall()
     con.close()
     assert got == [(0.3,), (0.7,)]
-    assert "mode=saar_is tau=0.3: " in run.stdout and "— written" in run.stdout, run.stdout
+    assert "mode=saar_is/tau=0.30: " in run.stdout and "— written" in run.stdout, run.stdout
     assert "saar γ" not in run.stderr, run.stderr  # it purifies saar_is at τ, no γ partition
     again = run_cleaner(cmd)  # a rerun says what it kept (it said it was purifying, every time)
-    assert again.returncode == 0 and "mode=saar_is tau=0.7: " in again.stdout, again.stderr
+    assert again.returncode == 0 and "mode=saar_is/tau=0.70: " in again.stdout, again.stderr
     assert "kept (already committed)" in again.stdout and "— written" not in again.stdout, again.stdout
     # `cleaner purify --is-threshold` purifies saar_is at τ as replay does (without --mode it wrote nothing of it)
     purify = run_cleaner(["purify", "--run", "w", "--iteration", "0", "--is-threshold", "0.9", f"storage.root={root}",
                           "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"])
-    assert purify.returncode == 0 and "mode=saar_is tau=0.9: " in purify.stdout, purify.stdout + purify.stderr
+    assert purify.returncode == 0 and "mode=saar_is/tau=0.90: " in purify.stdout, purify.stdout + purify.stderr
     assert RunLayout(root, "w").purified_dir(0, "saar_is", 0.9).is_dir()
     for bad in ("0", "nan", "-1"):
         r = run_cleaner(cmd[:3] + ["--is-threshold", bad, f"storage.root={root}"])

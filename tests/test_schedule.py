@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from storage.layout import RunLayout
 from storage.shards import read_manifest
 from tests.flow_helpers import cleaner, command_env, prefect_api, tiny_config
@@ -39,7 +41,12 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start_schedule(tmp_path: Path, interval: int, name: str) -> subprocess.Popen:
+def _as_from_a_script_background() -> None:
+    """preexec_fn: `cleaner schedule &` in a shell script without job control starts with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _start_schedule(tmp_path: Path, interval: int, name: str, preexec_fn=_as_from_a_terminal) -> subprocess.Popen:
     """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
     schedule.log."""
     cfg = tiny_config(tmp_path, flow={"run_id": "sched", "iterations": 1, "tensorboard": False},
@@ -48,7 +55,7 @@ def _start_schedule(tmp_path: Path, interval: int, name: str) -> subprocess.Pope
     env = {k: v for k, v in command_env().items() if not k.startswith("PREFECT_")}
     with open(tmp_path / "schedule.log", "w") as log:
         return cleaner(["schedule", "--interval", str(interval), "--no-ui", "--name", name, "-c", str(cfg)], tmp_path,
-                       env=env, cwd=tmp_path, stdout=log, preexec_fn=_as_from_a_terminal)
+                       env=env, cwd=tmp_path, stdout=log, preexec_fn=preexec_fn)
 
 
 def _completed_runs(url: str) -> list[dict]:
@@ -113,11 +120,12 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
     assert not state_file.exists(), f"stopped without removing {state_file}:\n{tail}"
 
 
-def test_sigterm_during_a_firing_stops_as_ctrl_c_does(tmp_path):
+@pytest.mark.parametrize("started", [_as_from_a_terminal, _as_from_a_script_background])
+def test_sigterm_during_a_firing_stops_as_ctrl_c_does(tmp_path, started):
     """`kill PID` (systemd, docker stop) while a firing trains: Prefect's runner answered it with sys.exit inside its
     event loop, the server stopped under the firing, which retried the API for 2.5 minutes (330 lines of
     tracebacks). Now: the firing is interrupted and recorded as crashed, the command ends in seconds, quietly."""
-    p = _start_schedule(tmp_path, 10, "sigterm-test")
+    p = _start_schedule(tmp_path, 10, "sigterm-test", started)
     log = tmp_path / "schedule.log"
     try:
         deadline = time.time() + 240

@@ -14,7 +14,7 @@ import torch
 from pipeline.config import CleanerConfig
 from pipeline.modes import live_measure, partition_gamma, partition_measure
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, files_as_umask_says, policy_version
-from storage.layout import RunLayout, record_path
+from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import METRICS, PURIFIED, schema_id
 from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
@@ -82,11 +82,15 @@ def check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifes
 
 def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
     layout = RunLayout(cfg.storage.root, run_id)
-    source = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    raw = read_manifest(layout.raw_dir(iteration))
+    # iteration 0 trains the policy that sampled it, as its raw shard records it (rollout.policy may be another
+    # now: `cleaner update` without the override the rollout had); later ones, the run's own checkpoint
+    source = (resolve_recorded(cfg.storage.root, raw.inputs[0]) if iteration == 0 and raw is not None and raw.inputs
+              else checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy))
     check_checkpoint(source)  # whole weight files before any is loaded
     part, manifest, rows = load_rows(cfg, run_id, iteration)
     inputs = UpdateInputs(layout.checkpoint_dir(iteration + 1), source, part, manifest,
-                          rows, read_manifest(layout.raw_dir(iteration)), layout.metrics_dir(iteration, "update"))
+                          rows, raw, layout.metrics_dir(iteration, "update"))
     if cfg.train.use_dpo_on_tool_calls:  # pairs of failed calls and working retries, from the raw shard
         inputs.dpo_pairs, inputs.dpo_skipped = read_pairs(layout.raw_dir(iteration))
     return inputs
@@ -105,9 +109,9 @@ UPDATE_ATTENTION = "sdpa"
 
 
 def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from pipeline.policy_model import load_causal_lm  # (torch and transformers load with the trainer)
 
-    model = AutoModelForCausalLM.from_pretrained(inputs.src, dtype=torch.float32, attn_implementation=UPDATE_ATTENTION)
+    model = load_causal_lm(inputs.src, attn_implementation=UPDATE_ATTENTION)
     check_compatible(inputs.src, model, inputs.rows, inputs.raw_manifest)
     torch.set_num_threads(max(1, cfg.rollout.engine_tuning.threads))
     return model

@@ -20,10 +20,11 @@ from typing import Hashable, Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from pipeline.engines.base import Generation, Request, SamplingParams, ScoreRequest
 from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
+from pipeline.policy_model import load_causal_lm
 from storage.errors import CheckpointError
 from rollout_gen.engines.batch_kv import growing, left_pad, stack
 from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
@@ -122,8 +123,7 @@ class CPUEngine:
     def _load(self, checkpoint: Path) -> None:
         if not (Path(checkpoint) / "config.json").is_file():
             raise CheckpointError(f"no HF checkpoint at {checkpoint} (config.json missing)")
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+        self.model = load_causal_lm(checkpoint, attn_implementation="eager").eval()
         self.forward = engine_forward(self.model)
         self.checkpoint = Path(checkpoint)
 
