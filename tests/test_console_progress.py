@@ -66,7 +66,7 @@ def test_update_progress_lines_follow_every_micro_batch(purified_run, tmp_path, 
 def test_replay_says_what_it_does_before_its_first_table(run):
     out = _out(["replay", "--run", "tiny", "--iteration", "0", "--gamma", "0.3"], run)
     first = out.splitlines()[0]
-    assert first.startswith("[replay tiny it 0] purifying saar × γ 0.3"), out
+    assert first.startswith("[replay tiny it 0] purifying saar γ 0.3 beside the committed partitions"), out
     assert "[replay tiny it 0] reading the raw shard" in out
 
 

@@ -308,8 +308,10 @@ def test_truncated_safetensors_is_one_line(purified_run, tmp_path, capsys):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     for command in ("rollout", "update"):
         root = tmp_path / command
-        if command == "update":
+        if command == "update":  # iteration 0 trains the policy its raw shard records: the truncated one here
             shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+            manifest = RunLayout(root, "w").raw_dir(0) / "_MANIFEST.json"
+            manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "inputs": [str(policy)]}))
         code, err = run_cli(capsys, command, "--run", "w", f"storage.root={root}", f"rollout.policy={policy}",
                             "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=1")
         line = one_line(err)
