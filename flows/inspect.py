@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flows.command import command_parser, config_of
-from storage.errors import InspectError, WorkspaceError
+from storage.errors import InspectError, WorkspaceError, first_line
 
 if TYPE_CHECKING:  # `cleaner --help` reads COLUMNS: DuckDB, Arrow and rich load when a table is printed
     import pyarrow as pa
@@ -225,13 +225,10 @@ def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None =
         return _verify(cfg) if verify else _inspect(cfg, sql, run_id, print_queries, show_all, wide)
     except duckdb.Error as e:
         if isinstance(e, duckdb.IOException):
-            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({_first_line(e)})"
+            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({first_line(e)})"
                                ) from None
-        raise InspectError(f"SQL error: {_first_line(e)}") from None
+        raise InspectError(f"SQL error: {first_line(e)}") from None
 
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _verify(cfg: CleanerConfig) -> int:
@@ -282,7 +279,7 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
             try:
                 result = cat.query(sql)
             except duckdb.Error as e:  # the user's SQL, whatever it opens: not the catalog's failure
-                raise InspectError(f"SQL error: {_first_line(e)}") from None
+                raise InspectError(f"SQL error: {first_line(e)}") from None
             print_table(console, sql, result)
             return 0
         known = [r["run_id"] for r in cat.query("SELECT DISTINCT run_id FROM raw_summary ORDER BY 1").to_pylist()]

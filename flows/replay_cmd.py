@@ -79,12 +79,13 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 
     layout = RunLayout(cfg.storage.root, run_id)
     raw_manifest = read_manifest(layout.raw_dir(iteration))
-    if raw_manifest is not None and raw_manifest.inputs:  # (no raw shard: the purify stage says so, in its words)
-        sampled_by = resolve_recorded(cfg.storage.root, raw_manifest.inputs[0])
-        if not sampled_by.is_dir() and (layout.run_dir / "checkpoints").resolve() in sampled_by.resolve().parents:
-            raise CheckpointError(f"{sampled_by}, the checkpoint that sampled iteration {iteration}, is gone (removed by "
-                                  "`cleaner gc`?): replay needs its tokenizer, and its weights to recompute log-probs; "
-                                  f"keep the checkpoints of iterations you will replay (`cleaner gc --keep {iteration}`)")
+    # (no raw shard: the purify stage, or the read below, says so in its words)
+    sampled_by = resolve_recorded(cfg.storage.root, raw_manifest.inputs[0]) if raw_manifest is not None else None
+    gone = sampled_by is not None and not sampled_by.is_dir()
+    if gone and (layout.run_dir / "checkpoints").resolve() in sampled_by.resolve().parents:
+        raise CheckpointError(f"{sampled_by}, the checkpoint that sampled iteration {iteration}, is gone (removed by "
+                              "`cleaner gc`?): replay needs its tokenizer, and its weights to recompute log-probs; "
+                              f"keep the checkpoints of iterations you will replay (`cleaner gc --keep {iteration}`)")
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
     modes = modes or (["saar_is"] if taus else ["saar"])
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
@@ -100,8 +101,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
                  "sampled it"):
         raw_dir = layout.raw_dir(iteration)
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-        sampled_by = resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0])
-        chat = load_chat(sampled_by)
+        chat = load_chat(sampled_by or resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0]))
     saar = lived_saar(cfg, layout.run_json)
     live, measure = live_measure(saar), live_measure(cfg.rollout.saar)  # as lived (run.json) vs as replayed now
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns

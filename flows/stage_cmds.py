@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from flows.command import command_parser, config_of
 from pipeline.config import CleanerConfig, check_gamma, check_is_threshold
 from pipeline.modes import MODES
+
+if TYPE_CHECKING:  # Beam loads with the purify stage, inside the command
+    from purifier.stage import VariantResult
 
 
 def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], float]:
@@ -94,7 +97,7 @@ def run_purify(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_partitions(results) -> None:
+def print_partitions(results: list[VariantResult]) -> None:
     """One line per partition a purify stage ran: its rows and dead letters, written or kept."""
     for r in results:  # named as its folder is (a measure other than the default is part of it)
         state = "kept (already committed)" if r.skipped else "written"

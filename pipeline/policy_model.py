@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from pipeline.logprobs import logits_transform
-from storage.errors import CheckpointError
+from storage.errors import CheckpointError, first_line
 
 
 def load_causal_lm(checkpoint: Path, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -27,8 +27,7 @@ def load_causal_lm(checkpoint: Path, attn_implementation: str, dtype: torch.dtyp
         model, info = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, output_loading_info=True,
                                                            attn_implementation=attn_implementation)
     except (ValueError, KeyError, OSError) as e:  # an unknown model_type, a config transformers refuses
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"{config}: transformers cannot build this model ({first})") from None
+        raise CheckpointError(f"{config}: transformers cannot build this model ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])

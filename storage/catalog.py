@@ -25,6 +25,7 @@ from typing import Callable
 import duckdb
 import pyarrow as pa
 
+from storage.errors import first_line
 from storage.layout import DEFAULT_MEASURE_KEY
 from storage.packs import KINDS
 from storage.schemas import schema_id
@@ -410,5 +411,5 @@ def publish_quietly(root: Path, database: Path, warn: Callable[[str], None], sca
     try:
         publish(root, database, scanned)
     except Exception as e:  # noqa: BLE001 - the shards are committed whatever happens to their catalog
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         warn(f"catalog {database} not refreshed ({first}); `cleaner inspect` rebuilds it")

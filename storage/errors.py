@@ -12,6 +12,12 @@ import os
 from pathlib import Path
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line (libraries' messages run over several): its first, or its type's name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class CleanerError(Exception):
     """A user-facing failure; `str(e)` is the whole message the CLI prints."""
 

@@ -25,11 +25,11 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from flows.report_tables import partition_label
 from flows.viewer import table as tables
 from flows.viewer.pages import render, report_parts
-from flows.viewer.sql_box import SqlRefused, first_line, run_sql
+from flows.viewer.sql_box import SqlRefused, run_sql
 from flows.viewer.store import BadFilter, NotFound, Store
 from flows.viewer.tokens import find_source, token_text
 from flows.viewer.trajectory import COLOURS, build
-from storage.errors import CleanerError
+from storage.errors import CleanerError, first_line
 
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
        "base-uri 'none'")

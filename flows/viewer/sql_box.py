@@ -20,6 +20,8 @@ from typing import Any
 
 import duckdb
 
+from storage.errors import first_line
+
 ALLOWED = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 CATALOG = "catalog"  # the name the published file is attached under
 
@@ -96,6 +98,3 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 1000, time
         cur.close()
 
 
-def first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
