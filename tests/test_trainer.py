@@ -6,6 +6,7 @@ import dataclasses
 import math
 import random
 import shutil
+import json
 import os
 import sys
 
@@ -258,3 +259,21 @@ def test_training_rows_hold_what_the_purified_rows_hold(purified_run):
     for field in ("sequences", "attention_mask", "action_mask", "old_log_probs", "advantages"):
         assert torch.equal(getattr(x, field), getattr(y, field))
     assert x.rows == y.rows
+
+
+def test_a_checkpoint_records_its_train_settings_and_earlier_ones_are_kept(tmp_path):
+    """committed_update: a checkpoint of an earlier cleaner (no train_settings in its record) is kept as before;
+    one recorded with other settings is refused; an unreadable record is named."""
+    from storage.checkpoints import DONE_MARKER, committed_update
+
+    assert committed_update(tmp_path / "none", "abc") is False
+    marker = tmp_path / DONE_MARKER
+    marker.write_text(json.dumps({"source": "policy"}))
+    assert committed_update(tmp_path, "abc") is True
+    marker.write_text(json.dumps({"train_settings": "abc"}))
+    assert committed_update(tmp_path, "abc") is True
+    with pytest.raises(CleanerError, match="other train settings \\(settings abc, now xyz\\)"):
+        committed_update(tmp_path, "xyz")
+    marker.write_text("{")
+    with pytest.raises(CleanerError, match="_CHECKPOINT.json: unreadable"):
+        committed_update(tmp_path, "abc")
