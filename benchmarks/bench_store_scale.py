@@ -10,7 +10,11 @@ scan index (storage/shard_index.py) and the packs of small files (storage/packs.
 Beside the commands, two of their parts: the scan alone (in-process, its index parsed again as a new process
 would), and DuckDB alone counting the raw parts' rows outside cleaner (a fresh connection over the same file
 list): a count over a view of full rows opens every part's footer, so that row grows with the iterations
-whatever cleaner does, and the ratio of `inspect --sql` over raw_trajectories with it.
+whatever cleaner does, and the ratio of `inspect --sql` over raw_trajectories with it. At 2,000 iterations, the
+same count over the same rows copied into one file two ways shows what that cost is made of: each iteration's
+part kept as one row group (what packing parts together, as storage/packs.py does for the small files, would
+give) costs what 2,000 files cost, since DuckDB decodes every row group's column chunks; only rows of many
+iterations merged into shared row groups (re-encoding the raw shards across iterations) makes it small.
 """
 from __future__ import annotations
 
@@ -69,6 +73,40 @@ def _duckdb_count(root: Path) -> float:
         return time.perf_counter() - t0
     finally:
         con.close()
+
+
+def _one_file(root: Path, folder: Path) -> dict[str, float]:
+    """DuckDB alone: count(*) over the raw parts' rows copied into one file, each part one row group, and copied
+    with rows merged into row groups of 2,048 (the parts read one at a time: bounded memory)."""
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(root.glob("runs/*/iteration=*/raw/part-*.parquet"))
+    schema = pq.read_schema(files[0])
+    kept, merged = folder / "row-group-per-part.parquet", folder / "merged-row-groups.parquet"
+    with pq.ParquetWriter(kept, schema, compression="zstd") as one, \
+            pq.ParquetWriter(merged, schema, compression="zstd") as other:
+        pending: list[pa.Table] = []
+        for f in files:
+            table = pq.read_table(f)
+            one.write_table(table)
+            pending.append(table)
+            if sum(t.num_rows for t in pending) >= 2048:
+                other.write_table(pa.concat_tables(pending), row_group_size=1 << 20)
+                pending = []
+        if pending:
+            other.write_table(pa.concat_tables(pending), row_group_size=1 << 20)
+    best = {}
+    for name, path in (("kept", kept), ("merged", merged)):
+        for _ in range(REPEAT):
+            con = duckdb.connect()
+            t0 = time.perf_counter()
+            con.sql("SELECT count(*) FROM read_parquet($f)", params={"f": str(path)}).fetchall()
+            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+            con.close()
+        path.unlink()
+    return best
 
 
 def _republish(root: Path, iteration: int, tokens: int) -> float:
@@ -132,6 +170,11 @@ def run() -> BenchResult:
                             best["scan", 20], "s", higher_is_better=False))
             rows.append(Row(f"DuckDB alone, no cleaner: count(*) over the raw parts at {n} iterations (vs 20)",
                             best["duck", n], best["duck", 20], "s", higher_is_better=False))
+        one_file = _one_file(roots[2000], tmp)
+        rows.append(Row("DuckDB alone: the same 2,000 parts' rows in one file, one row group per part (vs the "
+                        "2,000 files)", one_file["kept"], best["duck", 2000], "s", higher_is_better=False))
+        rows.append(Row("DuckDB alone: the same rows in one file, merged into row groups of 2,048 (vs the 2,000 "
+                        "files)", one_file["merged"], best["duck", 2000], "s", higher_is_better=False))
         notes.append(f"inspect times are whole `cleaner inspect` processes (Python start-up and imports included, "
                      f"about 0.5 s here), best of {REPEAT} taken round-robin over the three stores, after a first "
                      "process has checked every part once and built the scan index and the packs; republish is "

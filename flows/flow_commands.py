@@ -193,6 +193,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     else:
         state = running_server(root)
         print(f"running: pid {state.pid}, {state.url}" if state else "not running")
+        return 0 if state else 1
     return 0
 
 
@@ -252,7 +253,7 @@ def add_parser(sub) -> None:
                        "Example:\n  cleaner server start\n  cleaner server stop",
                        "A real Prefect server with the project's Prefect home (<storage.root>/.prefect), started in "
                        "the background and stopped by its recorded pid. Runs, deployments and schedules then show "
-                       "in its UI; commands use it when PREFECT_API_URL is exported as printed.",
+                       "in its UI; commands use it when PREFECT_API_URL is exported as printed. `status` exits 1 when none runs.",
                        actions=("start", "stop", "status"), func=cmd_server)
     p.add_argument("--port", type=int, help="port (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="without the web UI")

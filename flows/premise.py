@@ -87,8 +87,8 @@ def verdict(negative: int, positive: int) -> str:
     tokens raw trains, with the cases the experiment did not test said so."""
     if predicts_slower(negative, positive):
         return "slower first-call error reduction than raw predicted"
-    if negative == 0 and positive == 0:
-        return "trains the same failed-call tokens as raw: no difference predicted"
+    if negative == 0 and positive == 0:  # it may still stop training tokens under advantage 0: no gradient either way
+        return "none under a nonzero advantage: no difference predicted"
     if negative > 0:  # some negative signal removed, as much or more positive: untested (write-up, last section)
         return ("not predicted to be slower than raw (it also removes negative-advantage tokens, a case the "
                 "experiment did not test)")
@@ -111,7 +111,14 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     if not any(r["mode"] == "raw" for r in rows):
         return [f"iteration {iteration}: no raw partition to compare with (purify.modes needs raw), no prediction"]
     return [f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} positive-advantage failed-call "
-            f"tokens: {verdict(neg, pos)}" for r, _, neg, pos in removals(rows)]
+            f"tokens{_zero(raw, r)}: {verdict(neg, pos)}" for r, raw, neg, pos in removals(rows)]
+
+
+def _zero(raw: dict, mode: dict) -> str:
+    """The failed-call tokens under advantage 0 that raw trains and `mode` does not, when there are any."""
+    zero = (raw["trained"] - raw["on_negative"] - raw["on_positive"]) - (
+        mode["trained"] - mode["on_negative"] - mode["on_positive"])
+    return f" (and {zero} failed-call tokens under advantage 0)" if zero else ""
 
 
 def token_rule_by_mode(failed: list[dict]) -> list[dict]:

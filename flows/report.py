@@ -252,7 +252,9 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
 sampled); origins: in_place (same context), shallow / deep (moved by a splice), moved (a later turn of a row
 purified otherwise than lived). kl_k3 estimates KL(π_b‖π); beyond_bounds is the share with e^Δ outside
 [0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>{table(off_policy, None, "off-policy")}
-<h2>Run config (run.json)</h2><pre>{html.escape(config, quote=False)}</pre>
+<h2>Run config as the run started (run.json)</h2>
+<p>What the run trains on (world, rollout, purify, train) is fixed when it starts; flow.iterations and the other
+sections are those of its first start: the iterations it has trained are in the table above.</p><pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)
     return out / "index.html"

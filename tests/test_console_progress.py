@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flow_helpers import cleaner, copy_runs, tiny_config
+from tests.flow_helpers import cleaner, copy_runs, run_cleaner, tiny_config
 
 
 @pytest.fixture()
@@ -79,3 +79,11 @@ def test_server_start_says_what_it_is_doing(tmp_path):
     lines = out.splitlines()
     assert lines[0].startswith("starting a Prefect server for "), out
     assert any(line.startswith("started: pid ") for line in lines[1:]), out
+
+
+def test_server_status_exits_nonzero_when_not_running_as_cluster_status_does(tmp_path):
+    """A script's `cleaner server status && ...` must not go on when no server runs (exit 1, as `cluster status`)."""
+    tiny_config(tmp_path)
+    for command in ("server", "cluster"):
+        p = run_cleaner([command, "status", "-c", str(tmp_path / "tiny.yaml")], tmp_path)
+        assert (p.returncode, p.stdout.strip()) == (1, "not running"), (command, p.stdout, p.stderr)

@@ -65,7 +65,7 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     assert (layout.run_dir / "report" / "index.html").is_file()
     assert len(list((layout.run_dir / "report").glob("*.png"))) == 7  # is_ratio.png too
     page = (layout.run_dir / "report" / "index.html").read_text()
-    assert page.count("<figcaption>") == 7 and "Run config (run.json)" in page and '"run_id": "tiny"' in page
+    assert page.count("<figcaption>") == 7 and "Run config as the run started (run.json)" in page and '"run_id": "tiny"' in page
     assert "0.5" in page and "rapidfuzz-segment" in page  # every variant with its γ and measure
     assert list((layout.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 

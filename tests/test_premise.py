@@ -214,7 +214,8 @@ def test_token_level_prediction_compares_each_mode_with_raw():
     from flows.premise import token_predictions
 
     def row(mode, neg, pos, gamma=0.0):
-        return {"iteration": 0, "mode": mode, "gamma": gamma, "measure": None, "on_negative": neg, "on_positive": pos}
+        return {"iteration": 0, "mode": mode, "gamma": gamma, "measure": None, "on_negative": neg, "on_positive": pos,
+                "trained": neg + pos}
 
     failed = [row("raw", 40, 10), row("saar", 10, 0, 0.5), row("saar_correct", 40, 0, 0.5), row("roc", 5, 5)]
     lines = token_predictions(failed, 0)

@@ -61,6 +61,17 @@ def test_token_rule_by_mode_sums_each_partition_over_the_iterations_that_have_ra
     assert by["saar_correct"]["verdict"] == "not predicted to be slower than raw"
 
 
+def test_a_mode_that_removes_only_zero_advantage_failed_calls_is_not_said_to_train_the_same_tokens():
+    """Failed-call tokens under advantage 0 (a group whose rewards are all equal) count in `trained` but under
+    neither sign: a mode that stops training them trains other tokens than raw, with no difference predicted."""
+    from flows.premise import token_predictions
+
+    raw, saar = dict(_row(0, "raw", 0, 0), trained=40), dict(_row(0, "saar", 0, 0, GAMMA, "rapidfuzz-segment"))
+    [line] = token_predictions([raw, saar], 0)
+    assert "no difference predicted" in line and "same" not in line, line
+    assert "40 failed-call tokens under advantage 0" in line, line
+
+
 def test_the_section_states_the_token_rule_per_mode_with_its_numbers():
     html = rule_section("r", KINDS, FAILED, EXAMPLES)
     items = _items(html)
