@@ -229,10 +229,10 @@ def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, 
     kwargs = dict(template_kwargs or {})
     sentinel_a, sentinel_t = "CLEANER-PROBE-ASSISTANT", "CLEANER-PROBE-TOOL"
 
-    def render(messages: list[dict[str, str]], generation_prompt: bool) -> str:
+    def render(messages: list[dict[str, str]], generation_prompt: bool, **tools: Any) -> str:
         try:
             return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                 **kwargs)
+                                                 **kwargs, **tools)
         except Exception as e:  # jinja2 raises its own errors (and templates raise on unsupported roles)
             raise TemplateError(f"the chat template of {where} failed to render a probe conversation: "
                                 f"{type(e).__name__}: {e}") from None
@@ -249,6 +249,11 @@ def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, 
     if a_end < len(sentinel_a) or t_at < a_end or not with_tool[a_end:].startswith(IM_END):
         raise TemplateError(f"cannot derive the tool turn from the chat template of {where}: an assistant turn "
                             f"must end with {IM_END} and be followed by the tool result")
+    system = [{"role": "system", "content": "S"}, *user]
+    if render(system, True) == render(system, True, tools=[CODE_TOOL_SCHEMA]):
+        raise TemplateError(f"the chat template of {where} ignores the tools it is given (apply_chat_template's "
+                            f"tools=): the prompt would never show the policy the {TOOL_NAME!r} tool; use a template "
+                            "that renders tools, as instruct and Qwen3 checkpoints' templates do")
     return TurnFrame(before=with_tool[a_end + len(IM_END):t_at], after=with_tool[t_at + len(sentinel_t):],
                      generation_prompt=prompted[len(plain):])
 

@@ -115,6 +115,17 @@ def test_template_without_a_derivable_generation_prompt_is_one_clear_error():
         ChatFormat(tok)
 
 
+def test_a_template_that_ignores_the_tools_it_is_given_is_one_clear_error():
+    """A chat template without tool support (a base model's ChatML) renders the prompt without the tool's schema:
+    the policy would never be told the tool exists. Refused when the chat format is built, naming the checkpoint."""
+    tok = qwen3_tokenizer("qwen3")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}\n"
+                         "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% endif %}")  # a tool turn it can frame, and no `tools` anywhere
+    with pytest.raises(TemplateError, match=r"checkpoint /x ignores the tools it is given .*'code_interpreter'"):
+        ChatFormat(tok, where="checkpoint /x")
+
+
 def test_init_policy_writes_a_thinking_2507_checkpoint(tmp_path):
     import json
 
