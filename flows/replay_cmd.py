@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flows.command import config_of
 from flows.console import working
-from flows.stage_cmds import published, purify_parser
+from flows.stage_cmds import asked_modes, check_thresholds, published, purify_parser
 from pipeline.config import CleanerConfig, SaarConfig
 from pipeline.modes import live_measure
 from pipeline.similarity import REFERENCE_MEASURE
@@ -86,8 +86,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         raise CheckpointError(f"{sampled_by}, the checkpoint that sampled iteration {iteration}, is gone (removed by "
                               "`cleaner gc`?): replay needs its tokenizer, and its weights to recompute log-probs; "
                               f"keep the checkpoints of iterations you will replay (`cleaner gc --keep {iteration}`)")
+    modes = modes or asked_modes(["saar"], gammas, taus)
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
-    modes = modes or (["saar_is"] if taus else ["saar"])
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
         # what is asked: γ only for the modes that splice by it, τ for saar_is, the others have no threshold
         asked = [f"{m} γ {' '.join(f'{g:g}' for g in gammas)}" if m in SPLICING_MODES else
@@ -150,6 +150,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
+    check_thresholds(args.mode, args.gamma, args.is_threshold)
     code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep,
                       args.is_threshold)
     published(cfg)

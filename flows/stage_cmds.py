@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Callable
 
 from flows.command import command_parser, config_of
 from pipeline.config import CleanerConfig, check_gamma, check_is_threshold
-from pipeline.modes import MODES
+from pipeline.modes import IS_MODES, MODES, SPLICING_MODES
+from storage.errors import CleanerError
 
 if TYPE_CHECKING:  # Beam loads with the purify stage, inside the command
     from purifier.stage import VariantResult
@@ -53,6 +54,28 @@ def purify_parser(sub, name: str, help: str, example: str, func: Callable) -> ar
     return p
 
 
+class ThresholdError(CleanerError, ValueError):
+    exit_code = 2  # like argparse's refusals: the command line is wrong
+
+
+def check_thresholds(modes: list[str] | None, gammas: list[float] | None, taus: list[float] | None) -> None:
+    """--gamma and --is-threshold given with --mode: each must apply to one of the modes (else a partition asked
+    for would silently not be written)."""
+    if not modes:
+        return
+    for values, option, kinds, what in ((gammas, "--gamma", SPLICING_MODES, "γ"), (taus, "--is-threshold", IS_MODES,
+                                                                                    "τ")):
+        if values and not any(m in kinds for m in modes):
+            raise ThresholdError(f"{option} sets the {what} of mode {' / '.join(kinds)}, and --mode {' '.join(modes)} "
+                                 f"has none: add {kinds[0]} to --mode, or leave {option} out")
+
+
+def asked_modes(default: list[str], gammas: list[float] | None, taus: list[float] | None) -> list[str]:
+    """The modes of a purify or replay given γ and/or τ but no --mode: τ alone asks for saar_is; γ (or neither)
+    the default modes, with saar_is beside them when τ is given too."""
+    return list(dict.fromkeys([*(default if gammas or not taus else []), *(["saar_is"] if taus else [])]))
+
+
 def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
     """A command that committed republishes the catalog file too (one warning on stderr if it cannot)."""
     from flows.run_config import publish_catalog
@@ -84,14 +107,17 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def run_purify(args: argparse.Namespace) -> int:
-    from purifier.stage import run_purify_stage
+    from purifier.stage import configured_variants, describe_asked, run_purify_stage
 
     cfg = config_of(args)
-    modes = args.mode or (["saar_is"] if args.is_threshold else None)  # τ given: its mode, as replay does
-    print(f"[purify it {args.iteration}] modes {', '.join(modes or cfg.purify.modes)} on Beam "
-          f"({cfg.purify.runner}) …", file=sys.stderr, flush=True)
-    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, modes, args.gamma,
-                               is_thresholds=args.is_threshold)
+    check_thresholds(args.mode, args.gamma, args.is_threshold)
+    modes, gammas, taus = configured_variants(cfg)  # as the flow: the trained partition too
+    if args.mode or args.gamma or args.is_threshold:  # what is asked, the config's for what is not
+        modes = args.mode or asked_modes(cfg.purify.modes, args.gamma, args.is_threshold)
+        gammas, taus = args.gamma or cfg.purify.gammas, args.is_threshold or cfg.purify.is_thresholds
+    print(f"[purify it {args.iteration}] {describe_asked(modes, gammas, taus)} on Beam ({cfg.purify.runner}) …",
+          file=sys.stderr, flush=True)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, modes, gammas, is_thresholds=taus)
     published(cfg)
     print_partitions(results)
     return 0

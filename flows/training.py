@@ -64,13 +64,13 @@ def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
 
 
 @task(name="purify", cache_policy=NONE)
-def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str], gammas: list[float]) -> list:
-    from purifier.stage import run_purify_stage
+def purify_task(cfg: CleanerConfig, run_id: str, iteration: int) -> list:
+    from purifier.stage import configured_variants, describe_asked, run_purify_stage
 
     log = get_run_logger().info
-    log(f"[purify it {iteration}] modes {', '.join(modes)} × γ {', '.join(f'{g:g}' for g in gammas)} on Beam "
-        f"({cfg.purify.runner})")
-    results = run_purify_stage(cfg, run_id, iteration, modes, gammas)
+    modes, gammas, taus = configured_variants(cfg)  # the trained partition among them
+    log(f"[purify it {iteration}] {describe_asked(modes, gammas, taus)} on Beam ({cfg.purify.runner})")
+    results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
     purified, skipped = [(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results)
     log(f"[purify it {iteration}] {describe_purified(purified)}" + (": already committed, kept" if skipped else ""))
     return as_state(purified, skipped)
@@ -129,8 +129,6 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     again = {"retries": cfg.flow.task_retries, "retry_condition_fn": retry_unless_user_error}
     rollout, purify, update, evaluate = (t.with_options(**again) for t in (rollout_task, purify_task, update_task,
                                                                             eval_stage_task))
-    modes = list(dict.fromkeys([*cfg.purify.modes, cfg.train.mode]))
-    gammas = list(dict.fromkeys([*cfg.purify.gammas, cfg.train.gamma]))
     checkpoint = ""
     start = trained_iterations(cfg, run_id) if more else 0
     if start:
@@ -142,7 +140,7 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
             publish_catalog(cfg, log.warning)
         n = value(rollout(cfg, run_id, i))
         publish_catalog(cfg, log.warning)  # every committed shard is queryable at once
-        purified = value(purify(cfg, run_id, i, modes, gammas))
+        purified = value(purify(cfg, run_id, i))
         publish_catalog(cfg, log.warning)
         checkpoint = value(update(cfg, run_id, i))
         publish_catalog(cfg, log.warning)

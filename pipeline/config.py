@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.modes import Mode
+from pipeline.modes import IS_MODES, Mode
 from storage.errors import CleanerError
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "tiny-tool-policy"
@@ -230,7 +230,9 @@ class PurifyConfig(Section):
 
 class TrainConfig(Section):
     mode: Mode = "saar"
-    gamma: Gamma = 0.5
+    gamma: Gamma = Field(0.5, description=(
+        "the threshold of the partition the update trains on: γ for saar / saar_correct, τ for saar_is "
+        "(train.mode=saar_is train.gamma=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"))
     strategy: Literal["local", "deepspeed"] = Field("local", description=(
         "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
         "process under torchrun (gloo on CPU)"))
@@ -267,6 +269,11 @@ class TrainConfig(Section):
     dpo_max_adjustment_ratio: float = Field(0.1, gt=0, description=(
         "cap on the DPO side loss's per-token weight, as the reference caps its per-token advantage adjustment"))
 
+    @field_validator("rollout_correction", mode="before")
+    @classmethod
+    def _off_is_not_a_boolean(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` (the default's name) as false
+
     @field_validator("rollout_correction_bounds")
     @classmethod
     def _bounds_in_order(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
@@ -278,6 +285,15 @@ class TrainConfig(Section):
         if lower < 0 or lower >= upper:
             raise ValueError(f"expected 0 <= lower < upper on the importance ratio, got [{lower}, {upper}]")
         return value
+
+    @model_validator(mode="after")
+    def _tau_for_saar_is(self) -> "TrainConfig":
+        if self.mode in IS_MODES:
+            try:
+                check_is_threshold(self.gamma)
+            except ValueError as e:
+                raise ValueError(f"train.gamma is the τ of train.mode={self.mode}: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _correction_needs_ppo(self) -> "TrainConfig":

@@ -23,7 +23,7 @@ from pipeline.config import PURIFY_MODE_SETTINGS, PURIFY_REPLAY_SETTINGS, Cleane
 from storage.errors import CleanerError, os_error
 from purifier import beam_pipeline
 from purifier.commit import sorted_chunks
-from pipeline.modes import IS_MODES, Variant, live_measure
+from pipeline.modes import IS_MODES, SPLICING_MODES, Variant, live_measure
 from pipeline.similarity import Measure
 from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -200,6 +200,25 @@ def wanted_variants(modes: list[str], gammas: list[float], is_thresholds: list[f
     one partition for the others; the splicing modes under `measure`."""
     return list(dict.fromkeys(Variant.of(m, v, measure) for m in modes
                               for v in (is_thresholds if m in IS_MODES else gammas)))
+
+
+def configured_variants(cfg: CleanerConfig) -> tuple[list[str], list[float], list[float]]:
+    """(modes, γ, τ) a training flow purifies, and `cleaner purify` without --mode, --gamma or --is-threshold:
+    purify.modes at purify.gammas / purify.is_thresholds, and the partition the update trains on (train.mode at
+    train.gamma, which is a τ for an importance-ratio mode)."""
+    trains_tau = cfg.train.mode in IS_MODES
+    return (list(dict.fromkeys([*cfg.purify.modes, cfg.train.mode])),
+            list(dict.fromkeys([*cfg.purify.gammas, *([] if trains_tau else [cfg.train.gamma])])),
+            list(dict.fromkeys([*cfg.purify.is_thresholds, *([cfg.train.gamma] if trains_tau else [])])))
+
+
+def describe_asked(modes: list[str], gammas: list[float], is_thresholds: list[float]) -> str:
+    """What is asked, as the stages log it: γ for the modes that splice by similarity, τ for the importance-ratio
+    modes, nothing for the others (e.g. 'saar γ 0.3 0.5, raw, saar_is τ 0.5')."""
+    def values(name: str, vs: list[float]) -> str:
+        return f" {name} " + " ".join(f"{v:g}" for v in vs)
+    return ", ".join(m + (values("τ", is_thresholds) if m in IS_MODES else values("γ", gammas) if m in SPLICING_MODES
+                          else "") for m in modes)
 
 
 def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,

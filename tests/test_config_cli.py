@@ -164,3 +164,21 @@ def test_a_partition_written_under_another_measure_is_named_with_it(capsys):
     assert capsys.readouterr().out.splitlines() == [
         "mode=saar/gamma=0.50-difflib-segment: 64 rows, 0 dead letters — written",
         "mode=saar_is/tau=0.30: 64 rows, 1 dead letters — kept (already committed)"]
+
+
+@pytest.mark.parametrize("override", ["train.rollout_correction=off", "train.rollout_correction='off'"])
+def test_the_default_correction_preset_off_is_accepted_bare(override, tmp_path):
+    """YAML reads a bare `off` as false: the preset named as the docs name it was refused (got False)."""
+    from pipeline.config import load_config
+
+    assert load_config(None, [override]).train.rollout_correction == "off"
+    (tmp_path / "c.yaml").write_text("train:\n  rollout_correction: off\n")
+    assert load_config(tmp_path / "c.yaml", []).train.rollout_correction == "off"
+
+
+def test_train_gamma_is_the_tau_of_saar_is_and_is_checked_as_one():
+    from pipeline.config import ConfigError, load_config
+
+    assert load_config(None, ["train.mode=saar_is", "train.gamma=0.3"]).train.gamma == 0.3
+    with pytest.raises(ConfigError, match="train.gamma is the τ of train.mode=saar_is"):
+        load_config(None, ["train.mode=saar_is", "train.gamma=0"])

@@ -204,6 +204,29 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
         assert r.returncode == 2 and f"invalid τ '{bad}'" in r.stderr
 
 
+def test_training_saar_is_at_a_tau_of_its_own_purifies_that_tau_and_options_that_fit_no_mode_are_refused(world_copy):
+    """train.mode=saar_is train.gamma=0.3 trains on mode=saar_is/tau=0.30: `cleaner purify` without options (what the
+    update's hint says to run, and what the flow purifies) writes it; it wrote saar at γ 0.3 instead, and the update
+    failed on every rerun. --is-threshold with no saar_is mode, or --gamma with no similarity mode, wrote nothing
+    of it and said nothing: refused in one line."""
+    from tests.flow_helpers import run_cleaner
+
+    root = world_copy.storage.root
+    common = ["--run", "w", "--iteration", "0", f"storage.root={root}", "rollout.tasks_per_iteration=16",
+              "rollout.samples_per_prompt=4"]
+    purify = run_cleaner(["purify", *common, "train.mode=saar_is", "train.gamma=0.3"])
+    assert purify.returncode == 0, purify.stderr
+    assert "saar γ 0.5, raw, saar_is τ 0.5 0.3" in purify.stderr, purify.stderr
+    layout = RunLayout(root, "w")
+    assert layout.purified_dir(0, "saar_is", 0.3).is_dir() and not layout.purified_dir(0, "saar", 0.3).exists()
+    for command in ("purify", "replay"):
+        for asked, says in ((["--mode", "saar", "--is-threshold", "0.9"], "--is-threshold sets the τ of mode saar_is"),
+                            (["--mode", "saar_is", "--gamma", "0.3"], "--gamma sets the γ of mode saar / saar_correct")):
+            r = run_cleaner([command, *common, *asked])
+            assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not layout.purified_dir(0, "saar_is", 0.9).exists()
+
+
 def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
     from pipeline.trajectory import trajectory_from_row
     from purifier.replay import log_histogram_lines, replay_is
