@@ -64,11 +64,13 @@ def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
 
 
 @task(name="purify", cache_policy=NONE)
-def purify_task(cfg: CleanerConfig, run_id: str, iteration: int) -> list:
+def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
+                gammas: list[float] | None = None) -> list:
     from purifier.stage import configured_variants, describe_asked, run_purify_stage
 
     log = get_run_logger().info
-    modes, gammas, taus = configured_variants(cfg)  # the trained partition among them
+    configured = configured_variants(cfg)  # the trained partition among them
+    modes, gammas, taus = modes or configured[0], gammas or configured[1], configured[2]
     log(f"[purify it {iteration}] {describe_asked(modes, gammas, taus)} on Beam ({cfg.purify.runner})")
     results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
     purified, skipped = [(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results)
