@@ -188,6 +188,10 @@ def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
                                 "workers' logs, then rerun") from None
         if isinstance(e, CleanerError):
             raise
+        if _in_chain(e, lambda c: isinstance(c, KeyboardInterrupt) or str(c).startswith("KeyboardInterrupt [while")):
+            # Ctrl-C reached Beam's worker: its runner re-raises it as RuntimeError('KeyboardInterrupt [while
+            # running ...]'); it is the user's Ctrl-C (nothing is committed: the staging is cleaned on the rerun)
+            raise KeyboardInterrupt from None
         cause = _in_chain(e, lambda c: isinstance(c, OSError) and c.errno is not None)  # the OSError behind it
         if cause is None:
             raise

@@ -38,3 +38,31 @@ def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, command):
     assert code == 130 and "Traceback" not in text, text[-4000:]
     assert text.strip().splitlines()[-1] == (f"cleaner {command}: interrupted; run the same command again to resume "
                                              "(what was committed is kept)"), text[-2000:]
+
+
+def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp_path):
+    """Beam's runner turns the KeyboardInterrupt in its worker into RuntimeError('KeyboardInterrupt [while running
+    ...]'): 230 lines of traceback, exit 1. It is a Ctrl-C like any other, and nothing is committed."""
+    root = world_copy.storage.root
+    log = tmp_path / "out.log"
+    taus = [f"0.{k}" for k in range(11, 31)]  # scoring at every τ: long enough to be interrupted at work
+    with open(log, "w") as out:
+        p = cleaner(["purify", "--run", "w", "--iteration", "0", "--is-threshold", *taus, f"storage.root={root}",
+                     "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"], root, stdout=out,
+                    preexec_fn=_as_from_a_terminal)
+    try:
+        deadline = time.time() + 180
+        while "[purify it 0]" not in log.read_text() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        time.sleep(6)  # Beam's workers at work
+        assert p.poll() is None, log.read_text()
+        os.killpg(p.pid, signal.SIGINT)
+        code = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 130 and "Traceback" not in text, text[-4000:]
+    assert text.strip().splitlines()[-1] == ("cleaner purify: interrupted; run the same command again to resume "
+                                             "(what was committed is kept)"), text[-2000:]
+    assert not list((root / "runs" / "w" / "iteration=0000" / "purified").glob("mode=saar_is/*")), "committed?"
