@@ -34,6 +34,10 @@ def build_parser() -> Parser:
     return parser
 
 
+# Commands that commit nothing a rerun would resume (eval writes its files at its end, whole, or not at all)
+COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster"})
+
+
 def main(argv: list[str] | None = None) -> int:
     from flows.console import command_prints_errors, quiet_libraries
 
@@ -61,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: committed stages are kept, an update resumes from its last mini-batch
         if os.environ.get("CLEANER_TRACEBACK"):
             raise
-        print(f"cleaner {args.command}: interrupted; run the same command again to resume (what was committed is "
-              "kept)", file=sys.stderr)
+        print(f"cleaner {args.command}: interrupted" + ("" if args.command in COMMITS_NOTHING else "; run the same "
+              "command again to resume (what was committed is kept)"), file=sys.stderr)
         return 130
 
 

@@ -38,8 +38,6 @@ def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: 
     from storage.shards import atomic_write_json
 
     check_samples(cfg, samples)
-    if limit is not None and limit < 1:
-        raise EvalError(f"--limit {limit}: must be at least 1")
     if write and samples != 1:  # metrics.json beside a policy records its one-sample evaluation
         raise EvalError(f"--write records the one-sample evaluation in {METRICS_FILE}; run it without --samples {samples}")
     policy = cfg.rollout.policy
@@ -74,8 +72,12 @@ def run(args: argparse.Namespace) -> int:
     from rollout_gen.eval_run import EvalError, check_samples
 
     cfg = config_of(args)
-    if not args.world and not args.tasks:
-        raise EvalError("give --world (the held-out world tasks) or --tasks FILE.parquet")
+    if args.world == bool(args.tasks):
+        raise EvalError("give --world (the held-out world tasks) or --tasks FILE.parquet" + (
+            ", not both" if args.world else ""))
+    if args.write and (args.tasks or args.flow):  # it would be ignored
+        raise EvalError(f"--write records the world's one-sample evaluation beside the policy; {'--flow' if args.flow else '--tasks'} "
+                        "writes no metrics.json (use --json for a copy of the numbers)")
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
         if args.export_lcb:
             raise EvalError("--export-lcb runs without --flow (one setting, one file)")
@@ -100,6 +102,16 @@ def run(args: argparse.Namespace) -> int:
     return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: a whole number of tasks, at least 1")
+    return n
+
+
 def add_parser(sub) -> None:
     p = command_parser(
         sub, "eval", "measure a policy on held-out tasks with the real agent loop",
@@ -120,7 +132,7 @@ def add_parser(sub) -> None:
                    "gpqa_diamond, LiveCodeBench_v6), LiveCodeBench code_generation_lite rows, or Open-AgentRL/verl")
     p.add_argument("--samples", type=int, default=1, metavar="K",
                    help="samples per task (seeds rollout.seed … +K-1), at most rollout.engine_tuning.max_in_flight [1]")
-    p.add_argument("--limit", type=int, help="only the first N held-out tasks")
+    p.add_argument("--limit", type=_at_least_one, help="only the first N held-out tasks")
     p.add_argument("--export-lcb", type=Path, metavar="FILE",
                    help="write the code tasks' generations in LiveCodeBench's custom-evaluation format "
                    "([{question_id, code_list}], for lcb_runner.runner.custom_evaluator --custom_output_file)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from pipeline.chat import load_chat
+from pipeline.chat import ChatFormat, load_chat
 from pipeline.config import CleanerConfig
 from pipeline.engines.base import SamplingParams
 from pipeline.progress import StageProgress
@@ -129,6 +129,25 @@ def check_exportable(tasks: list[Task], where: str) -> None:
     if missing:
         raise EvalError(f"--export-lcb: {where}: row {missing[0]} ({tasks[missing[0]].source}) has no question_id "
                         f"({len(missing)} of {len(code)} code tasks lack one); LiveCodeBench aligns generations by it")
+    first: dict[str, int] = {}
+    for i, t in code:
+        qid = question_id(t)
+        if qid in first:
+            raise EvalError(f"--export-lcb: {where}: row {i}: question_id {qid!r} repeats row {first[qid]}'s; "
+                            "LiveCodeBench takes one entry per problem")
+        first[qid] = i
+
+
+def check_prompt_lengths(tasks: list[Task], chat: ChatFormat, limit: int) -> None:
+    """A task whose prompt is longer than rollout.max_prompt_tokens is never tried, and would count as a failure:
+    refused before anything runs, naming the first such task and the setting to raise."""
+    lengths = [len(chat.prompt_ids(t.question)) for t in tasks]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if over:
+        raise EvalError(f"{len(over)} of {len(tasks)} tasks have prompts longer than rollout.max_prompt_tokens "
+                        f"({limit}; the longest {max(lengths)} tokens, the first row {over[0]}, "
+                        f"{tasks[over[0]].prompt_id}): they would count as failures without being tried; raise "
+                        f"rollout.max_prompt_tokens (e.g. rollout.max_prompt_tokens={max(lengths)})")
 
 
 def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samples: int = 1,
@@ -141,6 +160,7 @@ def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samp
     cfg.rollout.samples_per_prompt = 1
     cfg.rollout.overlong_buffer = 0  # scored as the benchmark scores: no length shaping
     chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
+    check_prompt_lengths(tasks, chat, cfg.rollout.max_prompt_tokens)
     engine = make_engine(cfg, checkpoint, chat)
     identity = RolloutIdentity("eval", 0, policy_version(checkpoint), cfg.rollout.seed)
     total = len(tasks) * samples

@@ -6,6 +6,7 @@ from collections import Counter
 
 from pipeline.passk import summarize
 from pipeline.trajectory import Trajectory
+from rollout_gen.tasks import ALL
 
 
 def world_metrics(trajectories: list[Trajectory], wall_s: float) -> dict:
@@ -74,11 +75,11 @@ def group_metrics(trajectories: list[Trajectory], counts: list[tuple[int, int]])
 def benchmark_metrics(kinds: list[tuple[str, str]], trajectories: list[Trajectory], samples: int) -> dict[str, dict]:
     """{"all": …, source: …}: group_metrics overall and per benchmark (task source). `kinds` is (source, kind)
     per task; the trajectories are task-major, task i's samples at [i*samples, (i+1)*samples)."""
-    groups: dict[str, tuple[list[Trajectory], list[tuple[int, int]]]] = {"all": ([], [])}
+    groups: dict[str, tuple[list[Trajectory], list[tuple[int, int]]]] = {ALL: ([], [])}
     for i, (source, kind) in enumerate(kinds):
         mine = trajectories[i * samples:(i + 1) * samples]
         count = (len(mine), sum(solved(t, kind) for t in mine))
-        for key in ("all", source):
+        for key in (ALL, source):
             trajs, counts = groups.setdefault(key, ([], []))
             trajs.extend(mine)
             counts.append(count)

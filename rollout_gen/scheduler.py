@@ -199,7 +199,11 @@ class Scheduler:
     def _tool_ended(self, _: cf.Future) -> None:
         with self._slot_lock:
             self._active -= 1
-        self._start_tools()
+        try:
+            self._start_tools()
+        except RuntimeError as e:  # the pool was shut down under it (Ctrl-C, a failure elsewhere): nothing to start
+            if "shutdown" not in str(e):
+                raise
 
     def _wait_for_a_tool(self) -> None:
         """Block until a running call ends (its thread starts the next queued one)."""

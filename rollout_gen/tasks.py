@@ -25,6 +25,20 @@ def stable_id(source: str, question: str) -> str:
     return source + "-" + hashlib.blake2b(question.encode(), digest_size=6).hexdigest()
 
 
+ALL = "all"  # the overall group of the per-benchmark metrics
+
+
+def is_test_list(truth: str) -> bool:
+    """A code task's ground truth: tests LiveCodeBench's way ({inputs, outputs} or [{input, output}] JSON)."""
+    from rollout_gen.lcb import LCBFormatError, parse_tests
+
+    try:
+        parse_tests(truth)
+    except LCBFormatError:
+        return False
+    return True
+
+
 class TaskFileError(CleanerError, ValueError):
     """A task file that does not have the expected layout; names the file, row and field."""
 
@@ -53,6 +67,8 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise TaskFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})") from None
+    if table.num_rows == 0:
+        raise TaskFileError(f"{path}: no rows (an empty task file)")
     layout = detect(table)
     if layout is not None:
         try:
@@ -66,9 +82,15 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         if "prompt" in r:
             question = _user_text(r["prompt"], path, i)
         elif "question" in r or "problem" in r:
-            question = r.get("question") or r.get("problem")
+            column = "question" if "question" in r else "problem"
+            question = r[column]
+            if not isinstance(question, str):
+                raise TaskFileError(f"{path}: row {i}: column {column!r} is " + (
+                    "empty (null)" if question is None else f"a {type(question).__name__}, expected a string"))
         else:
             raise TaskFileError(f"{path}: row {i}: no 'prompt', 'question' or 'problem' field")
+        if not question.strip():
+            raise TaskFileError(f"{path}: row {i}: the question is empty")
         rm = r.get("reward_model") or {}
         truth = rm.get("ground_truth") if isinstance(rm, dict) else None
         if truth is None:
@@ -76,8 +98,11 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         if truth is None:
             raise TaskFileError(f"{path}: row {i}: missing reward_model.ground_truth (or answer)")
         src = source or r.get("data_source") or path.stem
-        kind = "code" if "code" in str(src).lower() else "math"  # livecodebench, code_contests, …
+        if src == ALL:
+            raise TaskFileError(f"{path}: row {i}: data_source {ALL!r} is the name of the overall group in the "
+                                "metrics; name the benchmark otherwise")
         if not isinstance(truth, str):
             truth = json.dumps(truth)
+        kind = "code" if is_test_list(truth) else "math"  # what the ground truth is, whatever the source's name
         tasks.append(Task(stable_id(src, question), src, question, truth, kind))
     return tasks

@@ -114,3 +114,49 @@ def test_flow_eval_settings_are_checked_when_the_config_is_read(tmp_path):
         load_config(None, ["flow.eval_every=-1"])
     cfg = load_config(None, ["flow.eval_every=2", "flow.eval_samples=4", "flow.eval_limit=10"])
     assert json.loads(json.dumps(cfg.flow.model_dump()))["eval_saar_off"] is True
+
+
+def test_bad_rows_and_options_found_by_trying_it_as_a_user_are_one_line_before_anything_runs(tmp_path, capsys):
+    """Each was a traceback, a silent wrong number or a run thrown away at its end."""
+    ws = tmp_path / "ws"
+    root = f"storage.root={ws}"
+    flat = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
+    null_q = write(tmp_path / "nullq.parquet", [flat[0], {"problem": None, "answer": "4"}],
+                   pa.schema([("problem", pa.string()), ("answer", pa.string())]))
+    _refused(["eval", "--tasks", str(null_q), root], capsys, 1, str(null_q), "row 1: column 'problem' is empty")
+    int_q = write(tmp_path / "intq.parquet", [{"problem": 7, "answer": "4"}])
+    _refused(["eval", "--tasks", str(int_q), root], capsys, 1, "row 0: column 'problem' is a int, expected a string")
+    empty_q = write(tmp_path / "emptyq.parquet", [flat[0], {"problem": " ", "answer": "4"}])
+    _refused(["eval", "--tasks", str(empty_q), root], capsys, 1, "row 1: the question is empty")
+    no_rows = write(tmp_path / "none.parquet", [], pa.schema([("Problem", pa.string()), ("Answer", pa.int64())]))
+    _refused(["eval", "--tasks", str(no_rows), root], capsys, 1, str(no_rows), "no rows")
+    named_all = write(tmp_path / "all.parquet", [dict(flat[0], data_source="all")])
+    _refused(["eval", "--tasks", str(named_all), root], capsys, 1, "row 0: data_source 'all'")
+    long_q = write(tmp_path / "long.parquet", [flat[0], {"problem": "What is 1+1? " * 200, "answer": "2"}])
+    _refused(["eval", "--tasks", str(long_q), root], capsys, 2, "1 of 2 tasks have prompts longer than "
+             "rollout.max_prompt_tokens (256", "the first row 1", "raise rollout.max_prompt_tokens")
+    v6 = lcb_v6_file(tmp_path / "v6.parquet")
+    twice = write(tmp_path / "twice.parquet", [pa.parquet.read_table(v6).to_pylist()[0]] * 2)
+    _refused(["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root], capsys, 2,
+             "row 1: question_id 'abc400_a' repeats row 0's")
+    ok = write(tmp_path / "ok.parquet", flat)
+    _refused(["eval", "--world", "--tasks", str(ok), root], capsys, 2, "not both")
+    _refused(["eval", "--tasks", str(ok), "--write", root], capsys, 2, "--tasks writes no metrics.json")
+    _refused(["eval", "--world", "--flow", "--write", root], capsys, 2, "--flow writes no metrics.json")
+    for limit in ("0", "-1"):
+        for flow in ([], ["--flow"]):
+            with pytest.raises(SystemExit):
+                main(["eval", "--world", *flow, "--limit", limit, root])
+            assert f"invalid count '{limit}'" in capsys.readouterr().err
+    assert not ws.exists() and not (tmp_path / "g.json").exists()
+
+
+def test_a_task_is_graded_by_its_ground_truth_not_by_its_source_name(tmp_path):
+    """'code' in a source's name made arithmetic tasks code tasks (scored 0); a code set named e.g. taco was math."""
+    from rollout_gen.tasks import load_task_parquet
+
+    tests = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})
+    f = write(tmp_path / "t.parquet", [
+        {"problem": "What is 1+1?", "reward_model": {"ground_truth": "2"}, "data_source": "barcode_math"},
+        {"problem": "Print a+b.", "reward_model": {"ground_truth": tests}, "data_source": "taco"}])
+    assert [t.kind for t in load_task_parquet(f)] == ["math", "code"]

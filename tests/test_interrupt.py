@@ -66,3 +66,26 @@ def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp
     assert text.strip().splitlines()[-1] == ("cleaner purify: interrupted; run the same command again to resume "
                                              "(what was committed is kept)"), text[-2000:]
     assert not list((root / "runs" / "w" / "iteration=0000" / "purified").glob("mode=saar_is/*")), "committed?"
+
+
+def test_ctrl_c_during_eval_says_interrupted_without_a_traceback_or_a_resume_it_cannot_do(tmp_path):
+    """eval commits nothing: 'run the same command again to resume' was wrong; and a tool call that ended after the
+    sandbox pool shut down logged 'cannot schedule new futures after shutdown' tracebacks."""
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        p = cleaner(["eval", "--world", "--samples", "8", "--limit", "100", f"storage.root={tmp_path / 'ws'}"],
+                    tmp_path, stdout=out, preexec_fn=_as_from_a_terminal)
+    try:
+        deadline = time.time() + 180
+        while "trajectories" not in log.read_text() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        time.sleep(8)  # tool calls under way
+        assert p.poll() is None, log.read_text()
+        os.killpg(p.pid, signal.SIGINT)
+        code = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 130 and "Traceback" not in text and "exception calling callback" not in text, text[-4000:]
+    assert text.strip().splitlines()[-1] == "cleaner eval: interrupted", text[-2000:]
