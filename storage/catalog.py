@@ -76,7 +76,8 @@ def _sql_list(paths: list[str]) -> str:
 # failed_call_advantage: per purified partition, the failed-call tokens (the call segments of failed
 #   attempts, raw_attempts.turn_tokens from call_start) that stay trained in its rows, split by the sign of
 #   the advantage they are trained with. A failed call stays unless a later retry at its position was
-#   spliced over it (every splice takes the retry's call), its row trains no token (void_turn), or its row is
+#   spliced over it (every splice takes the retry's call; saar_is's replaces only the turn just before its retry,
+#   a turn it appended to stays), its row trains no token (void_turn), or its row is
 #   recovered and correct in mode mask_failed; rows a mode left out (roc, dead letters, filtered groups)
 #   train nothing. Shares are of all failed-call tokens of the iteration's raw rows, the same for every mode.
 PREMISE_SQL = """
@@ -123,7 +124,8 @@ WITH failed AS (
     FROM purified p JOIN failed f USING (run_id, iteration, prompt_id, sample_idx)
     JOIN raw_kinds k USING (run_id, iteration, prompt_id, sample_idx)
     WHERE NOT coalesce(list_bool_or(list_transform(p.splices, lambda s: s.position_idx = f.position_idx
-                                                                        AND s.attempt_idx > f.attempt_idx)), false)
+                                                                        AND (s.attempt_idx > f.attempt_idx AND p.mode <> 'saar_is'
+                                                                             OR s.attempt_idx = f.attempt_idx + 1))), false)
       AND list_sum(p.loss_mask) > 0
       AND NOT (p.mode = 'mask_failed' AND k.kind = 'recovered' AND p.reward > 0)
 ), sums AS (

@@ -165,6 +165,37 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
     assert view["raw"]["trained"] == view["raw"]["failed_call_tokens"] > view["saar"]["trained"]
 
 
+TAUS = [0.001, 0.01, 0.1, 0.3, 0.9, 3.0]
+
+
+def test_saar_is_failed_calls_in_the_view_equal_purify_at_every_tau(real, chat):
+    """saar_is appends a retry below τ (the failed turn stays) and replaces only the turn before a retry at or above
+    τ: an earlier failed call that was appended stays trained. The view counted every attempt before any later
+    splice at the position as removed, so at some τ its counts (and the report's prediction) were wrong."""
+    cfg = real
+    run_purify_stage(cfg, "w", 0, ["saar_is"], [GAMMA], is_thresholds=TAUS)
+    raws = {t.key: t for t in (trajectory_from_row(r) for r in
+                               read_shard(RunLayout(cfg.storage.root, "w").raw_dir(0), RAW).to_pylist())}
+    untag = lambda ids: [i - TAG if i >= TAG else i for i in ids]  # noqa: E731
+    backend = CPURecompute(DEFAULT_POLICY)
+    view = {r["gamma"]: r for r in _query(cfg, "SELECT * FROM failed_call_advantage WHERE mode = 'saar_is'")}
+    appended_then_replaced = 0
+    for tau in TAUS:
+        d = RunLayout(cfg.storage.root, "w").purified_dir(0, "saar_is", tau)
+        trained = negative = positive = 0
+        for p in (purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()):
+            q = purify(_tagged(raws[p.raw_key]), tau, "saar_is", lambda ids: chat.decode(untag(ids)),
+                       score=lambda context, turn: backend.score(untag(context), untag(turn)))
+            n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
+            trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
+            appended_then_replaced += any(s.attempt_idx > 1 and not any(
+                t.position_idx == s.position_idx and t.attempt_idx == s.attempt_idx - 1 for t in q.splices)
+                for s in q.splices)
+        assert (view[tau]["trained"], view[tau]["on_negative"], view[tau]["on_positive"]) == (
+            trained, negative, positive), tau
+    assert appended_then_replaced  # the case the rule missed is among them
+
+
 def test_the_coarse_rule_is_shown_as_disproved_never_as_a_prediction():
     """Issue 32 §3: the coarse rule did not predict (docs/results/when_purification_helps_writeup.md point 5);
     the recovered trajectories' mean advantage is still shown, with what that rule would say marked disproved."""
