@@ -29,8 +29,9 @@ def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
 
 
 def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, cfg: CleanerConfig,
-                    histogram: bool) -> None:
-    """saar_is (Plan B) at each τ: rollbacks replaced and appended, and the importance-ratio histogram."""
+                    histogram: bool, lived_tau: float | None = None) -> None:
+    """saar_is (Plan B) at each τ: rollbacks replaced and appended, compared with the τ the run lived with (a run
+    whose rollbacks were decided by importance ratio live), else with τ = 0.5; and the importance-ratio histogram."""
     from rich.table import Table
 
     from purifier.recompute import CPURecompute, SGLangRecompute, VLLMRecompute
@@ -45,10 +46,12 @@ def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, 
         backend = VLLMRecompute(vllm_urls(cfg.rollout, checkpoint), checkpoint, cfg.rollout.temperature)
     else:
         backend = CPURecompute(checkpoint, cfg.rollout.temperature)
-    stats, log_ratios = replay_is(raws, taus, decode, backend.score)
+    reference = lived_tau if lived_tau is not None else 0.5
+    stats, log_ratios = replay_is(raws, taus, decode, backend.score, reference_tau=reference)
     table = Table(title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
                         f"{len(log_ratios)} rollbacks scored over the τ (each in the context earlier decisions built)")
-    for col in ("τ", "rollbacks", "replaced", "appended", "tokens removed", "≠ τ=0.5"):
+    for col in ("τ", "rollbacks", "replaced", "appended", "tokens removed",
+                f"≠ lived τ={reference:g}" if lived_tau is not None else f"≠ τ={reference:g}"):
         table.add_column(col, justify="right")
     for s in stats:
         table.add_row(f"{s.tau:g}", *map(str, (s.rollbacks, s.replaced, s.appended, s.tokens_removed,
@@ -104,27 +107,32 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         chat = load_chat(sampled_by or resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0]))
     saar = lived_saar(cfg, layout.run_json)
     live, measure = live_measure(saar), live_measure(cfg.rollout.saar)  # as lived (run.json) vs as replayed now
+    # a run whose rollbacks were decided live by importance ratio lived no γ: its τ table compares with its τ
+    by_importance = saar.rollback == "importance" and saar.live_mode == "purified"
+    lived = (f"lived by importance ratio at τ_live={saar.is_threshold:g} (not by similarity: compare with the saar_is "
+             "table)" if by_importance else f"lived with {live.key} at γ_live={saar.gamma_live:g}")
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     with working(f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
                  f"at {len(gammas)} γ"):
         stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
     table = Table(title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
-                        f"{len(with_retries(raws))} with retries; measure {measure.key}, lived with {live.key} "
-                        f"at γ_live={saar.gamma_live:g}")
+                        f"{len(with_retries(raws))} with retries; measure {measure.key}, {lived}")
     for col in ("γ", "positions", "shallow", "deep", "tokens removed", "tokens recomputed", "≠ lived",
                 f"≠ {REFERENCE_MEASURE.key}"):
         table.add_column(col, justify="right")
     for s in stats:
-        table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed,
-                                                 s.tokens_recomputed, s.differ_from_live, s.differ_from_reference)))
+        table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed, s.tokens_recomputed,
+                                                 "–" if by_importance else s.differ_from_live, s.differ_from_reference)))
     console.print(table)
-    console.print(f"positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
-                  f"than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
-                  f"old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did (γ_live="
-                  f"{saar.gamma_live:g}, {live.key}); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
+    console.print("positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
+                  "than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
+                  "old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did ("
+                  + ("none: it decided by importance ratio" if by_importance else f"γ_live={saar.gamma_live:g}, "
+                     f"{live.key}") + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
                   f"at the same γ", style="italic", highlight=False, markup=False)
-    if taus or (sweep and "saar_is" in modes):
-        print_is_replay(console, raws, taus or sweep_taus(), chat.decode, sampled_by, cfg, histogram=sweep)
+    if taus or (sweep and "saar_is" in modes) or by_importance:
+        print_is_replay(console, raws, taus or (sweep_taus() if sweep else [saar.is_threshold]), chat.decode,
+                        sampled_by, cfg, histogram=sweep, lived_tau=saar.is_threshold if by_importance else None)
     from flows.premise import print_premise
     from storage.catalog import Catalog
 

@@ -279,6 +279,28 @@ def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_pa
     assert replaced > 0 and appended > 0 and replaced == sum(t.stats.live_deep for t in raws)
 
 
+def test_replay_of_a_run_that_lived_by_importance_compares_with_its_own_tau(tmp_path, capsys):
+    """A run lived by importance ratio at τ 0.9: replay said it lived 'with rapidfuzz-segment at γ_live=0.5' and
+    compared every τ with 0.5; its own τ showed differences from itself."""
+    from flows.replay_cmd import run_replay
+    from flows.run_config import freeze_run_config
+    from rollout_gen.stage import run_rollout_stage
+
+    lived = load_config(None, [f"storage.root={tmp_path}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
+                               "rollout.seed=3", "rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.9"])
+    run_rollout_stage(lived, "live", 0, DEFAULT_POLICY, show_progress=False)
+    freeze_run_config(lived, "live")
+    capsys.readouterr()
+    replay = load_config(None, [f"storage.root={tmp_path}"])  # the user's config: similarity, τ 0.5
+    assert run_replay(replay, "live", 0, [0.5], None, False, [0.5, 0.9]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # table titles wrap at the table's width
+    assert "lived by importance ratio at τ_live=0.9" in words and "γ_live" not in words.split("positions:")[0], out
+    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in out.splitlines()
+            if line.count("│") >= 7 and line.split("│")[1].strip() in ("0.5", "0.9")}
+    assert "≠ lived τ=0.9" in out and rows["0.9"] == "0", out
+
+
 def test_cpu_engine_scores_a_retry_on_the_kept_prefix(chat, backend):
     """A live rollback's scoring forward reuses the trajectory's KV in the engine: only the retry is forwarded,
     and its log-probs are the full forward's (1e-5)."""
