@@ -46,7 +46,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
-    page = write_report(cfg.storage.root, run_id, gamma=cfg.train.gamma)
+    page = write_report(cfg.storage.root, run_id)
     print(markdown_table(iteration_table(cfg.storage.root, run_id)))
     print(f"report: {page}")
     return 0
@@ -73,7 +73,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     training_flow(str(config), list(args.overrides))
     print(f"[demo] replaying iteration 0 under γ = {cfg.flow.replay_gammas}")
     replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
-    page = write_report(cfg.storage.root, cfg.flow.run_id, gamma=cfg.train.gamma)
+    page = write_report(cfg.storage.root, cfg.flow.run_id)
     run_dir = cfg.storage.root / "runs" / cfg.flow.run_id
     # the follow-up commands printed below look at the same workspace and settings
     again = "".join(f" {shlex.quote(p)}" for p in ["-c", str(config), *args.overrides])

@@ -5,12 +5,14 @@ flows/report_tables.py)."""
 from __future__ import annotations
 
 import html
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import quote
 
 from flows.premise import cell, premise_rows
+from pipeline.modes import IS_MODES, SPLICING_MODES
 from flows.report_tables import (STYLE, by_partition, iteration_href, link, partition_label, rule_section, table,
                                  viewer_note)
 from storage.catalog import Catalog
@@ -109,15 +111,26 @@ CAPTIONS = {
                         "test time on and off.",
     "is_ratio": "Importance ratio of every splice: π(moved retry | purified context) / π_b(retry | as sampled), "
                 "log10; left of the dashed line a splice trains its retry at less than half the probability it "
-                "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5).",
+                "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5; the dashed line is the run's τ).",
 }
+
+
+def run_thresholds(run_json: Path) -> tuple[float, float]:
+    """(γ, τ) the report marks, from the run's frozen config: the trained threshold for its kind of mode (train.gamma
+    is γ for saar / saar_correct, τ for saar_is), else the first purified one; (0.5, 0.5) without run.json."""
+    frozen = json.loads(run_json.read_text()) if run_json.is_file() else {}
+    train, purify = frozen.get("train", {}), frozen.get("purify", {})
+    trained = train.get("gamma", 0.5)
+    gamma = trained if train.get("mode") in SPLICING_MODES else (purify.get("gammas") or [0.5])[0]
+    tau = trained if train.get("mode") in IS_MODES else (purify.get("is_thresholds") or [0.5])[0]
+    return gamma, tau
 
 
 def _variant(r: dict) -> str:
     return partition_label(r["mode"], r["gamma"], r.get("measure"))
 
 
-def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None = None) -> Path:
+def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,6 +143,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
     if not run_dir.is_dir():
         raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
     out = out or run_dir / "report"
+    gamma, tau = run_thresholds(layout.run_json)
     with Catalog(root) as cat:
         corrupt = [p for p in cat.problems if p.committed and run_dir in p.path.parents]
         if corrupt:  # plots without a damaged shard would misreport the run
@@ -210,7 +224,7 @@ def write_report(root: Path, run_id: str, gamma: float = 0.5, out: Path | None =
             for name in sorted({_variant(r) for r in ratios}):
                 ax.hist([r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name], bins=30, alpha=0.6,
                         label=name)
-            ax.axvline(math.log10(0.5), color="k", linestyle="--", label="IS = 0.5")
+            ax.axvline(math.log10(tau), color="k", linestyle="--", label=f"τ = {tau:g}")
             ax.legend(fontsize=7)
     with plot("failed_tokens", "tokens spent on failed attempts", "per generated token") as ax:
         ax.plot(x, [r["failed_tokens_per_generated"] for r in its], "o-", color="tab:purple")

@@ -259,3 +259,18 @@ def test_inside_the_viewer_the_report_fits_and_its_links_open_the_viewers_pages(
     browser.get(served.url + "/runs/w/report/")
     go(browser.find_element(By.LINK_TEXT, "the run's iterations"))
     assert urlsplit(browser.current_url).path == "/runs/w"
+
+
+def test_the_plots_mark_the_runs_own_thresholds_not_the_commands(tmp_path):
+    """`cleaner report` drew γ = 0.5 (the command's config) as 'the trained γ' of a run trained at γ 1.01, and τ = 0.5
+    whatever τ the run trained saar_is at: the marks come from the run's frozen config (run.json)."""
+    from flows.report import run_thresholds
+    from flows.run_config import freeze_run_config
+    from pipeline.config import load_config
+    from storage.layout import RunLayout
+
+    for run, overrides, want in (("g", ["train.gamma=1.01", "purify.gammas=[1.01]"], (1.01, 0.5)),
+                                 ("t", ["train.mode=saar_is", "train.gamma=0.3", "purify.gammas=[0.7]"], (0.7, 0.3))):
+        freeze_run_config(load_config(None, [f"storage.root={tmp_path}", *overrides]), run)
+        assert run_thresholds(RunLayout(tmp_path, run).run_json) == want
+    assert run_thresholds(tmp_path / "none.json") == (0.5, 0.5)
