@@ -121,7 +121,7 @@ def log_steps(metrics: list, log) -> None:
     for m in metrics:
         entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
         corrected = "" if m.correction_filtered is None else (
-            f" is-filtered {m.correction_filtered:.3f} behaviour-kl {m.behaviour_kl:+.4f}")
+            f" is-filtered {m.correction_filtered:.3f} behaviour-kl (k1 estimate, may be < 0) {m.behaviour_kl:+.4f}")
         dpo = "" if m.dpo_pairs is None else f" dpo {m.dpo_loss:.4f} ({m.dpo_pairs} pairs)"
         log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
             f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}{corrected}{dpo}")
