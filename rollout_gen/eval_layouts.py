@@ -88,7 +88,7 @@ def _math(question: str, answer: Any, source: str) -> Row:
 def _letter(row: dict, source: str) -> Row:
     letter = str(row["solution"]).strip().strip("()").upper()
     if len(letter) != 1 or not "A" <= letter <= "J":
-        raise ValueError(f"column 'solution' is {row['solution']!r}, expected the answer letter (A, B, C or D)")
+        raise ValueError(f"column 'solution' is {row['solution']!r}, expected the answer letter (A to J)")
     return _math(row["problem"], letter, source)
 
 

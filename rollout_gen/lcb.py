@@ -156,6 +156,8 @@ def decode_test_cases(value: str) -> list[dict]:
         try:
             inner = _NoGlobals(io.BytesIO(zlib.decompress(base64.b64decode(value.encode())))).load()
             cases = json.loads(inner) if isinstance(inner, str) else None
+        except pickle.UnpicklingError as e:  # a refusal says what the pickle named; other failures, their type
+            raise LCBFormatError(f"neither JSON nor base64/zlib/pickle-encoded JSON (UnpicklingError: {e})") from None
         except Exception as e:  # noqa: BLE001 - any failure of the three decodings is a format error
             raise LCBFormatError(f"neither JSON nor base64/zlib/pickle-encoded JSON ({type(e).__name__})") from None
     if not isinstance(cases, list) or not all(isinstance(c, dict) and "input" in c and "output" in c for c in cases):

@@ -62,11 +62,14 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
 
     path = Path(path)
     if not path.is_file():
-        raise TaskFileError(f"{path}: task file does not exist")
+        raise TaskFileError(f"{path}: " + ("is a folder; give the task file in it (a .parquet file)" if path.is_dir()
+                                           else "task file does not exist"))
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
-        raise TaskFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})") from None
+        raise TaskFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})"
+                            + ("; task files are read as Parquet only (convert JSONL with pyarrow or pandas first)"
+                               if path.suffix.lower() in (".jsonl", ".json") else "")) from None
     if table.num_rows == 0:
         raise TaskFileError(f"{path}: no rows (an empty task file)")
     layout = detect(table)

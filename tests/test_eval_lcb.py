@@ -131,9 +131,16 @@ def test_a_pickle_naming_code_is_refused_not_run(tmp_path):
     path = write(tmp_path / "evil.parquet", rows, pa.schema([(c, pa.string()) for c in LCB_COLUMNS]))
     from rollout_gen.tasks import TaskFileError
 
-    with pytest.raises(TaskFileError, match=r"evil\.parquet: row 0: column 'private_test_cases': neither JSON"):
+    with pytest.raises(TaskFileError, match=r"evil\.parquet: row 0: column 'private_test_cases': neither JSON"
+                       r".*refused: the pickle names (posix|os)\.system"):  # why, not only "corrupt"
         load_task_parquet(path)
     assert not marker.exists()
+    (tmp_path / "aime2024").mkdir()
+    with pytest.raises(TaskFileError, match="aime2024: is a folder; give the task file in it"):
+        load_task_parquet(tmp_path / "aime2024")
+    (tmp_path / "test6.jsonl").write_text('{"question_id": "a"}\n')
+    with pytest.raises(TaskFileError, match="read as Parquet only"):
+        load_task_parquet(tmp_path / "test6.jsonl")
 
 
 def test_export_is_read_back_by_a_livecodebench_reader(tmp_path):
