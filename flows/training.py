@@ -120,12 +120,9 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     run per firing, named from the template (`run_id_for`)."""
     cfg = load_config(config_file, overrides or [])
     run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
-    if cfg.flow.eval_every:  # a bad k or eval task file is refused before anything is written
-        from rollout_gen.eval_run import check_samples
-        from rollout_gen.eval_stage import held_out_tasks
+    from rollout_gen.eval_stage import check_eval_settings
 
-        check_samples(cfg, cfg.flow.eval_samples, "flow.eval_samples")
-        held_out_tasks(cfg)
+    check_eval_settings(cfg)  # a bad k or eval task file is refused before anything is written
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     again = {"retries": cfg.flow.task_retries, "retry_condition_fn": retry_unless_user_error}

@@ -36,6 +36,16 @@ def held_out_tasks(cfg: CleanerConfig) -> list[Task]:
     return tasks[: cfg.flow.eval_limit]
 
 
+def check_eval_settings(cfg: CleanerConfig) -> None:
+    """flow.eval_every's k and task file, refused before a training flow writes anything (`cleaner train` checks
+    them before it starts Prefect, the flow again for a deployment's firings)."""
+    if cfg.flow.eval_every:
+        from rollout_gen.eval_run import check_samples
+
+        check_samples(cfg, cfg.flow.eval_samples, "flow.eval_samples")
+        held_out_tasks(cfg)
+
+
 def eval_settings(cfg: CleanerConfig) -> list[str]:
     return ["saar_on", "saar_off"] if cfg.flow.eval_saar_off else ["saar_on"]
 

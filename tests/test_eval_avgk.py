@@ -160,3 +160,12 @@ def test_a_task_is_graded_by_its_ground_truth_not_by_its_source_name(tmp_path):
         {"problem": "What is 1+1?", "reward_model": {"ground_truth": "2"}, "data_source": "barcode_math"},
         {"problem": "Print a+b.", "reward_model": {"ground_truth": tests}, "data_source": "taco"}])
     assert [t.kind for t in load_task_parquet(f)] == ["math", "code"]
+
+
+def test_train_refuses_a_bad_eval_task_file_before_prefect_or_run_json(tmp_path, capsys):
+    """It started the flow, froze the bad settings in run.json and logged three Prefect ERROR lines first."""
+    ws = tmp_path / "ws"
+    empty = write(tmp_path / "empty.parquet", [], pa.schema([("Problem", pa.string()), ("Answer", pa.int64())]))
+    _refused(["train", f"storage.root={ws}", "flow.run_id=e1", "flow.iterations=1", "flow.eval_every=1",
+              f"flow.eval_tasks={empty}"], capsys, 1, str(empty), "no rows")
+    assert not ws.exists()
