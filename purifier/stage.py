@@ -228,6 +228,9 @@ def describe_asked(modes: list[str], gammas: list[float], is_thresholds: list[fl
 def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
                      gammas: list[float] | None = None, checkpoint: Path | None = None,
                      is_thresholds: list[float] | None = None) -> list[VariantResult]:
+    if not Path(cfg.storage.root).is_absolute():  # Beam's workers (Dask's: other processes, other directories)
+        cfg = cfg.model_copy(deep=True)          # must find every path the job names where this process does
+        cfg.storage.root = Path(cfg.storage.root).resolve()
     layout = RunLayout(cfg.storage.root, run_id)
     raw_dir = layout.raw_dir(iteration)
     if read_manifest(raw_dir) is None:

@@ -129,6 +129,17 @@ def test_dask_commits_what_fnapi_commits_with_work_in_both_workers(world_rollout
     assert not (RunLayout(root, "w").iteration_dir(0) / ".staging").exists()
 
 
+@pytest.mark.timeout(120)
+def test_a_relative_storage_root_purifies_on_dask_as_in_process(world_rollout, reference, cluster, tmp_path,
+                                                                  monkeypatch):
+    """The default storage.root is relative (workspace): Dask's workers run in another directory, and resolved
+    the job's paths there (a 46-line traceback, or staging written under the workers' directory)."""
+    monkeypatch.chdir(tmp_path)
+    _raw_shard(world_rollout, Path("ws"))
+    run_purify_stage(_cfg(world_rollout, Path("ws"), "dask", cluster.address), "w", 0)
+    assert _output(tmp_path / "ws") == reference
+
+
 @pytest.mark.timeout(150)
 def test_a_worker_killed_mid_run_is_survived_or_one_line_and_the_rerun_commits_the_same(
         world_rollout, reference, cluster, tmp_path):

@@ -130,3 +130,49 @@ def test_a_server_that_is_down_ends_the_command_in_one_line(tmp_path):
     assert lines and f"vLLM server at http://127.0.0.1:{port} is unreachable" in lines[-1] and "Traceback" not in out
     assert read_manifest(RunLayout(tmp_path, "down").raw_dir(0)) is None
 
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of a process group (zombies left out)."""
+    import os
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return [p for p in out if p != os.getpid()]
+
+
+def test_a_server_runs_from_a_folder_of_its_own_and_goes_with_its_group_when_its_guard_died(tmp_path, monkeypatch):
+    """`python -m` put the user's working directory first on the server's import path: a folder named z3/ there
+    broke vLLM's engine at its first request. And a guard killed alone left the server running after cleaner
+    stopped it (stop() signalled the group only while the guard lived)."""
+    import os
+    import signal
+
+    from pipeline.config import DEFAULT_VLLM_VENV
+    from pipeline.engines.vllm_server import start_servers
+    from tests.vllm_helpers import MAX_MODEL_LEN, SERVER_ARGS
+
+    (tmp_path / "z3").mkdir()
+    monkeypatch.chdir(tmp_path)
+    (s,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_MODEL_LEN, SERVER_ARGS, 600.0,
+                         log=lambda line: None)
+    try:
+        members = _group(s.pid)
+        assert members and {os.readlink(f"/proc/{p}/cwd") for p in members} == {str(s.log.parent)}
+        os.kill(s.pid, signal.SIGKILL)
+        s.proc.wait(timeout=30)
+        time.sleep(1)
+        assert _group(s.pid), "the server went with its guard: nothing to clean up"
+    finally:
+        s.stop()
+    deadline = time.time() + 30
+    while _group(s.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _group(s.pid)

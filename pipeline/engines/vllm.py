@@ -26,14 +26,17 @@ from pathlib import Path
 from typing import Any, Callable, Hashable
 
 from pipeline.engines.base import Generation, Request, SamplingParams
-from pipeline.engines.vllm_server import EXTENSION_DIR, WORKER_EXTENSION, checkpoint_config, cpu_head_problem
+from pipeline.engines.vllm_server import (EXTENSION_DIR, WORKER_EXTENSION, checkpoint_config, cpu_head_problem,
+                                          server_log)
 from pipeline.engines.served import ConcurrentTurns, ServerRefused, ServerUnavailable, StickyRouter, http_json
 from storage.checkpoints import policy_version
 from storage.errors import CleanerError
 
 LAUNCH_HINT = ("start one with: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "
-               "<checkpoint> --enable-prefix-caching --logprobs-mode processed_logprobs, or leave rollout.vllm_urls "
-               "empty and cleaner starts it")
+               "<checkpoint> --enable-prefix-caching --logprobs-mode processed_logprobs (the CPU build also: "
+               f"--no-enable-chunked-prefill --max-num-batched-tokens 4096 --worker-extension-cls {WORKER_EXTENSION} "
+               f"with PYTHONPATH={EXTENSION_DIR}, and VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 for a --max-model-len beyond the "
+               "checkpoint's; docs/scale_out.md), or leave rollout.vllm_urls empty and cleaner starts it")
 PROBE = 'What is 12 + 30?\n<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call> ünï'
 
 
@@ -89,8 +92,16 @@ class VLLMEngine(ConcurrentTurns):
 
     # ---- transport ----------------------------------------------------------------------------
     def _call(self, url: str, route: str, payload: Any = None, method: str = "POST", timeout: float | None = None) -> Any:
-        return http_json(url, route, payload, method, timeout or self.timeout_s, name="vLLM", hint=LAUNCH_HINT,
-                         unavailable=VLLMUnavailable)
+        try:
+            return http_json(url, route, payload, method, timeout or self.timeout_s, name="vLLM", hint=LAUNCH_HINT,
+                             unavailable=VLLMUnavailable)
+        except (ServerRefused, VLLMUnavailable) as e:
+            managed = server_log(url)
+            if managed is None:
+                raise
+            # a server cleaner started: its log holds the cause, and the launch hint is for servers of one's own
+            said = str(e).removesuffix(f"; {LAUNCH_HINT}")
+            raise type(e)(f"{said}; the server cleaner started says: {managed[1]} (log: {managed[0]})") from None
 
     def _connect(self, url: str) -> _Server:
         try:

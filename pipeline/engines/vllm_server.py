@@ -104,6 +104,9 @@ class ManagedServer:
             terminate(self.pid, grace=10.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
+        # a guard that died first (killed alone) left the server's processes in its group: they go too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -225,8 +228,11 @@ def start_servers(checkpoint: Path, count: int, venv: Path, dtype: str = "float3
             def launch(cmd=cmd, path=path, env=env) -> subprocess.Popen:
                 with open(path, "ab") as out:
                     # SIGTERM to the guard (GUARD), which then kills the server's whole group
+                    # run from the log folder: `python -m` puts its working directory first on the import path, and
+                    # a folder of the user's named like a module vLLM imports (z3/, vllm/) would shadow it
                     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                            start_new_session=True, preexec_fn=dies_with(os.getpid(), signal.SIGTERM))
+                                            cwd=path.parent, start_new_session=True,
+                                            preexec_fn=dies_with(os.getpid(), signal.SIGTERM))
 
             proc = _keeper.call(launch)
             servers.append(ManagedServer(proc.pid, f"http://{HOST}:{port}", path, proc))
@@ -292,6 +298,13 @@ def managed_urls(checkpoint: Path, count: int, venv: Path, dtype: str, max_model
         with _lock:
             _started[key] = servers
         return [s.url for s in servers]
+
+
+def server_log(url: str) -> tuple[Path, str] | None:
+    """(log, its last root error) of the server at `url` when this process started it, else None."""
+    with _lock:
+        servers = [s for group in _started.values() for s in group if s.url == url]
+    return (servers[0].log, _last_line(servers[0].log)) if servers else None
 
 
 def stop_all() -> None:
