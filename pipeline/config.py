@@ -341,6 +341,23 @@ class CleanerConfig(Section):
                              f"({self.rollout.samples_per_prompt}): RoC down-samples each prompt's group")
         return self
 
+    @model_validator(mode="after")
+    def _vllm_scores_at_temperature_one(self) -> "CleanerConfig":
+        # vLLM's prompt log-probs (what it scores a given sequence with) are of the raw logits: at another
+        # temperature every recompute, or a live importance ratio, would fail mid-run, when a row first needs one
+        t = self.rollout.temperature
+        if t in (0.0, 1.0):
+            return self
+        live_is = (self.rollout.engine == "vllm" and self.rollout.saar.rollback == "importance"
+                   and self.rollout.saar.live_mode == "purified")
+        if self.purify.recompute == "vllm":
+            raise ValueError(f"purify.recompute=vllm scores with vLLM's prompt log-probs, which are of the raw logits: "
+                             f"it needs rollout.temperature=1.0 (got {t:g}); score on the CPU (purify.recompute=cpu)")
+        if live_is:
+            raise ValueError(f"rollout.saar.rollback=importance on rollout.engine=vllm scores with vLLM's prompt "
+                             f"log-probs, which are of the raw logits: it needs rollout.temperature=1.0 (got {t:g})")
+        return self
+
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections: what a stage's manifest records as its config."""
         data = {s: getattr(self, s).model_dump(mode="json") for s in sections}

@@ -141,12 +141,27 @@ def _in_chain(e: BaseException | None, match: Callable[[BaseException], bool]) -
     return None
 
 
+class UnknownRunner(CleanerError, ValueError):
+    exit_code = 2  # a setting, as a config error is
+
+
+def _known_runner(name: str) -> str:
+    """`name` when Beam knows it (its name, with or without 'Runner', any case, or a dotted class path)."""
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    known = {path.rsplit(".", 1)[-1].lower(): path.rsplit(".", 1)[-1] for path in StandardOptions.ALL_KNOWN_RUNNERS}
+    if "." in name or name.lower() in known or name.lower() + "runner" in known:
+        return name
+    raise UnknownRunner(f"purify.runner={name}: Beam knows no such runner; use dask (Beam's DaskRunner on a Dask "
+                        f"cluster) or one of {', '.join(sorted(known.values()))}")
+
+
 def beam_runner(cfg: CleanerConfig) -> tuple[str, list[str]]:
     """The Beam runner and options of `purify.runner`: "dask" is Beam's DaskRunner on the scheduler at
     purify.dask_address (None: the local cluster of `cleaner cluster start` for this storage root)."""
     p = cfg.purify
-    if p.runner != "dask":
-        return p.runner, list(p.beam_options)
+    if p.runner.lower() not in ("dask", "daskrunner"):
+        return _known_runner(p.runner), list(p.beam_options)
     from purifier.dask_cluster import cluster_dir, running_address
 
     address = p.dask_address or running_address(cluster_dir(cfg.storage.root))

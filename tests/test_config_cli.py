@@ -182,3 +182,31 @@ def test_train_gamma_is_the_tau_of_saar_is_and_is_checked_as_one():
     assert load_config(None, ["train.mode=saar_is", "train.gamma=0.3"]).train.gamma == 0.3
     with pytest.raises(ConfigError, match="train.gamma is the τ of train.mode=saar_is"):
         load_config(None, ["train.mode=saar_is", "train.gamma=0"])
+
+
+def test_scoring_on_vllm_at_another_temperature_is_refused_when_the_config_is_read():
+    """It failed many iterations in, the first time a row needed a recompute (or a live rollback a score)."""
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"purify.recompute=vllm .* rollout.temperature=1.0 \(got 0.7\)"):
+        load_config(None, ["purify.recompute=vllm", "rollout.temperature=0.7"])
+    with pytest.raises(ConfigError, match="rollout.saar.rollback=importance on rollout.engine=vllm"):
+        load_config(None, ["rollout.engine=vllm", "rollout.saar.rollback=importance", "rollout.temperature=0.7"])
+    load_config(None, ["rollout.engine=vllm", "rollout.temperature=0.7"])  # sampling alone: its own log-probs
+
+
+@pytest.mark.parametrize("runner,takes", [("DaskRunner", "dask"), ("Dask", "dask"), ("FnApiRunner", "FnApiRunner"),
+                                          ("prism", "prism"), ("nope", None)])
+def test_purify_runner_names_beam_knows_and_one_line_for_others(runner, takes, tmp_path):
+    """purify.runner=DaskRunner (the name the docs use) was a 29-line Beam traceback."""
+    from pipeline.config import load_config
+    from purifier.stage import UnknownRunner, beam_runner
+
+    cfg = load_config(None, [f"storage.root={tmp_path}", f"purify.runner={runner}", "purify.dask_address=tcp://h:8786"])
+    if takes is None:
+        with pytest.raises(UnknownRunner, match="purify.runner=nope: Beam knows no such runner; use dask"):
+            beam_runner(cfg)
+    else:
+        got, options = beam_runner(cfg)
+        assert (got.endswith("DaskRunner") and "--dask_client_address=tcp://h:8786" in options) if takes == "dask" \
+            else got == takes
