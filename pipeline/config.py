@@ -11,7 +11,8 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,22 +50,59 @@ IsThreshold = Annotated[float, AfterValidator(check_is_threshold)]
 
 class Section(BaseModel):
     # a number that is inf or nan (`train.lr=inf`) is a mistake in every setting
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              coerce_numbers_to_str=True)  # `flow.run_id=20240601` is a name, not a number
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, value: Any, info) -> Any:
         # pydantic's lax mode reads `true` as 1: a boolean where a count or a number belongs is a mistake
-        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in (int, float):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _is_number(annotation):
             raise ValueError("expected a number, not a boolean")
+        if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value) and _holds_numbers(annotation):
+            raise ValueError("expected numbers, not booleans")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_are_defaults(cls, data: Any) -> Any:
+        # a YAML section whose keys are all commented out reads as None: it means "the defaults"
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields
+                                                           and _is_section(cls.model_fields[k].annotation))}
+        return data
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _is_number(annotation: Any) -> bool:
+    """int or float, also inside Annotated[...] or Optional[...]."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _is_number(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(kinds) and all(_is_number(a) for a in kinds)
+    return annotation in (int, float)
+
+
+def _holds_numbers(annotation: Any) -> bool:
+    """A list or tuple of numbers, also inside Optional[...]."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return any(_holds_numbers(a) for a in get_args(annotation) if a is not type(None))
+    return origin in (list, tuple) and any(_is_number(a) for a in get_args(annotation))
 
 
 class StorageConfig(Section):
     root: Path = Path("workspace")
     catalog: str = "catalog.duckdb"
     rows_per_part: int = Field(50_000, gt=0)
-    compression: str = "zstd"
+    compression: Literal["zstd", "snappy", "gzip", "brotli", "lz4", "none"] = Field("zstd", description=(
+        "Parquet codec of the shards written (pyarrow's names)"))
 
 
 class WorldConfig(Section):
@@ -78,6 +116,14 @@ class WorldConfig(Section):
     two_step_fraction: float = Field(0.2, ge=0.0, le=1.0)
     eval_size: int = Field(200, gt=0)
     eval_seed: int = 1234
+
+    @model_validator(mode="after")
+    def _ranges_in_order(self) -> "WorldConfig":
+        for low, high in (("digits_min", "digits_max"), ("operands_min", "operands_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"world.{low} ({getattr(self, low)}) must be at most world.{high} "
+                                 f"({getattr(self, high)})")
+        return self
 
 
 class SandboxConfig(Section):
@@ -246,7 +292,8 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0)
     clip_eps_low: float = Field(0.2, ge=0)
     clip_eps_high: float = Field(0.28, ge=0)
-    dual_clip: float | None = 10.0
+    dual_clip: float | None = Field(10.0, gt=1.0, description=(
+        "dual-clip PPO's bound on the ratio for negative advantages (OpenRLHF's dual_clip; > 1), None: off"))
     policy_loss_type: Literal["ppo", "gspo"] = "ppo"
     epochs: int = Field(1, ge=1)
     mini_batches: int = Field(2, ge=1)
@@ -268,11 +315,6 @@ class TrainConfig(Section):
     dpo_beta: float = Field(15.0, gt=0, description="DPO beta on the length-normalised call log-prob gap (reference recipe: 15)")
     dpo_max_adjustment_ratio: float = Field(0.1, gt=0, description=(
         "cap on the DPO side loss's per-token weight, as the reference caps its per-token advantage adjustment"))
-
-    @field_validator("rollout_correction", mode="before")
-    @classmethod
-    def _off_is_not_a_boolean(cls, value: object) -> object:
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` (the default's name) as false
 
     @field_validator("rollout_correction_bounds")
     @classmethod
@@ -405,6 +447,42 @@ def _unknown_key(dotted: str) -> str:
     return f"unknown config key {dotted!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as the 1.2 core schema reads scalars, and a mapping may not name a key twice (the later one silently
+    won: a second `rollout:` block dropped the first's settings). YAML 1.1's other readings were each a value
+    silently changed or refused: `off`/`yes`/`on` as booleans, `010` as octal 8, `2024-06-01` as a date, while
+    `2e5` stayed a string; here they are text (which a boolean setting still reads as yes/no), 10, text, 200000.0."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first at line {seen[key]})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node).replace("_", "")
+        return int(text, 0) if text.lstrip("+-")[:2].lower() in ("0x", "0o") else int(text, 10)
+
+
+_Loader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+        ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+        ("float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+         "-+0123456789."),
+        ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""])):
+    _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+
+
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
@@ -414,10 +492,14 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         raise ConfigError(_unknown_key(dotted))
     *sections, key = dotted.split(".")
     node = data
-    for section in sections:
-        node = node.setdefault(section, {})
+    for i, section in enumerate(sections):
+        if node.get(section) is None:  # absent, or a YAML section whose keys are all commented out
+            node[section] = {}
+        node = node[section]
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(sections[:i + 1])} is {node!r}, not a section: {dotted} cannot be set in it")
     try:
-        node[key] = yaml.safe_load(raw) if raw.strip() else ""
+        node[key] = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {assignment!r}: not valid YAML ({_yaml_problem(e)}); quote lists, "
                           f"e.g. 'purify.gammas=[0.3,0.7]'") from None
@@ -436,7 +518,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            data = read_yaml(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
         except yaml.YAMLError as e:

@@ -210,3 +210,34 @@ def test_purify_runner_names_beam_knows_and_one_line_for_others(runner, takes, t
         got, options = beam_runner(cfg)
         assert (got.endswith("DaskRunner") and "--dask_client_address=tcp://h:8786" in options) if takes == "dask" \
             else got == takes
+
+
+def test_config_files_and_overrides_as_users_wrote_them(tmp_path):
+    """Each was a traceback, a setting silently dropped or changed, or a value refused that is fine."""
+    from pipeline.config import ConfigError, load_config
+
+    empty = tmp_path / "empty_section.yaml"
+    empty.write_text("rollout:\n  # samples_per_prompt: 8\n")
+    assert load_config(empty, []).rollout.samples_per_prompt == 4  # an empty section: the defaults
+    assert load_config(empty, ["rollout.seed=1"]).rollout.seed == 1  # was: TypeError in apply_override
+    with pytest.raises(ConfigError, match="rollout is 5, not a section: rollout.seed cannot be set in it"):
+        load_config(None, ["rollout=5", "rollout.seed=3"])
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("rollout:\n  seed: 7\n  temperature: 0.6\ntrain:\n  lr: 5.0e-5\nrollout:\n  samples_per_prompt: 8\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: .*key 'rollout' given twice \(first at line 1\) at line 6"):
+        load_config(twice, [])
+    cfg = load_config(None, ["flow.run_id=20240601", "rollout.seed=010", "rollout.engine_tuning.kv_cache_tokens=2e5",
+                             "rollout.vllm_args=[--enforce-eager, --block-size, 32]"])
+    assert (cfg.flow.run_id, cfg.rollout.seed, cfg.rollout.engine_tuning.kv_cache_tokens) == ("20240601", 10, 200_000)
+    assert cfg.rollout.vllm_args == ["--enforce-eager", "--block-size", "32"]
+    assert load_config(None, ["flow.run_id=2024-06-01"]).flow.run_id == "2024-06-01"  # not a date
+    assert load_config(None, ["flow.tensorboard=yes"]).flow.tensorboard is True  # a boolean setting reads yes/no
+    for bad, says in (("purify.gammas=[true]", "expected numbers, not booleans"),
+                      ("purify.roc_group_size=true", "expected a number, not a boolean"),
+                      ("storage.compression=zstdd", "storage.compression: Input should be 'zstd'"),
+                      ("train.dual_clip=0.5", "train.dual_clip: Input should be greater than 1")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(None, [bad])
+    assert load_config(None, ["train.dual_clip=null"]).train.dual_clip is None
+    with pytest.raises(ConfigError, match=r"world.digits_min \(5\) must be at most world.digits_max \(3\)"):
+        load_config(None, ["world.digits_min=5", "world.digits_max=3"])
