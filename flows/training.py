@@ -144,7 +144,7 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
         checkpoint = value(update(cfg, run_id, i))
         publish_catalog(cfg, log.warning)
         log.info(f"iteration {i}: {n} trajectories; purified {describe_purified(purified)}; checkpoint {checkpoint}")
-        record_iteration(cfg, run_id, i)
+        record_iteration(cfg, run_id, i, log.warning)
     if cfg.flow.eval_every:  # the last checkpoint, always
         value(evaluate(cfg, run_id, start + cfg.flow.iterations))
         publish_catalog(cfg, log.warning)
