@@ -439,11 +439,29 @@ _GONE_KEYS = {
 }
 
 
+# The names verl, OpenRLHF and TRL users type for a setting, by the last part of the key
+_ALIASES = {"learning_rate": "train.lr", "actor_learning_rate": "train.lr", "temp": "rollout.temperature",
+            "n": "rollout.samples_per_prompt", "n_samples_per_prompt": "rollout.samples_per_prompt",
+            "num_samples": "rollout.samples_per_prompt", "num_generations": "rollout.samples_per_prompt",
+            "max_new_tokens": "rollout.max_turn_tokens", "response_length": "rollout.max_response_tokens",
+            "max_response_length": "rollout.max_response_tokens", "max_prompt_length": "rollout.max_prompt_tokens",
+            "prompt_max_len": "rollout.max_prompt_tokens", "generate_max_len": "rollout.max_response_tokens",
+            "epochs": "train.epochs", "num_episodes": "flow.iterations", "total_epochs": "flow.iterations",
+            "model": "rollout.policy", "pretrain": "rollout.policy", "model_name_or_path": "rollout.policy"}
+
+
 def _unknown_key(dotted: str) -> str:
-    """`unknown config key 'a.b' (did you mean 'a.c'?)`: the same words for a YAML key and an override."""
+    """`unknown config key 'a.b' (did you mean 'a.c'?)`: the same words for a YAML key and an override. The guess:
+    a near spelling in its section, the same last part in another, a name other trainers use, the closest spelling."""
     if dotted in _GONE_KEYS:
         return f"config key {dotted!r} {_GONE_KEYS[dotted]}"
-    close = difflib.get_close_matches(dotted, _known_keys(CleanerConfig), n=1)
+    known = _known_keys(CleanerConfig)
+    leaf = dotted.rsplit(".", 1)[-1]
+    section = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
+    close = (difflib.get_close_matches(dotted, [k for k in known if k.startswith(section)], n=1, cutoff=0.85)
+             or [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != dotted][:1]
+             or ([_ALIASES[leaf]] if leaf in _ALIASES else [])
+             or difflib.get_close_matches(dotted, [k for k in known if k.count(".") == dotted.count(".")], n=1))
     return f"unknown config key {dotted!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 

@@ -241,3 +241,15 @@ def test_config_files_and_overrides_as_users_wrote_them(tmp_path):
     assert load_config(None, ["train.dual_clip=null"]).train.dual_clip is None
     with pytest.raises(ConfigError, match=r"world.digits_min \(5\) must be at most world.digits_max \(3\)"):
         load_config(None, ["world.digits_min=5", "world.digits_max=3"])
+
+
+@pytest.mark.parametrize("typed,meant", [("train.run_id", "flow.run_id"), ("train.learning_rate", "train.lr"),
+                                         ("rollout.temp", "rollout.temperature"), ("rollout.n", "rollout.samples_per_prompt"),
+                                         ("purify.gamma", "purify.gammas"), ("rollout.sead", "rollout.seed")])
+def test_did_you_mean_names_the_setting_a_user_of_other_trainers_meant(typed, meant):
+    """It guessed train.lr for train.run_id, train.mini_batches for train.learning_rate, rollout.top_p for
+    rollout.temp and a section for rollout.n."""
+    from pipeline.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"unknown config key '{typed}' \(did you mean '{meant}'\?\)"):
+        load_config(None, [f"{typed}=1"])
