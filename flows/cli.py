@@ -12,7 +12,7 @@ import os
 import sys
 
 from flows.command import EPILOG_OVERRIDES, Parser, command_parser, config_of, split_overrides
-from pipeline.config import dump_config
+from pipeline.config import ConfigError, describe_config, dump_config
 from storage.errors import CleanerError, describe_os_error
 
 COMMAND_MODULES = ("flows.inspect", "flows.flow_commands", "flows.policy_cmds", "flows.eval_cmd", "flows.view_cmd",
@@ -20,7 +20,15 @@ COMMAND_MODULES = ("flows.inspect", "flows.flow_commands", "flows.policy_cmds", 
 
 
 def run_config(args: argparse.Namespace) -> int:
-    print(dump_config(config_of(args)), end="")
+    cfg = config_of(args)
+    if args.describe is None:
+        print(dump_config(cfg), end="")
+        return 0
+    lines = [line for line in describe_config(cfg) if line.startswith(args.describe)]
+    if not lines:
+        raise ConfigError(f"--describe {args.describe}: no setting starts so (sections: "
+                          f"{', '.join(type(cfg).model_fields)})")
+    print("\n".join(lines))
     return 0
 
 
@@ -28,7 +36,11 @@ def build_parser() -> Parser:
     parser = Parser(prog="cleaner", description="CLEANER: offline two-phase agentic RL with self-purified "
                     "trajectories (SAAR).", epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    command_parser(sub, "config", "print the resolved config tree", "", func=run_config)
+    p = command_parser(sub, "config", "print the resolved config tree, or each setting with what it does",
+                       "Examples:\n  cleaner config -c configs/demo.yaml\n  cleaner config --describe rollout.saar\n"
+                       "  cleaner config --describe   # every setting", func=run_config)
+    p.add_argument("--describe", nargs="?", const="", metavar="PREFIX", help=(
+        "print every setting (or those whose key starts with PREFIX) as key: value  # what it does"))
     for module in COMMAND_MODULES:
         importlib.import_module(module).add_parser(sub)
     return parser

@@ -98,9 +98,9 @@ def _holds_numbers(annotation: Any) -> bool:
 
 
 class StorageConfig(Section):
-    root: Path = Path("workspace")
-    catalog: str = "catalog.duckdb"
-    rows_per_part: int = Field(50_000, gt=0)
+    root: Path = Field(Path("workspace"), description="the workspace: runs, shards, checkpoints and the catalog (relative: to the directory a command runs in)")
+    catalog: str = Field("catalog.duckdb", description="the published DuckDB catalog file, under storage.root")
+    rows_per_part: int = Field(50_000, gt=0, description="rows per Parquet part of a shard")
     compression: Literal["zstd", "snappy", "gzip", "brotli", "lz4", "none"] = Field("zstd", description=(
         "Parquet codec of the shards written (pyarrow's names)"))
 
@@ -108,14 +108,14 @@ class StorageConfig(Section):
 class WorldConfig(Section):
     """The arithmetic tool-use world (tasks the tiny policy solves with Python)."""
 
-    digits_min: int = Field(2, ge=1)
-    digits_max: int = Field(4, ge=1)
-    operands_min: int = Field(2, ge=2)
-    operands_max: int = Field(3, ge=2)
-    ops: list[Literal["+", "-", "*", "//", "%"]] = ["+", "-", "*"]
-    two_step_fraction: float = Field(0.2, ge=0.0, le=1.0)
-    eval_size: int = Field(200, gt=0)
-    eval_seed: int = 1234
+    digits_min: int = Field(2, ge=1, description="fewest digits of a task's numbers")
+    digits_max: int = Field(4, ge=1, description="most digits of a task's numbers")
+    operands_min: int = Field(2, ge=2, description="fewest operands of a task's expression")
+    operands_max: int = Field(3, ge=2, description="most operands of a task's expression")
+    ops: list[Literal["+", "-", "*", "//", "%"]] = Field(["+", "-", "*"], description="operators the expressions use")
+    two_step_fraction: float = Field(0.2, ge=0.0, le=1.0, description="share of tasks worded in two steps (the expression, then one more operation with another number)")
+    eval_size: int = Field(200, gt=0, description="held-out world tasks (`cleaner eval --world`, flow.eval_tasks=world)")
+    eval_seed: int = Field(1234, description="seed of the held-out tasks (another seed: another held-out set)")
 
     @model_validator(mode="after")
     def _ranges_in_order(self) -> "WorldConfig":
@@ -127,21 +127,21 @@ class WorldConfig(Section):
 
 
 class SandboxConfig(Section):
-    workers: int = Field(2, ge=1)
-    timeout_s: float = Field(4.0, gt=0)
-    memory_mb: int = Field(256, ge=32)
-    max_processes: int = Field(16, ge=1)
-    max_file_mb: int = Field(16, ge=1)
-    output_chars: int = Field(1000, ge=16)
-    response_chars: int = Field(256, ge=16)
-    infra_retries: int = Field(2, ge=0)
+    workers: int = Field(2, ge=1, description="sandbox worker processes: tool calls run at once")
+    timeout_s: float = Field(4.0, gt=0, description="wall time of one tool call before it is killed (a timeout is a model error)")
+    memory_mb: int = Field(256, ge=32, description="address-space limit of one tool call")
+    max_processes: int = Field(16, ge=1, description="processes one tool call may run")
+    max_file_mb: int = Field(16, ge=1, description="largest file one tool call may write")
+    output_chars: int = Field(1000, ge=16, description="stdout/stderr characters a tool call's output is cut to in the sandbox")
+    response_chars: int = Field(256, ge=16, description="characters of a tool result the model is shown (middle-truncated)")
+    infra_retries: int = Field(2, ge=0, description="reruns of a call the sandbox itself failed (an infrastructure error, never the model's)")
 
 
 class SaarConfig(Section):
-    gate_p: float = Field(1.0, ge=0.0, le=1.0)
+    gate_p: float = Field(1.0, ge=0.0, le=1.0, description="share of trajectories SAAR retries in (a coin per trajectory); the others keep every error, no retry")
     max_retries: int = Field(3, ge=0, description="K: retries per position")
-    gamma_live: Gamma = 0.5
-    live_mode: Literal["purified", "raw"] = "purified"
+    gamma_live: Gamma = Field(0.5, description="γ of the live splice (rollback=similarity): similarity ≥ γ is shallow, below deep")
+    live_mode: Literal["purified", "raw"] = Field("purified", description="what the model continues from after a retry: the spliced (purified) context, or everything as sampled (raw)")
     safety_cap: int = Field(30, ge=1, description=(
         "SAAR off once a trajectory has made more than this many tool executions (the reference's 30)"))
     similarity: Literal["rapidfuzz", "difflib"] = Field("rapidfuzz", description=(
@@ -154,7 +154,7 @@ class SaarConfig(Section):
         "ratio π(retry | without the failed turn) / π_b(retry | as sampled) is ≥ is_threshold, else the failed "
         "turn, its error and the retry all stay (a scoring forward per rollback, batched with the others pending; "
         "purify mode saar_is at the same τ relives it)"))
-    is_threshold: IsThreshold = 0.5
+    is_threshold: IsThreshold = Field(0.5, description="τ of rollback=importance")
 
 
 class EngineTuning(Section):
@@ -178,7 +178,9 @@ class EngineTuning(Section):
         "starts calls in the order they fall due"))
     kv_cache_tokens: int = Field(200_000, ge=0, description=(
         "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
-    max_in_flight: int = Field(64, ge=1, description="SGLang and vLLM: concurrent generation requests")
+    max_in_flight: int = Field(64, ge=1, description=(
+        "SGLang and vLLM: concurrent generation requests; every engine: the most samples per task "
+        "`cleaner eval --samples` batches"))
     vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
 
 
@@ -188,18 +190,18 @@ MOVED_TO_ENGINE_TUNING = ("threads", "deterministic", "tool_delay_steps", "tool_
 
 
 class RolloutConfig(Section):
-    policy: Path = DEFAULT_POLICY
-    engine: Literal["cpu", "sglang", "vllm"] = "cpu"
-    tasks: str = "world"  # "world" or a path to a task parquet file
-    tasks_per_iteration: int = Field(16, gt=0)
-    samples_per_prompt: int = Field(4, gt=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_turns: int = Field(16, gt=0)
-    max_tool_turns: int = Field(16, gt=0)
-    max_turn_tokens: int = Field(160, gt=0)
-    max_response_tokens: int = Field(1024, gt=0)
-    max_prompt_tokens: int = Field(256, gt=0)
+    policy: Path = Field(DEFAULT_POLICY, description="the checkpoint iteration 0 rolls out from (a folder with config.json, weights and tokenizer)")
+    engine: Literal["cpu", "sglang", "vllm"] = Field("cpu", description="what samples: cpu (transformers here), sglang (rollout.sglang_url) or vllm (rollout.vllm_urls, or servers cleaner starts)")
+    tasks: str = Field("world", description="what the rollout solves: 'world' (the arithmetic tool-use world) or a task Parquet file (docs/eval.md's layouts)")
+    tasks_per_iteration: int = Field(16, gt=0, description="prompts rolled out per iteration")
+    samples_per_prompt: int = Field(4, gt=0, description="trajectories per prompt: the GRPO group")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (the vLLM engine needs 1.0)")
+    max_turns: int = Field(16, gt=0, description="assistant turns per trajectory")
+    max_tool_turns: int = Field(16, gt=0, description="tool calls per trajectory")
+    max_turn_tokens: int = Field(160, gt=0, description="tokens one assistant turn may generate")
+    max_response_tokens: int = Field(1024, gt=0, description="tokens of a whole response after the prompt (turns and tool results)")
+    max_prompt_tokens: int = Field(256, gt=0, description="longest prompt rolled out (a longer one is not; `cleaner eval` refuses it)")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra variables for the checkpoint's chat template, as verl's apply_chat_template_kwargs "
@@ -208,10 +210,10 @@ class RolloutConfig(Section):
     malformed_call: Literal["no_call", "failure"] = Field("no_call", description=(
         "an unclosed or unrepairable <tool_call>: no_call = the turn is final (the reference); failure = a failed "
         "call, shown to the model and retried"))
-    seed: int = 0
+    seed: int = Field(0, description="sampling seed of the run")
     saar: SaarConfig = SaarConfig()
     sandbox: SandboxConfig = SandboxConfig()
-    sglang_url: str = "http://127.0.0.1:30000"
+    sglang_url: str = Field("http://127.0.0.1:30000", description="engine=sglang: the SGLang server")
     vllm_urls: list[str] = Field(default_factory=list, description=(
         "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
         "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
@@ -243,25 +245,27 @@ PURIFY_MODE_SETTINGS = frozenset({"roc_group_size"})
 
 class PurifyConfig(Section):
     # at least one each: an empty list purified nothing and said so nowhere
-    modes: list[Mode] = Field(["saar", "raw"], min_length=1)
-    gammas: list[Gamma] = Field([0.5], min_length=1)
+    modes: list[Mode] = Field(["saar", "raw"], min_length=1, description=(
+        "purification modes written each iteration, one partition each (docs/saar.md); train.mode's is added"))
+    gammas: list[Gamma] = Field([0.5], min_length=1, description=(
+        "γ of the similarity modes (saar, saar_correct), one partition each; train.gamma's is added"))
     is_thresholds: list[IsThreshold] = Field([0.5], min_length=1, description=(
         "mode saar_is (Open-CLEANER's Plan B): a retry replaces the failed turn when its importance ratio "
         "π(retry | context without the failed turn) / π_b(retry | as sampled) is ≥ τ, else both stay; one "
         "partition per τ (tau=0.50)"))
-    advantage: Literal["group_norm", "dr_grpo"] = "group_norm"
-    dynamic_filter: bool = False
+    advantage: Literal["group_norm", "dr_grpo"] = Field("group_norm", description="GRPO advantage: group_norm ((r − mean) / std in the prompt group) or dr_grpo (r − mean)")
+    dynamic_filter: bool = Field(False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no learning signal)")
     recompute: Literal["cpu", "sglang", "vllm"] = Field("cpu", description=(
         "old log-probs after a splice: cpu (transformers, prefix KV reuse), sglang (prefill at rollout.sglang_url) "
         "or vllm (prefill with prompt_logprobs on the rollout's vLLM servers, rollout.vllm_*)"))
     runner: str = Field("FnApiRunner", description=(
         "Beam runner: FnApiRunner (in-process), dask (Beam's DaskRunner on the cluster at purify.dask_address; "
         "docs/scale_out.md), or any runner Beam accepts, with its options in purify.beam_options"))
-    beam_options: list[str] = []
+    beam_options: list[str] = Field([], description="Beam pipeline options for purify.runner, e.g. --flink_master=HOST:8081")
     dask_address: str | None = Field(None, description=(
         "runner=dask: the Dask scheduler, e.g. tcp://10.0.0.5:8786 (None: the local cluster that "
         "`cleaner cluster start` runs for this storage root)"))
-    max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0, description="share of rows purification may set aside as dead letters before the stage fails")
     roc_group_size: int | None = Field(None, ge=1, description=(
         "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
         "rollout.samples_per_prompt"))
@@ -275,7 +279,7 @@ class PurifyConfig(Section):
 
 
 class TrainConfig(Section):
-    mode: Mode = "saar"
+    mode: Mode = Field("saar", description="the purification mode the update trains on")
     gamma: Gamma = Field(0.5, description=(
         "the threshold of the partition the update trains on: γ for saar / saar_correct, τ for saar_is "
         "(train.mode=saar_is train.gamma=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"))
@@ -286,20 +290,20 @@ class TrainConfig(Section):
     nproc: int = Field(1, ge=1, description="ranks torchrun starts for strategy=deepspeed (GPUs per node)")
     param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="strategy=deepspeed training dtype (the local strategy trains in fp32)")
-    lr: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(2, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    clip_eps_low: float = Field(0.2, ge=0)
-    clip_eps_high: float = Field(0.28, ge=0)
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(2, ge=0, description="optimizer steps of linear learning-rate warm-up")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    clip_eps_low: float = Field(0.2, ge=0, description="PPO clip below: ratio ≥ 1 − this")
+    clip_eps_high: float = Field(0.28, ge=0, description="PPO clip above: ratio ≤ 1 + this (DAPO clip-higher)")
     dual_clip: float | None = Field(10.0, gt=1.0, description=(
         "dual-clip PPO's bound on the ratio for negative advantages (OpenRLHF's dual_clip; > 1), None: off"))
-    policy_loss_type: Literal["ppo", "gspo"] = "ppo"
-    epochs: int = Field(1, ge=1)
-    mini_batches: int = Field(2, ge=1)
-    micro_batch_tokens: int = Field(8192, gt=0)
+    policy_loss_type: Literal["ppo", "gspo"] = Field("ppo", description="OpenRLHF's policy loss: ppo (token ratios) or gspo (sequence ratios)")
+    epochs: int = Field(1, ge=1, description="passes over the purified shard per update")
+    mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch: the shard's prompt groups split into this many")
+    micro_batch_tokens: int = Field(8192, gt=0, description="tokens per forward/backward (rows packed by length; gradients accumulated per mini-batch)")
     log_entropy: bool = Field(False, description="log the policy entropy per step (one more pass over the vocabulary)")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the update (dropout, ordering)")
     rollout_correction: Literal["off", "token_tis", "token_mis", "seq_mis", "geo_rs"] = Field("off", description=(
         "train-time correction for tokens trained in another context than they were sampled in: verl's presets on "
         "OpenRLHF's PolicyLoss gate over pi_old/pi_behaviour (the purified rows' behaviour_logprobs). token_tis: "
@@ -351,10 +355,10 @@ def train_settings(train: TrainConfig) -> str:
 
 
 class FlowConfig(Section):
-    run_id: str = "demo"
-    iterations: int = Field(3, ge=1)
-    task_retries: int = Field(1, ge=0)
-    replay_gammas: list[Gamma] = Field([0.3, 0.5, 0.7], min_length=1)
+    run_id: str = Field("demo", description="the run: runs/<run_id> under storage.root")
+    iterations: int = Field(3, ge=1, description="iterations a training flow trains (a rerun resumes them; a schedule's firing trains this many more)")
+    task_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task (a user error is never retried)")
+    replay_gammas: list[Gamma] = Field([0.3, 0.5, 0.7], min_length=1, description="γ values `cleaner replay` (and the demo's replay) purifies by default")
     tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
     wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
     eval_every: int = Field(0, ge=0, description=(
@@ -579,6 +583,19 @@ def _describe(err: dict) -> str:
         return _unknown_key(dotted)
     return (f"{dotted + ': ' if dotted else ''}{err['msg'].removeprefix('Value error, ')}"
             + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else ""))
+
+
+def describe_config(cfg: BaseModel, prefix: str = "") -> list[str]:
+    """Every setting as `key: value  # description` (the value as `cfg` has it), sections in order."""
+    lines = []
+    for name, field in type(cfg).model_fields.items():
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            lines += describe_config(value, prefix + name + ".")
+            continue
+        shown = json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else value, default=str)
+        lines.append(f"{prefix}{name}: {shown}" + (f"  # {field.description}" if field.description else ""))
+    return lines
 
 
 def dump_config(cfg: CleanerConfig) -> str:

@@ -253,3 +253,16 @@ def test_did_you_mean_names_the_setting_a_user_of_other_trainers_meant(typed, me
 
     with pytest.raises(ConfigError, match=rf"unknown config key '{typed}' \(did you mean '{meant}'\?\)"):
         load_config(None, [f"{typed}=1"])
+
+
+def test_config_describe_says_what_every_setting_does(capsys):
+    """There was no config reference: most settings' meaning was in no doc and no --help."""
+    from flows.cli import main
+
+    assert main(["config", "--describe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 90 and all("  # " in line for line in lines), [x for x in lines if "  # " not in x]
+    assert main(["config", "--describe", "rollout.saar.gate_p", "rollout.saar.gate_p=0.5"]) == 0
+    assert capsys.readouterr().out.startswith("rollout.saar.gate_p: 0.5  # share of trajectories SAAR retries in")
+    assert main(["config", "--describe", "nope"]) == 2
+    assert "--describe nope: no setting starts so" in capsys.readouterr().err
