@@ -31,7 +31,10 @@ def _load(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from rollout_gen.eval_stage import check_eval_settings
 
+    from trainer.devices import check_device
+
     check_eval_settings(config_of(args))  # one line before Prefect is set up, not a failed flow run
+    check_device(config_of(args).train)
     cfg = _load(args)
     from flows.server import start_temporary_server
 

@@ -121,8 +121,10 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     cfg = load_config(config_file, overrides or [])
     run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
     from rollout_gen.eval_stage import check_eval_settings
+    from trainer.devices import check_device
 
     check_eval_settings(cfg)  # a bad k or eval task file is refused before anything is written
+    check_device(cfg.train)
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     again = {"retries": cfg.flow.task_retries, "retry_condition_fn": retry_unless_user_error}

@@ -139,3 +139,16 @@ def project_server(root: Path, *args: str) -> Iterator[str]:
         yield re.search(r"PREFECT_API_URL=(\S+)", started.stdout).group(1)
     finally:
         run_cleaner(["server", "stop", *args], root)
+
+
+def refused(argv: list[str], capsys, code: int, *words: str) -> str:
+    """`cleaner ARGV` in this process ends with `code` and one line on stderr holding every word (nothing on stdout)."""
+    from flows.cli import main
+
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and not captured.out, captured.err
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]

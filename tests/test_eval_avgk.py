@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from flows.cli import main
+from tests.flow_helpers import refused
 from pipeline.chat import load_chat
 from pipeline.config import DEFAULT_POLICY, load_config
 from rollout_gen.agent import AgentLoop, RolloutIdentity
@@ -46,23 +47,14 @@ def test_avg_at_k_is_the_mean_of_k_single_sample_runs_with_the_same_seeds():
     assert all(t.sample_idx == s and t.seed == SEED + s for t in batched)
 
 
-def _refused(argv: list[str], capsys, code: int, *words: str) -> str:
-    assert main(argv) == code
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and not captured.out, captured.err
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
-
 
 def test_bad_k_is_one_line_and_nothing_is_written(tmp_path, capsys):
     ws = tmp_path / "ws"
     base = ["eval", "--world", f"storage.root={ws}"]
-    _refused([*base, "--samples", "0"], capsys, 2, "--samples 0", ">= 1")
-    _refused([*base, "--samples", "65"], capsys, 2, "--samples 65", "rollout.engine_tuning.max_in_flight (64)")
-    _refused([*base, "--samples", "8", "rollout.engine_tuning.max_in_flight=4"], capsys, 2, "rollout.engine_tuning.max_in_flight (4)")
-    _refused([*base, "--samples", "2", "--flow", "--export-lcb", str(tmp_path / "x.json")], capsys, 2, "--export-lcb")
+    refused([*base, "--samples", "0"], capsys, 2, "--samples 0", ">= 1")
+    refused([*base, "--samples", "65"], capsys, 2, "--samples 65", "rollout.engine_tuning.max_in_flight (64)")
+    refused([*base, "--samples", "8", "rollout.engine_tuning.max_in_flight=4"], capsys, 2, "rollout.engine_tuning.max_in_flight (4)")
+    refused([*base, "--samples", "2", "--flow", "--export-lcb", str(tmp_path / "x.json")], capsys, 2, "--export-lcb")
     with pytest.raises(SystemExit):
         main([*base, "--samples", "many"])
     assert "invalid int value: 'many'" in capsys.readouterr().err
@@ -72,35 +64,35 @@ def test_bad_k_is_one_line_and_nothing_is_written(tmp_path, capsys):
 def test_bad_task_files_are_one_line_naming_file_and_column(tmp_path, capsys):
     ws = tmp_path / "ws"
     missing = write(tmp_path / "aime_2024_problems.parquet", [{"data_source": "AIME2024", "Problem": "What is 1+1?"}])
-    _refused(["eval", "--tasks", str(missing), f"storage.root={ws}"], capsys, 1, str(missing), "missing column 'Answer'")
+    refused(["eval", "--tasks", str(missing), f"storage.root={ws}"], capsys, 1, str(missing), "missing column 'Answer'")
     mistyped = write(tmp_path / "aime_float.parquet", [{"data_source": "AIME2024", "Problem": "What is 1+1?",
                                                         "Answer": 2.0}])
-    _refused(["eval", "--tasks", str(mistyped), f"storage.root={ws}"], capsys, 1, str(mistyped),
+    refused(["eval", "--tasks", str(mistyped), f"storage.root={ws}"], capsys, 1, str(mistyped),
              "column 'Answer' is double, expected a string or an integer")
     rows = lcb_rows()
     for r in rows:
         del r["private_test_cases"]
     no_private = write(tmp_path / "lcb.parquet", rows)
-    _refused(["eval", "--tasks", str(no_private), f"storage.root={ws}"], capsys, 1, "missing column 'private_test_cases'")
+    refused(["eval", "--tasks", str(no_private), f"storage.root={ws}"], capsys, 1, "missing column 'private_test_cases'")
     rows = lcb_rows()
     for r in rows:
         r["metadata"] = 7
     schema = pa.schema([(c, pa.int64() if c == "metadata" else pa.string()) for c in LCB_COLUMNS])
     bad_meta = write(tmp_path / "lcb_meta.parquet", rows, schema)
-    _refused(["eval", "--tasks", str(bad_meta), f"storage.root={ws}"], capsys, 1, "column 'metadata' is int64")
+    refused(["eval", "--tasks", str(bad_meta), f"storage.root={ws}"], capsys, 1, "column 'metadata' is int64")
     bad_gt = write(tmp_path / "v6.parquet", [{"data_source": "LiveCodeBench_v6", "problem": "p", "reward_model": "{}"}])
-    _refused(["eval", "--tasks", str(bad_gt), f"storage.root={ws}"], capsys, 1, "row 0", "column 'reward_model'")
+    refused(["eval", "--tasks", str(bad_gt), f"storage.root={ws}"], capsys, 1, "row 0", "column 'reward_model'")
     assert not ws.exists()
 
 
 def test_an_export_without_question_id_is_refused_before_running(tmp_path, capsys):
     out = tmp_path / "gen.json"
     v6 = lcb_v6_file(tmp_path / "lcb_v6_2502_2505.parquet", with_question_id=False)
-    _refused(["eval", "--tasks", str(v6), "--export-lcb", str(out)], capsys, 2, "row 0", "no question_id")
+    refused(["eval", "--tasks", str(v6), "--export-lcb", str(out)], capsys, 2, "row 0", "no question_id")
     aime = aime24_file(tmp_path / "aime.parquet")
-    _refused(["eval", "--tasks", str(aime), "--export-lcb", str(out)], capsys, 2, "has no code task")
+    refused(["eval", "--tasks", str(aime), "--export-lcb", str(out)], capsys, 2, "has no code task")
     v6 = lcb_v6_file(tmp_path / "with_id.parquet")
-    _refused(["eval", "--tasks", str(v6), "--export-lcb", str(tmp_path / "nope" / "gen.json")], capsys, 2,
+    refused(["eval", "--tasks", str(v6), "--export-lcb", str(tmp_path / "nope" / "gen.json")], capsys, 2,
              "does not exist")
     assert not out.exists() and not (tmp_path / "nope").exists()
 
@@ -123,26 +115,26 @@ def test_bad_rows_and_options_found_by_trying_it_as_a_user_are_one_line_before_a
     flat = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
     null_q = write(tmp_path / "nullq.parquet", [flat[0], {"problem": None, "answer": "4"}],
                    pa.schema([("problem", pa.string()), ("answer", pa.string())]))
-    _refused(["eval", "--tasks", str(null_q), root], capsys, 1, str(null_q), "row 1: column 'problem' is empty")
+    refused(["eval", "--tasks", str(null_q), root], capsys, 1, str(null_q), "row 1: column 'problem' is empty")
     int_q = write(tmp_path / "intq.parquet", [{"problem": 7, "answer": "4"}])
-    _refused(["eval", "--tasks", str(int_q), root], capsys, 1, "row 0: column 'problem' is a int, expected a string")
+    refused(["eval", "--tasks", str(int_q), root], capsys, 1, "row 0: column 'problem' is a int, expected a string")
     empty_q = write(tmp_path / "emptyq.parquet", [flat[0], {"problem": " ", "answer": "4"}])
-    _refused(["eval", "--tasks", str(empty_q), root], capsys, 1, "row 1: the question is empty")
+    refused(["eval", "--tasks", str(empty_q), root], capsys, 1, "row 1: the question is empty")
     no_rows = write(tmp_path / "none.parquet", [], pa.schema([("Problem", pa.string()), ("Answer", pa.int64())]))
-    _refused(["eval", "--tasks", str(no_rows), root], capsys, 1, str(no_rows), "no rows")
+    refused(["eval", "--tasks", str(no_rows), root], capsys, 1, str(no_rows), "no rows")
     named_all = write(tmp_path / "all.parquet", [dict(flat[0], data_source="all")])
-    _refused(["eval", "--tasks", str(named_all), root], capsys, 1, "row 0: data_source 'all'")
+    refused(["eval", "--tasks", str(named_all), root], capsys, 1, "row 0: data_source 'all'")
     long_q = write(tmp_path / "long.parquet", [flat[0], {"problem": "What is 1+1? " * 200, "answer": "2"}])
-    _refused(["eval", "--tasks", str(long_q), root], capsys, 2, "1 of 2 tasks have prompts longer than "
+    refused(["eval", "--tasks", str(long_q), root], capsys, 2, "1 of 2 tasks have prompts longer than "
              "rollout.max_prompt_tokens (256", "the first row 1", "raise rollout.max_prompt_tokens")
     v6 = lcb_v6_file(tmp_path / "v6.parquet")
     twice = write(tmp_path / "twice.parquet", [pa.parquet.read_table(v6).to_pylist()[0]] * 2)
-    _refused(["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root], capsys, 2,
+    refused(["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root], capsys, 2,
              "row 1: question_id 'abc400_a' repeats row 0's")
     ok = write(tmp_path / "ok.parquet", flat)
-    _refused(["eval", "--world", "--tasks", str(ok), root], capsys, 2, "not both")
-    _refused(["eval", "--tasks", str(ok), "--write", root], capsys, 2, "--tasks writes no metrics.json")
-    _refused(["eval", "--world", "--flow", "--write", root], capsys, 2, "--flow writes no metrics.json")
+    refused(["eval", "--world", "--tasks", str(ok), root], capsys, 2, "not both")
+    refused(["eval", "--tasks", str(ok), "--write", root], capsys, 2, "--tasks writes no metrics.json")
+    refused(["eval", "--world", "--flow", "--write", root], capsys, 2, "--flow writes no metrics.json")
     for limit in ("0", "-1"):
         for flow in ([], ["--flow"]):
             with pytest.raises(SystemExit):
@@ -161,11 +153,3 @@ def test_a_task_is_graded_by_its_ground_truth_not_by_its_source_name(tmp_path):
         {"problem": "Print a+b.", "reward_model": {"ground_truth": tests}, "data_source": "taco"}])
     assert [t.kind for t in load_task_parquet(f)] == ["math", "code"]
 
-
-def test_train_refuses_a_bad_eval_task_file_before_prefect_or_run_json(tmp_path, capsys):
-    """It started the flow, froze the bad settings in run.json and logged three Prefect ERROR lines first."""
-    ws = tmp_path / "ws"
-    empty = write(tmp_path / "empty.parquet", [], pa.schema([("Problem", pa.string()), ("Answer", pa.int64())]))
-    _refused(["train", f"storage.root={ws}", "flow.run_id=e1", "flow.iterations=1", "flow.eval_every=1",
-              f"flow.eval_tasks={empty}"], capsys, 1, str(empty), "no rows")
-    assert not ws.exists()

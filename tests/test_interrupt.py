@@ -6,80 +6,28 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.flow_helpers import cleaner, tiny_config
+
+RESUME = "interrupted; run the same command again to resume (what was committed is kept)"
 
 
 def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a parent without job control starts us with SIGINT ignored
 
 
-@pytest.mark.parametrize("command", ["rollout", "train"])
-def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, command):
-    args = ["rollout", "--run", "c", "rollout.tasks_per_iteration=8"] if command == "rollout" else [
-        "train", "-c", str(tiny_config(tmp_path))]
-    log = tmp_path / "out.log"
+def _interrupted(args: list[str], cwd: Path, log: Path, at_work: str, after_s: float) -> tuple[int, str]:
+    """`cleaner ARGS` interrupted `after_s` seconds after its output shows `at_work`: (exit code, output)."""
     with open(log, "w") as out:
-        p = cleaner([*args, f"storage.root={tmp_path}"], tmp_path, stdout=out, preexec_fn=_as_from_a_terminal)
+        p = cleaner(args, cwd, stdout=out, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.time() + 180
-        while "rollout it 0]" not in log.read_text() and time.time() < deadline and p.poll() is None:
+        while at_work not in log.read_text() and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
-        assert p.poll() is None, log.read_text()
-        time.sleep(2)  # at work: the sandbox and the engine started
-        os.killpg(p.pid, signal.SIGINT)
-        code = p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == 130 and "Traceback" not in text, text[-4000:]
-    assert text.strip().splitlines()[-1] == (f"cleaner {command}: interrupted; run the same command again to resume "
-                                             "(what was committed is kept)"), text[-2000:]
-
-
-def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp_path):
-    """Beam's runner turns the KeyboardInterrupt in its worker into RuntimeError('KeyboardInterrupt [while running
-    ...]'): 230 lines of traceback, exit 1. It is a Ctrl-C like any other, and nothing is committed."""
-    root = world_copy.storage.root
-    log = tmp_path / "out.log"
-    taus = [f"0.{k}" for k in range(11, 31)]  # scoring at every τ: long enough to be interrupted at work
-    with open(log, "w") as out:
-        p = cleaner(["purify", "--run", "w", "--iteration", "0", "--is-threshold", *taus, f"storage.root={root}",
-                     "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"], root, stdout=out,
-                    preexec_fn=_as_from_a_terminal)
-    try:
-        deadline = time.time() + 180
-        while "[purify it 0]" not in log.read_text() and time.time() < deadline and p.poll() is None:
-            time.sleep(0.2)
-        time.sleep(6)  # Beam's workers at work
-        assert p.poll() is None, log.read_text()
-        os.killpg(p.pid, signal.SIGINT)
-        code = p.wait(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == 130 and "Traceback" not in text, text[-4000:]
-    assert text.strip().splitlines()[-1] == ("cleaner purify: interrupted; run the same command again to resume "
-                                             "(what was committed is kept)"), text[-2000:]
-    assert not list((root / "runs" / "w" / "iteration=0000" / "purified").glob("mode=saar_is/*")), "committed?"
-
-
-def test_ctrl_c_during_eval_says_interrupted_without_a_traceback_or_a_resume_it_cannot_do(tmp_path):
-    """eval commits nothing: 'run the same command again to resume' was wrong; and a tool call that ended after the
-    sandbox pool shut down logged 'cannot schedule new futures after shutdown' tracebacks."""
-    log = tmp_path / "out.log"
-    with open(log, "w") as out:
-        p = cleaner(["eval", "--world", "--samples", "8", "--limit", "100", f"storage.root={tmp_path / 'ws'}"],
-                    tmp_path, stdout=out, preexec_fn=_as_from_a_terminal)
-    try:
-        deadline = time.time() + 180
-        while "trajectories" not in log.read_text() and time.time() < deadline and p.poll() is None:
-            time.sleep(0.2)
-        time.sleep(8)  # tool calls under way
+        time.sleep(after_s)
         assert p.poll() is None, log.read_text()
         os.killpg(p.pid, signal.SIGINT)
         code = p.wait(timeout=120)
@@ -88,4 +36,32 @@ def test_ctrl_c_during_eval_says_interrupted_without_a_traceback_or_a_resume_it_
             os.killpg(p.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == 130 and "Traceback" not in text and "exception calling callback" not in text, text[-4000:]
+    return code, text
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, command):
+    args = ["rollout", "--run", "c", "rollout.tasks_per_iteration=8"] if command == "rollout" else [
+        "train", "-c", str(tiny_config(tmp_path))]
+    _, text = _interrupted([*args, f"storage.root={tmp_path}"], tmp_path, tmp_path / "out.log", "rollout it 0]", 2)
+    assert text.strip().splitlines()[-1] == f"cleaner {command}: {RESUME}", text[-2000:]
+
+
+def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp_path):
+    """Beam's runner turns the KeyboardInterrupt in its worker into RuntimeError('KeyboardInterrupt [while running
+    ...]'): 230 lines of traceback, exit 1. It is a Ctrl-C like any other, and nothing is committed."""
+    root = world_copy.storage.root
+    taus = [f"0.{k}" for k in range(11, 31)]  # scoring at every τ: long enough to be interrupted at work
+    _, text = _interrupted(["purify", "--run", "w", "--iteration", "0", "--is-threshold", *taus, f"storage.root={root}",
+                            "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"], root,
+                           tmp_path / "out.log", "[purify it 0]", 6)  # Beam's workers at work
+    assert text.strip().splitlines()[-1] == f"cleaner purify: {RESUME}", text[-2000:]
+    assert not list((root / "runs" / "w" / "iteration=0000" / "purified").glob("mode=saar_is/*")), "committed?"
+
+
+def test_ctrl_c_during_eval_says_interrupted_without_a_traceback_or_a_resume_it_cannot_do(tmp_path):
+    """eval commits nothing: 'run the same command again to resume' was wrong; and a tool call that ended after the
+    sandbox pool shut down logged 'cannot schedule new futures after shutdown' tracebacks."""
+    _, text = _interrupted(["eval", "--world", "--samples", "8", "--limit", "100", f"storage.root={tmp_path / 'ws'}"],
+                           tmp_path, tmp_path / "out.log", "trajectories", 8)  # tool calls under way
     assert text.strip().splitlines()[-1] == "cleaner eval: interrupted", text[-2000:]

@@ -23,6 +23,7 @@ from storage.errors import CheckpointError, check_writable_root
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
+from trainer.devices import check_device
 from trainer.distributed import launch
 from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, total_minibatches
 from trainer.inputs import (TRAINER_STATE, copy_tokenizer_files, dpo_note, finish_checkpoint, load_policy, log_steps,
@@ -80,6 +81,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if committed_update(target, train_settings(cfg.train)):
         return target  # done before; never overwritten
     progress_log, log = log, log or _stderr
+    check_device(cfg.train)
     check_writable_root(cfg.storage.root, create=False)  # before training, not at the first checkpoint write
     inputs = update_inputs(cfg, run_id, iteration)
     src, part, manifest = inputs.src, inputs.part, inputs.manifest
