@@ -274,5 +274,5 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every worker to join")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every worker to join (default 60)")
     p.add_argument("--resources", help='worker resources, e.g. "GPU=1"')

@@ -18,9 +18,11 @@ them (the same venv). A multi-node cluster needs the same on every node: docs/sc
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -189,13 +191,51 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
     `resources` is passed to each worker (e.g. "GPU=1"); `env` extends the workers' environment."""
     if workers < 1 or threads < 1:
         raise ClusterError(f"a Dask cluster needs at least one worker and one thread (got {workers} and {threads})")
+    _check_options(port, timeout, resources)
     directory = Path(directory).resolve()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / ".start.lock", "w")  # noqa: SIM115 - held until this start ends
+    except OSError as e:
+        raise ClusterError(f"{directory}: cannot hold the Dask cluster's files: {e.strerror or e}") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ClusterError(f"another `cleaner cluster start` is starting a Dask cluster from {directory}; "
+                               "see `cleaner cluster status` once it is done") from None
+        return _start(directory, workers, threads, port, timeout, resources, memory_limit, env)
+
+
+def _check_options(port: int, timeout: float, resources: str) -> None:
+    """What `cleaner cluster start` is given, checked before anything starts."""
+    if not 0 <= port <= 65535:
+        raise ClusterError(f"--port {port}: a port is 0 (a free one) to 65535")
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                raise ClusterError(f"--port {port}: in use on {HOST}; give another, or 0 for a free one") from None
+    if not timeout > 0:
+        raise ClusterError(f"--timeout {timeout}: seconds the workers have to join, > 0")
+    for item in resources.replace(",", " ").split():
+        name, _, amount = item.partition("=")
+        try:
+            float(amount)
+        except ValueError:
+            raise ClusterError(f"--resources {resources!r}: expected NAME=NUMBER pairs, e.g. \"GPU=1 MEM=10e9\"") from None
+        if not name.isidentifier():
+            raise ClusterError(f"--resources {resources!r}: {name!r} is not a resource name")
+
+
+def _start(directory: Path, workers: int, threads: int, port: int, timeout: float, resources: str,
+           memory_limit: str, env: dict[str, str] | None) -> Cluster:
     current = status(directory)
     if current is not None and any(current.alive.values()):
         raise ClusterError(f"a Dask cluster already runs from {directory} ({current.line()}); "
                            "stop it with `cleaner cluster stop`")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         _state_path(directory).unlink(missing_ok=True)  # a stale record: none of its pids runs
         scheduler_file = directory / "scheduler.json"
         scheduler_file.unlink(missing_ok=True)

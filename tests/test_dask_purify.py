@@ -211,6 +211,29 @@ def test_no_cluster_or_no_scheduler_is_one_line_and_writes_nothing(world_rollout
 
 
 @pytest.mark.timeout(90)
+def test_cluster_start_options_and_a_concurrent_start_are_one_line_before_anything_starts(tmp_path):
+    """A port in use was 'Scheduler failed to start', 99999 started on 34463, GPU a ValueError; two starts at once
+    left a broken cluster or two misleading errors."""
+    import fcntl
+    import socket
+
+    directory = tmp_path / "c"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        used = taken.getsockname()[1]
+        for kw, says in (({"port": used}, f"--port {used}: in use on 127.0.0.1"), ({"port": 99999}, "--port 99999"),
+                         ({"resources": "GPU"}, "expected NAME=NUMBER pairs"), ({"timeout": 0}, "--timeout 0")):
+            with pytest.raises(dask_cluster.ClusterError, match=says) as e:
+                dask_cluster.start(directory, workers=1, **kw)
+            assert "\n" not in str(e.value)
+    directory.mkdir(exist_ok=True)
+    with open(directory / ".start.lock", "w") as held:  # another start under way
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(dask_cluster.ClusterError, match="another `cleaner cluster start` is starting"):
+            dask_cluster.start(directory, workers=1)
+    assert dask_cluster.status(directory) is None
+
+
 def test_cluster_start_stop_status_leave_no_process(tmp_path):
     directory = tmp_path / "c"
     c = dask_cluster.start(directory, workers=2, timeout=60)
