@@ -99,6 +99,10 @@ def run_filter(root: Path, run_id: str, iterations: list[int] | None, min_pass: 
     if not keep:
         raise FilterError(f"no task of run {run_id!r} has a pass rate strictly between {min_pass:g} and {max_pass:g} "
                           f"({len(rows)} tasks seen); nothing was written to {out}")
+    out = Path(out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise FilterError(f"--out {out}: " + ("is a folder; give a file name such as tasks.parquet" if out.is_dir()
+                                              else f"folder {out.parent} does not exist"))
     write_task_file(keep, out)
     return len(keep), len(rows)
 
@@ -110,8 +114,12 @@ def run(args: argparse.Namespace) -> int:
     # the same config and overrides (pasted alone, the hint trained into ./workspace on the embedded defaults)
     again = "".join(f" {shlex.quote(str(a))}" for a in [*(["-c", args.config] if args.config else []),
                                                          *args.overrides])
+    # a run of its own (the filtered run's config differs: resuming it would be refused), at most n tasks an
+    # iteration (more would roll a task out twice in one iteration, which train refuses)
+    per_iteration = f" rollout.tasks_per_iteration={n}" if n < cfg.rollout.tasks_per_iteration else ""
     print(f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
-          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train{again} rollout.tasks={shlex.quote(str(args.out))}")
+          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train{again} rollout.tasks={shlex.quote(str(args.out))}"
+          f"{per_iteration} flow.run_id={shlex.quote(run_id + '-filtered')}")
     return 0
 
 

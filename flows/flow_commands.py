@@ -29,12 +29,9 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rollout_gen.eval_stage import check_eval_settings
+    from flows.run_config import preflight
 
-    from trainer.devices import check_device
-
-    check_eval_settings(config_of(args))  # one line before Prefect is set up, not a failed flow run
-    check_device(config_of(args).train)
+    preflight(config_of(args))  # one line before Prefect is set up, not a failed flow run
     cfg = _load(args)
     from flows.server import start_temporary_server
 

@@ -3,8 +3,10 @@ schedule's firings), its config frozen in run.json when it starts (a rerun must 
 iterations it has trained, and the DuckDB catalog republished after each commit."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
+from pathlib import Path
 from typing import Callable
 
 from pipeline.config import MOVED_TO_ENGINE_TUNING, PURIFY_REPLAY_SETTINGS, CleanerConfig
@@ -14,6 +16,7 @@ from storage.shards import atomic_write_json
 
 # A run may be extended with more iterations or replayed under more γ; what it trains on may not change.
 FROZEN_SECTIONS = ("world", "rollout", "purify", "train")
+TASKS_FILE = "tasks.json"  # beside run.json: the content identity of rollout.tasks when it is a file
 
 
 class RunConfigMismatch(CleanerError, ValueError):
@@ -34,11 +37,43 @@ def _frozen(data: dict) -> dict:
     return out
 
 
+def preflight(cfg: CleanerConfig) -> None:
+    """What a training flow would only find wrong after writing something (run.json, a rollout), each one line
+    before: the task file and its size, flow.eval_every's settings, what the update needs of the machine.
+    `cleaner train` runs it before Prefect is set up; the flow again, for a deployment's firings."""
+    from rollout_gen.eval_stage import check_eval_settings
+    from rollout_gen.stage import iteration_tasks
+    from trainer.devices import check_device
+
+    if cfg.rollout.tasks != "world":
+        iteration_tasks(cfg, 0)
+    check_eval_settings(cfg)
+    check_device(cfg.train)
+
+
+def tasks_digest(cfg: CleanerConfig) -> str | None:
+    """The content identity of rollout.tasks when it is a file (None for the world): a run trains on the tasks it
+    started with, wherever the file is and whatever its name."""
+    if cfg.rollout.tasks == "world":
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    with open(cfg.rollout.tasks, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
     layout = RunLayout(cfg.storage.root, run_id)
     now = cfg.model_dump(mode="json")
+    digest, recorded = tasks_digest(cfg), layout.run_dir / TASKS_FILE
     if layout.run_json.is_file():
         before = json.loads(layout.run_json.read_text())
+        started = json.loads(recorded.read_text()).get("blake2b") if recorded.is_file() else None
+        if digest and started not in (None, digest):  # a run started before the record: not compared
+            raise RunConfigMismatch(f"{cfg.rollout.tasks}: not the task file run {run_id!r} started with (its content "
+                                    f"differs from what {recorded} records): a run trains on the tasks it started "
+                                    "with; give that file, or use a new flow.run_id")
         a, b = _frozen(before), _frozen(now)
         for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
             b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
@@ -46,8 +81,11 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
             diffs = [f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}" for s in FROZEN_SECTIONS
                      for k in sorted(set(a[s]) | set(b[s])) if a[s].get(k) != b[s].get(k)]
             raise RunConfigMismatch(f"{layout.run_json}: run {run_id!r} was started with another config "
-                                    f"({'; '.join(diffs[:5])}); use a new flow.run_id")
+                                    f"({'; '.join(diffs[:5])}); rerun with the run's settings, or use a new "
+                                    "flow.run_id")
         return
+    if digest:  # before run.json: a run.json without it is a run of the world, or of before the record
+        atomic_write_json(recorded, {"path": str(Path(cfg.rollout.tasks).resolve()), "blake2b": digest})
     atomic_write_json(layout.run_json, now)
 
 

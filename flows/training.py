@@ -19,7 +19,7 @@ from prefect.states import Completed, State
 
 from flows.console import quiet_libraries, user_errors_once
 from flows.env import retry_unless_user_error
-from flows.run_config import freeze_run_config, publish_catalog, run_id_for, trained_iterations
+from flows.run_config import freeze_run_config, preflight, publish_catalog, run_id_for, trained_iterations
 from flows.trackers import record_iteration
 from pipeline.config import CleanerConfig, load_config
 from storage.layout import RunLayout
@@ -120,11 +120,7 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     run per firing, named from the template (`run_id_for`)."""
     cfg = load_config(config_file, overrides or [])
     run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
-    from rollout_gen.eval_stage import check_eval_settings
-    from trainer.devices import check_device
-
-    check_eval_settings(cfg)  # a bad k or eval task file is refused before anything is written
-    check_device(cfg.train)
+    preflight(cfg)  # a bad task file, eval setting or device: one line before anything is written
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     again = {"retries": cfg.flow.task_retries, "retry_condition_fn": retry_unless_user_error}

@@ -29,8 +29,9 @@ def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
     if cfg.rollout.tasks == "world":
         return training_tasks(cfg.world, n, seed=cfg.rollout.seed * 100_003 + iteration)
     pool = load_task_parquet(cfg.rollout.tasks)
-    if not pool:
-        raise TaskFileError(f"{cfg.rollout.tasks}: no tasks")
+    if len(pool) < n:  # an iteration would hold some task twice: two rows with one key
+        raise TaskFileError(f"{cfg.rollout.tasks}: {len(pool)} distinct tasks, fewer than rollout.tasks_per_iteration "
+                            f"({n}); lower it to at most {len(pool)}")
     start = iteration * n
     return [pool[(start + i) % len(pool)] for i in range(n)]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +29,23 @@ def stable_id(source: str, question: str) -> str:
 ALL = "all"  # the overall group of the per-benchmark metrics
 
 
-def is_test_list(truth: str) -> bool:
-    """A code task's ground truth: tests LiveCodeBench's way ({inputs, outputs} or [{input, output}] JSON)."""
+def test_list_problem(truth: str) -> str | None:
+    """A code task's ground truth is tests LiveCodeBench's way ({inputs, outputs} or [{input, output}] JSON):
+    "" for a test list, None for an answer that is not one, else why a ground truth shaped as tests (JSON with
+    inputs/outputs) is not a usable test list."""
     from rollout_gen.lcb import LCBFormatError, parse_tests
 
     try:
         parse_tests(truth)
-    except LCBFormatError:
-        return False
-    return True
+    except LCBFormatError as e:
+        try:
+            data = json.loads(truth)
+        except ValueError:
+            return None
+        shaped = isinstance(data, dict) and {"inputs", "outputs"} & set(data) or isinstance(data, list) and any(
+            isinstance(x, dict) and {"input", "output"} & set(x) for x in data)
+        return str(e) if shaped else None
+    return ""
 
 
 class TaskFileError(CleanerError, ValueError):
@@ -78,7 +87,8 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
             rows = layout.load(table, path, source)
         except LayoutError as e:
             raise TaskFileError(str(e)) from None
-        return [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind) for r in rows]
+        return _distinct(path, [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind)
+                                for r in rows])
     rows = table.to_pylist()
     tasks: list[Task] = []
     for i, r in enumerate(rows):
@@ -95,17 +105,44 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         if not question.strip():
             raise TaskFileError(f"{path}: row {i}: the question is empty")
         rm = r.get("reward_model") or {}
+        if isinstance(rm, str):  # stored as JSON text, as some exports do
+            try:
+                rm = json.loads(rm)
+            except ValueError:
+                raise TaskFileError(f"{path}: row {i}: reward_model is text that is not JSON") from None
         truth = rm.get("ground_truth") if isinstance(rm, dict) else None
         if truth is None:
             truth = r.get("answer")
         if truth is None:
             raise TaskFileError(f"{path}: row {i}: missing reward_model.ground_truth (or answer)")
+        if isinstance(truth, float) and not math.isfinite(truth) or isinstance(truth, str) and not truth.strip():
+            # an empty answer would reward an empty \boxed{}
+            raise TaskFileError(f"{path}: row {i}: the answer is empty ({truth!r})")
         src = source or r.get("data_source") or path.stem
         if src == ALL:
             raise TaskFileError(f"{path}: row {i}: data_source {ALL!r} is the name of the overall group in the "
                                 "metrics; name the benchmark otherwise")
         if not isinstance(truth, str):
             truth = json.dumps(truth)
-        kind = "code" if is_test_list(truth) else "math"  # what the ground truth is, whatever the source's name
+        problem = test_list_problem(truth)
+        if problem:
+            raise TaskFileError(f"{path}: row {i}: the answer reads as code tests but {problem}")
+        kind = "code" if problem == "" else "math"  # what the ground truth is, whatever the source's name
         tasks.append(Task(stable_id(src, question), src, question, truth, kind))
-    return tasks
+    return _distinct(path, tasks)
+
+
+def _distinct(path: Path, tasks: list[Task]) -> list[Task]:
+    """The file's tasks, a row repeating an earlier one (the same question and source, the same answer) counted
+    once: two copies in one iteration would be two rows with one key. The same question with another answer is
+    refused."""
+    first: dict[str, int] = {}
+    out: list[Task] = []
+    for i, t in enumerate(tasks):
+        if t.prompt_id not in first:
+            first[t.prompt_id] = i
+            out.append(t)
+        elif tasks[first[t.prompt_id]].ground_truth != t.ground_truth:
+            raise TaskFileError(f"{path}: row {i}: the question of row {first[t.prompt_id]} with another answer "
+                                f"({t.ground_truth[:40]!r} vs {tasks[first[t.prompt_id]].ground_truth[:40]!r})")
+    return out

@@ -128,7 +128,8 @@ def test_bad_rows_and_options_found_by_trying_it_as_a_user_are_one_line_before_a
     refused(["eval", "--tasks", str(long_q), root], capsys, 2, "1 of 2 tasks have prompts longer than "
              "rollout.max_prompt_tokens (256", "the first row 1", "raise rollout.max_prompt_tokens")
     v6 = lcb_v6_file(tmp_path / "v6.parquet")
-    twice = write(tmp_path / "twice.parquet", [pa.parquet.read_table(v6).to_pylist()[0]] * 2)
+    row = pa.parquet.read_table(v6).to_pylist()[0]
+    twice = write(tmp_path / "twice.parquet", [row, dict(row, problem="Read a and b and print a * b.")])
     refused(["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root], capsys, 2,
              "row 1: question_id 'abc400_a' repeats row 0's")
     ok = write(tmp_path / "ok.parquet", flat)

@@ -11,7 +11,7 @@ import pytest
 from flows.cli import main
 from flows.filter_cmd import FilterError, kept, pass_rates, run_filter
 from rollout_gen.stage import iteration_tasks
-from rollout_gen.tasks import load_task_parquet
+from rollout_gen.tasks import TaskFileError, load_task_parquet
 from storage.layout import RunLayout
 from storage.schemas import RAW
 from storage.shards import MANIFEST, ShardError, ShardMissing, read_shard, write_shard
@@ -81,10 +81,14 @@ def test_iterations_select_rollouts_and_a_run_trains_on_the_file(run, tmp_path):
     n, _ = run_filter(run.storage.root, "w", [0], 0.0, 1.0, out)
     cfg = run.model_copy(deep=True)
     cfg.rollout.tasks = str(out)
-    cfg.rollout.tasks_per_iteration = n + 1
+    cfg.rollout.tasks_per_iteration = n
     tasks = iteration_tasks(cfg, 0)
-    assert len(tasks) == n + 1 and tasks[0] == tasks[-1]  # the pool cycles
+    assert len({t.prompt_id for t in tasks}) == n  # each once
     assert {t.prompt_id for t in tasks} == {p for p, r in _expected(run).items() if 0 < r < 1}
+    assert iteration_tasks(cfg, 1) == tasks  # the next iteration goes on through the file, from its start again
+    cfg.rollout.tasks_per_iteration = n + 1  # an iteration would roll one task out twice, as rows with one key
+    with pytest.raises(TaskFileError, match=f"{n} distinct tasks, fewer than rollout.tasks_per_iteration"):
+        iteration_tasks(cfg, 0)
 
 
 def test_cli_filter_and_its_refusals(run, tmp_path, capsys):
@@ -93,8 +97,21 @@ def test_cli_filter_and_its_refusals(run, tmp_path, capsys):
     assert main(["filter", "--run", "w", "--min-pass", "0.1", "--max-pass", "0.9", "--out", str(out), root]) == 0
     printed = capsys.readouterr().out
     assert "kept" in printed and out.is_file()
-    # the next command keeps this one's root (pasted alone it trained into ./workspace on the embedded defaults)
+    # the next command keeps this one's root (pasted alone it trained into ./workspace on the embedded defaults),
+    # trains a run of its own (the filtered run's id was refused: another rollout.tasks) and passes train's
+    # checks (16 tasks an iteration from fewer kept was refused)
     assert f"next: cleaner train {root} rollout.tasks={out}" in printed, printed
+    import shlex
+
+    from flows.run_config import preflight
+    from pipeline.config import load_config
+
+    overrides = shlex.split(printed.split("next: cleaner train ", 1)[1].strip())
+    assert "flow.run_id=w-filtered" in overrides
+    preflight(load_config(None, overrides))
+    for bad, says in ((tmp_path, "is a folder"), (tmp_path / "nodir" / "t.parquet", "folder")):
+        assert main(["filter", "--run", "w", "--out", str(bad), root]) == 2
+        assert f"--out {bad}: {says}" in capsys.readouterr().err
     assert main(["filter", "--run", "w", "--min-pass", "0.9", "--max-pass", "0.1", "--out", str(out), root]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "0 <= --min-pass < --max-pass <= 1" in err

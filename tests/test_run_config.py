@@ -40,7 +40,7 @@ def test_a_rerun_with_changed_training_settings_is_refused_in_one_line(tmp_path,
         freeze_run_config(_cfg(tmp_path, override), "r")
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{run_json}: run 'r' was started with another config (")
-    assert diff in msg and msg.endswith("; use a new flow.run_id")
+    assert diff in msg and msg.endswith("; rerun with the run's settings, or use a new flow.run_id")
     assert run_json.read_bytes() == before  # the frozen config is never rewritten
 
 
