@@ -98,6 +98,10 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
         raise TaskFileError(f"every prompt of iteration {iteration} is longer than rollout.max_prompt_tokens "
                             f"({cfg.rollout.max_prompt_tokens} tokens, the chat template's system prompt and tools "
                             "included): raise it; nothing was written")
+    if too_long and log is not None:  # the CLI says it from the manifest; a flow's log must too
+        log(f"[rollout it {iteration}] {too_long // cfg.rollout.samples_per_prompt} of {cfg.rollout.tasks_per_iteration} "
+            f"prompts are longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}): not rolled out, "
+            "their rows end prompt_too_long with reward -1; raise rollout.max_prompt_tokens")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
     with ShardWriter(out, RAW, config_hash, inputs=[record_path(cfg.storage.root, checkpoint)],
                      rows_per_part=cfg.storage.rows_per_part,

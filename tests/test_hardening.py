@@ -361,6 +361,26 @@ def test_a_rollout_whose_every_prompt_is_too_long_is_refused(tmp_path, capsys):
     assert not list(tmp_path.rglob("*.parquet"))
 
 
+def test_a_flow_log_says_when_some_prompts_were_too_long(tmp_path):
+    """Some prompts longer than rollout.max_prompt_tokens became reward -1 rows without a word in a training flow's
+    log (`cleaner rollout` said it from the manifest)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.config import DEFAULT_POLICY, load_config
+    from rollout_gen.stage import run_rollout_stage
+
+    tasks = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"problem": ["What is 2 + 3?", "Please think. " * 200 + "What is 2 + 4?"],
+                             "answer": ["5", "6"]}), tasks)
+    cfg = load_config(None, [f"storage.root={tmp_path / 'ws'}", f"rollout.tasks={tasks}", "rollout.tasks_per_iteration=2",
+                             "rollout.samples_per_prompt=2"])
+    lines: list[str] = []
+    manifest = run_rollout_stage(cfg, "p", 0, DEFAULT_POLICY, show_progress=False, log=lines.append)
+    assert manifest.extra["prompt_too_long"] == 2
+    assert any("1 of 2 prompts are longer than rollout.max_prompt_tokens (256)" in line for line in lines), lines
+
+
 def test_an_update_that_diverges_is_one_line_and_writes_nothing(purified_run, tmp_path, capsys):
     """train.lr=1e30: a 25-line FloatingPointError traceback before."""
     root = tmp_path / "ws"
