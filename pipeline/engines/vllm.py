@@ -33,10 +33,8 @@ from storage.checkpoints import policy_version
 from storage.errors import CleanerError
 
 LAUNCH_HINT = ("start one with: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model "
-               "<checkpoint> --enable-prefix-caching --logprobs-mode processed_logprobs (the CPU build also: "
-               f"--no-enable-chunked-prefill --max-num-batched-tokens 4096 --worker-extension-cls {WORKER_EXTENSION} "
-               f"with PYTHONPATH={EXTENSION_DIR}, and VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 for a --max-model-len beyond the "
-               "checkpoint's; docs/scale_out.md), or leave rollout.vllm_urls empty and cleaner starts it")
+               "<checkpoint> --enable-prefix-caching --logprobs-mode processed_logprobs (the CPU build's further "
+               "flags: docs/scale_out.md), or leave rollout.vllm_urls empty and cleaner starts it")
 PROBE = 'What is 12 + 30?\n<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call> ünï'
 
 
