@@ -7,10 +7,11 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Callable
 
 from flows.command import command_parser, config_of
 from flows.console import working
-from pipeline.config import load_config
+from pipeline.config import CleanerConfig, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 QUERIES = """\
@@ -20,8 +21,11 @@ QUERIES = """\
   duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"""
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, check: Callable[[CleanerConfig], None] | None = None):
+    """The command's config, checked by `check` (before anything is written under its root), with Prefect set up."""
     cfg = config_of(args)
+    if check is not None:
+        check(cfg)
     from flows.env import configure_prefect
 
     configure_prefect(cfg.storage.root)
@@ -31,8 +35,7 @@ def _load(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.run_config import preflight
 
-    preflight(config_of(args))  # one line before Prefect is set up, not a failed flow run
-    cfg = _load(args)
+    cfg = _load(args, preflight)  # one line before Prefect is set up, not a failed flow run
     from flows.server import start_temporary_server
 
     start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9

@@ -73,8 +73,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
                                  sweep_gammas, sweep_taus, with_retries)
     from flows.stage_cmds import print_partitions
-    from pipeline.modes import IS_MODES, SPLICING_MODES
-    from purifier.stage import run_purify_stage
+    from purifier.stage import describe_asked, run_purify_stage
     from storage.errors import CheckpointError
     from storage.layout import RunLayout, resolve_recorded
     from storage.schemas import RAW
@@ -92,11 +91,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     modes = modes or asked_modes(["saar"], gammas, taus)
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
-        # what is asked: γ only for the modes that splice by it, τ for saar_is, the others have no threshold
-        asked = [f"{m} γ {' '.join(f'{g:g}' for g in gammas)}" if m in SPLICING_MODES else
-                 f"{m} τ {' '.join(f'{t:g}' for t in taus or cfg.purify.is_thresholds)}" if m in IS_MODES else m
-                 for m in modes]
-        with working(f"[replay {run_id} it {iteration}] purifying {', '.join(asked)} beside the committed partitions "
+        asked = describe_asked(modes, gammas, taus or cfg.purify.is_thresholds)
+        with working(f"[replay {run_id} it {iteration}] purifying {asked} beside the committed partitions "
                      f"on Beam ({cfg.purify.runner})"):
             results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
         print_partitions(results)

@@ -12,9 +12,9 @@ from typing import Iterator
 from urllib.parse import quote
 
 from flows.premise import cell, premise_rows
-from pipeline.modes import IS_MODES, SPLICING_MODES
 from flows.report_tables import (STYLE, by_partition, iteration_href, link, partition_label, rule_section, table,
                                  viewer_note)
+from pipeline.modes import IS_MODES, SPLICING_MODES
 from storage.catalog import Catalog
 from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
 from storage.shards import ShardError, ShardMissing

@@ -125,13 +125,13 @@ def check_exportable(tasks: list[Task], where: str) -> None:
     if not code:
         raise EvalError(f"--export-lcb: {where} has no code task (LiveCodeBench layouts: code_generation_lite rows, "
                         "or Open-AgentRL-Eval's LiveCodeBench_v6)")
-    missing = [i for i, t in code if question_id(t) is None]
+    ids = [(i, question_id(t)) for i, t in code]
+    missing = [i for i, qid in ids if qid is None]
     if missing:
         raise EvalError(f"--export-lcb: {where}: row {missing[0]} ({tasks[missing[0]].source}) has no question_id "
                         f"({len(missing)} of {len(code)} code tasks lack one); LiveCodeBench aligns generations by it")
     first: dict[str, int] = {}
-    for i, t in code:
-        qid = question_id(t)
+    for i, qid in ids:
         if qid in first:
             raise EvalError(f"--export-lcb: {where}: row {i}: question_id {qid!r} repeats row {first[qid]}'s; "
                             "LiveCodeBench takes one entry per problem")

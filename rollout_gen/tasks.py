@@ -29,7 +29,7 @@ def stable_id(source: str, question: str) -> str:
 ALL = "all"  # the overall group of the per-benchmark metrics
 
 
-def test_list_problem(truth: str) -> str | None:
+def code_tests_problem(truth: str) -> str | None:
     """A code task's ground truth is tests LiveCodeBench's way ({inputs, outputs} or [{input, output}] JSON):
     "" for a test list, None for an answer that is not one, else why a ground truth shaped as tests (JSON with
     inputs/outputs) is not a usable test list."""
@@ -124,7 +124,7 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
                                 "metrics; name the benchmark otherwise")
         if not isinstance(truth, str):
             truth = json.dumps(truth)
-        problem = test_list_problem(truth)
+        problem = code_tests_problem(truth)
         if problem:
             raise TaskFileError(f"{path}: row {i}: the answer reads as code tests but {problem}")
         kind = "code" if problem == "" else "math"  # what the ground truth is, whatever the source's name
