@@ -1,18 +1,82 @@
 """Evaluation as the paper reports it: k = 16 samples on each of the world's 200 held-out tasks in one batch on
-the asynchronous loop (rollout_gen/eval_run.py), against one sample per task (k = 1) run the same way."""
+the asynchronous loop (rollout_gen/eval_run.py), against one sample per task (k = 1) run the same way; and
+LiveCodeBench's scoring time per program, the scorer of the committed code (git HEAD) against the current one
+(`lcb_scoring`, its own section `eval_lcb_scoring`)."""
 from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import BenchResult, Row
-from pipeline.config import DEFAULT_POLICY, load_config
+from benchmarks.common import HERE, BenchResult, Row, interleaved_best, record
+from pipeline.config import DEFAULT_POLICY, SandboxConfig, load_config
+from rollout_gen import lcb
 from rollout_gen.eval_run import evaluate_tasks
+from rollout_gen.sandbox import SandboxPool
 from rollout_gen.world.tasks import eval_tasks
 
 K = 16
+CASES = HERE.parent / "tests" / "data" / "lcb" / "cases.json"
+
+
+def _committed_lcb():
+    """rollout_gen/lcb.py as committed (git HEAD), imported as a module of its own: the "before" scorer."""
+    text = subprocess.run(["git", "show", "HEAD:rollout_gen/lcb.py"], cwd=HERE.parent, check=True,
+                          capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="lcb-head-")) / "lcb_head.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("lcb_head", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lcb_head"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def lcb_scoring() -> BenchResult:
+    """Wall time to score one program on a LiveCodeBench problem, one program at a time through the real sandbox
+    (2 workers, as `rollout.sandbox`): the harness-parity cases that pass and run quickly (2 tests each, stdin and
+    call-based), and one stdin problem of 20 tests. Before: each test its own sandbox call, spread over the
+    workers; after: one call per program running the tests in turn, compared in the pipeline's process."""
+    before = _committed_lcb()
+    cases = [c for c in json.loads(CASES.read_text()) if c["harness"]["passed"] and c["class"] != "limits"]
+    problems = [(c["program"], c["problem"]) for c in cases]
+    twenty = {"inputs": [f"{i} {i + 1}\n" for i in range(20)], "outputs": [f"{2 * i + 1}\n" for i in range(20)]}
+    adder = "a, b = map(int, input().split())\nprint(a + b)"
+
+    def scorer(module, batch):
+        tests = [(p, module.code_tests(q["inputs"], q["outputs"], q.get("fn_name"), None)) for p, q in batch]
+        return lambda: [module.run_tests(p, t, pool) for p, t in tests]
+
+    with SandboxPool(SandboxConfig()) as pool:
+        old_cases, new_cases = interleaved_best(scorer(before, problems), scorer(lcb, problems), repeat=3)
+        old_20, new_20 = interleaved_best(scorer(before, [(adder, twenty)] * 5), scorer(lcb, [(adder, twenty)] * 5),
+                                          repeat=3)
+        agree_old = sum(all(r.passed for r in rs) for rs in scorer(before, problems)())
+        agree_new = sum(all(r.passed for r in rs) for rs in scorer(lcb, problems)())
+    n = len(problems)
+    rows = [
+        Row(f"LiveCodeBench scoring per program, {n} harness cases (2 tests each)", 1000 * new_cases / n,
+            1000 * old_cases / n, "ms", higher_is_better=False),
+        Row("LiveCodeBench scoring per program, a 20-test stdin problem", 1000 * new_20 / 5, 1000 * old_20 / 5, "ms",
+            higher_is_better=False),
+    ]
+    notes = [
+        "baseline: rollout_gen/lcb.py at git HEAD (`git show HEAD:rollout_gen/lcb.py`, imported as its own module), "
+        "same process, same sandbox pool (2 workers), best of 3 interleaved runs.",
+        f"the {n} cases are tests/data/lcb/cases.json's that LiveCodeBench's harness passes, less the `limits` class "
+        f"(sleeps, big allocations); passed by the current scorer: {agree_new} of {n}, by HEAD's: {agree_old} of {n}.",
+    ]
+    return BenchResult("eval_lcb_scoring", "LiveCodeBench scoring time per program, before (git HEAD) vs after.",
+                       rows, notes)
 
 
 def run() -> BenchResult:
+    record(lcb_scoring())  # its own section: a quick measurement next to the slow one
     torch.set_num_threads(1)
     cfg = load_config(None)
     tasks = eval_tasks(cfg.world)

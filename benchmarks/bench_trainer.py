@@ -2,10 +2,13 @@
 batch, each side in its own process (for a clean peak-memory reading); and vs cleaner's own update as it was
 before issue 29 (`before`: whole groups per micro-batch, lm_head at every position in checkpointed
 512-position chunks), run in the same invocation, interleaved with `ours`, since this machine's speed varies
-by up to 2x between hours."""
+by up to 2x between hours. And vs the same update before each stage had a device of its own (`pre_devices`:
+the code at commit PRE_DEVICES, extracted with `git archive` into a temporary folder and run there by its own
+worker), the cost of the device plumbing on the CPU."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,9 +20,10 @@ from benchmarks.common import BenchResult, Row, peak_rss_bytes
 
 STEPS = 5
 ROUNDS = 2  # ours and before alternate this many times; each side reports its faster round
+PRE_DEVICES = "e76a902"  # the last commit whose stages had no device setting
 
 
-def _before_micro_batches(groups, token_budget: int, pad_id: int):
+def _before_micro_batches(groups, token_budget: int, pad_id: int, device):
     """trainer.batches.micro_batches before issue 29: whole groups (split only when larger than the budget),
     in width order, so a group's short rows were padded to its longest."""
     from trainer.batches import collate
@@ -43,12 +47,12 @@ def _before_micro_batches(groups, token_budget: int, pad_id: int):
     for pack in packs:
         new_width = max(width, width_of(pack))
         if current and new_width * (len(current) + len(pack)) > token_budget:
-            out.append(collate(current, pad_id))
+            out.append(collate(current, pad_id, device))
             current, new_width = [], width_of(pack)
         current += pack
         width = new_width
     if current:
-        out.append(collate(current, pad_id))
+        out.append(collate(current, pad_id, device))
     return out
 
 
@@ -142,6 +146,16 @@ def worker(side: str, root: Path) -> dict:
             "tokens": tokens, "rows": len(rows)}
 
 
+def _pre_devices_tree(tmp: Path) -> Path:
+    """The checkout at PRE_DEVICES, extracted (git archive: the repository is only read)."""
+    repo = Path(__file__).resolve().parent.parent
+    tree = tmp / "pre-devices"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", PRE_DEVICES], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def run() -> BenchResult:
     from pipeline.config import load_config
     from purifier.stage import run_purify_stage
@@ -155,15 +169,18 @@ def run() -> BenchResult:
         run_rollout_stage(cfg, "bench", 0, DEFAULT_POLICY, show_progress=False)
         run_purify_stage(cfg, "bench", 0)
         res: dict[str, dict] = {}
-        for side in ["ours", "before"] * ROUNDS + ["trl"]:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_trainer", side, str(tmp)], capture_output=True,
-                                 text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+        here, pre = Path(__file__).resolve().parent.parent, _pre_devices_tree(tmp)
+        for side in ["ours", "before", "pre_devices"] * ROUNDS + ["trl"]:
+            # pre_devices: the same worker's `ours`, in the tree of PRE_DEVICES (its own code on PYTHONPATH)
+            tree, arg = (pre, "ours") if side == "pre_devices" else (here, side)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_trainer", arg, str(tmp)], capture_output=True,
+                                 text=True, check=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
             got = json.loads(out.stdout.strip().splitlines()[-1])
             if side not in res or got["tokens_per_s"] > res[side]["tokens_per_s"]:
                 res[side] = got
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    o, t, b = res["ours"], res["trl"], res["before"]
+    o, t, b, p = res["ours"], res["trl"], res["before"], res["pre_devices"]
     return BenchResult("trainer", "One GRPO/DAPO optimizer step (clip 0.2/0.28, token-mean) on a purified batch of the "
                        "tiny policy: cleaner (OpenRLHF Actor + PolicyLoss) vs TRL GRPOTrainer.compute_loss + AdamW step.",
                        [Row("update throughput", o["tokens_per_s"], t["tokens_per_s"], "trained tokens/s",
@@ -174,7 +191,10 @@ def run() -> BenchResult:
                             b["tokens_per_s"], "trained tokens/s", target=">= 2,000 trained tokens/s",
                             passed=o["tokens_per_s"] >= 2000),
                         Row("peak RSS vs cleaner before issue 29", o["peak_rss_mib"], b["peak_rss_mib"], "MiB",
-                            higher_is_better=False)],
+                            higher_is_better=False),
+                        Row(f"update throughput on the CPU vs cleaner before a device per stage ({PRE_DEVICES}, same "
+                            "run)", o["tokens_per_s"], p["tokens_per_s"], "trained tokens/s", target=">= 0.95×",
+                            passed=o["tokens_per_s"] >= 0.95 * p["tokens_per_s"])],
                        [f"batch: {o['rows']} purified trajectories, {o['tokens']} trained tokens; mean of {STEPS} steps "
                         "after one warm-up, one torch thread. cleaner packs the mini-batch's rows by length into micro-batches "
                         f"(train.micro_batch_tokens, default 8192) with exact token-mean accumulation; TRL's step is "
@@ -182,7 +202,11 @@ def run() -> BenchResult:
                         "so the batch's one 650-token and one 428-token row padded their micro-batch-mates to that width "
                         "(15,320 padded tokens for 7,911 real; packed as rows by length: 8,344), and lm_head at every position in "
                         f"checkpointed 512-position chunks. ours and before alternate {ROUNDS} times; each reports its "
-                        "faster run"])
+                        "faster run",
+                        f"the last row: the same worker in the tree of commit {PRE_DEVICES} (git archive), before the "
+                        "stages had rollout/purify/train.device: micro-batches built row by row on the CPU; now "
+                        "built from host lists in one copy per tensor on train.device (the CPU here), with the "
+                        "update's model and optimizer at the fp32 default; alternated with ours"])
 
 
 if __name__ == "__main__":

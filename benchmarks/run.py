@@ -7,7 +7,8 @@ import sys
 from benchmarks.common import RESULTS_MD, record
 
 BENCHMARKS = ["storage", "world", "rollout", "async_rollout", "purify", "off_policy", "dask", "measures", "trainer", "e2e",
-              "scale", "eval", "store_scale", "bytes", "viewer", "vllm", "purify_memory"]
+              "scale", "eval", "store_scale", "bytes", "viewer", "vllm", "purify_memory",
+              "interop", "retry_seeds"]
 
 
 def main(argv: list[str]) -> int:

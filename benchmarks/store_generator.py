@@ -58,6 +58,7 @@ def raw_table(run_id: str, iteration: int, rows: int, tokens: int, rng: np.rando
         "final_answer": pa.array(["42"] * rows), "reward": pa.array(rng.choice([-1.0, 1.0], rows)),
         "finish_reason": pa.array(["stop"] * rows),
         "stats": pa.array([dict(stats, turns=2, tool_calls=1, response_tokens=tokens)] * rows, RAW.field("stats").type),
+        "reward_reason": pa.array([""] * rows),
     }
     return pa.table([columns[f.name] for f in RAW], schema=RAW)
 

@@ -1,29 +1,24 @@
-"""Between-seed statistics and per-arm off-policy diagnostics for an experiment's page.
+"""Between-seed summaries and per-arm off-policy diagnostics for an experiment's page.
 
-../shared/docs/EXPERIMENTS.md asks for the standard error *between training seeds* (not a binomial error
-over tasks) and for paired comparisons: every arm's seed s starts from the same rollout seed and is
-evaluated on the same tasks, so the per-seed difference between two arms is the unit, and a difference is
-claimed only when it has the same sign in every seed or its paired 95% interval excludes zero.
+../shared/docs/EXPERIMENTS.md asks for the standard error *between training seeds* (not a binomial error over
+tasks). The contrasts between arms, paired across seeds and corrected across a result, are experiments/contrasts.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import sqrt
 from pathlib import Path
 from statistics import mean, stdev
 
-# Two-sided 97.5% quantiles of Student's t by degrees of freedom (seeds − 1); no scipy in the project.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
 
 def final_by_seed(results: list[dict], arm: str, metric: str, saar: bool, first: bool = False) -> dict[int, float]:
-    """Seed → the metric at the arm's last (or first) evaluated checkpoint."""
+    """Seed → the metric at the arm's last (or first) evaluated checkpoint in that test mode; seeds whose
+    evaluation did not record the metric (an older run, or a rate with nothing to count) are left out."""
     out = {}
     for r in results:
         if r["arm"] != arm:
             continue
         evals = sorted((e for e in r["evals"] if e["saar_at_test"] == saar), key=lambda e: e["iteration"])
-        if evals:
+        if evals and evals[0 if first else -1].get(metric) is not None:
             out[r["seed"]] = evals[0 if first else -1][metric]
     return out
 
@@ -33,63 +28,22 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean(values), (stdev(values) / sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
-@dataclass(frozen=True)
-class Paired:
-    diffs: dict[int, float]  # seed → arm − baseline
-    mean: float
-    se: float
-    low: float  # paired 95% interval (Student's t, seeds − 1 degrees of freedom)
-    high: float
-
-    @property
-    def every_seed(self) -> bool:
-        signs = {d > 0 for d in self.diffs.values() if d != 0}
-        return len(self.diffs) > 1 and len(signs) == 1 and all(d != 0 for d in self.diffs.values())
-
-    @property
-    def claimed(self) -> bool:
-        return self.every_seed or self.low > 0 or self.high < 0
-
-
-def paired(results: list[dict], arm: str, baseline: str, metric: str, saar: bool) -> Paired | None:
-    a, b = final_by_seed(results, arm, metric, saar), final_by_seed(results, baseline, metric, saar)
-    diffs = {s: a[s] - b[s] for s in sorted(a.keys() & b.keys())}
-    if not diffs:
-        return None
-    m, se = mean_se(list(diffs.values()))
-    half = _T975.get(len(diffs) - 1, 1.96) * se
-    return Paired(diffs, m, se, m - half, m + half)
-
-
-def seeds_table(results: list[dict], arms: list[str]) -> list[str]:
-    """Per arm: final pass@1 and first-call failure rate, mean ± between-seed s.e., both test modes."""
-    lines = ["| arm | seeds | pass@1, SAAR off | pass@1, SAAR on | first-call failures, SAAR off | "
-             "first-call failures, SAAR on |", "|---|---|---|---|---|---|"]
+def seeds_table(results: list[dict], arms: list[str], metrics: dict[str, str]) -> list[str]:
+    """Per arm and metric (name → label), both test modes: the final checkpoint's mean ± between-seed s.e."""
+    cols = [(m, saar) for m in metrics for saar in (False, True)]
+    lines = ["| arm | seeds | " + " | ".join(f"{metrics[m]}, SAAR {'on' if saar else 'off'}" for m, saar in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
     for arm in arms:
         cells = []
-        for metric in ("accuracy", "first_call_failure_rate"):
-            for saar in (False, True):
-                vals = final_by_seed(results, arm, metric, saar)
-                m, se = mean_se(list(vals.values()))
-                cells.append(f"{m:.3f} ± {se:.3f}")
-        lines.append(f"| {arm} | {sorted(final_by_seed(results, arm, 'accuracy', False))} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def paired_table(results: list[dict], contrasts: list[tuple[str, str]]) -> list[str]:
-    """Every contrast on both metrics and test modes: per-seed differences, mean ± s.e., 95% interval."""
-    lines = ["| contrast | metric | SAAR at test | per seed | mean ± s.e. | 95% interval | claimed |",
-             "|---|---|---|---|---|---|---|"]
-    for arm, baseline in contrasts:
-        for metric, label in (("accuracy", "pass@1"), ("first_call_failure_rate", "first-call failures")):
-            for saar in (False, True):
-                p = paired(results, arm, baseline, metric, saar)
-                if p is None:
-                    continue
-                per_seed = ", ".join(f"{d:+.3f}" for d in p.diffs.values())
-                claim = "every seed" if p.every_seed else ("interval" if p.claimed else "no")
-                lines.append(f"| {arm} − {baseline} | {label} | {'on' if saar else 'off'} | {per_seed} | "
-                             f"{p.mean:+.3f} ± {p.se:.3f} | [{p.low:+.3f}, {p.high:+.3f}] | {claim} |")
+        for metric, saar in cols:
+            vals = list(final_by_seed(results, arm, metric, saar).values())
+            if not vals:  # e.g. retry success with SAAR off at test: no retry to count
+                cells.append("—")
+                continue
+            m, se = mean_se(vals)
+            cells.append(f"{m:.3f}" + (f" ± {se:.3f}" if len(vals) > 1 else ""))
+        seeds = sorted(r["seed"] for r in results if r["arm"] == arm)
+        lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
     return lines
 
 

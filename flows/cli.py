@@ -16,7 +16,9 @@ from pipeline.config import ConfigError, describe_config, dump_config
 from storage.errors import CleanerError, describe_os_error
 
 COMMAND_MODULES = ("flows.inspect", "flows.flow_commands", "flows.policy_cmds", "flows.eval_cmd", "flows.view_cmd",
-                   "flows.stage_cmds", "flows.replay_cmd", "flows.gc_cmd", "flows.filter_cmd")
+                   "flows.stage_cmds", "flows.replay_cmd", "flows.gc_cmd", "flows.filter_cmd",
+                   "flows.export_cmd", "flows.import_cmd")
+COMMAND_MODULES += ("flows.fit_cmd",)  # before a run: does the update fit the GPUs (trainer/memory.py)
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -47,7 +49,8 @@ def build_parser() -> Parser:
 
 
 # Commands that commit nothing a rerun would resume (eval writes its files at its end, whole, or not at all)
-COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster"})
+COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster",
+                             "export"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,14 @@
 """The premise of purification, for people: the catalog's `trajectory_kinds` and `failed_call_advantage`
 views (storage/catalog.py) as tables, and the prediction they make (issue 19 §1, issue 32 §3).
 
-SAAR removes a failed call and puts the trajectory's advantage on a working one. The rule that held in the
-project's experiment (docs/results/when_purification_helps_writeup.md, point 2: 6 of 6 signs) is token-level:
-count the failed-call tokens a mode stops training, compared with raw, by the sign of the advantage raw trains
-them with; a mode that removes more "do not write this" (negative) than "write this" (positive) signal is
-predicted to reduce first-call tool errors more slowly than raw. The coarse rule it replaced — recovered
-trajectories' mean advantage positive, so purification helps — did not predict (the same write-up, point 5):
-it is shown only as disproved. `cleaner replay` prints both for the iteration it replays, `cleaner report`
-states the token-level rule per mode on the run's page.
+SAAR removes a failed call and puts the trajectory's advantage on a working one. The token-level rule is a
+hypothesis, stated at the strength its data has (TOKEN_RULE says how weak): count the failed-call tokens a mode
+stops training, compared with raw, by the sign of the advantage raw trains them with; a mode that removes more
+"do not write this" (negative) than "write this" (positive) signal is predicted to reduce first-call tool errors
+more slowly than raw. The coarse rule before it — recovered trajectories' mean advantage positive, so
+purification helps — did not predict (docs/results/when_purification_helps_writeup.md, point 5): it is shown
+only as disproved. `cleaner replay` prints both for the iteration it replays, `cleaner report` states the
+token-level rule per mode on the run's page.
 """
 from __future__ import annotations
 
@@ -49,8 +49,12 @@ def prediction(kinds: list[dict], iteration: int) -> str:
             f"{recovered[0]['trajectories']}: the disproved coarse rule would say {says}")
 
 
-TOKEN_RULE = ("token-level rule (held in 6 of 6 predictions in the project's experiment, two synthetic worlds, each "
-              "gap 0.6–1.3 s.e., " + WRITEUP + " point 2): "
+TOKEN_RULE = ("token-level rule, a hypothesis the project's data does not establish (" + WRITEUP + " point 2: the "
+              "agreements counted for it are four correlated signs in two synthetic worlds (saar and saar_correct; "
+              "saar_p0.7 repeats saar's prediction, and every gap shares the raw arm), each under 1.3 standard errors, "
+              "none significant once paired over seeds and corrected across the contrasts, all in the one pattern "
+              "saar slower, saar_correct not; it was never tested where it predicts that saar is not slower; sampled "
+              "with coupled retries, before the seed fix of 2026-11-27): "
               "compared with raw, a purification mode stops training some failed-call tokens (the code of failed "
               "tool calls); if it stops training more of them under negative advantage (where raw pushes the failed "
               "call down) than under positive advantage (where raw reinforces it), training on it is predicted to "

@@ -2,7 +2,7 @@
 partitions beside the others), or `--sweep` a γ grid in memory, and print what a person needs to choose
 γ: decisions per γ against the lived ones and the reference measure's, tokens removed/recomputed, the
 similarity histogram with the γ cuts, example pairs around each γ, and a PNG under the run's report/;
-and whether to purify at all: the premise table (flows/premise.py) with the rule's prediction.
+and whether to purify at all: the premise table (flows/premise.py) with the token-level hypothesis's prediction.
 """
 from __future__ import annotations
 
@@ -19,13 +19,16 @@ from pipeline.modes import live_measure
 from pipeline.similarity import REFERENCE_MEASURE
 
 
-def lived_saar(cfg: CleanerConfig, run_json: Path) -> SaarConfig:
-    """The SAAR settings the run lived with (run.json), else the given config's."""
+def lived_saar(run_json: Path, raw_extra: dict) -> SaarConfig | None:
+    """The SAAR settings the run lived with: run.json's, else those its raw shard's manifest recorded; None when
+    neither says (a run without run.json whose shard predates the record): the command line's are not the lived."""
     if run_json.is_file():
         saar = json.loads(run_json.read_text()).get("rollout", {}).get("saar", {})
-        known = {k: v for k, v in saar.items() if k in SaarConfig.model_fields}
-        return SaarConfig(**known)
-    return cfg.rollout.saar
+    elif isinstance(raw_extra.get("saar"), dict):
+        saar = raw_extra["saar"]
+    else:
+        return None
+    return SaarConfig(**{k: v for k, v in saar.items() if k in SaarConfig.model_fields})
 
 
 def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, cfg: CleanerConfig,
@@ -45,7 +48,7 @@ def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, 
 
         backend = VLLMRecompute(vllm_urls(cfg.rollout, checkpoint), checkpoint, cfg.rollout.temperature)
     else:
-        backend = CPURecompute(checkpoint, cfg.rollout.temperature)
+        backend = CPURecompute(checkpoint, cfg.rollout.temperature, device=cfg.purify.device)
     reference = lived_tau if lived_tau is not None else 0.5
     stats, log_ratios = replay_is(raws, taus, decode, backend.score, reference_tau=reference)
     table = Table(title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
@@ -101,12 +104,15 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         raw_dir = layout.raw_dir(iteration)
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
         chat = load_chat(sampled_by or resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0]))
-    saar = lived_saar(cfg, layout.run_json)
-    live, measure = live_measure(saar), live_measure(cfg.rollout.saar)  # as lived (run.json) vs as replayed now
+    recorded = lived_saar(layout.run_json, raw_manifest.extra if raw_manifest is not None else {})
+    known = recorded is not None
+    saar = recorded or cfg.rollout.saar
+    live, measure = live_measure(saar), live_measure(cfg.rollout.saar)  # as lived vs as replayed now
     # a run whose rollbacks were decided live by importance ratio lived no γ: its τ table compares with its τ
-    by_importance = saar.rollback == "importance" and saar.live_mode == "purified"
+    by_importance = known and saar.rollback == "importance" and saar.live_mode == "purified"
     lived = (f"lived by importance ratio at τ_live={saar.is_threshold:g} (not by similarity: compare with the saar_is "
-             "table)" if by_importance else f"lived with {live.key} at γ_live={saar.gamma_live:g}")
+             "table)" if by_importance else f"lived with {live.key} at γ_live={saar.gamma_live:g}" if known
+             else "lived settings unknown (no run.json, and the raw shard does not record them)")
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
     with working(f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
                  f"at {len(gammas)} γ"):
@@ -118,13 +124,15 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         table.add_column(col, justify="right")
     for s in stats:
         table.add_row(f"{s.gamma:g}", *map(str, (s.positions, s.shallow, s.deep, s.tokens_removed, s.tokens_recomputed,
-                                                 "–" if by_importance else s.differ_from_live, s.differ_from_reference)))
+                                                 s.differ_from_live if known and not by_importance else "–",
+                                                 s.differ_from_reference)))
     console.print(table)
     console.print("positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
                   "than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
                   "old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did ("
                   + ("none: it decided by importance ratio" if by_importance else f"γ_live={saar.gamma_live:g}, "
-                     f"{live.key}") + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
+                     f"{live.key}" if known else "unknown: the run did not record how it lived")
+                  + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
                   f"at the same γ", style="italic", highlight=False, markup=False)
     if taus or (sweep and "saar_is" in modes) or by_importance:
         print_is_replay(console, raws, taus or (sweep_taus() if sweep else [saar.is_threshold]), chat.decode,

@@ -1,5 +1,5 @@
 """`cleaner report`: per-iteration numbers from the DuckDB catalog, PNG plots and one HTML page that states
-the rule that held (flows/premise.py TOKEN_RULE) per purification mode of the run, with the coarse rule marked
+the token-level hypothesis (flows/premise.py TOKEN_RULE) per purification mode of the run, with the coarse rule marked
 as disproved, the tables the rules read, and links to `cleaner view`'s pages (HTML pieces:
 flows/report_tables.py)."""
 from __future__ import annotations

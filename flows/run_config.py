@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import MOVED_TO_ENGINE_TUNING, PURIFY_REPLAY_SETTINGS, CleanerConfig
+from pipeline.config import MOVED_TO_ENGINE_TUNING, PLACEMENT_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig
 from storage.errors import CleanerError
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
@@ -24,7 +24,7 @@ class RunConfigMismatch(CleanerError, ValueError):
 
 
 def _frozen(data: dict) -> dict:
-    out = {s: dict(data[s]) for s in FROZEN_SECTIONS}
+    out = {s: {k: v for k, v in data[s].items() if k not in PLACEMENT_SETTINGS} for s in FROZEN_SECTIONS}
     for key in PURIFY_REPLAY_SETTINGS:
         out["purify"].pop(key, None)
     rollout = out["rollout"]
@@ -48,7 +48,7 @@ def preflight(cfg: CleanerConfig) -> None:
     if cfg.rollout.tasks != "world":
         iteration_tasks(cfg, 0)
     check_eval_settings(cfg)
-    check_device(cfg.train)
+    check_device(cfg)
 
 
 def tasks_digest(cfg: CleanerConfig) -> str | None:

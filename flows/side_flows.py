@@ -52,14 +52,17 @@ def eval_flow(config_file: str | None = None, overrides: list[str] | None = None
         result["saar_on" if saar else "saar_off"] = {
             "pass@1": m["accuracy"], **{k: v for k, v in overall.items() if k.startswith("pass@") and k != "pass@1"},
             "tool_failures_per_trajectory": overall["tool_failures_per_trajectory"],
+            "very_first_call_failure_rate": m["very_first_call_failure_rate"],
             "first_call_failure_rate": m["first_call_failure_rate"], "generated_tokens": m["generated_tokens"],
             "generated_tokens_per_s": m["generated_tokens_per_s"], "latency_p50_s": m["latency_s"]["p50"],
             "wall_s": m["wall_s"]}
     on, off = result["saar_on"], result["saar_off"]
     result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
     create_markdown_artifact(key="cleaner-eval", markdown="| setting | pass@1 | tool failures / trajectory | "
-                             "first-call failure rate | wall s |\n|---|---|---|---|---|\n" + "\n".join(
+                             "very first call failed | first-call failure rate (per position) | wall s |\n"
+                             "|---|---|---|---|---|---|\n" + "\n".join(
                                  f"| {k} | {v['pass@1']:.3f} | {v['tool_failures_per_trajectory']:.3f} | "
+                                 f"{v['very_first_call_failure_rate']:.3f} | "
                                  f"{v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
                                  for k, v in result.items() if isinstance(v, dict)))
     return result

@@ -48,6 +48,19 @@ def check_is_threshold(tau: float) -> float:
 IsThreshold = Annotated[float, AfterValidator(check_is_threshold)]
 
 
+def check_device(value: str) -> str:
+    """Where a stage computes: auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError("expected auto, cpu, cuda or cuda:N (N: the GPU's index)")
+    return value
+
+
+Device = Annotated[str, AfterValidator(check_device)]
+# Where a stage runs, never what it computes: kept out of every config hash, checkpoint record and frozen run config,
+# so a run started on one machine resumes on another.
+PLACEMENT_SETTINGS = frozenset({"device"})
+
+
 class Section(BaseModel):
     # a number that is inf or nan (`train.lr=inf`) is a mistake in every setting
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
@@ -228,6 +241,9 @@ class RolloutConfig(Section):
         "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
         "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"))
     engine_tuning: EngineTuning = EngineTuning()
+    device: Device = Field("auto", description=(
+        "engine=cpu: where the engine (its model, KV cache and per-row random generators) runs: auto (the GPU when "
+        "torch sees one, else the CPU), cpu, cuda or cuda:N"))
 
 
 # purify.* settings that choose where or which partitions are written, never what a partition holds:
@@ -236,7 +252,7 @@ class RolloutConfig(Section):
 # (flows/run_config.py).
 # ("similarity", "similarity_on": purify keys before issue 28, merged into rollout.saar; an old run.json may hold them)
 PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options",
-                                    "similarity", "similarity_on"})
+                                    "similarity", "similarity_on"}) | PLACEMENT_SETTINGS
 # purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
 # mode's partitions only (purifier/stage.py), so partitions of the other modes committed before the setting
 # existed keep their config hash and stay valid.
@@ -269,6 +285,9 @@ class PurifyConfig(Section):
     roc_group_size: int | None = Field(None, ge=1, description=(
         "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
         "rollout.samples_per_prompt"))
+    device: Device = Field("auto", description=(
+        "recompute=cpu: where the log-prob recompute (transformers) runs, in each process that runs it (a Dask "
+        "worker's own GPU under auto): auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N"))
 
     @field_validator("dask_address")
     @classmethod
@@ -288,8 +307,27 @@ class TrainConfig(Section):
         "process under torchrun (gloo on CPU)"))
     zero_stage: Literal[2, 3] = Field(2, description="ZeRO stage for strategy=deepspeed")
     nproc: int = Field(1, ge=1, description="ranks torchrun starts for strategy=deepspeed (GPUs per node)")
-    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="strategy=deepspeed training dtype (the local strategy trains in fp32)")
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
+        "training precision. fp32: everything in float32 (TF32 matmuls on a GPU). bf16: mixed precision; "
+        "strategy=local runs the forward and backward under torch.autocast(bfloat16) while the weights, their "
+        "gradients and AdamW's moments stay float32; strategy=deepspeed (DeepSpeed's bf16 mode through OpenRLHF) "
+        "holds the model's weights and each micro-batch's gradients in bfloat16 and keeps float32 master weights, "
+        "float32 gradient accumulation (OpenRLHF's grad_accum_dtype) and float32 AdamW moments in the ZeRO "
+        "partitions. fp16: strategy=deepspeed on a GPU only (DeepSpeed's fp16 mode with its dynamic loss scale). "
+        "Log-probs are float32 softmaxes over the logits in every mode; docs/scale_out.md"))
+    device: Device = Field("auto", description=(
+        "strategy=local: where the update runs: auto (the GPU when torch sees one, else the CPU), cpu, cuda or "
+        "cuda:N; strategy=deepspeed: auto or cuda puts each rank on its own GPU (LOCAL_RANK, NCCL), cpu trains on "
+        "the CPU over gloo"))
+    gradient_checkpointing: bool = Field(False, description=(
+        "activation checkpointing: each decoder layer's activations are recomputed in backward instead of kept "
+        "(transformers' gradient_checkpointing_enable, non-reentrant), for long trajectories on a GPU's memory"))
+    offload_optimizer: bool = Field(False, description=(
+        "strategy=deepspeed: keep the ZeRO optimizer's float32 master weights and AdamW moments in CPU memory "
+        "(OpenRLHF's adam_offload; the step runs torch's AdamW on the CPU, nothing compiled at run time)"))
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
+        "the update's attention: sdpa (torch's scaled_dot_product_attention: flash/memory-efficient kernels where "
+        "torch has them), eager, or flash_attention_2 (the flash_attn package's CUDA kernels, on a GPU)"))
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
     warmup_steps: int = Field(2, ge=0, description="optimizer steps of linear learning-rate warm-up")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
@@ -342,6 +380,16 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _offload_needs_deepspeed(self) -> "TrainConfig":
+        if self.offload_optimizer and self.strategy != "deepspeed":
+            raise ValueError("train.offload_optimizer=true is ZeRO's optimizer offload: it needs "
+                             "train.strategy=deepspeed")
+        if self.param_dtype == "fp16" and self.strategy == "local":
+            raise ValueError("train.param_dtype=fp16 needs a loss scale, which strategy=local does not keep: use "
+                             "train.param_dtype=bf16, or train.strategy=deepspeed (DeepSpeed's dynamic loss scale)")
+        return self
+
+    @model_validator(mode="after")
     def _correction_needs_ppo(self) -> "TrainConfig":
         if self.rollout_correction != "off" and self.policy_loss_type != "ppo":
             raise ValueError(f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
@@ -349,9 +397,21 @@ class TrainConfig(Section):
         return self
 
 
+# train.* settings hashed into train_settings only when not at their default: a checkpoint recorded before they
+# existed was trained as their defaults train, and keeps its record.
+TRAIN_SETTINGS_IF_SET = {"gradient_checkpointing": False, "offload_optimizer": False, "attn_implementation": "sdpa"}
+
+
+def hashed_train_settings(train: TrainConfig) -> dict[str, Any]:
+    """The train settings that decide what an update computes (its placement left out)."""
+    return {k: v for k, v in train.model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS)).items()
+            if k not in TRAIN_SETTINGS_IF_SET or v != TRAIN_SETTINGS_IF_SET[k]}
+
+
 def train_settings(train: TrainConfig) -> str:
     """What a checkpoint records of the update that trained it: a rerun with other settings is refused."""
-    return hashlib.blake2b(json.dumps(train.model_dump(mode="json"), sort_keys=True).encode(), digest_size=8).hexdigest()
+    return hashlib.blake2b(json.dumps(hashed_train_settings(train), sort_keys=True).encode(),
+                           digest_size=8).hexdigest()
 
 
 class FlowConfig(Section):
@@ -406,7 +466,7 @@ class CleanerConfig(Section):
 
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections: what a stage's manifest records as its config."""
-        data = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        data = {s: getattr(self, s).model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS)) for s in sections}
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

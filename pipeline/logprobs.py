@@ -95,14 +95,15 @@ def score_turn(body: torch.nn.Module, head: torch.nn.Module, context: list[int],
 
     seq = list(context) + list(turn)
     cache, out = cache if cache is not None else DynamicCache(), []
+    device = head.weight.device  # the model's: every tensor here is made there
     with torch.inference_mode():
         for a in range(cached, len(seq) - 1, chunk_tokens):
             b = min(len(seq) - 1, a + chunk_tokens)
-            ids = torch.tensor([seq[a:b]])
-            hidden = hidden_states(ids, torch.arange(a, b)[None], cache) if hidden_states else \
+            ids = torch.tensor([seq[a:b]], device=device)
+            hidden = hidden_states(ids, torch.arange(a, b, device=device)[None], cache) if hidden_states else \
                 body(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
             lo = max(a, len(context) - 1)  # position lo predicts seq[lo + 1]; the turn starts at len(context)
             if lo < b:
-                targets = torch.tensor([seq[lo + 1: b + 1]])
+                targets = torch.tensor([seq[lo + 1: b + 1]], device=device)
                 out += token_logprobs(hidden[:, lo - a:], targets, head, temperature)[0].tolist()
     return out

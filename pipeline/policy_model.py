@@ -19,7 +19,9 @@ from pipeline.logprobs import logits_transform
 from storage.errors import CheckpointError, first_line
 
 
-def load_causal_lm(checkpoint: Path, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_causal_lm(checkpoint: Path, attn_implementation: str, dtype: torch.dtype = torch.float32,
+                   device: torch.device | None = None) -> torch.nn.Module:
+    """The checkpoint's model, its weights and buffers on `device` (None: the CPU)."""
     config = Path(checkpoint) / "config.json"
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report (a dozen lines): the one line below says what matters
@@ -40,4 +42,4 @@ def load_causal_lm(checkpoint: Path, attn_implementation: str, dtype: torch.dtyp
     if attr is not None:
         raise CheckpointError(f"{config}: {type(model).__name__} transforms its logits ({attr}), and log-probs here "
                               "are lm_head(hidden): sampling and training would score tokens differently")
-    return model
+    return model if device is None or device.type == "cpu" else model.to(device)

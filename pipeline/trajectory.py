@@ -134,6 +134,7 @@ class Trajectory:
     reward: float
     finish_reason: str
     stats: TrajectoryStats = field(default_factory=TrajectoryStats)
+    reward_reason: str = ""  # why the scorer did not give full marks, when it says (code tasks)
 
     @property
     def key(self) -> str:
@@ -239,6 +240,7 @@ def trajectory_from_row(row: dict[str, Any]) -> Trajectory:
     ]
     data["final_turn"] = None if data["final_turn"] is None else attempt_from_row(data["final_turn"])
     data["stats"] = TrajectoryStats(**data["stats"])
+    data["reward_reason"] = data["reward_reason"] or ""  # NULL in raw rows of schema v1
     return Trajectory(**data)
 
 

@@ -95,11 +95,12 @@ class PurifyJob:
     roc_group_size: int = 1
     runner: str = "FnApiRunner"
     beam_options: tuple[str, ...] = ()
+    device: str = "cpu"  # recompute=cpu: purify.device, resolved in each process that loads the model
 
     def backend(self):
         """The recompute backend of this job, once per process (None: recompute off)."""
         key = (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url,
-               self.vllm_urls)
+               self.vllm_urls, self.device)
         return per_process("recompute", key, self._build_backend)
 
     def _build_backend(self):
@@ -108,7 +109,7 @@ class PurifyJob:
         from purifier.recompute import CPURecompute, SGLangRecompute, VLLMRecompute  # torch: only when recomputing
 
         if self.recompute == "cpu":
-            return CPURecompute(Path(self.checkpoint), self.temperature)
+            return CPURecompute(Path(self.checkpoint), self.temperature, device=self.device)
         if self.recompute == "sglang":
             return SGLangRecompute(self.sglang_url, self.temperature)
         return VLLMRecompute(list(self.vllm_urls), Path(self.checkpoint), self.temperature)

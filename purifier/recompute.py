@@ -3,7 +3,8 @@
 A token keeps its sampled log-prob iff the purified sequence before it equals the context it was
 sampled under (decided in purifier/saar.py). The others are recomputed under the purified context:
 
-- CPU backend: the group's prompt is forwarded once and its KV cache copied to every row; each row
+- CPU backend (transformers, on purify.device: the CPU or a GPU): the group's prompt is forwarded once and its
+  KV cache copied to every row; each row
   then forwards its response only up to its last token that needs a log-prob. Rows that need none
   are not forwarded at all. Positions go through the cache in chunks of `chunk_tokens` (over all
   rows), and log-probs come from `pipeline.logprobs.token_logprobs` (only for chunks that hold a token
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from pipeline.devices import prepare_device, resolve_device
 from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
 from pipeline.policy_model import load_causal_lm
 from pipeline.trajectory import PurifiedTrajectory
@@ -45,10 +47,12 @@ def _filled(trajectories: list[PurifiedTrajectory], todo: list[tuple[int, Purifi
 
 class CPURecompute:
     def __init__(self, checkpoint: Path, temperature: float = 1.0, threads: int | None = 1,
-                 chunk_tokens: int = 1024) -> None:
+                 chunk_tokens: int = 1024, device: str | torch.device = "cpu") -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.model = load_causal_lm(checkpoint, attn_implementation="eager").eval()
+        self.device = resolve_device(device, "purify.device")
+        prepare_device(self.device)
+        self.model = load_causal_lm(checkpoint, attn_implementation="eager", device=self.device).eval()
         self.body, self.head = split_causal_lm(self.model)
         self.temperature = temperature if temperature > 0 else 1.0
         # positions forwarded per step over all rows: bounds the attention scores and the logits
@@ -65,41 +69,44 @@ class CPURecompute:
         prompt = todo[0][1].prompt_ids
         if any(t.prompt_ids != prompt for _, t, _ in todo):
             raise ValueError("a recompute group must share one prompt")
+        device = self.device
         cache = DynamicCache()
         for a in range(0, len(prompt), self.chunk_tokens):  # the prompt once, in chunks, into the cache
-            hidden = self.body(input_ids=torch.tensor([prompt[a: a + self.chunk_tokens]]), past_key_values=cache,
-                               use_cache=True).last_hidden_state
+            hidden = self.body(input_ids=torch.tensor([prompt[a: a + self.chunk_tokens]], device=device),
+                               past_key_values=cache, use_cache=True).last_hidden_state
         self.prefix_tokens += len(prompt)
         n = len(todo)
-        first = torch.tensor([t.response_ids[0] for _, t, _ in todo])  # predicted by the prompt's last position
+        # the first response token, predicted by the prompt's last position
+        first = torch.tensor([t.response_ids[0] for _, t, _ in todo], device=device)
         first_lp = token_logprobs(hidden[:, -1].expand(n, -1), first, self.head, self.temperature)
         inputs = [t.response_ids[: need[-1]] for _, t, need in todo]  # up to the last needed token
         width = max(len(x) for x in inputs)
-        logp = torch.zeros((n, width + 1))
+        logp = torch.zeros((n, width + 1), device=device)
         logp[:, 0] = first_lp
         if width:
             cache.batch_repeat_interleave(n)
-            ids = torch.zeros((n, width), dtype=torch.long)
-            targets = torch.zeros((n, width), dtype=torch.long)  # input j predicts response[j + 1]
-            mask = torch.zeros((n, len(prompt) + width), dtype=torch.long)
-            mask[:, : len(prompt)] = 1
-            wanted = torch.zeros((n, width), dtype=torch.bool)  # input j is wanted when response[j + 1] needs a log-prob
-            for r, ((_, t, need), x) in enumerate(zip(todo, inputs)):
-                ids[r, : len(x)] = torch.tensor(x, dtype=torch.long)
-                targets[r, : len(x)] = torch.tensor(t.response_ids[1: len(x) + 1], dtype=torch.long)
-                mask[r, len(prompt): len(prompt) + len(x)] = 1
-                wanted[r, [i - 1 for i in need if i > 0]] = True
+            # each made in one copy from host lists: input j of a row predicts its response[j + 1], and is wanted
+            # when that token needs a log-prob
+            pad = [width - len(x) for x in inputs]
+            ids = torch.tensor([x + [0] * p for x, p in zip(inputs, pad)], dtype=torch.long, device=device)
+            targets = torch.tensor([t.response_ids[1: len(x) + 1] + [0] * p
+                                    for (_, t, _), x, p in zip(todo, inputs, pad)], dtype=torch.long, device=device)
+            mask = torch.tensor([[1] * (len(prompt) + len(x)) + [0] * p for x, p in zip(inputs, pad)], dtype=torch.long,
+                                device=device)
+            wanted_at = [{i - 1 for i in need if i > 0} for _, _, need in todo]
+            wanted = torch.tensor([[j in w for j in range(width)] for w in wanted_at], dtype=torch.bool, device=device)
             step = max(1, self.chunk_tokens // n)
             for a in range(0, width, step):
                 b = min(width, a + step)
-                pos = torch.arange(len(prompt) + a, len(prompt) + b)[None, :].expand(n, -1)
+                pos = torch.arange(len(prompt) + a, len(prompt) + b, device=device)[None, :].expand(n, -1)
                 hidden = self.body(input_ids=ids[:, a:b], attention_mask=mask[:, : len(prompt) + b], position_ids=pos,
                                    past_key_values=cache, use_cache=True).last_hidden_state
                 # the body runs over every position (the cache needs them), the lm_head only over chunks with a
                 # token that needs its log-prob: before a late splice, 151,936 logits per position are wasted
                 if wanted[:, a:b].any():
                     logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
-        return _filled(trajectories, todo, [[float(logp[r, i]) for i in need] for r, (_, _, need) in enumerate(todo)],
+        host = logp.tolist()  # one copy off the device, then read per needed token
+        return _filled(trajectories, todo, [[host[r][i] for i in need] for r, (_, _, need) in enumerate(todo)],
                        [len(x) for x in inputs])
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:

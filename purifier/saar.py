@@ -203,6 +203,9 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
                     b.feedback(previous.feedback_ids)
                 else:
                     removed = len(current.ids) + len(previous.feedback_ids)
+                    for s in splices:  # a retry that replaced before and is replaced now: none of its tokens stay
+                        if s.position_idx == p.position_idx and s.attempt_idx == previous.attempt_idx:
+                            s.moved_tokens = 0
                     splices.append(Splice(p.position_idx, r.attempt_idx, "deep", math.nan, removed, -1, False,
                                           len(r.turn_ids), log_is))
                     spliced[r.attempt_idx] = "deep"

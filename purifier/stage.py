@@ -255,6 +255,12 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
                                f"{', '.join(runs) or 'none'}; check --run and storage.root)")
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
     raw_manifest = committed_manifest(raw_dir, RAW)  # schema version, no stray parts; parts are checked in Beam
+    if raw_manifest.extra.get("token_exact") is False and not raw_manifest.extra.get("purify_allowed"):
+        # an import re-tokenized from text (flows/import_cmd.py): its boundaries and log-probs are not the sampled ones
+        raise ShardError(f"{raw_dir}: imported from {raw_manifest.extra.get('source_format', 'text')} and re-tokenized "
+                         "(token_exact: false in its manifest): its token boundaries are not the sampled ones, so it is "
+                         "not purified for training; import it again into a new run with `cleaner import "
+                         "--allow-purify` to purify it anyway")
     checkpoint = Path(checkpoint or (resolve_recorded(cfg.storage.root, raw_manifest.inputs[0]) if raw_manifest.inputs
                                      else cfg.rollout.policy))
     staging_root = layout.iteration_dir(iteration) / STAGING
@@ -278,6 +284,10 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
     runner, runner_options = beam_runner(cfg)  # no local Dask cluster: one line before anything is written
     if cfg.purify.recompute in ("cpu", "vllm"):
         check_checkpoint(checkpoint)  # a truncated checkpoint: one line here, not a traceback in a Beam worker
+    if cfg.purify.recompute == "cpu" and runner.lower() in ("fnapirunner", "directrunner"):
+        from pipeline.devices import resolve_device  # the recompute runs in this process: one line here too
+
+        resolve_device(cfg.purify.device, "purify.device")
     staging_name = f"purify-{uuid.uuid4().hex[:8]}"
     staging = staging_root / staging_name
     staging_root.mkdir(parents=True, exist_ok=True)
@@ -291,7 +301,8 @@ def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, modes: lis
             tokenizer_dir=str(checkpoint), estimator=cfg.purify.advantage, dynamic_filter=cfg.purify.dynamic_filter,
             recompute=cfg.purify.recompute, checkpoint=str(checkpoint), temperature=cfg.rollout.temperature,
             sglang_url=cfg.rollout.sglang_url, vllm_urls=tuple(_vllm_urls(cfg, checkpoint)),
-            roc_group_size=roc_group_size(cfg), runner=runner, beam_options=tuple(runner_options)))
+            roc_group_size=roc_group_size(cfg), runner=runner, beam_options=tuple(runner_options),
+            device=cfg.purify.device))
         invalid = sorted(staging.glob(beam_pipeline.INVALID_DESTINATION + "-*.parquet"))
         if invalid or counters.get("invalid_parts"):
             reasons = sorted(r for f in invalid for r in pq.read_table(f).column("reason").to_pylist())

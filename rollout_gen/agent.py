@@ -22,7 +22,7 @@ from pipeline.config import RolloutConfig
 from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
 from pipeline.engines.base import Engine, Generation, Request, SamplingParams, ScoreRequest
-from rollout_gen.rewards import overlong_penalty, reward
+from rollout_gen.rewards import overlong_penalty, reward_outcome
 from pipeline.answers import last_boxed
 from rollout_gen.scheduler import Progress, Scheduler
 from rollout_gen.tasks import Task
@@ -32,6 +32,41 @@ def unit_hash(*parts: object) -> float:
     """A reproducible number in [0, 1) from ids: the SAAR gate coin and sampling seeds."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
+
+
+# What a raw shard's manifest records as its rows' seeding. Shards without it were sampled with one seed for a
+# position's retries and the turn after them (docs/saar.md, "Seeds").
+SEEDING = "per-attempt"
+
+
+def generation_seed(run_seed: int, lv: "_Live") -> int:
+    """The seed of the generation `lv` asks for next: a pure function of (run seed, prompt, sample, turn, attempt).
+
+    A retry does not advance `lv.turns` (it replaces the turn), so the attempt index is what tells a position's
+    retries apart from each other and from the next ordinary turn; without it they all drew the same noise and a
+    failed retry tended to be sampled again (docs/saar.md, "Seeds")."""
+    attempt = len(lv.open_pos.attempts) if lv.retry_pending and lv.open_pos is not None else 0
+    return int(unit_hash("sample", run_seed, lv.task.prompt_id, lv.sample_idx, lv.turns, attempt) * 2**62)
+
+
+def model_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> str:
+    """What the policy wrote in a lived sequence: its sampled tokens (mask 1), tool responses left out. Rewards and
+    answers are read from it, so a program's output (a printed `\\boxed{…}` or code block) never decides them."""
+    return chat.decode([i for i, m in zip(ids, mask) if m])
+
+
+# Draws(run seed, samples) -> one (sample index, seed) per sample of a task: what its SAAR gate coin and its
+# generation seeds hash. A training group draws samples 0..k-1 of the run's seed; an evaluation with k samples
+# draws sample 0 of k runs at seeds s, s+1, … (so avg@k is the mean of k one-sample evaluations).
+Draws = Callable[[int, int], list[tuple[int, int]]]
+
+
+def group_draws(run_seed: int, samples: int) -> list[tuple[int, int]]:
+    return [(s, run_seed) for s in range(samples)]
+
+
+def one_sample_runs(run_seed: int, samples: int) -> list[tuple[int, int]]:
+    return [(0, run_seed + s) for s in range(samples)]
 
 
 @dataclass
@@ -110,7 +145,8 @@ class AgentLoop:
         """Tokens the next turn may take. A retry replaces the open turn: it may use that turn's room,
         less the reasoning prefix a shallow splice would keep (so the lived sequence stays in budget); a
         retry that an importance-ratio rollback may append after it has only the room left."""
-        if lv.retry_pending and lv.open_pos is not None and self.saar.rollback != "importance":
+        replaces = self.saar.live_mode == "purified" and self.saar.rollback != "importance"
+        if lv.retry_pending and lv.open_pos is not None and replaces:
             return self.cfg.max_response_tokens - lv.open_start - max(lv.current.call_start, 0)
         return self.cfg.max_response_tokens - len(lv.ids)
 
@@ -228,6 +264,18 @@ class AgentLoop:
         else:
             pos.outcome = "not_retried"
         att.feedback_ids = self.chat.feedback_ids(text)
+        # An error a retry replaces (live purified, rollback by similarity) is only the retry's context, as in the
+        # reference's rollback: it is not length-checked. Any other tool response stays in the lived sequence, and
+        # one that would reach the budget is not shown: the trajectory ends there (the reference's check before it
+        # appends a tool response), so the lived sequence never passes max_response_tokens. Its result stays on
+        # the attempt (att.result.text); a retry that was due becomes a position cut by a limit.
+        replaced = not close and self.saar.live_mode == "purified" and self.saar.rollback != "importance"
+        if not replaced and len(lv.ids) + len(att.feedback_ids) >= self.cfg.max_response_tokens:
+            att.feedback_ids = []
+            if not close:
+                pos.outcome = "truncated"
+            lv.finish("length")
+            return
         lv.append(att.feedback_ids, False)
         if close:
             lv.tool_turns += 1
@@ -255,25 +303,31 @@ class AgentLoop:
 
     @staticmethod
     def _seed(lv: _Live, identity: RolloutIdentity) -> int:
-        return int(unit_hash("sample", identity.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
+        return generation_seed(lv.seed, lv)
 
     # ---- the whole batch --------------------------------------------------------------------
     def run(self, tasks: list[Task], identity: RolloutIdentity,
-            progress: Callable[[int, int, str], None] | None = None) -> list[Trajectory]:
-        g = self.cfg.samples_per_prompt
+            progress: Callable[[int, int, str], None] | None = None, samples: int | None = None,
+            draws: Draws = group_draws) -> list[Trajectory]:
+        """Task-major trajectories, `samples` per task (default rollout.samples_per_prompt): task i's sample s at
+        i * samples + s, with sample_idx s, drawn as `draws` says."""
         lives: list[_Live] = []
         for task in tasks:
             prompt = self.chat.prompt_ids(task.question)
-            for s in range(g):
-                coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, s, identity.seed)
-                lv = _Live(task, s, identity.seed, coin < self.saar.gate_p, prompt)
+            for index, seed in draws(identity.seed, samples or self.cfg.samples_per_prompt):
+                coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, index, seed)
+                lv = _Live(task, index, seed, coin < self.saar.gate_p, prompt)
                 if len(prompt) > self.cfg.max_prompt_tokens:
                     lv.finish("prompt_too_long")
                 lives.append(lv)
         params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
                                 tuple(sorted(self.chat.stop_ids)))
         self._async(lives, params, identity, progress)
-        return [self._trajectory(lv, identity) for lv in lives]
+        per_task = samples or self.cfg.samples_per_prompt
+        out = [self._trajectory(lv, identity) for lv in lives]
+        for i, t in enumerate(out):
+            t.sample_idx = i % per_task
+        return out
 
     def _async(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
                progress: Callable[[int, int, str], None] | None) -> None:
@@ -315,10 +369,12 @@ class AgentLoop:
         sched.run([trajectory(i, lv) for i, lv in enumerate(lives)])
 
     def _trajectory(self, lv: _Live, identity: RolloutIdentity) -> Trajectory:
-        text = self.chat.decode(lv.ids)
+        text = model_text(self.chat, lv.ids, lv.mask)
+        why = ""
         try:
-            score = reward(lv.task, text, self.sandbox) + overlong_penalty(
-                len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer)
+            outcome = reward_outcome(lv.task, text, self.sandbox)
+            score, why = outcome.value + overlong_penalty(
+                len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer), outcome.reason[:300]
         except Exception as e:  # a reward that cannot be computed is this trajectory's failure, not the batch's
             score = -1.0
             lv.finish_reason = f"reward_error: {type(e).__name__}: {e}"[:300]
@@ -332,5 +388,6 @@ class AgentLoop:
             saar_gate=lv.gate, gate_p=self.saar.gate_p, live_mode=self.saar.live_mode,
             gamma_live=self.saar.gamma_live, max_retries=self.saar.max_retries, prompt_ids=lv.prompt,
             lived_ids=lv.ids, lived_mask=lv.mask, lived_logprobs=lv.logprobs, positions=lv.positions,
-            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=score, finish_reason=lv.finish_reason, stats=lv.stats,
+            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=score, finish_reason=lv.finish_reason,
+            stats=lv.stats, reward_reason=why,
         )

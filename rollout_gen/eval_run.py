@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from pipeline.chat import ChatFormat, load_chat
 from pipeline.config import CleanerConfig
-from pipeline.engines.base import SamplingParams
 from pipeline.progress import StageProgress
 from pipeline.trajectory import Trajectory
-from rollout_gen.agent import AgentLoop, RolloutIdentity, _Live, unit_hash
+from rollout_gen.agent import AgentLoop, RolloutIdentity, model_text, one_sample_runs
 from rollout_gen.evaluate import benchmark_metrics, world_metrics
 from rollout_gen.lcb import LCBFormatError, extract_code, parse_tests
 from rollout_gen.sandbox import SandboxPool
@@ -42,39 +41,6 @@ def check_samples(cfg: CleanerConfig, samples: int, name: str = "--samples") -> 
         raise EvalError(f"{name} {samples}: above rollout.engine_tuning.max_in_flight ({cfg.rollout.engine_tuning.max_in_flight}), the most "
                         f"requests the engine runs at once (a task's samples are batched together); lower {name} "
                         "or raise rollout.engine_tuning.max_in_flight")
-
-
-class SampledLoop(AgentLoop):
-    """AgentLoop with k samples per task in one batch, each seeded as its own one-sample run."""
-
-    @staticmethod
-    def _seed(lv: _Live, identity: RolloutIdentity) -> int:
-        # AgentLoop seeds from the run's seed and the sample index; here every sample is index 0 of the
-        # run at its own seed (lv.seed = rollout.seed + s), which is what a one-sample run at that seed uses
-        return int(unit_hash("sample", lv.seed, lv.task.prompt_id, lv.sample_idx, lv.turns) * 2**62)
-
-    def run_samples(self, tasks: list[Task], identity: RolloutIdentity, samples: int,
-                    progress: Callable[[int, int, str], None] | None = None) -> list[Trajectory]:
-        """Task-major trajectories: task i's sample s at i * samples + s (its sample_idx is s)."""
-        lives: list[_Live] = []
-        for task in tasks:
-            prompt = self.chat.prompt_ids(task.question)
-            for s in range(samples):
-                seed = identity.seed + s
-                coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, 0, seed)
-                lv = _Live(task, 0, seed, coin < self.saar.gate_p, prompt)
-                if len(prompt) > self.cfg.max_prompt_tokens:
-                    lv.finish("prompt_too_long")
-                lives.append(lv)
-        params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
-                                tuple(sorted(self.chat.stop_ids)))
-        self._async(lives, params, identity, progress)
-        out = []
-        for i, lv in enumerate(lives):
-            t = self._trajectory(lv, replace(identity, seed=lv.seed))
-            t.sample_idx = i % samples
-            out.append(t)
-        return out
 
 
 class _Clock:
@@ -169,7 +135,9 @@ def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samp
     t0 = time.perf_counter()
     try:
         with SandboxPool(cfg.rollout.sandbox) as sandbox, (bar or contextlib.nullcontext()):
-            trajectories = SampledLoop(engine, sandbox, chat, cfg.rollout).run_samples(tasks, identity, samples, clock)
+            # each sample is a one-sample run at its own seed (rollout.seed + s), as avg@k is defined
+            trajectories = AgentLoop(engine, sandbox, chat, cfg.rollout).run(tasks, identity, clock, samples,
+                                                                             one_sample_runs)
     finally:
         engine.close()
     wall = time.perf_counter() - t0
@@ -187,6 +155,6 @@ def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samp
         "saar_live_mode": cfg.rollout.saar.live_mode, "max_retries": cfg.rollout.saar.max_retries,
         "world": cfg.world.model_dump(), "policy_version": identity.policy_version,
     }
-    codes = [extract_code(chat.decode(t.lived_ids)) if tasks[i // samples].kind == "code" else ""
+    codes = [extract_code(model_text(chat, t.lived_ids, t.lived_mask)) if tasks[i // samples].kind == "code" else ""
              for i, t in enumerate(trajectories)]
     return EvalRun(metrics, tasks, samples, trajectories, codes)

@@ -18,6 +18,10 @@ def world_metrics(trajectories: list[Trajectory], wall_s: float) -> dict:
     well_formed = sum(a.call_status == "ok" for a in call_turns)
     firsts = [p.attempts[0] for t in trajectories for p in t.positions]
     first_failed = [a for a in firsts if a.failed]
+    # The very first call is sampled in the same context whatever SAAR does at test time: its failure rate is the
+    # one protocol-free error metric (with SAAR off a failed call closes its position and the next call opens
+    # another, so the per-position rate above counts calls there and positions under SAAR on).
+    very_first = [t.positions[0].attempts[0] for t in trajectories if t.positions]
     retries = [(p.attempts[i - 1], p.attempts[i]) for t in trajectories for p in t.positions
                for i in range(1, len(p.attempts))]
     retry_ok = sum(1 for _, r in retries if r.result is not None and not r.failed)
@@ -33,6 +37,8 @@ def world_metrics(trajectories: list[Trajectory], wall_s: float) -> dict:
         "well_formed_call_rate": well_formed / max(1, len(call_turns) + len(malformed)),
         "tool_calls": len(call_turns),
         "first_call_failure_rate": len(first_failed) / max(1, len(firsts)),
+        "very_first_call_failure_rate": sum(a.failed for a in very_first) / max(1, len(very_first)),
+        "very_first_calls": len(very_first),
         "first_call_failures_by_label": dict(sorted(labels.items())),
         "first_call_failures_per_trajectory": len(first_failed) / max(1, n),
         "retries": len(retries),

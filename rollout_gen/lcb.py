@@ -1,32 +1,44 @@
-"""LiveCodeBench code generation, scored as LiveCodeBench scores it, and its custom-evaluation export.
+"""LiveCodeBench code generation, scored as LiveCodeBench's own harness scores it, and its custom-evaluation export.
 
-Checked against LiveCodeBench's own code at commit 28fef95 (2025-07-16; lcb_runner/evaluation/testing_util.py,
-lcb_runner/benchmarks/code_generation.py, lcb_runner/runner/custom_evaluator.py):
+Reproduces the harness at commit 28fef95 (2025-07-16) of github.com/LiveCodeBench/LiveCodeBench
+(lcb_runner/evaluation/testing_util.py and compute_code_generation_metrics.py), quirks included, because every
+published LiveCodeBench number is made with them (docs/eval.md lists them, and what still differs):
 - the program is the text between the last two lines holding ``` (extraction_utils.extract_code);
-- a problem counts as solved only when every test passes;
-- stdin tests (no `func_name` in the problem's metadata): the program runs with the test's input on stdin,
-  after LiveCodeBench's prelude of star imports; its stdout matches when, after stripping, it has as many
-  lines as the expected output and each line is equal, or equal as a list of Decimals;
-- call-based tests (LeetCode): the code runs as a module after the prelude; with `class Solution` in it,
-  the method `func_name` of a `Solution()` is called, else the module's function; each input line is one
-  JSON argument, the output is JSON, a tuple result is compared as a list;
-- a per-test time limit (LiveCodeBench's default is 6 s): here the sandbox's `timeout_s`.
+- all of a program's tests run one after the other in one process, each under a 6 s alarm, the whole run under
+  (6 + 1) × tests + 5 s; the first runtime error or time-out ends the run; the problem is solved when every
+  test passes;
+- stdin programs are rewritten into a function (imports hoisted, a last `if __name__ == '__main__':` block
+  unwrapped) after LiveCodeBench's prelude of star imports, and called with its stand-ins for stdin and
+  `open` and with stdout captured in a StringIO; the output matches when, stripped, it has as many lines as
+  the expected output and each line is equal, or equal as a list of Decimals;
+- call-based (LeetCode) programs run as a module after the prelude; with `class Solution` in the text one
+  `Solution()` serves every test; each input line is one JSON argument; a tuple result counts as a list;
+- the harness's guard: `quit` is None, so are the os functions it removes; ints print up to 50,000 digits.
 
-Model code never runs in this process: every test is its own call into the sandbox pool (a trusted harness
-around the program, run there); the harness reports its verdict on a line that starts with a per-call nonce.
-Unlike LiveCodeBench, a stdin program runs as a script (its `if __name__ == "__main__":` block included)
-rather than wrapped in a function, and `open(0)` is not mocked.
+Verdicts a program cannot forge: the expected outputs never enter the process that runs model code. The
+sandboxed run (RUNNER, in the sandbox) only reports what the program produced — each test's captured stdout,
+or its return value as tagged plain data — on a channel of lines; the comparison with the expected output
+happens here, in the pipeline's process (`_compare`).
 """
 from __future__ import annotations
 
 import base64
 import io
 import json
+import math
 import pickle
-import secrets
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+TIME_LIMIT_S = 6.0  # the harness's default `timeout` per test (and per compile)
+INT_MAX_STR_DIGITS = 50_000  # compute_code_generation_metrics raises the int<->str digit limit to this
+# The harness sets no memory limit. A cap stays here so that one runaway program cannot take the machine the
+# rollout runs on: 4 GiB of address space, the figure the harness's own comment names (docs/eval.md).
+MEMORY_MB = 4096
+# What one test may print, and what all of a program's tests may print together (the harness keeps it in
+# memory, uncapped): past it the test, or the tests left without a result, fail as "output limit exceeded".
+OUTPUT_LIMIT_MB = 32
 
 # LiveCodeBench's import_string: star imports then plain imports, so programs that use `sqrt`, `deque`,
 # `lru_cache` … without importing them run as they do there.
@@ -34,59 +46,257 @@ _MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy"
             "itertools", "functools", "operator", "io", "sys", "json")
 PRELUDE = ("".join(f"from {m} import *\n" for m in (*_MODULES, "builtins", "typing"))
            + "".join(f"import {m}\n" for m in _MODULES) + "sys.setrecursionlimit(50000)\n")
+# What the harness's reliability_guard sets to None before the program runs (os.kill … os.chdir).
+_GUARDED_OS = ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
+               "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
+               "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir")
+_GUARDED_MODULES = ("ipdb", "joblib", "resource", "psutil", "tkinter")
 
-# The trusted side of one test, run in the sandbox around the model's program (passed in `_spec`).
-_HARNESS = r'''import io as _io, json as _json, sys as _sys
-from decimal import Decimal as _Decimal
-_spec = _json.loads(%r)
-def _lines(s):
-    return [x.strip() for x in s.strip().split("\n")]
-def _decimals(line):
+# The sandboxed side of one program's run. It knows the program, the test inputs and the time limit, never an
+# expected output; it writes one JSON line per event to a private copy of fd 1 (fd 1 itself goes to /dev/null,
+# as the harness's real stdout is not what it compares). Lines: {"test": i, "stdout": text} or
+# {"test": i, "value": tagged data}, {"test": i, "error": why} (ends the run), {"fatal": why} (no test ran).
+RUNNER = r'''
+import ast as _ast, builtins as _builtins, io as _io, json as _json, os as _os, signal as _signal, sys as _sys
+import types as _types
+from unittest.mock import mock_open as _mock_open, patch as _patch
+
+_spec = _json.loads(__SPEC__)
+_channel = _os.dup(1)
+_null = _os.open(_os.devnull, _os.O_WRONLY)
+_os.dup2(_null, 1)
+_os.close(_null)
+_write, _setitimer, _ITIMER_REAL = _os.write, _signal.setitimer, _signal.ITIMER_REAL
+
+
+def _emit(record):
+    data = (_json.dumps(record) + "\n").encode()
+    while data:
+        data = data[_write(_channel, data):]
+
+
+class TimeoutException(Exception):  # the harness's name: it tells a time-out by "timeoutexception" in repr(e)
+    pass
+
+
+class OutputLimitExceeded(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise TimeoutException
+
+
+_capture = [None]  # the running test's captured stdout, watched for a flood on a CPU-time tick
+
+
+def _on_tick(signum, frame):
+    captured = _capture[0]
+    if captured is not None and captured.tell() > _spec["output_limit"]:
+        raise OutputLimitExceeded  # on every tick while it lasts: a program that catches it cannot go on for long
+
+
+def _alarm(seconds):
+    _setitimer(_ITIMER_REAL, seconds)
+    _setitimer(_signal.ITIMER_PROF, 0.05 if seconds else 0, 0.05 if seconds else 0)
+
+
+_source = [""]  # the text being run, to name the line an error came from
+
+
+def _failure(e):
+    if "timeoutexception" in repr(e).lower():
+        return "time limit exceeded"
+    if isinstance(e, OutputLimitExceeded):
+        return "output limit exceeded"
+    why = "runtime error: " + type(e).__name__
     try:
-        return [_Decimal(x) for x in line.split()]
+        why += (": " + str(e))[:120] if str(e) else ""
+        tb, line = e.__traceback__, 0
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == "<string>":
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        text = _source[0].split("\n")[line - 1].strip() if line else ""
+        return why + (" (at `" + text[:120] + "`)" if text else "")
     except Exception:
-        return None
-def _same(got, want):
-    a, b = _lines(got), _lines(want)
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x != y:
-            dx, dy = _decimals(x), _decimals(y)
-            if dx is None or dy is None or dx != dy:
-                return False
-    return True
-_captured = _io.StringIO()
-_sys.stdout = _captured
-_ok, _why = False, "wrong answer"
-try:
-    if _spec["fn"] is None:
-        _sys.stdin = _io.TextIOWrapper(_io.BytesIO(_spec["input"].encode()), encoding="utf-8")
-        _ns = {"__name__": "__main__"}
-        exec(_spec["prelude"], _ns)
+        return why
+
+
+class _StdinBuffer:  # the harness's stand-in for sys.stdin.buffer: all of it, or its first line, every time
+    def __init__(self, text):
+        self.data = text.encode("utf-8")
+
+    def read(self, *args):
+        return self.data
+
+    def readline(self, *args):
+        return self.data.split(b"\n")[0] + b"\n"
+
+
+class _Stdin:  # the harness's stand-in for sys.stdin: read() is all of it (even after readline()), not iterable
+    def __init__(self, text):
+        self.text = text
+        self._lines = _io.StringIO(text)
+        self.buffer = _StdinBuffer(text)
+
+    def read(self, *args):
+        return self.text
+
+    def readline(self, *args):
+        return self._lines.readline(*args)
+
+    def readlines(self, *args):
+        return self.text.split("\n")
+
+    def __getattr__(self, name):
+        return getattr(self._lines, name)
+
+
+def _as_function(code):
+    """The harness's rewrite of a stdin program: a last `if __name__ == '__main__':` block unwrapped, top-level
+    imports hoisted after the prelude, every other statement the body of `wrapped_function`."""
+    try:
+        tree = _ast.parse(code)
+        last = tree.body[-1]
+        if isinstance(last, _ast.If) and _ast.unparse(last.test).strip() == "__name__ == '__main__'":
+            code = _ast.unparse(tree.body[:-1]) + "\n" + _ast.unparse(last.body)
+    except Exception:
+        pass
+    try:
+        tree = _ast.parse(code)
+        imports = [s for s in tree.body if isinstance(s, (_ast.Import, _ast.ImportFrom))]
+        body = [s for s in tree.body if not isinstance(s, (_ast.Import, _ast.ImportFrom))]
+        fn = _ast.FunctionDef(name="wrapped_function", body=body, decorator_list=[], lineno=-1,
+                              args=_ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[]))
+        return _spec["prelude"] + "\n" + _ast.unparse(imports) + "\n" + _ast.unparse(fn)
+    except Exception:
+        return code
+
+
+def _load(code):
+    _source[0] = code
+    _alarm(_spec["time_limit"])
+    try:
+        module = _types.ModuleType("tmp_sol", "")
+        exec(code, module.__dict__)
+        return module.Solution() if "class Solution" in code else module
+    finally:
+        _alarm(0)
+
+
+def _call_with_stdin(method, text):
+    lines = iter(text.split("\n"))
+    # Entered in the harness's order: the real stdin's read/readlines/readline first (what `from sys import stdin`
+    # holds), then sys.stdin itself, then builtins.open (programs see the prelude's own `open`, unpatched).
+    with _patch("sys.stdin.read", lambda *a: text), _patch("sys.stdin.readlines", lambda *a: text.split("\n")), \
+            _patch("sys.stdin.readline", lambda *a: next(lines)), _patch("sys.stdin", _Stdin(text)), \
+            _patch("builtins.open", _mock_open(read_data=text)):
         try:
-            exec(compile(_spec["code"], "<solution>", "exec"), _ns)
+            method()
         except SystemExit:
             pass
-        _ok = _same(_captured.getvalue(), _spec["output"])
-    else:
-        _ns = {"__name__": "tmp_sol"}
-        exec(compile(_spec["prelude"] + "\n\n" + _spec["code"], "<solution>", "exec"), _ns)
-        _obj = _ns["Solution"]() if "class Solution" in _spec["code"] else None
-        _method = getattr(_obj, _spec["fn"], None) if _obj is not None else _ns.get(_spec["fn"])
-        if _method is None:
-            _why = "no function " + _spec["fn"]
+
+
+class _Unplain(Exception):
+    pass
+
+
+def _tagged(v, depth=0):
+    """A return value as JSON that keeps Python's equality: a JSON object is always a tag."""
+    if depth > 500:
+        raise _Unplain("nested too deeply")
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        return v if -2**53 < v < 2**53 else {"int": hex(v)}
+    if t is float:
+        return v if v == v and v not in (float("inf"), float("-inf")) else {"float": repr(v)}
+    if t is list:
+        return [_tagged(x, depth + 1) for x in v]
+    if t is tuple:
+        return {"tuple": [_tagged(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"dict": [[_tagged(k, depth + 1), _tagged(x, depth + 1)] for k, x in v.items()]}
+    if t is set or t is frozenset:
+        return {t.__name__: [_tagged(x, depth + 1) for x in v]}
+    if t is bytes:
+        return {"bytes": v.hex()}
+    numpy = _sys.modules.get("numpy")
+    if numpy is not None and isinstance(v, numpy.generic) and not isinstance(v, numpy.ndarray):
+        if isinstance(v, numpy.bool_):
+            return bool(v)
+        if isinstance(v, numpy.integer):
+            return _tagged(int(v), depth)
+        if isinstance(v, numpy.floating):
+            return _tagged(float(v), depth)
+    raise _Unplain("returned a " + t.__name__ + ", not plain data")
+
+
+def _main():
+    _sys.set_int_max_str_digits(_spec["digits"])
+    _signal.signal(_signal.SIGALRM, _on_alarm)
+    _signal.signal(_signal.SIGPROF, _on_tick)
+    if "numpy" in _spec["code"]:  # the harness has numpy loaded before its guard (which numpy's import trips)
+        import numpy
+    _builtins.quit = None
+    _os.environ["OMP_NUM_THREADS"] = "1"
+    for name in _spec["guarded_os"]:
+        setattr(_os, name, None)
+    _builtins.help = None
+    for name in _spec["guarded_modules"]:
+        _sys.modules[name] = None
+    fn = _spec["fn"]
+    try:
+        if fn is None:
+            method = getattr(_load(_as_function(_spec["code"])), "wrapped_function", None)
+            if method is None:
+                return _emit({"fatal": "no function wrapped_function"})
         else:
-            _args = [_json.loads(line) for line in _spec["input"].split("\n")]
-            _got = _method(*_args)
-            if isinstance(_got, tuple):
-                _got = list(_got)
-            _ok = _got == _json.loads(_spec["output"])
-except BaseException as _e:
-    _why = "runtime error: " + type(_e).__name__
-_sys.stdout = _sys.__stdout__
-_sys.__stdout__.write("\n" + _spec["nonce"] + _json.dumps([bool(_ok), "" if _ok else _why]) + "\n")
-_sys.__stdout__.flush()
+            sol = _load(_spec["prelude"] + "\n\n" + _spec["code"])
+            method = getattr(sol, fn) if hasattr(sol, fn) else None
+            if method is None:
+                return _emit({"fatal": "no function " + fn})
+            calls = [[_json.loads(line) for line in text.split("\n")] for text in _spec["inputs"]]
+    except BaseException as e:
+        return _emit({"fatal": _failure(e)})
+    for i, text in enumerate(_spec["inputs"]):
+        if fn is None:
+            captured = _io.StringIO()
+            captured.close = lambda _unused: 1  # the harness's no-op close (which takes an argument)
+            saved = _sys.stdout
+            _sys.stdout = _capture[0] = captured
+            _alarm(_spec["time_limit"])
+            try:
+                _call_with_stdin(method, text)
+                _alarm(0)
+            except BaseException as e:
+                _alarm(0)
+                _sys.stdout, _capture[0] = saved, None
+                return _emit({"test": i, "error": _failure(e)})
+            _sys.stdout, _capture[0] = saved, None
+            if captured.tell() > _spec["output_limit"]:
+                return _emit({"test": i, "error": "output limit exceeded"})
+            _emit({"test": i, "stdout": captured.getvalue()})
+        else:
+            _alarm(_spec["time_limit"])
+            try:
+                got = method(*calls[i])
+                _alarm(0)
+            except BaseException as e:
+                _alarm(0)
+                return _emit({"test": i, "error": _failure(e)})
+            if isinstance(got, tuple):
+                got = list(got)
+            try:
+                _emit({"test": i, "value": _tagged(got)})
+            except (_Unplain, RecursionError, ValueError) as e:
+                _emit({"test": i, "error": "wrong answer: " + (str(e) if isinstance(e, _Unplain) else "unreadable")})
+
+
+_main()
+_os._exit(0)
 '''
 
 
@@ -110,8 +320,19 @@ class CodeTests:
 
 @dataclass(frozen=True)
 class TestResult:
+    __test__ = False  # a result, not a pytest test class
+
     passed: bool
     why: str = ""  # "" when passed; wrong answer, runtime error: X, time limit exceeded, …
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A response's score and, when it is not a full pass, why (the first failed test's reason)."""
+
+    score: float
+    reason: str = ""
+    results: list[TestResult] = field(default_factory=list)
 
 
 def parse_tests(ground_truth: str) -> CodeTests:
@@ -174,49 +395,163 @@ def extract_code(text: str) -> str:
     return "\n".join(lines[fences[-2] + 1: fences[-1]])
 
 
-def _run_one(sandbox, program: str, tests: CodeTests, i: int) -> TestResult:
-    nonce = "@@lcb-" + secrets.token_hex(8) + "@@"
-    spec = {"code": program, "input": tests.inputs[i], "output": tests.outputs[i], "fn": tests.fn_name,
-            "prelude": PRELUDE, "nonce": nonce}
-    ex = sandbox.execute(_HARNESS % json.dumps(spec))
+# ---- the comparison, in this process --------------------------------------------------------------------
+
+def _lines(text: str) -> list[str]:
+    return [x.strip() for x in text.strip().split("\n")]
+
+
+def _decimals(line: str) -> list[Decimal] | None:
+    try:
+        return [Decimal(x) for x in line.split()]
+    except Exception:  # noqa: BLE001 - the harness treats any failure as "not numbers"
+        return None
+
+
+def stdout_matches(got: str, want: str) -> bool:
+    """The harness's rule: the same number of stripped lines, each equal or equal as a list of Decimals."""
+    a, b = _lines(got), _lines(want)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x != y:
+            dx, dy = _decimals(x), _decimals(y)
+            if dx is None or dy is None or dx != dy:
+                return False
+    return True
+
+
+def _int(digits: str) -> int:
+    """A JSON integer as the harness reads it (its digit limit, 50,000), whatever this process's limit is."""
+    sign, body = (-1, digits[1:]) if digits.startswith("-") else (1, digits)
+    if len(body) > INT_MAX_STR_DIGITS:
+        raise ValueError(f"an integer of {len(body)} digits (the harness reads at most {INT_MAX_STR_DIGITS})")
+    value = 0
+    for start in range(0, len(body), 4000):
+        chunk = body[start:start + 4000]
+        value = value * 10 ** len(chunk) + int(chunk)
+    return sign * value
+
+
+def expected_value(text: str) -> object:
+    """An expected call-based output: JSON, read as the harness reads it."""
+    return json.loads(text, parse_int=_int)
+
+
+def _untagged(v: object, depth: int = 0) -> object:
+    if depth > 600:
+        raise ValueError("nested too deeply")
+    if isinstance(v, list):
+        return [_untagged(x, depth + 1) for x in v]
+    if not isinstance(v, dict):
+        return v
+    (tag, payload), = v.items()
+    if tag == "int":
+        return int(payload, 16)
+    if tag == "float":
+        return float(payload)
+    if tag == "bytes":
+        return bytes.fromhex(payload)
+    items = [_untagged(x, depth + 1) for x in payload]
+    if tag == "tuple":
+        return tuple(items)
+    if tag == "set":
+        return set(items)
+    if tag == "frozenset":
+        return frozenset(items)
+    if tag == "dict":
+        return dict(items)
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _compare(record: dict, want: str, call_based: bool) -> TestResult:
+    if "error" in record:
+        return TestResult(False, str(record["error"]))
+    try:
+        if call_based:
+            got = _untagged(record["value"])
+            same = got == expected_value(want)
+            if not isinstance(same, bool):
+                raise ValueError("not plain data")
+        else:
+            same = stdout_matches(str(record["stdout"]), want)
+    except Exception as e:  # noqa: BLE001 - a record the program garbled is its wrong answer, never a pass
+        return TestResult(False, f"wrong answer: unreadable result ({type(e).__name__})")
+    return TestResult(True) if same else TestResult(False, "wrong answer")
+
+
+def _records(stdout: str) -> list[dict]:
+    out = []
+    for line in stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def run_tests(program: str, tests: CodeTests, sandbox, time_limit_s: float = TIME_LIMIT_S) -> list[TestResult]:
+    """Every test of one program, in one sandbox call, as the harness runs them; compared here."""
+    n = len(tests.inputs)
+    spec = {"code": program, "inputs": tests.inputs, "fn": tests.fn_name, "prelude": PRELUDE,
+            "time_limit": time_limit_s, "digits": INT_MAX_STR_DIGITS, "output_limit": OUTPUT_LIMIT_MB * 2**20,
+            "guarded_os": _GUARDED_OS, "guarded_modules": _GUARDED_MODULES}
+    ex = sandbox.execute(RUNNER.replace("__SPEC__", repr(json.dumps(spec)), 1),
+                         timeout_s=(math.ceil(time_limit_s) + 1) * n + 5, memory_mb=MEMORY_MB,
+                         max_file_mb=OUTPUT_LIMIT_MB, output_chars=OUTPUT_LIMIT_MB * 2**20)
     if ex.infra_error is not None:  # never blamed on the program: the reward says so (reward_error)
-        raise RuntimeError(f"the sandbox could not run test {i}: {ex.infra_error}")
-    if ex.timed_out:
-        return TestResult(False, "time limit exceeded")
-    for line in reversed(ex.stdout.splitlines()):
-        if line.startswith(nonce):
-            ok, why = json.loads(line[len(nonce):])
-            return TestResult(bool(ok), why)
-    return TestResult(False, f"no verdict (exit code {ex.exit_code})")
+        raise RuntimeError(f"the sandbox could not run the tests: {ex.infra_error}")
+    results: dict[int, TestResult] = {}
+    ended = ""
+    for record in _records(ex.stdout):
+        if "fatal" in record:
+            ended = str(record["fatal"])
+            break
+        i = record.get("test")
+        if not isinstance(i, int) or not 0 <= i < n or i in results:
+            continue
+        results[i] = _compare(record, tests.outputs[i], tests.fn_name is not None)
+        if "error" in record:
+            ended = "not run (an earlier test failed)"
+            break
+    if not ended:
+        if getattr(ex, "stdout_bytes", 0) >= OUTPUT_LIMIT_MB * 2**20 or "File too large" in ex.stderr:
+            ended = "output limit exceeded"
+        elif ex.timed_out:
+            ended = "time limit exceeded"
+        else:
+            ended = f"no result (the run ended with exit code {ex.exit_code})"
+    return [results.get(i) or TestResult(False, ended) for i in range(n)]
 
 
-def run_tests(program: str, tests: CodeTests, sandbox) -> list[TestResult]:
-    """Every test in the sandbox, `workers` at a time. A time limit exceeded ends the run: the tests not yet
-    started count as failed (LiveCodeBench stops at the first failure; a looping program would otherwise
-    cost the limit once per test)."""
-    workers = max(1, getattr(getattr(sandbox, "cfg", None), "workers", 1))
-    results: list[TestResult] = []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for start in range(0, len(tests.inputs), workers):
-            chunk = range(start, min(start + workers, len(tests.inputs)))
-            results += pool.map(lambda i: _run_one(sandbox, program, tests, i), chunk)
-            if any(r.why == "time limit exceeded" for r in results):
-                results += [TestResult(False, "not run (an earlier test timed out)")] * (len(tests.inputs) - len(results))
-                break
-    return results
+def judge(response_text: str, ground_truth: str, sandbox, time_limit_s: float = TIME_LIMIT_S) -> Verdict:
+    """Share of tests passed (1.0: solved as LiveCodeBench counts it) and why not all; −1 without a code block;
+    0 with the reason when the tests cannot be decoded (the program is never run)."""
+    program = extract_code(response_text)
+    if not program.strip():
+        return Verdict(-1.0, "no code block")
+    try:
+        tests = parse_tests(ground_truth)
+        if not tests.inputs:
+            raise LCBFormatError("no tests")
+        for i, want in enumerate(tests.outputs if tests.fn_name is not None else ()):
+            try:  # the harness reads every expected output before it runs a call-based program
+                expected_value(want)
+            except ValueError as e:
+                raise LCBFormatError(f"the output of test {i + 1} is not JSON ({e})") from None
+    except LCBFormatError as e:
+        return Verdict(0.0, f"tests cannot be decoded: {e}")
+    results = run_tests(program, tests, sandbox, time_limit_s)
+    failed = next(((i, r) for i, r in enumerate(results) if not r.passed), None)
+    reason = "" if failed is None else f"test {failed[0] + 1} of {len(results)}: {failed[1].why}"
+    return Verdict(sum(r.passed for r in results) / len(results), reason, results)
 
 
 def score(response_text: str, ground_truth: str, sandbox) -> float:
-    """Share of tests passed (1.0: solved as LiveCodeBench counts it); −1 without a code block or tests."""
-    program = extract_code(response_text)
-    try:
-        tests = parse_tests(ground_truth)
-    except LCBFormatError:
-        return -1.0
-    if not program.strip() or not tests.inputs:
-        return -1.0
-    results = run_tests(program, tests, sandbox)
-    return sum(r.passed for r in results) / len(results)
+    """judge()'s score: the training reward of a code task and its eval score."""
+    return judge(response_text, ground_truth, sandbox).score
 
 
 def custom_output(entries: list[tuple[str, list[str]]]) -> list[dict]:

@@ -11,6 +11,7 @@ against the box's letter, with or without `(...)` or `\\text{...}` around it.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from pipeline.answers import last_boxed
 from rollout_gen import lcb
@@ -55,16 +56,33 @@ def math_reward(response_text: str, ground_truth: str) -> float:
     return 1.0 if answer is not None and answers_match(answer, ground_truth) else -1.0
 
 
+@dataclass(frozen=True)
+class RewardOutcome:
+    """A reward and, when it is not full marks for a reason worth keeping, why (a code task's first failed
+    test, tests that cannot be decoded, a program that flooded its output or tried to fork)."""
+
+    value: float
+    reason: str = ""
+
+
 def code_reward(response_text: str, ground_truth: str, sandbox) -> float:
-    """Share of the tests passed, each judged as LiveCodeBench judges it and run in the sandbox
-    (rollout_gen/lcb.py); 1.0 is a problem LiveCodeBench counts as solved; −1 without a code block."""
+    """Share of the tests passed, each judged as LiveCodeBench's harness judges it (rollout_gen/lcb.py; the
+    program runs in the sandbox, the comparison happens here); 1.0 is a problem LiveCodeBench counts as solved;
+    −1 without a code block; 0 when the tests cannot be decoded."""
     return lcb.score(response_text, ground_truth, sandbox)
 
 
-def reward(task: Task, response_text: str, sandbox=None) -> float:
+def reward_outcome(task: Task, response_text: str, sandbox=None) -> RewardOutcome:
+    """The reward with its reason. The reward is decided from the response text and, for code, from what the
+    program printed or returned; the ground truth never reaches the sandbox (docs/sandbox.md)."""
     if task.kind == "code":
-        return code_reward(response_text, task.ground_truth, sandbox)
-    return math_reward(response_text, task.ground_truth)
+        verdict = lcb.judge(response_text, task.ground_truth, sandbox)
+        return RewardOutcome(verdict.score, verdict.reason)
+    return RewardOutcome(math_reward(response_text, task.ground_truth))
+
+
+def reward(task: Task, response_text: str, sandbox=None) -> float:
+    return reward_outcome(task, response_text, sandbox).value
 
 
 def overlong_penalty(response_tokens: int, max_tokens: int, buffer: int) -> float:

@@ -31,6 +31,7 @@ ERROR_LABELS = (  # docs/saar.md: the first that occurs in the error text names 
     "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
 )
 INFRA_LABEL = "sandbox_error"
+SCORING_TMPFS_MB = 128
 log = logging.getLogger(__name__)
 
 
@@ -54,6 +55,7 @@ class Execution:
     timed_out: bool = False
     duration_s: float = 0.0
     infra_error: str | None = None
+    stdout_bytes: int = 0  # how much the code wrote to stdout, before `stdout` was cut to the call's output_chars
 
 
 def error_label(text: str) -> str:
@@ -83,8 +85,9 @@ class _Worker:
     def __init__(self, idx: int, cfg: SandboxConfig, layers: Layers) -> None:
         self.idx = idx
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}  # no secrets of ours reach the worker
-        # Call directories share one tmpfs per worker: room for a few files at the size limit each.
-        options = {"layers": asdict(layers), "tmpfs_mb": max(64, 4 * cfg.max_file_mb)}
+        # Call directories share one tmpfs per worker: room for a few files at the size limit each, and for
+        # a benchmark scoring call's larger output (SCORING_TMPFS_MB; a tmpfs takes memory only as it fills).
+        options = {"layers": asdict(layers), "tmpfs_mb": max(SCORING_TMPFS_MB, 4 * cfg.max_file_mb)}
         self.proc = subprocess.Popen(
             [sys.executable, "-I", str(WORKER), str(idx), json.dumps(options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
@@ -158,18 +161,20 @@ class SandboxPool:
             self.replaced += 1
         return fresh
 
-    def execute(self, code: str) -> Execution:
-        """One call, retried on a fresh worker when the infrastructure fails."""
+    def execute(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+                max_file_mb: int | None = None, output_chars: int | None = None) -> Execution:
+        """One call, retried on a fresh worker when the infrastructure fails. The limits default to the
+        tool's (`rollout.sandbox`); scoring a benchmark passes the benchmark's own (rollout_gen/lcb.py)."""
         request = {
-            "code": code, "timeout_s": self.cfg.timeout_s, "memory_mb": self.cfg.memory_mb,
-            "max_processes": self.cfg.max_processes, "max_file_mb": self.cfg.max_file_mb,
-            "output_chars": self.cfg.output_chars,
+            "code": code, "timeout_s": timeout_s or self.cfg.timeout_s, "memory_mb": memory_mb or self.cfg.memory_mb,
+            "max_processes": self.cfg.max_processes, "max_file_mb": max_file_mb or self.cfg.max_file_mb,
+            "output_chars": output_chars or self.cfg.output_chars,
         }
         problem = "no attempt made"
         for _ in range(self.cfg.infra_retries + 1):
             worker = self._idle.get()
             try:
-                reply = worker.call(request, timeout=self.cfg.timeout_s + 30)
+                reply = worker.call(request, timeout=request["timeout_s"] + 30)
                 if reply is None or not worker.alive():
                     problem = f"worker {worker.idx} died or hung during the call"
                     worker = self._replace(worker)
@@ -178,7 +183,7 @@ class SandboxPool:
                     problem = reply.get("internal_error") or reply.get("setup_error") or "the sandbox could not be set up"
                     continue
                 return Execution(reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
-                                 reply["duration_s"])
+                                 reply["duration_s"], stdout_bytes=reply.get("stdout_bytes", 0))
             finally:
                 self._idle.put(worker)
         return Execution(infra_error=problem)

@@ -43,8 +43,10 @@ import time
 import traceback
 from contextlib import suppress
 
-# Warm imports the model's code commonly needs: the child inherits them already loaded.
+# Warm imports the model's code commonly needs: the child inherits them already loaded. unittest.mock holds the
+# stand-ins the LiveCodeBench scorer runs a program with (rollout_gen/lcb.py): 60 ms a program to import cold.
 import math, fractions, decimal, itertools, functools, collections, statistics, random, re, string  # noqa: E401,F401
+import ast, unittest.mock  # noqa: E401,F401
 
 try:  # a ctypes binding to the system's libseccomp (same API as libseccomp's own Python binding)
     import pyseccomp as seccomp
@@ -324,7 +326,7 @@ def _install_guard(workdir: str) -> None:
     """The Python-level second layer: readable refusals. Everything it uses is bound here, so code
     that patches module globals (os.path.realpath, the worker's constants) does not change it."""
     root = os.path.realpath(workdir)
-    realpath, fsdecode, readlink, join = os.path.realpath, os.fsdecode, os.readlink, os.path.join
+    realpath, fsdecode, readlink, join, devnull = os.path.realpath, os.fsdecode, os.readlink, os.path.join, os.devnull
     blocked, path_events, write_flags, error = BLOCKED_EVENTS, PATH_EVENTS, WRITE_FLAGS, PermissionError
 
     def inside(path: object, dir_fd: object = None) -> bool:
@@ -346,7 +348,7 @@ def _install_guard(workdir: str) -> None:
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & write_flags)
-            if writing and not inside(path):
+            if writing and not inside(path) and path != devnull:  # /dev/null discards; a scorer points fd 1 there
                 raise error(f"sandbox: writing {path!r} outside the working directory")
         elif event in path_events:
             if event == "os.rename":  # (src, dst, src_dir_fd, dst_dir_fd)

@@ -13,7 +13,7 @@ from pipeline.config import CleanerConfig
 from storage.errors import check_writable_root
 from pipeline.progress import StageProgress
 from pipeline.trajectory import Trajectory, trajectory_to_row
-from rollout_gen.agent import AgentLoop, RolloutIdentity
+from rollout_gen.agent import SEEDING, AgentLoop, RolloutIdentity
 from pipeline.engines import Engine
 from rollout_gen.sandbox import SandboxPool
 from rollout_gen.tasks import Task, TaskFileError, load_task_parquet
@@ -50,7 +50,7 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
     from rollout_gen.engines.cpu import CPUEngine
 
     return CPUEngine(checkpoint, threads=cfg.rollout.engine_tuning.threads, pad_id=chat.tokenizer.pad_token_id,
-                     kv_cache_tokens=cfg.rollout.engine_tuning.kv_cache_tokens)
+                     kv_cache_tokens=cfg.rollout.engine_tuning.kv_cache_tokens, device=cfg.rollout.device)
 
 
 def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,
@@ -110,4 +110,6 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
         generated = sum(t.stats.generated_tokens for t in trajectories)
         return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": version,
                          "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
-                         "prompt_too_long": too_long})
+                         "prompt_too_long": too_long,
+                         # how the rows were lived and seeded, for readers without run.json (replay)
+                         "saar": cfg.rollout.saar.model_dump(mode="json"), "seeding": SEEDING})

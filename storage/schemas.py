@@ -70,7 +70,7 @@ def _versioned(name: str, version: int, fields: list[tuple[str, pa.DataType]]) -
 # A trajectory's identity, the first columns of every row kind that describes one trajectory.
 IDENTITY = [("run_id", pa.string()), ("iteration", pa.int32()), ("prompt_id", pa.string()), ("sample_idx", pa.int32())]
 
-RAW = _versioned("raw", 1, [
+_RAW_V1_FIELDS = [
     *IDENTITY,
     ("policy_version", pa.string()),
     ("seed", pa.int64()),
@@ -92,7 +92,11 @@ RAW = _versioned("raw", 1, [
     ("reward", pa.float64()),
     ("finish_reason", pa.string()),
     ("stats", STATS),
-])
+]
+RAW_V1 = _versioned("raw", 1, _RAW_V1_FIELDS)
+# v2: why a reward is not full marks when the scorer says (a code task's first failed test, tests that cannot be
+# decoded, output over the limit); "" when it has nothing to say, NULL in rows written before
+RAW = _versioned("raw", 2, _RAW_V1_FIELDS + [("reward_reason", pa.string())])
 
 _PURIFIED_V1_FIELDS = [
     *IDENTITY,
@@ -138,7 +142,7 @@ METRICS = _versioned("metrics", 1, [
 ])
 
 # Earlier versions readers still accept, by the version they are read as; `upgrade` brings their rows to it.
-EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/2": {"purified/1": PURIFIED_V1}}
+EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/2": {"purified/1": PURIFIED_V1}, "raw/2": {"raw/1": RAW_V1}}
 
 
 def readable_as(found: str, want: pa.Schema) -> pa.Schema | None:

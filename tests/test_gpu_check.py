@@ -1,5 +1,13 @@
-"""scripts/gpu_check.sh --double: the GPU check's whole logic on a CPU machine, against the SGLang contract
-double (the CPU engine behind SGLang's /generate contract) started by the script as a server process.
+"""scripts/gpu_check.sh on a CPU machine: the device check's logic at tiny shapes (`--device cpu`), and the SGLang
+path's (`--sglang --double`) against the SGLang contract double (the CPU engine behind SGLang's /generate
+contract) started by the script as a server process.
+
+The device check (benchmarks/gpu_check.py), run as the GPU machine runs it, each section in a process of its own:
+rollout on the project's engine, recompute, the log-prob gap of the update's forward in fp32 and bf16, the local
+update and DeepSpeed ZeRO-2/3 on one rank (gloo here), each measured beside trainer/memory.py's estimate. What it
+cannot show here: any GPU figure (MFU, CUDA memory), which the report leaves empty on the CPU.
+
+The SGLang path:
 
 What this shows: the script runs two real iterations over HTTP (rollout, purify with SGLang recompute,
 local then DeepSpeed update, weight reload after each), measures the train/inference mismatch, and writes
@@ -16,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,7 +46,9 @@ SMALL = ["--checkpoint", str(DEFAULT_POLICY), "--tasks", "2", "rollout.samples_p
 
 
 def _script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    """The SGLang path (`--sglang`)."""
+    return subprocess.run(["bash", str(SCRIPT), "--sglang", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
 
 
 def _not_run(field) -> bool:
@@ -136,7 +147,7 @@ def test_the_server_dies_with_the_script(tmp_path, sig):
     (PR_SET_PDEATHSIG). The script execs its driver, so the pid bash gets is the driver's."""
     err = tmp_path / "stderr.txt"
     with open(err, "w") as f:
-        proc = subprocess.Popen(["bash", str(SCRIPT), "--double", "--out", str(tmp_path), *SMALL], cwd=ROOT,
+        proc = subprocess.Popen(["bash", str(SCRIPT), "--sglang", "--double", "--out", str(tmp_path), *SMALL], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=f)
     double = None
     deadline = time.monotonic() + 120
@@ -192,3 +203,143 @@ def test_no_gpu_without_double_is_one_line(tmp_path):
     line = _one_line(_script("--out", str(tmp_path / "out")))
     assert line.startswith("gpu_check: no CUDA GPU on this machine") and "--double" in line
     assert not (tmp_path / "out").exists() and not (ROOT / ".venv-sglang").exists()
+
+
+# ---- the device check (benchmarks/gpu_check.py), on the CPU at the tiny shape --------------------------------
+
+def _device_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}  # the machine's own Python (here the venv's)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+@pytest.fixture(scope="module")
+def device_checked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device-check")
+    done = _device_check("--device", "cpu", "--tokens", "256", "--generate", "32", "--rows", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((out / "report.json").read_text()), out, done
+
+
+@pytest.mark.slow
+def test_device_check_runs_every_section_on_the_cpu_and_measures_each(device_checked):
+    report, out, done = device_checked
+    names = [s["name"] for s in report["sections"]]
+    assert names == ["rollout tiny", "recompute tiny", "gap tiny", "update local bf16 tiny",
+                     "update deepspeed ZeRO-2 bf16 tiny", "update deepspeed ZeRO-3 bf16 tiny"]
+    assert all(s["ok"] for s in report["sections"]), [s.get("error") for s in report["sections"]]
+    assert "every section ok" in done.stderr.splitlines()[-1]
+    by = {s["name"]: s for s in report["sections"]}
+    roll = by["rollout tiny"]
+    assert roll["prompt_tokens"] == 256 - 32 and 0 < roll["generated_tokens"] <= 2 * 32
+    assert roll["tokens_per_s"] > 0 and roll["peak_bytes"] > 0
+    # the recompute and the update's fp32 forward score what the fp32 engine sampled: float rounding apart
+    rec = by["recompute tiny"]
+    assert rec["gap_vs_sampled"]["count"] == roll["generated_tokens"] and rec["gap_vs_sampled"]["max"] < 1e-4
+    gap = by["gap tiny"]["trainer_vs_sampled"]
+    assert gap["fp32"]["count"] == gap["bf16"]["count"] == roll["generated_tokens"]
+    assert gap["fp32"]["max"] < 1e-4
+    # bf16 autocast really computes in bf16: its gap is orders of magnitude above fp32's, and still small
+    assert gap["bf16"]["mean"] > 10 * gap["fp32"]["mean"] and gap["bf16"]["max"] < 0.5
+    for name in names[3:]:
+        u = by[name]
+        assert u["steps"] == 2 and u["loss_finite"] and u["trained_tokens"] > 0 and u["tokens_per_s"] > 0
+        assert u["peak_how"].startswith("peak resident set") and u["peak_bytes"] > 0
+        # trainer/memory.py's estimate beside each measured peak (local, ZeRO-2, ZeRO-3), within ±25%
+        assert 0.75 <= u["estimate_ratio"] <= 1.25, (name, u["estimate_ratio"], u["estimate_terms"])
+        assert u["mfu"] is None  # no card, no peak rate
+    assert by["update deepspeed ZeRO-3 bf16 tiny"]["zero_stage"] == 3
+    assert report["card"]["name"] == "cpu" and report["versions"]["torch"] and report["versions"]["transformers"]
+
+
+@pytest.mark.slow
+def test_device_check_writes_the_results_section(device_checked):
+    report, out, _ = device_checked
+    md = (out / "report.md").read_text()
+    assert md.startswith("GPU check (`scripts/gpu_check.sh`)") and "on cpu" in md.splitlines()[0]
+    for s in report["sections"]:
+        assert f"| {s['name']} | ok |" in md
+    assert "| update forward bf16 (tiny) |" in md and "| recompute (tiny) |" in md
+    assert "estimate / peak" in md and "6 × parameters" in md
+
+
+@pytest.mark.slow
+def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
+    """fp16 DeepSpeed needs a GPU: the update's own preflight (trainer/devices.py) refuses it in its section, which
+    records the one line; the local update still runs."""
+    done = _device_check("--device", "cpu", "--tokens", "128", "--generate", "16", "--ds-dtype", "fp16",
+                         "--only", "ZeRO-2", "update local", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    by = {s["name"]: s for s in report["sections"]}
+    assert set(by) == {"update local bf16 tiny", "update deepspeed ZeRO-2 fp16 tiny"}
+    assert by["update local bf16 tiny"]["ok"] is True
+    failed = by["update deepspeed ZeRO-2 fp16 tiny"]
+    assert failed["ok"] is False and "fp16" in failed["error"] and "\n" not in failed["error"]
+    assert "1 section(s) did not finish: update deepspeed ZeRO-2 fp16 tiny" in done.stderr
+
+
+def test_bad_arguments_are_one_line(tmp_path):
+    done = _device_check("--device", "cpu", "--tokens", "128", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "gpu_check: --generate 256 must be below --tokens 128 (scripts/gpu_check.sh --help)"]
+    assert not (tmp_path / "out").exists()
+    done = _device_check("--device", "cpu", "--record", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "--record writes GPU figures" in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_spent_budget_skips_the_remaining_sections_and_still_writes_the_report(tmp_path):
+    done = _device_check("--device", "cpu", "--budget", "0", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["sections"]) == 6
+    spent = "skipped: the time budget (--budget) was spent"
+    assert all(s["skipped"] and s["error"] == spent for s in report["sections"])
+    assert "| rollout tiny | skipped: the time budget (--budget) was spent |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="this machine may have a GPU")
+def test_device_check_without_a_gpu_is_one_line(tmp_path):
+    done = _device_check("--out", str(tmp_path / "out"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and lines[-1].startswith("gpu_check: --device cuda: no CUDA device here")
+    assert "--device cpu" in lines[-1] and not (tmp_path / "out").exists()
+
+
+def test_the_wheelhouse_is_installed_with_no_index_and_openrlhfs_tests_package_removed(tmp_path):
+    """scripts/gpu_check.sh's install step, on a wheelhouse holding one wheel that ships a top-level `tests`
+    package (as openrlhf's does): installed into workspace/gpu-check/site without an index, `tests` removed."""
+    import zipfile
+
+    wheels = tmp_path / "wheelhouse"
+    wheels.mkdir()
+    whl = wheels / "shadow-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("shadow/__init__.py", "VALUE = 7\n")
+        z.writestr("tests/__init__.py", "")
+        z.writestr("shadow-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: shadow\nVersion: 1.0\n")
+        z.writestr("shadow-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")
+        z.writestr("shadow-1.0.dist-info/RECORD", "")
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHON": sys.executable, "CLEANER_WHEELHOUSE": str(wheels), "CLEANER_GPU_SITE": str(site)}
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (site / "shadow" / "__init__.py").is_file() and not (site / "tests").exists()
+    stamp = (site / ".wheelhouse").read_text()
+    # the check ran with the installed package importable: its report lists the versions it imported beside it
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["versions"]["torch"]
+    # a second run with the same wheels installs nothing again
+    (site / "shadow" / "marker").write_text("kept")
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0 and (site / "shadow" / "marker").is_file()
+    assert (site / ".wheelhouse").read_text() == stamp
+    # wheels for another Python: one line saying so, nothing run
+    whl.rename(wheels / "shadow-1.0-cp399-cp399-manylinux2014_x86_64.whl")
+    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out2")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith(f"gpu_check: the wheels in {wheels} do not install with")
+    assert not (tmp_path / "out2").exists()

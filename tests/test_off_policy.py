@@ -72,7 +72,7 @@ def test_in_place_tokens_on_real_rollouts(purified_run, model):
     layout = RunLayout(purified_run.storage.root, "w")
     rows = [purified_from_row(r) for r in read_shard(layout.purified_dir(0, "saar", 0.5), PURIFIED).to_pylist()]
     checked, moved = 0, []
-    for t in rows[:24]:
+    for t in rows[:32]:
         plain = plain_forward(model, t)
         for i, (o, m) in enumerate(zip(t.token_origin, t.loss_mask)):
             if m and o == TokenOrigin.IN_PLACE:
@@ -112,6 +112,19 @@ def test_saar_is_decides_append_or_replace_exactly_at_tau(chat, sandbox):
     assert appended.loss_mask == as_raw.loss_mask and appended.old_logprobs == as_raw.old_logprobs
     assert set(appended.token_origin) == {TokenOrigin.NOT_SAMPLED, TokenOrigin.IN_PLACE}  # fully on-policy
     assert purify(t, tau * 0.999, "saar_is", chat.decode, score=_scorer(below)).splices
+
+
+def test_saar_is_a_retry_replaced_again_keeps_no_moved_tokens(chat, sandbox):
+    """Two retries that each replace: the first retry's tokens leave with the second replace, so its splice moves
+    none; the row's deep tokens are exactly what its splices say they moved."""
+    second_fail = call("prnt(6*7)", reasoning="Again.")
+    t = raw(chat, sandbox, [FAILED, second_fail, FIX], live_mode="raw")
+    assert [len(q.attempts) for q in t.positions][:1] == [3]
+    p = purify(t, 0.5, "saar_is", chat.decode, score=_scorer(0.0))  # IS = 1 ≥ τ: both retries replace
+    first, last = p.splices
+    assert (first.attempt_idx, last.attempt_idx) == (1, 2) and first.moved_tokens == 0
+    assert last.moved_tokens == len(t.positions[0].attempts[2].turn_ids)
+    assert p.token_origin.count(TokenOrigin.DEEP) == sum(s.moved_tokens for s in p.splices)
 
 
 def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):

@@ -229,7 +229,7 @@ def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
 
 def test_report_has_the_premise_panel(real):
     page = write_report(real.storage.root, "w").read_text()
-    assert "Does purification help? The rule that held" in page  # the token-level rule: tests/test_report_rule.py
+    assert "Does purification help? A hypothesis to check" in page  # the token-level hypothesis: tests/test_report_rule.py
     assert '<p class="disproved" id="coarse-rule">Coarse rule, disproved' in page
     assert page.count(">not_recovered</a></td>") + page.count(">recovered</a></td>") >= 1
     assert "<th>share_<wbr>negative</th>" in page and '<td class="text">mask_failed</td>' in page

@@ -88,3 +88,34 @@ def test_replay_at_gammas_writes_partitions_and_other_measure_beside_default(run
     names = sorted(p.name for p in layout.purified_dir(0, "saar", 0.9).parent.iterdir() if p.name.startswith("gamma=0.90"))
     assert names == ["gamma=0.90", "gamma=0.90-difflib-segment"]
     assert _snapshot(layout.raw_dir(0)) == raw_before
+
+
+def test_replay_names_the_lived_measure_from_what_the_run_recorded(run, capsys):
+    """A run without run.json: the lived measure comes from the raw shard's manifest, not from the replay's command
+    line; a shard that records nothing (written before the record existed) is said to be unknown."""
+    import json
+
+    from storage.shards import MANIFEST
+
+    layout = RunLayout(run.storage.root, "w")
+    assert not layout.run_json.exists()
+    other = run.model_copy(deep=True)
+    other.rollout.saar.similarity = "difflib"
+    assert run_replay(other, "w", 0, [0.5], ["saar"], sweep=True) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the table's title wraps
+    assert "lived with rapidfuzz-segment at γ_live=0.5" in out and "lived with difflib" not in out
+
+    manifest = layout.raw_dir(0) / MANIFEST
+    data = json.loads(manifest.read_text())
+    del data["extra"]["saar"]  # as a shard written before the rollout recorded its SAAR settings
+    manifest.write_text(json.dumps(data))
+    assert run_replay(other, "w", 0, [0.5], ["saar"], sweep=True) == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert "lived settings unknown" in flat and "lived with" not in flat
+    assert _cells(out) and all(row[6] == "–" for row in _cells(out))
+
+
+def _cells(out: str) -> list[list[str]]:
+    return [cells for line in out.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 8 and re.fullmatch(r"[0-9.]+", cells[0])]

@@ -162,12 +162,12 @@ def test_missing_column_is_named(committed):
 def test_wrong_schema_version_is_named(committed):
     table = pq.read_table(committed / "part-00000.parquet")
     _rewrite_part(committed, table.replace_schema_metadata({b"cleaner.schema": b"raw/0"}))
-    with pytest.raises(ShardError, match=r"part-00000\.parquet: schema version raw/0, expected raw/1"):
+    with pytest.raises(ShardError, match=r"part-00000\.parquet: schema version raw/0, expected raw/2"):
         read_shard(committed, RAW)
     manifest = json.loads((committed / MANIFEST).read_text())
     manifest["schema"] = "raw/9"
     (committed / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(ShardError, match=r"_MANIFEST\.json: schema version raw/9, expected raw/1"):
+    with pytest.raises(ShardError, match=r"_MANIFEST\.json: schema version raw/9, expected raw/2"):
         read_shard(committed, RAW)
 
 
@@ -228,3 +228,25 @@ def test_views_read_a_root_whose_path_has_a_quote_or_a_newline(tmp_path, folder)
         assert cat.query("SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY ALL ORDER BY ALL").to_pylist() \
             == [{"iteration": i, "n": 2} for i in range(3)]
         assert cat.query("SELECT count(*) AS n FROM purified").to_pylist() == [{"n": 6}]
+
+
+def test_raw_rows_of_schema_v1_read_as_v2_beside_v2_rows(tmp_path):
+    """Raw schema v2 adds `reward_reason`: a shard written before reads with it empty, in Python and in the catalog,
+    beside v2 shards that carry it."""
+    from storage.schemas import RAW_V1
+
+    layout = RunLayout(tmp_path, "mixed")
+    old = synthetic_trajectories(4, seed=1, run_id="mixed", iteration=0)
+    write_shard(layout.raw_dir(0), raw_table(4, seed=1, run_id="mixed", iteration=0).select(RAW_V1.names).cast(RAW_V1),
+                RAW_V1, config_hash="v1")
+    new = synthetic_trajectories(4, seed=2, run_id="mixed", iteration=1)
+    new[0].reward_reason = "test 2 of 3: wrong answer"
+    write_shard(layout.raw_dir(1), pa.Table.from_pylist([trajectory_to_row(t) for t in new], schema=RAW), RAW,
+                config_hash="v2")
+    assert [trajectory_from_row(r) for r in read_shard(layout.raw_dir(0), RAW).to_pylist()] == old
+    assert [trajectory_from_row(r) for r in read_shard(layout.raw_dir(1), RAW).to_pylist()] == new
+    with Catalog(tmp_path) as cat:
+        rows = cat.query("SELECT iteration, reward_reason FROM raw_trajectories ORDER BY iteration, prompt_id, "
+                         "sample_idx").to_pylist()
+    assert [r["reward_reason"] for r in rows if r["iteration"] == 0] == [None] * 4
+    assert "test 2 of 3: wrong answer" in [r["reward_reason"] for r in rows if r["iteration"] == 1]

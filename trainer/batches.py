@@ -16,6 +16,8 @@ import torch
 
 from pipeline.trajectory import PurifiedTrajectory
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class TrainingRow:
@@ -68,25 +70,26 @@ class MicroBatch:
         return int(self.action_mask.sum())
 
 
-def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int) -> MicroBatch:
+def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int,
+            device: torch.device = CPU) -> MicroBatch:
+    """The rows as one padded micro-batch on `device`, each tensor made in one copy from host lists."""
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-    b = len(rows)
-    seq = torch.full((b, width), pad_id, dtype=torch.long)
-    att = torch.zeros((b, width), dtype=torch.long)
-    act = torch.zeros((b, width - 1))
-    old = torch.zeros((b, width - 1))
-    adv = torch.zeros((b, width - 1))
     behaviour = [behaviour_of(r) for r in rows]
-    beh = torch.zeros((b, width - 1)) if all(x is not None for x in behaviour) else None
-    for i, r in enumerate(rows):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        seq[i, : p + n] = torch.tensor(r.prompt_ids + r.response_ids)
-        att[i, : p + n] = 1
-        act[i, p - 1: p - 1 + n] = torch.tensor(r.loss_mask, dtype=torch.float)
-        old[i, p - 1: p - 1 + n] = torch.tensor(r.old_logprobs, dtype=torch.float)
-        adv[i, p - 1: p - 1 + n] = float(r.advantage)
-        if beh is not None:
-            beh[i, p - 1: p - 1 + n] = torch.tensor(behaviour[i], dtype=torch.float)
+
+    def padded(values, fill, dtype):  # per row: (prompt length − 1) fills, the row's values, fills to the width
+        return torch.tensor([[fill] * (len(r.prompt_ids) - 1) + list(v) + [fill] * (width - len(r.prompt_ids)
+                                                                                    - len(r.response_ids))
+                             for r, v in zip(rows, values)], dtype=dtype, device=device)
+
+    seq = torch.tensor([r.prompt_ids + r.response_ids + [pad_id] * (width - len(r.prompt_ids) - len(r.response_ids))
+                        for r in rows], dtype=torch.long, device=device)
+    att = torch.tensor([[1] * (len(r.prompt_ids) + len(r.response_ids))
+                        + [0] * (width - len(r.prompt_ids) - len(r.response_ids)) for r in rows],
+                       dtype=torch.long, device=device)
+    act = padded([r.loss_mask for r in rows], 0.0, torch.float)
+    old = padded([r.old_logprobs for r in rows], 0.0, torch.float)
+    adv = padded([[float(r.advantage)] * len(r.response_ids) for r in rows], 0.0, torch.float)
+    beh = padded(behaviour, 0.0, torch.float) if all(x is not None for x in behaviour) else None
     return MicroBatch(seq, att, act, old * act, adv * act, [r.raw_key for r in rows],
                       None if beh is None else beh * act)
 
@@ -142,11 +145,12 @@ def pack_rows(rows: list, token_budget: int) -> list[list]:
     return runs[::-1]
 
 
-def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int) -> list[MicroBatch]:
+def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int,
+                  device: torch.device = CPU) -> list[MicroBatch]:
     """Pack the rows of whole groups into micro-batches whose padded size stays within the budget. Rows, not
     groups, are packed, by length (pack_rows): a group whose one row is 650 tokens long and the rest 100 no
     longer pads three rows to 650, and a long row stops costing its micro-batch-mates attention over its width
     (the trainer benchmark's batch: 15,320 padded tokens for 7,911 real as groups, 8,344 as rows). A row
     larger than the budget gets a micro-batch of its own. The loss is a token mean over the whole mini-batch
     (advantages are already in the rows), so none of this changes the update beyond float summation order."""
-    return [collate(run, pad_id) for run in pack_rows([r for g in groups for r in g], token_budget)]
+    return [collate(run, pad_id, device) for run in pack_rows([r for g in groups for r in g], token_budget)]

@@ -46,7 +46,8 @@ def action_log_probs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, 
     body, head = split_causal_lm(actor.model)
     position_ids = attention_mask.long().cumsum(-1) - 1
     position_ids.masked_fill_(attention_mask == 0, 1)
-    hidden = body(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    hidden = body(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state  # training keeps no KV cache
     rolled = torch.roll(sequences, shifts=-1, dims=1)
     width = action_mask.shape[1]
     where = action_mask != 0

@@ -4,13 +4,20 @@ One process per rank under torchrun (see trainer/distributed.py). Each rank trai
 mini-batch's groups; the loss is the token mean over the whole mini-batch (OpenRLHF's
 `batch_num_tokens` + `dp_size`), so the update equals the local strategy's up to float rounding.
 
-GPUs: OpenRLHF's own `setup_distributed` (NCCL, CUDA device mesh). CPU: the same strategy on gloo,
-with the three CUDA-only calls it makes replaced (device mesh on "cpu", no `torch.cuda.set_device`,
-no `cuda.synchronize` after saving) and DeepSpeed's optimizer pinned to torch's AdamW (`torch_adam`),
-so no CUDA/JIT optimizer kernel is needed. The schedule is the local strategy's warmup schedule.
+GPUs (train.device auto or cuda): OpenRLHF's own `setup_distributed` (`torch.cuda.set_device(LOCAL_RANK)`,
+NCCL, CUDA device mesh); each rank's micro-batches and the update's own all-reduces are made on its GPU.
+CPU (train.device=cpu, or auto without a GPU): the same strategy on gloo, with the three CUDA-only calls it makes
+replaced (device mesh on "cpu", no `torch.cuda.set_device`, no `cuda.synchronize` after saving).
+
+The optimizer is DeepSpeed's `torch_adam` path everywhere: torch.optim.AdamW on the ZeRO partitions (its fused
+CUDA kernel on a GPU, prebuilt in torch), never DeepSpeed's FusedAdam or DeepSpeedCPUAdam, which a pure
+DeepSpeed wheel (DS_BUILD_OPS=0) JIT-compiles with nvcc / a C++ compiler inside the run. With
+train.offload_optimizer the float32 partitions and moments live in CPU memory (OpenRLHF's adam_offload) and the
+step is torch's AdamW there. The schedule is the local strategy's warmup schedule.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -19,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from pipeline.config import TrainConfig
+from pipeline.devices import DeviceError, prepare_device, resolve_device
 from pipeline.trajectory import PurifiedTrajectory
 from trainer.grpo import (DivergedError, GRPOUpdate, UpdateError, UpdateProgress, hyperparameters, keep_configured, load_schedule_state,
                           warmup_schedule)
@@ -30,13 +38,23 @@ DS_STATE = "deepspeed"  # subfolder of a checkpoint: ZeRO-partitioned optimizer/
 STATE_TAG = "state"
 
 
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()
+def rank_device(cfg: TrainConfig) -> torch.device:
+    """This rank's device: its own GPU (LOCAL_RANK) unless train.device resolves to the CPU."""
+    device = resolve_device(cfg.device, "train.device")
+    if device.type == "cpu":
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise DeviceError(f"train.nproc: rank {local_rank} has no GPU of its own (this machine has "
+                          f"{torch.cuda.device_count()}); use train.nproc={torch.cuda.device_count()} or fewer")
+    return torch.device("cuda", local_rank)
 
 
-def make_strategy(cfg: TrainConfig):
-    """OpenRLHF's DeepspeedStrategy, distributed initialised (torchrun's env: RANK, WORLD_SIZE, MASTER_*)."""
-    if on_cpu():
+def make_strategy(cfg: TrainConfig, device: torch.device):
+    """OpenRLHF's DeepspeedStrategy, distributed initialised (torchrun's env: RANK, WORLD_SIZE, MASTER_*), on
+    NCCL with this rank's GPU current when `device` is CUDA, else on gloo."""
+    on_cpu = device.type == "cpu"
+    if on_cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     openrlhf_models()  # the flash_attn import shim on CPU, before OpenRLHF's strategy module imports models
     import deepspeed
@@ -45,23 +63,29 @@ def make_strategy(cfg: TrainConfig):
     from torch.distributed.device_mesh import init_device_mesh
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # bf16: gradients accumulate over a mini-batch's micro-batches in float32 (OpenRLHF's grad_accum_dtype;
+    # DeepSpeed's default would accumulate them in bfloat16)
     args = SimpleNamespace(
         local_rank=-1, optim="adam",
         ds=SimpleNamespace(param_dtype=cfg.param_dtype, zero_stage=cfg.zero_stage, tensor_parallel_size=1,
-                           ring_attn_size=1, adam_offload=False, zpg=1),
+                           ring_attn_size=1, adam_offload=cfg.offload_optimizer, zpg=1,
+                           grad_accum_dtype="fp32" if cfg.param_dtype == "bf16" else None),
         train=SimpleNamespace(dynamic_batch_enable=False))
 
     class Strategy(ds_module.DeepspeedStrategy):
         def get_ds_train_config(self, optim_dict=None, *, max_norm=None):
             config = super().get_ds_train_config(optim_dict, max_norm=max_norm)
-            if on_cpu() and "optimizer" in config:
-                config["optimizer"]["params"]["torch_adam"] = True  # no fused CUDA/JIT kernel on CPU
+            if "optimizer" in config:  # torch's AdamW: nothing compiled at run time (module docstring)
+                config["optimizer"]["params"]["torch_adam"] = True
+                if not on_cpu and not cfg.offload_optimizer:
+                    config["optimizer"]["params"]["fused"] = True  # its partitions are on the GPU
             return config
 
     strategy = Strategy(seed=cfg.seed, max_norm=cfg.grad_clip, micro_train_batch_size=1, train_batch_size=world,
                         zero_stage=cfg.zero_stage, args=args)
-    if not on_cpu():
-        strategy.setup_distributed()
+    if not on_cpu:
+        strategy.setup_distributed()  # torch.cuda.set_device(LOCAL_RANK), NCCL
+        prepare_device(device)
         return strategy
     # OpenRLHF's setup_distributed on CPU, minus its CUDA calls
     deepspeed.init_distributed(dist_backend="gloo")
@@ -80,7 +104,10 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.strategy = strategy
         self.dist = dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().__init__(model, cfg, temperature)
+        # this rank's GPU on NCCL (DeepSpeed moves the model there), the CPU on gloo
+        on_gpu = dist.get_backend() != "gloo"
+        super().__init__(model, cfg, temperature,
+                         torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
 
     def prepare(self, model: torch.nn.Module, actor) -> None:
         cfg = self.cfg
@@ -94,6 +121,9 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.configured = hyperparameters(self.engine.basic_optimizer)
         self.engine.lr_scheduler = self.scheduler  # the engine steps it; same schedule as the local strategy
 
+    def autocast(self):
+        return contextlib.nullcontext()  # DeepSpeed's bf16/fp16 modes hold the weights in that dtype themselves
+
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         if len(groups) < self.world_size:
             raise UpdateError(f"a mini-batch has {len(groups)} prompt groups for {self.world_size} ranks; use fewer "
@@ -101,12 +131,12 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         return groups[self.rank:: self.world_size]
 
     def reduce(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces only GPU tensors
         self.dist.all_reduce(t)
         return t.tolist()
 
     def most(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return int(t.item())
 

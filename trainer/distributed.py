@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline.config import CleanerConfig, dump_config, load_config, train_settings
 from storage.checkpoints import DONE_MARKER
-from storage.errors import CleanerError
+from storage.errors import CleanerError, first_line
 from storage.layout import RunLayout, record_path
 from trainer.grpo import UpdateError, UpdateProgress
 from trainer.inputs import (dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir, start_checkpoint,
@@ -43,7 +43,10 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.engine_tuning.threads)), "PYTHONUNBUFFERED": "1"}
-    log(f"[update] strategy=deepspeed: {cfg.train.nproc} rank(s), ZeRO-{cfg.train.zero_stage}")
+    t = cfg.train
+    log(f"[update] strategy=deepspeed: {t.nproc} rank(s), ZeRO-{t.zero_stage}, {t.param_dtype}"
+        + (", optimizer offloaded to the CPU" if t.offload_optimizer else "")
+        + (", activation checkpointing" if t.gradient_checkpointing else ""))
     tail: collections.deque[str] = collections.deque(maxlen=300)
     try:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -58,8 +61,12 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
         if known:  # an UpdateError & co. raised in a rank: its one line
             raise UpdateError(known[-1][len("cleaner: "):])
         traceback = [t for t in tail if t.startswith("[rank")] or list(tail)  # a rank's own traceback first
-        raise UpdateError(f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}):\n"
-                          + "\n".join(traceback[-25:]))
+        for line in traceback[-25:]:  # for whoever reads the log; the error itself stays one line
+            log(line)
+        last = next((t for t in reversed(traceback) if t.strip()), "no output")
+        raise UpdateError(f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}: "
+                          f"{last.strip()[:300]}); nothing was committed, and running it again resumes after the "
+                          "last finished mini-batch")
     if stop_after is not None:
         return partial_dir(target)
     if not (target / DONE_MARKER).is_file():
@@ -71,10 +78,10 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     """One rank of the update (every rank runs this; rank 0 writes the files everyone shares)."""
     import torch.distributed as dist
 
-    from trainer.deepspeed_update import DS_STATE, STATE_TAG, DeepSpeedGRPOUpdate, make_strategy
+    from trainer.deepspeed_update import DS_STATE, STATE_TAG, DeepSpeedGRPOUpdate, make_strategy, rank_device
 
     inputs = update_inputs(cfg, run_id, iteration)
-    strategy = make_strategy(cfg.train)
+    strategy = make_strategy(cfg.train, rank_device(cfg.train))
     rank = dist.get_rank()
     log = print if rank == 0 else (lambda *_: None)
     model = load_policy(cfg, inputs)
@@ -119,10 +126,17 @@ def main(argv: list[str]) -> int:
     ap.add_argument("iteration", type=int)
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many mini-batches (tests)")
     args = ap.parse_args(argv)
+    from torch.distributed import DistError
+
     try:
         deepspeed_update(load_config(args.config), args.run_id, args.iteration, args.stop_after)
     except (CleanerError, FloatingPointError) as e:
         print(f"cleaner: {e}", flush=True)
+        return 1
+    except DistError as e:  # NCCL or gloo: a rank, a GPU or the network lost mid-update
+        print(f"cleaner: the update's ranks lost each other (rank {os.environ.get('RANK', '?')}: {type(e).__name__}: "
+              f"{first_line(e)}); nothing was committed, and running it again resumes after the last finished "
+              "mini-batch", flush=True)
         return 1
     return 0
 

@@ -1,4 +1,5 @@
-"""The GRPO/DAPO update on OpenRLHF's `Actor` and `PolicyLoss` (docs/saar.md), one process, CPU or one GPU.
+"""The GRPO/DAPO update on OpenRLHF's `Actor` and `PolicyLoss` (docs/saar.md), one process, CPU or one GPU
+(train.device: the model, every micro-batch and the optimizer's state live there).
 
 Per mini-batch (whole prompt groups): gradients are accumulated over micro-batches with the loss
 normalised by the mini-batch's token count (OpenRLHF's `batch_num_tokens`), so accumulation equals
@@ -7,6 +8,7 @@ every mini-batch, so an interrupted update resumes to exactly the weights of an 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -107,14 +109,19 @@ def keep_configured(optimizer, scheduler, configured: list[dict]) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999))
+    """AdamW over the model's parameter groups; for weights on CUDA torch's fused kernel (prebuilt in torch: one
+    launch per step, nothing compiled at run time), on the CPU torch's default implementation."""
+    fused = {"fused": True} if next(model.parameters()).device.type == "cuda" else {}
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.999), **fused)
     return opt, warmup_schedule(opt, cfg)
 
 
-def make_actor(model: torch.nn.Module, temperature: float):
-    actor = openrlhf_models().Actor(model, attn_implementation="eager")
+def make_actor(model: torch.nn.Module, cfg: TrainConfig, temperature: float):
+    actor = openrlhf_models().Actor(model, attn_implementation=cfg.attn_implementation)
     actor.packing_samples = False  # not set when Actor wraps a model object
     actor.temperature = temperature
+    if cfg.gradient_checkpointing:
+        actor.gradient_checkpointing_enable({"use_reentrant": False})
     return actor
 
 
@@ -153,13 +160,16 @@ class GRPOUpdate:
     # (micro-batches done, micro-batches in the mini-batch), after each backward: the stage's progress
     on_micro_batch: Callable[[int, int], None] | None = None
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0,
+                 device: torch.device | None = None) -> None:
+        """`device`: where the model is and every micro-batch is made (None: where the model's weights are)."""
         self.cfg = cfg
+        self.device = device if device is not None else next(model.parameters()).device
         self.loss_fn = policy_loss(cfg)
         self.correction = correction_of(cfg)
         self.dpo_pairs: dict[str, list[CallPair]] = {}
         self.global_step = 0
-        self.prepare(model, make_actor(model, temperature))
+        self.prepare(model, make_actor(model, cfg, temperature))
 
     # -- strategy hooks -------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module, actor) -> None:
@@ -167,6 +177,13 @@ class GRPOUpdate:
         self.model, self.actor = model, actor
         self.optimizer, self.scheduler = build_optimizer(model, self.cfg)
         self.configured = hyperparameters(self.optimizer)
+
+    def autocast(self):
+        """The forward's precision: train.param_dtype=bf16 on this strategy is torch.autocast to bfloat16 over
+        float32 weights (their gradients and AdamW's moments stay float32); fp32 computes as it is."""
+        if self.cfg.param_dtype != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         return groups
@@ -217,14 +234,15 @@ class GRPOUpdate:
         forward without gradient scores every pair's calls with the current policy. Padded with `spare`
         emptied to as many micro-batches as the rank with the most has."""
         pairs = [p for g in groups for p in self.dpo_pairs.get(g[0].prompt_id, [])]
-        micros = micro_batches([pair_rows(pairs)], self.cfg.micro_batch_tokens, pad_id) if pairs else []
+        micros = micro_batches([pair_rows(pairs)], self.cfg.micro_batch_tokens, pad_id, self.device) if pairs else []
         micros += [emptied(spare)] * (self.most(len(micros)) - len(micros))
-        sums, counts = torch.zeros(2 * len(pairs)), torch.zeros(2 * len(pairs))
+        sums, counts = torch.zeros(2 * len(pairs), device=self.device), torch.zeros(2 * len(pairs), device=self.device)
         with torch.no_grad():
             for m in micros:
-                logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
+                with self.autocast():
+                    logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
                 if m.rows:
-                    at = _pair_index(m.rows)
+                    at = _pair_index(m.rows, self.device)
                     sums[at], counts[at] = logp.sum(-1), m.action_mask.sum(-1)
         counts = counts.clamp(min=1)
         w = dpo_weights(sums[0::2] / counts[0::2], sums[1::2] / counts[1::2], counts[0::2], counts[1::2],
@@ -235,7 +253,7 @@ class GRPOUpdate:
         t0 = time.perf_counter()
         self.model.train()
         mine = self.my_groups(groups)
-        micros = micro_batches(mine, self.cfg.micro_batch_tokens, pad_id)
+        micros = micro_batches(mine, self.cfg.micro_batch_tokens, pad_id, self.device)
         # every rank makes as many forwards as the one with the most micro-batches (an emptied one adds 0)
         micros += [emptied(micros[-1])] * (self.most(len(micros)) - len(micros))
         # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
@@ -247,8 +265,9 @@ class GRPOUpdate:
         loss_sum = clip = kl = ent = filtered = beh_kl = 0.0
         for i, m in enumerate(micros):
             # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
-            logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
-                                             return_entropy=self.cfg.log_entropy)
+            with self.autocast():
+                logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
+                                                 return_entropy=self.cfg.log_entropy)
             if self.correction is not None and m.rollout_log_probs is None:
                 raise UpdateError(f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
                                   f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
@@ -274,8 +293,11 @@ class GRPOUpdate:
             if self.cfg.log_entropy:
                 ent += float((entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
         for i, m in enumerate(dpo_micros, start=len(micros)):  # the side loss, normalised like the policy loss
-            logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
-            weight = dpo_coef[_pair_index(m.rows)] if m.rows else torch.zeros(logp.shape[0])  # emptied: adds 0
+            with self.autocast():
+                logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
+            # an emptied micro-batch adds 0
+            weight = (dpo_coef[_pair_index(m.rows, self.device)] if m.rows
+                      else torch.zeros(logp.shape[0], device=self.device))
             side = (weight * logp.sum(-1)).sum() / max(1, tokens) * self.world_size
             self.backward(side, last=i == backwards - 1)
             self._micro_batch_done(i + 1, backwards)
@@ -319,9 +341,9 @@ def emptied(m: MicroBatch) -> MicroBatch:
                       None if m.rollout_log_probs is None else zero)
 
 
-def _pair_index(keys: list[str]) -> torch.Tensor:
+def _pair_index(keys: list[str], device: torch.device) -> torch.Tensor:
     """Row index 2·pair + side of trainer.dpo.pair_rows' keys `i/chosen`, `i/rejected`."""
-    return torch.tensor([2 * int(k.split("/")[0]) + (k.endswith("/rejected")) for k in keys])
+    return torch.tensor([2 * int(k.split("/")[0]) + (k.endswith("/rejected")) for k in keys], device=device)
 
 
 def total_minibatches(rows: list[PurifiedTrajectory], cfg: TrainConfig) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from pipeline.config import CleanerConfig
+from pipeline.config import CleanerConfig, hashed_train_settings
 from pipeline.modes import live_measure, partition_gamma, partition_measure
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, files_as_umask_says, policy_version
 from storage.layout import RunLayout, record_path, resolve_recorded
@@ -43,7 +43,7 @@ class UpdateInputs:
     def key(self, cfg: CleanerConfig) -> str:
         """Identifies a partial update: resumable only with the same inputs and settings."""
         src = record_path(cfg.storage.root, self.src)  # the same key wherever the store was moved
-        return hashlib.blake2b(json.dumps([self.manifest.config_hash, cfg.train.model_dump(mode="json"), src],
+        return hashlib.blake2b(json.dumps([self.manifest.config_hash, hashed_train_settings(cfg.train), src],
                                           sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
@@ -102,16 +102,17 @@ def dpo_note(inputs: UpdateInputs) -> str:
                                 f"context)" if inputs.dpo_skipped else ""))
 
 
-# The update trains with torch's scaled_dot_product_attention: eager attention keeps a length × length
-# score and probability tensor per head and layer for backward (2.8 vs 1.8 GiB peak for two 4k rows on
-# the Qwen3-shaped policy); SDPA's fused kernel does not.
+# The update trains with torch's scaled_dot_product_attention by default (train.attn_implementation): eager
+# attention keeps a length × length score and probability tensor per head and layer for backward (2.8 vs 1.8 GiB
+# peak for two 4k rows on the Qwen3-shaped policy); SDPA's fused kernel does not.
 UPDATE_ATTENTION = "sdpa"
 
 
-def load_policy(cfg: CleanerConfig, inputs: UpdateInputs) -> torch.nn.Module:
+def load_policy(cfg: CleanerConfig, inputs: UpdateInputs, device: torch.device | None = None) -> torch.nn.Module:
+    """The policy to train, on `device` (None: the CPU, where DeepSpeed takes it from)."""
     from pipeline.policy_model import load_causal_lm  # (torch and transformers load with the trainer)
 
-    model = load_causal_lm(inputs.src, attn_implementation=UPDATE_ATTENTION)
+    model = load_causal_lm(inputs.src, attn_implementation=cfg.train.attn_implementation, device=device)
     check_compatible(inputs.src, model, inputs.rows, inputs.raw_manifest)
     torch.set_num_threads(max(1, cfg.rollout.engine_tuning.threads))
     return model

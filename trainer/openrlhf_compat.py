@@ -33,6 +33,20 @@ class _KernelShim(types.ModuleType):
 SHIM: _KernelShim | None = None
 
 
+def flash_attention_kernels() -> str | None:
+    """None when flash_attn's compiled CUDA kernels can be imported (train.attn_implementation=flash_attention_2),
+    else why not."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash_attn package is not installed"
+    try:
+        spec = importlib.util.find_spec("flash_attn_2_cuda")  # the shim below has a spec without a loader
+    except ValueError:
+        spec = None
+    if spec is None or spec.loader is None:
+        return "flash_attn is installed without its CUDA kernels (flash_attn_2_cuda)"
+    return None
+
+
 def install_shims() -> None:
     global SHIM
     if "flash_attn_2_cuda" in sys.modules or importlib.util.find_spec("flash_attn_2_cuda") is not None:

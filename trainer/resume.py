@@ -70,7 +70,8 @@ def load_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, key: st
     if found is None:
         return None
     tag, progress = found
-    state = torch.load(folder / tag / LOCAL_STATE, weights_only=False)
+    # loaded onto the weights' device by the model and the optimizer
+    state = torch.load(folder / tag / LOCAL_STATE, weights_only=False, map_location="cpu")
     model.load_state_dict(state["model"])
     update.load_state_dict(state["update"])
     return progress

@@ -16,6 +16,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import CleanerConfig
+from pipeline.devices import prepare_device, resolve_device
 from pipeline.progress import StageProgress
 from pipeline.config import train_settings
 from storage.checkpoints import DONE_MARKER, committed_update
@@ -23,7 +24,7 @@ from storage.errors import CheckpointError, check_writable_root
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import is_committed, write_shard
-from trainer.devices import check_device
+from trainer.devices import check_train_device
 from trainer.distributed import launch
 from trainer.grpo import GRPOUpdate, UpdateError, UpdateProgress, total_minibatches
 from trainer.inputs import (TRAINER_STATE, copy_tokenizer_files, dpo_note, finish_checkpoint, load_policy, log_steps,
@@ -60,7 +61,7 @@ def _trainer_state(cfg: CleanerConfig, src: Path) -> dict | None:
                                   f"(flow.run_id=NEW rollout.policy={src})")
         return None
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False, map_location="cpu")  # the optimizer moves it to its weights
     except Exception as e:  # noqa: BLE001 - torch raises several types for a damaged file
         raise CheckpointError(f"{path}: unreadable optimizer state ({type(e).__name__}); restore the file") from None
 
@@ -81,7 +82,7 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if committed_update(target, train_settings(cfg.train)):
         return target  # done before; never overwritten
     progress_log, log = log, log or _stderr
-    check_device(cfg.train)
+    check_train_device(cfg.train)
     check_writable_root(cfg.storage.root, create=False)  # before training, not at the first checkpoint write
     inputs = update_inputs(cfg, run_id, iteration)
     src, part, manifest = inputs.src, inputs.part, inputs.manifest
@@ -99,8 +100,10 @@ def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
         raise UpdateError(f"{part}: the purified shard has no rows; nothing to train on")
     if cfg.train.strategy == "deepspeed":
         return launch(cfg, run_id, iteration, stop_after, log)
-    model = load_policy(cfg, inputs)
-    update = GRPOUpdate(model, cfg.train, cfg.rollout.temperature)
+    device = resolve_device(cfg.train.device, "train.device")
+    prepare_device(device)
+    model = load_policy(cfg, inputs, device)
+    update = GRPOUpdate(model, cfg.train, cfg.rollout.temperature, device)
     if cfg.train.use_dpo_on_tool_calls:
         update.set_dpo_pairs(inputs.dpo_pairs)
         log(dpo_note(inputs))

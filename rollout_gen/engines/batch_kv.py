@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+CPU = torch.device("cpu")
+
 
 class _GrowingLayer(DynamicLayer):
     """The running batch's KV for one layer, in buffers [R, H, C, D] with spare rows and columns: rows
@@ -80,15 +82,15 @@ def growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, c0: int,
     return cache
 
 
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows right-aligned in one batch behind `pad_id`s: (ids [B, W], mask [B, W], 0 on the padding)."""
+def left_pad(rows: list[list[int]], pad_id: int,
+             device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-aligned in one batch behind `pad_id`s: (ids [B, W], mask [B, W], 0 on the padding), on
+    `device`, each made in one copy from host lists."""
     width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long,
+                       device=device).reshape(len(rows), width)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long,
+                        device=device).reshape(len(rows), width)
     return ids, mask
 
 

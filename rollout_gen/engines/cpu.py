@@ -1,4 +1,6 @@
-"""The embedded engine: continuous batching with per-trajectory KV caches on transformers (CPU).
+"""The embedded engine: continuous batching with per-trajectory KV caches on transformers, on the CPU or a GPU
+(rollout.device: the model, the batch's KV buffers, every tensor of a step and each row's random generator live
+there).
 
 Requests join the running batch between decoding steps and leave it as soon as they stop, so a
 long turn never holds short ones back. When a turn ends, its row's KV is kept under the
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from pipeline.devices import generator, prepare_device, resolve_device
 from pipeline.engines.base import Generation, Request, SamplingParams, ScoreRequest
 from pipeline.logprobs import score_turn, split_causal_lm, token_logprobs
 from pipeline.policy_model import load_causal_lm
@@ -66,10 +69,10 @@ def _last(outputs: Iterator[torch.Tensor]) -> torch.Tensor:
     return deque(outputs, maxlen=1)[0]
 
 
-def _kept_batch(pasts: list[KV | None], lens: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+def _kept_batch(pasts: list[KV | None], lens: list[int], device: torch.device) -> tuple[DynamicCache, torch.Tensor]:
     """Rows' kept KV (`lens[i]` tokens of row i, or none) right-aligned in one cache, and its mask."""
     width = max(lens)
-    past_mask = (torch.arange(width) >= width - torch.tensor(lens)[:, None]).long()
+    past_mask = (torch.arange(width, device=device) >= width - torch.tensor(lens, device=device)[:, None]).long()
     if not width:
         return DynamicCache(), past_mask
     ref = next(p for p in pasts if p is not None)
@@ -99,9 +102,12 @@ class _Row:
 
 class CPUEngine:
     def __init__(self, checkpoint: Path, threads: int | None = None, pad_id: int | None = None,
-                 chunk_tokens: int = 1024, kv_cache_tokens: int = 1 << 20, reuse_kv: bool = True) -> None:
+                 chunk_tokens: int = 1024, kv_cache_tokens: int = 1 << 20, reuse_kv: bool = True,
+                 device: str | torch.device = "cpu") -> None:
         if threads:
             torch.set_num_threads(threads)
+        self.device = resolve_device(device, "rollout.device")
+        prepare_device(self.device)
         self._load(checkpoint)
         self.pad_id = pad_id if pad_id is not None else (self.model.config.pad_token_id or 0)
         self.chunk_tokens = chunk_tokens  # prefill positions per forward, over all rows
@@ -110,8 +116,8 @@ class CPUEngine:
         self._queue: list[Request] = []
         self._rows: list[_Row] = []
         self._cache = DynamicCache()  # the running batch's KV
-        self._mask = torch.zeros((0, 0), dtype=torch.long)
-        self._pending = torch.zeros(0, dtype=torch.long)  # sampled, not yet forwarded, one per row
+        self._mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self._pending = torch.zeros(0, dtype=torch.long, device=self.device)  # sampled, not yet forwarded, one per row
         self._seen: set[Hashable] = set()
         # Tokens forwarded (shared prefixes count once); `first_prefill_tokens` is the part spent on
         # trajectories' first turns, which no cache can save.
@@ -123,7 +129,7 @@ class CPUEngine:
     def _load(self, checkpoint: Path) -> None:
         if not (Path(checkpoint) / "config.json").is_file():
             raise CheckpointError(f"no HF checkpoint at {checkpoint} (config.json missing)")
-        self.model = load_causal_lm(checkpoint, attn_implementation="eager").eval()
+        self.model = load_causal_lm(checkpoint, attn_implementation="eager", device=self.device).eval()
         self.forward = engine_forward(self.model)
         self.checkpoint = Path(checkpoint)
 
@@ -149,8 +155,8 @@ class CPUEngine:
             return score_turn(body, head, context, turn, temperature, self.chunk_tokens)
         cache = DynamicCache(ddp_cache_data=[(k[None, :, :n], v[None, :, :n]) for k, v in kept.kv])
         fast = getattr(self.forward, "hidden_states", None)  # the engine's own Qwen3 forward, when it runs one
-        hidden = (lambda ids, pos, c: fast(ids, torch.ones((1, pos[0, -1] + 1), dtype=torch.long), pos, c)) if fast \
-            else None
+        hidden = (lambda ids, pos, c: fast(ids, torch.ones((1, int(pos[0, -1]) + 1), dtype=torch.long,
+                                                           device=self.device), pos, c)) if fast else None
         self.prefill_tokens += len(context) + len(turn) - 1 - n
         return score_turn(body, head, context, turn, temperature, self.chunk_tokens, cache, n, hidden)
 
@@ -174,10 +180,10 @@ class CPUEngine:
         if rows:
             seqs = [list(requests[i].context) + list(requests[i].turn) for i, _, _ in rows]
             lens = [n for _, _, n in rows]
-            cache, past_mask = _kept_batch([p for _, p, _ in rows], lens)
-            ids, mask = left_pad([seq[n:-1] for seq, n in zip(seqs, lens)], self.pad_id)
+            cache, past_mask = _kept_batch([p for _, p, _ in rows], lens, self.device)
+            ids, mask = left_pad([seq[n:-1] for seq, n in zip(seqs, lens)], self.pad_id, self.device)
             self.prefill_tokens += int(mask.sum())
-            pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+            pos = torch.tensor(lens, device=self.device)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
             hidden = torch.cat(list(self._chunked(hidden_states, ids, mask, pos, past_mask, cache)), dim=1)
             _, head = split_causal_lm(self.model)
             by_temperature: dict[float, list[int]] = {}
@@ -186,7 +192,8 @@ class CPUEngine:
             for temperature, js in by_temperature.items():  # a row's last len(turn) positions predict its turn
                 turns = [requests[rows[j][0]].turn for j in js]
                 lps = token_logprobs(torch.cat([hidden[j, hidden.shape[1] - len(t):] for j, t in zip(js, turns)]),
-                                     torch.tensor([x for t in turns for x in t]), head, temperature).tolist()
+                                     torch.tensor([x for t in turns for x in t], device=self.device), head,
+                                     temperature).tolist()
                 for j, t in zip(js, turns):
                     out[rows[j][0]], lps = lps[:len(t)], lps[len(t):]
             for j, (i, _, _) in enumerate(rows):
@@ -246,13 +253,13 @@ class CPUEngine:
 
     def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
         """The unpadded KV of each prefix (computed together, each once)."""
-        ids, mask = left_pad(prefixes, self.pad_id)
+        ids, mask = left_pad(prefixes, self.pad_id, self.device)
         cache = DynamicCache()
         _last(self._chunked(self.forward, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache))
         return [[(layer.keys[i][:, -len(p):], layer.values[i][:, -len(p):]) for layer in cache.layers] for i, p in enumerate(prefixes)]
 
     def _admit(self, reqs: list[Request]) -> list[tuple[Request, Generation]]:
-        rows = [_Row(r, torch.Generator().manual_seed(r.seed & 0x7FFFFFFFFFFFFFFF), list(r.context)) for r in reqs]
+        rows = [_Row(r, generator(self.device, r.seed & 0x7FFFFFFFFFFFFFFF), list(r.context)) for r in reqs]
         pasts: list[KV | None] = [None] * len(rows)
         first = []
         for i, r in enumerate(reqs):
@@ -278,9 +285,9 @@ class CPUEngine:
         self.prefill_tokens += sum(map(len, suffixes))
         self.first_prefill_tokens += sum(len(s) for s, f in zip(suffixes, first) if f)
         # The joining rows' batch: kept KV right-aligned, then their new tokens left-padded behind it.
-        cache, past_mask = _kept_batch(pasts, lens)
-        ids, mask = left_pad(suffixes, self.pad_id)
-        pos = torch.tensor(lens)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
+        cache, past_mask = _kept_batch(pasts, lens, self.device)
+        ids, mask = left_pad(suffixes, self.pad_id, self.device)
+        pos = torch.tensor(lens, device=self.device)[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)
         logits = _last(self._chunked(self.forward, ids, mask, pos, past_mask, cache))
         tokens, logps = self._sample(logits, rows)
         self._join(_layers(cache), torch.cat([past_mask, mask], dim=1), rows, tokens)
@@ -303,8 +310,8 @@ class CPUEngine:
 
     def _decode(self) -> list[tuple[Request, Generation]]:
         n = len(self._rows)
-        self._mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long)], dim=1)
-        pos = torch.tensor([len(r.ids) for r in self._rows])
+        self._mask = torch.cat([self._mask, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
+        pos = torch.tensor([len(r.ids) for r in self._rows], device=self.device)
         logits = self.forward(self._pending[:, None], self._mask, pos[:, None], self._cache)
         for r, t in zip(self._rows, self._pending.tolist()):
             r.ids.append(t)
@@ -314,8 +321,8 @@ class CPUEngine:
         return self._record(range(n), tokens, logps)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.zeros(len(rows), dtype=torch.long)
-        logps = torch.zeros(len(rows))
+        tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+        logps = torch.zeros(len(rows), device=self.device)
         groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault(r.req.params, []).append(i)
@@ -352,7 +359,7 @@ class CPUEngine:
         holes = [i for i in sorted(leaving) if i < size]
         movers = [i for i in range(size, len(self._rows)) if i not in leaving]
         if holes:
-            dst, src = torch.tensor(holes), torch.tensor(movers)
+            dst, src = torch.tensor(holes, device=self.device), torch.tensor(movers, device=self.device)
             for layer in self._cache.layers:
                 layer.move_rows(dst, src)
             self._mask[dst], self._pending[dst] = self._mask[src], self._pending[src]

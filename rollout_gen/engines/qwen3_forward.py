@@ -60,7 +60,7 @@ class Qwen3Forward:
         # cos/sin of every position so far, from the model's own rotary module (a row of the table is
         # the value that module gives for that position alone: tested)
         self._rotary = model.model.rotary_emb
-        self._cos = self._sin = torch.zeros(0, self.head_dim)
+        self._cos = self._sin = torch.zeros(0, self.head_dim, device=self.embed.device)
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
@@ -74,7 +74,7 @@ class Qwen3Forward:
         need = int(pos.max()) + 1
         if need > len(self._cos):
             n = max(need, 2 * len(self._cos), 1024)
-            cos, sin = self._rotary(self.embed[:1], torch.arange(n)[None])
+            cos, sin = self._rotary(self.embed[:1], torch.arange(n, device=self.embed.device)[None])
             self._cos, self._sin = cos[0], sin[0]
         return self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
 
@@ -102,9 +102,10 @@ class Qwen3Forward:
         k_len = mask.shape[1]
         allowed = mask.bool()[:, None, None, :]
         if q > 1:
-            causal = torch.arange(k_len)[None, :] <= torch.arange(k_len - q, k_len)[:, None]
+            columns = torch.arange(k_len, device=ids.device)
+            causal = columns[None, :] <= columns[k_len - q:, None]
             allowed = allowed & causal[None, None]
-        bias = torch.where(allowed, torch.tensor(0.0), torch.finfo(torch.float32).min)
+        bias = torch.where(allowed, torch.tensor(0.0, device=ids.device), torch.finfo(torch.float32).min)
         for i, (norm_in, wq, wk, wv, qk_norm, o, norm_post, gate, up, down) in enumerate(self.layers):
             x = F.rms_norm(h, (self.hidden,), norm_in, eps)
             qk = torch.cat([F.linear(x, *wq).view(b, q, hq, d), F.linear(x, *wk).view(b, q, hk, d)], dim=2)

@@ -1,0 +1,101 @@
+"""`cleaner fit`: before a run, whether the update of a model at a trajectory length fits the GPUs' memory with
+the config's train.* settings, term by term, and if not, which settings would (trainer/memory.py; docs/gpu.md).
+
+Exit 0 when it fits, 1 when it does not (so a job script can stop before it starts), 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from flows.command import command_parser, config_of
+from storage.errors import CleanerError
+
+EXAMPLE = """Examples:
+  cleaner fit -c configs/demo.yaml
+  cleaner fit -c my.yaml --model /models/Qwen3-4B --tokens 8192 --gpus 1 --gpu-memory 80
+  cleaner fit -c my.yaml train.strategy=deepspeed train.zero_stage=3 train.nproc=4 train.param_dtype=bf16"""
+
+
+class FitError(CleanerError, ValueError):
+    exit_code = 2
+
+
+def detected_gpu_memory() -> tuple[float | None, str]:
+    """(bytes of the smallest visible GPU, its name) or (None, why)."""
+    try:
+        import torch
+    except ImportError:
+        return None, "no torch"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device here"
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    small = min(props, key=lambda p: p.total_memory)
+    return float(small.total_memory), f"{small.name} × {len(props)}"
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from trainer.memory import GiB, HEADROOM, ModelShape, Plan, describe, estimate, longest_fitting_tokens, suggestions
+
+    cfg = config_of(args)
+    model = args.model or cfg.rollout.policy
+    shape = ModelShape.from_path(Path(model))
+    tokens = args.tokens or (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    if tokens < 1:
+        raise FitError(f"--tokens {tokens}: a trajectory has at least one token")
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise FitError(f"--gpu-memory {args.gpu_memory}: GiB per GPU, above 0")
+        gpu_bytes, card = args.gpu_memory * GiB, f"{args.gpu_memory:g} GiB per GPU (--gpu-memory)"
+    else:
+        gpu_bytes, card = detected_gpu_memory()
+        if gpu_bytes is None:
+            raise FitError(f"{card}: say the GPUs' memory with --gpu-memory GIB (e.g. --gpu-memory 80 for an H100)")
+    gpus = args.gpus or (cfg.train.nproc if cfg.train.strategy == "deepspeed" else 1)
+    if gpus < 1:
+        raise FitError(f"--gpus {gpus}: at least 1")
+    plan = Plan.from_train(cfg.train, tokens, ranks=gpus if cfg.train.strategy == "deepspeed" else 1)
+    if plan.strategy == "deepspeed" and plan.ranks > gpus:
+        raise FitError(f"train.nproc={plan.ranks} ranks for {gpus} GPU(s) (--gpus): one rank per GPU")
+    est = estimate(shape, plan)
+    usable = gpu_bytes * (1 - HEADROOM)
+    print(f"model {shape.name}: {shape.parameters / 1e9:.2f}B parameters ({shape.layers} layers, hidden "
+          f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}")
+    print(f"settings: {describe(plan)} train.micro_batch_tokens={plan.micro_batch_tokens}")
+    print("\n".join("  " + line for line in est.lines()))
+    fits = est.fits(gpu_bytes)
+    print(f"{'fits' if fits else 'does not fit'}: {est.peak / GiB:.1f} GiB of {usable / GiB:.1f} GiB usable per GPU "
+          f"({HEADROOM:.0%} of {gpu_bytes / GiB:.0f} GiB left for the CUDA context and fragmentation)")
+    if fits:
+        return 0
+    found = suggestions(shape, plan, gpus, gpu_bytes)
+    if found:
+        print(f"would fit on {gpus} GPU(s), fastest first:")
+        for e in found:
+            print(f"  {describe(e.plan)}   ({e.peak / GiB:.1f} GiB per GPU"
+                  + (f", {e.cpu_bytes / GiB:.0f} GiB host memory per rank" if e.cpu_bytes else "") + ")")
+    else:
+        print(f"no settings fit {gpus} GPU(s) of {gpu_bytes / GiB:.0f} GiB at {tokens} tokens; more GPUs (--gpus) or "
+              "shorter trajectories")
+        best = min((estimate(shape, c) for c in _all(plan, gpus)), key=lambda e: e.peak)
+        longest = longest_fitting_tokens(shape, best.plan, gpu_bytes)
+        if longest:
+            print(f"  {describe(best.plan)} fits trajectories up to about {longest} tokens")
+    return 1
+
+
+def _all(plan, gpus):
+    from trainer.memory import candidate_plans
+
+    return candidate_plans(plan, gpus)
+
+
+def add_parser(sub) -> None:
+    p = command_parser(sub, "fit", "whether the update fits the GPUs' memory, and which settings would",
+                       EXAMPLE, description=__doc__, func=run_fit)
+    p.add_argument("--model", type=Path, help="checkpoint folder (or config.json) to size (default: rollout.policy)")
+    p.add_argument("--tokens", type=int, help="trajectory tokens (default: rollout.max_prompt_tokens + "
+                   "rollout.max_response_tokens)")
+    p.add_argument("--gpus", type=int, help="GPUs the update may use (default: train.nproc under deepspeed, else 1)")
+    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB (default: this machine's "
+                   "smallest GPU)")

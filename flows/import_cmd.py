@@ -1,0 +1,295 @@
+"""`cleaner import`: another framework's rollouts (ATIF trajectories, TRL completions, verl rollout dumps) as raw
+shards of a run of their own, written by the project's own shard writer, so `inspect`, the viewer, `replay` and
+`filter` work on them. Each iteration's shard is committed only once every line of every file has been read and
+checked; a rerun with the same files and settings finds it committed and says so (idempotent), one with others is
+refused. The formats and what is exact: docs/formats.md; the readers: flows/interop/importers.py.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flows.command import command_parser, config_of
+
+FORMATS = ("atif", "trl-completions", "verl-jsonl")
+
+
+@dataclass
+class Imported:
+    rows: int = 0
+    iterations: dict[int, str] = field(default_factory=dict)  # iteration -> "written" or "already imported"
+    token_exact: bool = True
+
+
+def _digest(files: list[Path], fmt: str, run_id: str, tokenizer: Path | None, iteration: int | None,
+            allow_purify: bool) -> str:
+    """What an import was made of: the files' bytes in order, the format, the tokenizer's, the settings."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps([fmt, run_id, iteration, allow_purify]).encode())
+    for f in files:
+        h.update(hashlib.blake2b(Path(f).read_bytes(), digest_size=16).digest())
+    if tokenizer is not None and (Path(tokenizer) / "tokenizer.json").is_file():
+        h.update(hashlib.blake2b((Path(tokenizer) / "tokenizer.json").read_bytes(), digest_size=16).digest())
+    return h.hexdigest()
+
+
+def _check_row(row: dict[str, Any], where: str, arrow: bool = False) -> None:
+    """A raw row is whole before it is written: lists that go together have one length, and it converts to the
+    data model (pipeline.trajectory) and (`arrow`) to the raw schema, which its batch is converted to anyway."""
+    import pyarrow as pa
+
+    from flows.interop.source import InteropError
+    from pipeline.trajectory import trajectory_from_row
+    from storage.schemas import RAW
+
+    lived = {k: len(row[k]) for k in ("lived_ids", "lived_mask", "lived_logprobs")}
+    if len(set(lived.values())) != 1:
+        raise InteropError(f"{where}: lived_ids, lived_mask and lived_logprobs differ in length ({lived})")
+    for p in row["positions"]:
+        for a in p["attempts"] + ([row["final_turn"]] if row["final_turn"] else []):
+            if len(a["turn_ids"]) != len(a["logprobs"]):
+                raise InteropError(f"{where}: position {p['position_idx']} attempt {a['attempt_idx']}: "
+                                   f"{len(a['turn_ids'])} token ids but {len(a['logprobs'])} log-probs")
+    try:
+        trajectory_from_row(row)
+        if arrow:
+            pa.Table.from_pylist([row], schema=RAW)
+    except (TypeError, KeyError, ValueError, pa.ArrowException) as e:
+        raise InteropError(f"{where}: not a valid raw row ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+
+
+def _rows(files: list[Path], fmt: str, run_id: str, chat, tokenizer: Path | None, iteration: int | None, root: Path,
+          state: dict[str, Any]):
+    """(iteration, raw row, token-exact, where) per source line, in file order."""
+    from flows.interop import atif as atif_format
+    from flows.interop import importers
+    from flows.interop.source import InteropError
+    from rollout_gen.tasks import stable_id
+    from storage.layout import resolve_recorded
+
+    samples: dict[tuple[int, str], int] = {}
+
+    def next_sample(it: int, prompt_id: str) -> int:
+        n = samples.get((it, prompt_id), 0)
+        samples[(it, prompt_id)] = n + 1
+        return n
+
+    def need_chat(where: str):
+        if chat is None:
+            raise InteropError(f"{where}: {fmt} is text: name the tokenizer to re-tokenize it with (--tokenizer "
+                               "CHECKPOINT, e.g. the policy that sampled it)")
+        return chat
+
+    for path in files:
+        for where, doc in importers.documents(path):
+            if fmt == "atif":
+                traj, version = importers.validated_atif(doc, where)
+                if atif_format.is_cleaner_raw(doc):
+                    if chat is not None:
+                        importers.check_tokenizer(doc, chat, tokenizer, where)
+                    row = atif_format.raw_row(doc, run_id, where)
+                    recorded = ((doc.get("agent") or {}).get("extra") or {}).get(atif_format.KEY, {}).get("checkpoint")
+                    if recorded and state.get("checkpoint") is None:
+                        found = resolve_recorded(root, recorded)
+                        state["checkpoint"] = found if found.is_dir() else None
+                    if iteration is not None:
+                        row["iteration"] = iteration
+                    yield row["iteration"], row, True, where
+                    continue
+                if (traj.extra or {}).get(atif_format.KEY, {}).get("format") == atif_format.PURIFIED_FORMAT:
+                    raise InteropError(f"{where}: a purified trajectory (export's purified/); import the raw ones "
+                                       "(raw/*.jsonl): purified rows are rebuilt from them by `cleaner replay`")
+                if version < atif_format.TOKEN_IDS_SINCE and chat is None:
+                    need_chat(f"{where} (ATIF v{version[0]}.{version[1]}, before token ids)")
+                if chat is not None:
+                    importers.check_tokenizer(doc, chat, tokenizer, where)
+                prompt_ids, turns, exact, last = importers.atif_turns(traj, chat, where)
+                users = [s.message for s in traj.steps if s.source == "user" and isinstance(s.message, str)]
+                question = users[0] if users else ""
+                if prompt_ids is None:
+                    prompt_ids = importers.prompt_ids_of(need_chat(where), [{"role": "user", "content": question}])
+                extra = traj.extra or {}
+                source = str(extra.get("data_source") or traj.agent.name)
+                prompt_id = stable_id(source, question)
+                it = 0 if iteration is None else iteration
+                row = importers.raw_row(
+                    run_id=run_id, iteration=it, prompt_id=prompt_id, sample_idx=next_sample(it, prompt_id),
+                    policy_version=traj.agent.model_name or traj.agent.name, source=source, question=question,
+                    ground_truth=str(extra.get("ground_truth") or ""), reward=float(extra.get("reward") or 0.0),
+                    prompt_ids=list(prompt_ids), turns=turns, chat=chat, final_text=last)
+                yield it, row, exact, where
+                continue
+            chat_ = need_chat(where)
+            if fmt == "trl-completions":
+                if "prompt" not in doc or "completion" not in doc:
+                    missing = "prompt" if "prompt" not in doc else "completion"
+                    raise InteropError(f"{where}: no field {missing!r} (a TRL prompt-completion row has both)")
+                question, prompt_messages = importers.question_of(doc["prompt"], where)
+                completion = doc["completion"]
+                if isinstance(completion, str):
+                    completion = [{"role": "assistant", "content": completion}]
+                if not isinstance(completion, list):
+                    raise InteropError(f"{where}: field 'completion' is a {type(completion).__name__}, expected text "
+                                       "or messages")
+                prompt_ids = importers.prompt_ids_of(chat_, prompt_messages)
+                reward, truth = doc.get("reward", 0.0), doc.get("ground_truth", doc.get("answer", ""))
+                source = str(doc.get("data_source") or "trl")
+            else:
+                for name in ("input", "output"):
+                    if not isinstance(doc.get(name), str):
+                        raise InteropError(f"{where}: field {name!r} " + ("is missing" if name not in doc else
+                                           f"is a {type(doc[name]).__name__}, expected text") + " (verl's rollout "
+                                           "dump has input, output, gts, score, step)")
+                question = importers.rendered_question(doc["input"])
+                completion = importers.split_rendered(doc["output"])
+                prompt_ids = (chat_.encode(doc["input"]) if importers.renders_special_tokens(doc["input"]) else
+                              importers.prompt_ids_of(chat_, [{"role": "user", "content": question}]))
+                reward, truth = doc.get("score", doc.get("reward", 0.0)), doc.get("gts", doc.get("ground_truth", ""))
+                source = str(doc.get("data_source") or "verl")
+            if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+                raise InteropError(f"{where}: field 'reward' / 'score' is a {type(reward).__name__}, expected a number")
+            turns, last = importers.text_turns(completion, chat_, where)
+            prompt_id = stable_id(source, question)
+            it = 0 if iteration is None else iteration
+            row = importers.raw_row(
+                run_id=run_id, iteration=it, prompt_id=prompt_id, sample_idx=next_sample(it, prompt_id),
+                policy_version="imported", source=source, question=question,
+                ground_truth=truth if isinstance(truth, str) else json.dumps(truth), reward=float(reward),
+                prompt_ids=prompt_ids, turns=turns, chat=chat_, final_text=last)
+            yield it, row, False, where
+
+
+def run_import(cfg, files: list[Path], fmt: str, run_id: str, tokenizer: Path | None = None,
+               iteration: int | None = None, allow_purify: bool = False, batch_rows: int = 16) -> Imported:
+    """Write the raw shards; returns what was imported (or found already imported). Rows are held `batch_rows` per
+    iteration at a time (as Python objects: ~3 MiB a row at 8,192 tokens), then written to the open part."""
+    import pyarrow as pa
+
+    from flows.interop.source import InteropError
+    from pipeline.chat import load_chat
+    from pipeline.trajectory import row_key
+    from storage.errors import check_writable_root
+    from storage.layout import RunLayout, record_path
+    from storage.schemas import RAW
+    from storage.shards import ShardWriter, read_manifest
+
+    if fmt not in FORMATS:
+        raise InteropError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
+    root = Path(cfg.storage.root)
+    layout = RunLayout(root, run_id)
+    files = [Path(f) for f in files]
+    for f in files:
+        if not f.is_file():
+            raise InteropError(f"{f}: " + ("is a folder, not a file" if f.is_dir() else "does not exist"))
+    check_writable_root(root)
+    chat = load_chat(Path(tokenizer)) if tokenizer is not None else None
+    config_hash = _digest(files, fmt, run_id, tokenizer, iteration, allow_purify)
+    state: dict[str, Any] = {"checkpoint": Path(tokenizer) if tokenizer is not None else None}
+    writers: dict[int, ShardWriter | None] = {}  # None: already imported with these files and settings
+    pending: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    exact: dict[int, bool] = {}
+    seen: dict[str, str] = {}
+    versions: dict[int, set[str]] = {}
+    done = Imported()
+
+    def writer_for(it: int) -> ShardWriter | None:
+        if it not in writers:
+            out = layout.raw_dir(it)
+            committed = read_manifest(out)
+            if committed is not None and committed.config_hash != config_hash:
+                made = committed.extra.get("source_format") or "a rollout"
+                raise InteropError(f"{out}: already holds a raw shard ({made}, config {committed.config_hash}) that "
+                                   "other files or settings made; import into a new --run (raw shards are never "
+                                   "overwritten)")
+            checkpoint = state.get("checkpoint")
+            writers[it] = None if committed is not None else ShardWriter(
+                out, RAW, config_hash, inputs=[record_path(root, checkpoint)] if checkpoint else [],
+                rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
+        return writers[it]
+
+    def flush(it: int) -> None:
+        w = writer_for(it)
+        if w is not None and pending.get(it):
+            try:
+                table = pa.Table.from_pylist([row for row, _ in pending[it]], schema=RAW)
+            except (pa.ArrowException, TypeError, ValueError):
+                for row, where in pending[it]:  # the row at fault, named
+                    _check_row(row, where, arrow=True)
+                raise
+            w.write(table)
+        pending[it] = []
+
+    try:
+        for it, row, row_exact, where in _rows(files, fmt, run_id, chat, tokenizer, iteration, root, state):
+            _check_row(row, where)
+            key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
+            if key in seen:
+                raise InteropError(f"{where}: trajectory {key} is already imported from {seen[key]} (a file named "
+                                   "twice, or two trajectories with one id)")
+            seen[key] = where
+            exact[it] = exact.get(it, True) and row_exact
+            versions.setdefault(it, set()).add(row["policy_version"])
+            pending.setdefault(it, []).append((row, where))
+            done.rows += 1
+            if len(pending[it]) >= batch_rows:
+                flush(it)
+        if not done.rows:
+            raise InteropError(f"{', '.join(map(str, files))}: no trajectory to import")
+        for it in sorted(pending):
+            flush(it)
+            w = writers[it]
+            if w is None:
+                done.iterations[it] = "already imported"
+                continue
+            w.commit({"source_format": fmt, "token_exact": exact[it], "imported_from": [str(f) for f in files],
+                      "purify_allowed": bool(allow_purify), "policy_version": ", ".join(sorted(versions[it]))})
+            done.iterations[it] = "written"
+        done.token_exact = all(exact.values())
+    except BaseException:
+        for w in writers.values():
+            if w is not None and not w._committed:
+                w.abort()
+        raise
+    return done
+
+
+def run(args: argparse.Namespace) -> int:
+    from flows.stage_cmds import published
+
+    cfg = config_of(args)
+    done = run_import(cfg, args.files, args.format, args.run, args.tokenizer, args.iteration, args.allow_purify)
+    what = ", ".join(f"iteration {i} {state}" for i, state in sorted(done.iterations.items()))
+    exact = "token-exact" if done.token_exact else (
+        "re-tokenized (token_exact: false; purifying it is " + ("allowed" if args.allow_purify else
+                                                                "refused unless imported with --allow-purify") + ")")
+    print(f"imported {done.rows} trajectories into run {args.run} ({what}); {exact}")
+    if any(state == "written" for state in done.iterations.values()):
+        published(cfg)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = command_parser(
+        sub, "import", "another framework's rollouts (ATIF, TRL completions, verl dumps) as raw shards of a new run",
+        "Examples:\n  cleaner import --format atif out/raw/*.jsonl --run atif-copy\n"
+        "  cleaner import --format verl-jsonl rollouts/0.jsonl --run from-verl --tokenizer policies/tiny-tool-policy",
+        "Each trajectory becomes a raw row (a failed tool call followed by the model's next call is an in-context "
+        "retry), committed with the project's raw writer, so inspect, view, replay and filter read the run. ATIF "
+        "with token ids and log-probs (v1.3+; cleaner's own export exactly) keeps them; text sources (trl-completions,"
+        " verl-jsonl) are re-tokenized with --tokenizer and marked token_exact: false in the manifest, and "
+        "purifying them is refused unless --allow-purify (their token boundaries are not the sampled ones). A "
+        "rerun with the same files is a no-op; docs/formats.md.", func=run)
+    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl (one object a line) or .json files")
+    p.add_argument("--format", required=True, choices=FORMATS, help="what the files are")
+    p.add_argument("--run", required=True, help="the run to import into (its own: raw shards are never overwritten)")
+    p.add_argument("--tokenizer", type=Path, help="checkpoint folder whose tokenizer re-tokenizes text (required for "
+                   "text sources) or checks ATIF ids; recorded as the policy that sampled the rows")
+    p.add_argument("--iteration", type=int, help="iteration to import into (default: cleaner ATIF keeps its own, "
+                   "other sources 0)")
+    p.add_argument("--allow-purify", action="store_true", help="let `cleaner purify`/`replay` purify a re-tokenized "
+                   "import (its token boundaries and log-probs are not the sampled ones)")
