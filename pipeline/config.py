@@ -337,6 +337,11 @@ class TrainConfig(Section):
     dual_clip: float | None = Field(10.0, gt=1.0, description=(
         "dual-clip PPO's bound on the ratio for negative advantages (OpenRLHF's dual_clip; > 1), None: off"))
     policy_loss_type: Literal["ppo", "gspo"] = Field("ppo", description="OpenRLHF's policy loss: ppo (token ratios) or gspo (sequence ratios)")
+    loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description=(
+        "how policy_loss_type=ppo's per-token losses become the mini-batch loss (OpenRLHF's token_level_loss): "
+        "token_mean (every trained token of the mini-batch weighs the same; DAPO) or seq_mean (each row's mean over "
+        "its trained tokens, then the mean over rows: GRPO's original normalisation, which weighs a long row's "
+        "tokens less)"))
     epochs: int = Field(1, ge=1, description="passes over the purified shard per update")
     mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch: the shard's prompt groups split into this many")
     micro_batch_tokens: int = Field(8192, gt=0, description="tokens per forward/backward (rows packed by length; gradients accumulated per mini-batch)")
@@ -391,6 +396,9 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _correction_needs_ppo(self) -> "TrainConfig":
+        if self.loss_agg != "token_mean" and self.policy_loss_type != "ppo":
+            raise ValueError(f"train.loss_agg={self.loss_agg} applies to train.policy_loss_type=ppo (OpenRLHF's "
+                             f"{self.policy_loss_type} loss aggregates per sequence already)")
         if self.rollout_correction != "off" and self.policy_loss_type != "ppo":
             raise ValueError(f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
                              f"(OpenRLHF's {self.policy_loss_type} loss does not apply the correction gate)")
@@ -399,7 +407,8 @@ class TrainConfig(Section):
 
 # train.* settings hashed into train_settings only when not at their default: a checkpoint recorded before they
 # existed was trained as their defaults train, and keeps its record.
-TRAIN_SETTINGS_IF_SET = {"gradient_checkpointing": False, "offload_optimizer": False, "attn_implementation": "sdpa"}
+TRAIN_SETTINGS_IF_SET = {"gradient_checkpointing": False, "offload_optimizer": False, "attn_implementation": "sdpa",
+                         "loss_agg": "token_mean"}
 
 
 def hashed_train_settings(train: TrainConfig) -> dict[str, Any]:

@@ -94,3 +94,26 @@ def test_loss_is_a_token_sum_over_one_mini_batch_wide_constant():
     grpo.backward()
     gap = max((a.grad - b.grad).abs().max().item() for a, b in zip(m_upd.parameters(), m_grpo.parameters()))
     assert gap > 1e-3
+
+
+def test_seq_mean_loss_is_grpo_s_per_sequence_mean_over_the_mini_batch():
+    """train.loss_agg=seq_mean (the sequence-mean control of the normalisation): each row's mean over its trained
+    tokens, then the mean over the mini-batch's rows, across micro-batches, by hand and through the real update."""
+    m_upd, m_ref = _model(), _model()
+    rows = _rows(m_ref)
+    cfg = TrainConfig(micro_batch_tokens=30, mini_batches=1, lr=1e-3, loss_agg="seq_mean")
+    upd = GRPOUpdate(m_upd, cfg)
+    upd.step = lambda: 0.0
+    (groups,) = mini_batches(rows, 1)
+    metrics = upd.minibatch(groups, pad_id=0)
+    want = _hand_loss(m_ref, rows, per_sequence_mean=True)
+    want.backward()
+    by_hand = -sum(r.advantage for r in rows) / len(rows)  # every ratio 1: each row counts once, whatever its length
+    assert metrics.loss == pytest.approx(by_hand, abs=1e-6) and want.item() == pytest.approx(by_hand, abs=1e-6)
+    for (name, a), (_, b) in zip(m_upd.named_parameters(), m_ref.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), name
+
+
+def test_seq_mean_is_refused_for_a_loss_that_is_per_sequence_already():
+    with pytest.raises(ValueError, match="train.loss_agg=seq_mean applies to train.policy_loss_type=ppo"):
+        TrainConfig(loss_agg="seq_mean", policy_loss_type="gspo")

@@ -129,7 +129,7 @@ def policy_loss(cfg: TrainConfig):
     """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean; with train.rollout_correction its IS
     gate over π_old / π_behaviour (trainer/correction.py)."""
     return openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                                        dual_clip=cfg.dual_clip, token_level_loss=True,
+                                        dual_clip=cfg.dual_clip, token_level_loss=cfg.loss_agg == "token_mean",
                                         policy_loss_type=cfg.policy_loss_type, **policy_loss_kwargs(cfg))
 
 
@@ -166,6 +166,7 @@ class GRPOUpdate:
         self.cfg = cfg
         self.device = device if device is not None else next(model.parameters()).device
         self.loss_fn = policy_loss(cfg)
+        self.seq_mean = cfg.loss_agg == "seq_mean"
         self.correction = correction_of(cfg)
         self.dpo_pairs: dict[str, list[CallPair]] = {}
         self.global_step = 0
@@ -257,7 +258,9 @@ class GRPOUpdate:
         # every rank makes as many forwards as the one with the most micro-batches (an emptied one adds 0)
         micros += [emptied(micros[-1])] * (self.most(len(micros)) - len(micros))
         # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
-        tokens = int(self.reduce([float(sum(m.num_actions for m in micros))])[0])
+        # (train.loss_agg=seq_mean: a mean over the mini-batch's trained rows, whichever rank holds them)
+        tokens, rows = (int(v) for v in self.reduce([float(sum(m.num_actions for m in micros)),
+                                                      float(sum(int((m.action_mask.sum(-1) > 0).sum()) for m in micros))]))
         self.zero_grad()
         dpo_micros, dpo_coef, dpo = (self.dpo_batches(mine, pad_id, micros[-1]) if self.cfg.use_dpo_on_tool_calls
                                      else ([], None, None))
@@ -275,7 +278,8 @@ class GRPOUpdate:
             # PolicyLoss reads rollout_log_probs only when its correction is on
             loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
                 logp, m.old_log_probs, m.advantages, action_mask=m.action_mask, rollout_log_probs=m.rollout_log_probs,
-                batch_num_tokens=max(1, tokens), dp_size=self.world_size)
+                batch_num_tokens=max(1, tokens), global_batch_size=max(1, rows) if self.seq_mean else None,
+                dp_size=self.world_size)
             if self.correction is not None and m.num_actions:  # an emptied micro-batch's ratios are 0/0
                 filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
                 beh_kl += float(vllm_kl) * m.num_actions
