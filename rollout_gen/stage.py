@@ -65,8 +65,22 @@ def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[T
             return loop.run(tasks, identity, progress=lambda done, _total, note: bar.update(done, note))
 
 
-def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
+def _hash(cfg: CleanerConfig, version: str) -> str:
     return hashlib.blake2b(f"{cfg.section_hash('rollout', 'world')}/{version}".encode(), digest_size=8).hexdigest()
+
+
+def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
+    """What a raw shard's rows depend on: the rollout and world settings and the policy, not how many threads the
+    engine used (speed only, as the frozen run.json has it: a flow resumed with other threads keeps its shards)."""
+    same = cfg.model_copy(deep=True)
+    same.rollout.engine_tuning.threads = type(cfg.rollout.engine_tuning).model_fields["threads"].default
+    return _hash(same, version)
+
+
+def committed_with_same_inputs(done: Manifest, cfg: CleanerConfig, version: str) -> bool:
+    """A committed raw shard's identity is this config's; shards committed before threads left the identity hashed
+    the config with its threads (the same value at the default)."""
+    return done.config_hash in (rollout_config_hash(cfg, version), _hash(cfg, version))
 
 
 def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path,
@@ -79,7 +93,7 @@ def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoin
     config_hash = rollout_config_hash(cfg, version)
     done = read_manifest(out)
     if done is not None:
-        if done.config_hash != config_hash:
+        if not committed_with_same_inputs(done, cfg, version):
             raise ShardError(f"{out}: committed with other rollout settings or another cleaner version (config "
                              f"{done.config_hash}, now {config_hash}); use a new flow.run_id — raw shards are never "
                              "overwritten")

@@ -81,3 +81,22 @@ def test_rerun_keeps_the_committed_shard(rollout):
     cfg, manifest, _ = rollout
     again = run_rollout_stage(cfg, "e2e", 0, DEFAULT_POLICY, show_progress=False)
     assert again == manifest
+
+
+def test_a_committed_rollout_is_kept_when_only_the_engine_threads_change(world_copy):
+    """rollout.engine_tuning.threads is speed only: `cleaner train` resumed a run with other threads (run.json leaves
+    them out) while `cleaner rollout` on the same committed iteration refused the shard as "other rollout settings".
+    Both keep it now; a setting that changes the rows still refuses."""
+    from pipeline.config import DEFAULT_POLICY
+    from rollout_gen.stage import run_rollout_stage
+    from storage.layout import RunLayout
+    from storage.shards import ShardError, read_manifest
+
+    committed = read_manifest(RunLayout(world_copy.storage.root, "w").raw_dir(0))
+    faster = world_copy.model_copy(deep=True)
+    faster.rollout.engine_tuning.threads = 2
+    assert run_rollout_stage(faster, "w", 0, DEFAULT_POLICY, show_progress=False) == committed
+    other = world_copy.model_copy(deep=True)
+    other.rollout.temperature = 0.7
+    with pytest.raises(ShardError, match="committed with other rollout settings"):
+        run_rollout_stage(other, "w", 0, DEFAULT_POLICY, show_progress=False)
