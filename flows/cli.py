@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from flows.command import EPILOG_OVERRIDES, Parser, command_parser, config_of, split_overrides
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cleaner {args.command}: interrupted" + ("" if args.command in COMMITS_NOTHING else "; run the same "
               "command again to resume (what was committed is kept)"), file=sys.stderr)
+        # the interrupt is handled: one delivered again while the command's threads and servers wind down (a
+        # terminal's Ctrl-C reaches the whole process group) must not end it by the signal instead of exit 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 130
 
 
