@@ -53,7 +53,7 @@ def eval_iterations(iterations: int, every: int) -> list[int]:
     return sorted(set(range(0, iterations + 1, every)) | {iterations})
 
 
-def headline_metrics(trajectories: list, metrics: dict) -> dict:
+def headline_metrics(metrics: dict) -> dict:
     """The experiment's headline metrics, one protocol across arms and test modes: the failure rate of the very
     first call (position 0, attempt 0: the same context, hence the same draw, whether SAAR is on or off at test),
     with the number of trajectories that made one; the retry success rate beside it (None when nothing was retried,
@@ -78,7 +78,7 @@ def eval_checkpoint(cfg, checkpoint: Path, saar: bool) -> dict:
     c.rollout.saar.live_mode = "purified"
     run = evaluate_tasks(c, Path(checkpoint), eval_tasks(c.world), show_progress=False)
     m = run.metrics
-    return {"saar_at_test": saar, **headline_metrics(run.trajectories, m),
+    return {"saar_at_test": saar, **headline_metrics(m),
             "tool_calls_per_traj": m["tool_calls"] / m["trajectories"],
             "response_tokens": m["mean_response_tokens"], "wall_s": m["wall_s"]}
 

@@ -311,10 +311,11 @@ class AgentLoop:
             draws: Draws = group_draws) -> list[Trajectory]:
         """Task-major trajectories, `samples` per task (default rollout.samples_per_prompt): task i's sample s at
         i * samples + s, with sample_idx s, drawn as `draws` says."""
+        per_task = samples or self.cfg.samples_per_prompt
         lives: list[_Live] = []
         for task in tasks:
             prompt = self.chat.prompt_ids(task.question)
-            for index, seed in draws(identity.seed, samples or self.cfg.samples_per_prompt):
+            for index, seed in draws(identity.seed, per_task):
                 coin = unit_hash("gate", identity.run_id, identity.iteration, task.prompt_id, index, seed)
                 lv = _Live(task, index, seed, coin < self.saar.gate_p, prompt)
                 if len(prompt) > self.cfg.max_prompt_tokens:
@@ -323,7 +324,6 @@ class AgentLoop:
         params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
                                 tuple(sorted(self.chat.stop_ids)))
         self._async(lives, params, identity, progress)
-        per_task = samples or self.cfg.samples_per_prompt
         out = [self._trajectory(lv, identity) for lv in lives]
         for i, t in enumerate(out):
             t.sample_idx = i % per_task
