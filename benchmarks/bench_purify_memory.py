@@ -191,11 +191,13 @@ def run(row_counts: tuple[int, ...] = (64, 128, 512), workers: int = 2) -> Bench
             fn, dk = measured[("fn", n)], measured[("dask", n)]
             headline = "HEADLINE: " if n == top else ""
             rows_out.append(Row(f"{headline}peak RSS, FnApiRunner (one process), {n} × {TOKENS:,} tokens",
-                                fn["peak_rss"] / GiB, None, "GiB", False, "≤ 4 GiB", fn["peak_rss"] <= TARGET))
-            rows_out.append(Row(f"{headline}peak RSS, Dask driver, {n} × {TOKENS:,} tokens", dk["peak_rss"] / GiB, None,
-                                "GiB", False, "≤ 4 GiB", dk["peak_rss"] <= TARGET))
+                                fn["peak_rss"] / GiB, unit="GiB", higher_is_better=False, target="≤ 4 GiB",
+                                passed=fn["peak_rss"] <= TARGET))
+            rows_out.append(Row(f"{headline}peak RSS, Dask driver, {n} × {TOKENS:,} tokens", dk["peak_rss"] / GiB,
+                                unit="GiB", higher_is_better=False, target="≤ 4 GiB", passed=dk["peak_rss"] <= TARGET))
             rows_out.append(Row(f"{headline}peak RSS, largest Dask worker ({workers} workers), {n} × {TOKENS:,} tokens",
-                                max(dk["workers"]) / GiB, None, "GiB", False, "≤ 4 GiB", max(dk["workers"]) <= TARGET))
+                                max(dk["workers"]) / GiB, unit="GiB", higher_is_better=False, target="≤ 4 GiB",
+                                passed=max(dk["workers"]) <= TARGET))
         for runner, name in (("fn", "FnApiRunner"), ("dask", "largest Dask worker")):
             def rss(n: int, r: str = runner) -> int:
                 m = measured[(r, n)]

@@ -33,8 +33,11 @@ def _rows(length: int, vocab: int = 151_643):
     out = []
     for i in range(ROWS):
         resp = [rng.randrange(vocab) for _ in range(length - PROMPT)]
-        out.append(PurifiedTrajectory("b", 0, "p", i, "saar", 0.5, f"k{i}", prompt, resp, [1] * len(resp),
-                                      [-1.0] * len(resp), [0] * len(resp), 1.0, (-1) ** i * 0.7, [], 0, 0, True))
+        out.append(PurifiedTrajectory(run_id="b", iteration=0, prompt_id="p", sample_idx=i, mode="saar", gamma=0.5,
+                                      raw_key=f"k{i}", prompt_ids=prompt, response_ids=resp, loss_mask=[1] * len(resp),
+                                      old_logprobs=[-1.0] * len(resp), logprob_valid=[0] * len(resp), reward=1.0,
+                                      advantage=(-1) ** i * 0.7, splices=[], recompute_from=0, tokens_forwarded=0,
+                                      gate=True))
     return out
 
 

@@ -54,20 +54,24 @@ def _long_trajectory(rng: random.Random, idx: int, vocab: int, positions: int = 
 
     def attempt(k: int, context: list[int], failed: bool) -> Attempt:
         ids = [rng.randrange(vocab) for _ in range(per_turn)]
-        return Attempt(k, ids, [-rng.random() * 2 for _ in ids], per_turn // 2, "ok", len(context),
-                       fingerprint(context), code=f"print({idx} + {k})",
-                       result=ToolResult("failure" if failed else "success", "Tool call failure\nNameError: x" if failed
-                                         else "Tool call success\nstdout: 1", "NameError" if failed else None,
-                                         "model" if failed else None, 1 if failed else 0),
+        result = (ToolResult(status="failure", text="Tool call failure\nNameError: x", error_label="NameError",
+                             error_class="model", exit_code=1) if failed
+                  else ToolResult(status="success", text="Tool call success\nstdout: 1", exit_code=0))
+        return Attempt(attempt_idx=k, turn_ids=ids, logprobs=[-rng.random() * 2 for _ in ids], call_start=per_turn // 2,
+                       call_status="ok", context_len=len(context), context_fingerprint=fingerprint(context),
+                       code=f"print({idx} + {k})", result=result,
                        feedback_ids=[rng.randrange(vocab) for _ in range(64)])
     for p in range(positions):
         first = attempt(0, prompt + lived, True)
         retry = attempt(1, prompt + lived, False)
         pos.append(Position(p, [first, retry], "recovered"))
         lived += retry.turn_ids + retry.feedback_ids
-    return Trajectory("long", 0, f"p{idx // 8:03d}", idx % 8, "v", idx, "world", "What is 1 + 1?", "2", True, 1.0,
-                      "purified", 0.5, 3, prompt, lived, [1] * len(lived), [-0.5] * len(lived), pos, None, "2",
-                      rng.choice([-1.0, 1.0]), "stop", TrajectoryStats(response_tokens=len(lived)))
+    return Trajectory(run_id="long", iteration=0, prompt_id=f"p{idx // 8:03d}", sample_idx=idx % 8, policy_version="v",
+                      seed=idx, task_source="world", question="What is 1 + 1?", ground_truth="2", saar_gate=True,
+                      gate_p=1.0, live_mode="purified", gamma_live=0.5, max_retries=3, prompt_ids=prompt,
+                      lived_ids=lived, lived_mask=[1] * len(lived), lived_logprobs=[-0.5] * len(lived), positions=pos,
+                      final_turn=None, final_answer="2", reward=rng.choice([-1.0, 1.0]), finish_reason="stop",
+                      stats=TrajectoryStats(response_tokens=len(lived)))
 
 
 def _long_store(root: Path) -> None:

@@ -171,8 +171,10 @@ def training_rows(groups: int, samples: int, tokens: int, prompt: int, vocab: in
         p = [rng.randrange(vocab) for _ in range(prompt)]
         for s in range(samples):
             n = tokens - prompt
-            rows.append(TrainingRow(f"r{g}-{s}", f"p{g}", s, p, [rng.randrange(vocab) for _ in range(n)], [1] * n,
-                                    [-rng.random() * 3 for _ in range(n)], 1.0 if s % 2 else -1.0))
+            rows.append(TrainingRow(raw_key=f"r{g}-{s}", prompt_id=f"p{g}", sample_idx=s, prompt_ids=p,
+                                    response_ids=[rng.randrange(vocab) for _ in range(n)], loss_mask=[1] * n,
+                                    old_logprobs=[-rng.random() * 3 for _ in range(n)],
+                                    advantage=1.0 if s % 2 else -1.0))
     return rows
 
 
@@ -225,8 +227,11 @@ def section_recompute(args, device, work: Path) -> dict:
     mem = PeakMemory(device)
     mem.start()
     rec = CPURecompute(work / f"ckpt-{args.shape}", device=device, threads=None)
-    group = [PurifiedTrajectory("gpu-check", 0, "p0", i, "saar", 0.5, f"k{i}", prompt, r["ids"], [1] * len(r["ids"]),
-                                [0.0] * len(r["ids"]), [0] * len(r["ids"]), 0.0, 0.0, [], 0, 0, True)
+    group = [PurifiedTrajectory(run_id="gpu-check", iteration=0, prompt_id="p0", sample_idx=i, mode="saar", gamma=0.5,
+                                raw_key=f"k{i}", prompt_ids=prompt, response_ids=r["ids"],
+                                loss_mask=[1] * len(r["ids"]), old_logprobs=[0.0] * len(r["ids"]),
+                                logprob_valid=[0] * len(r["ids"]), reward=0.0,
+                                advantage=0.0, splices=[], recompute_from=0, tokens_forwarded=0, gate=True)
              for i, r in enumerate(rows)]
     t0 = time.perf_counter()
     out = rec.group(group)
@@ -257,7 +262,9 @@ def section_gap(args, device, work: Path) -> dict:
         gap = []
         for i, r in enumerate(rows):
             n = len(r["ids"])
-            m = collate([TrainingRow(f"k{i}", "p0", i, prompt, r["ids"], [1] * n, [0.0] * n, 0.0)], 0, device)
+            m = collate([TrainingRow(raw_key=f"k{i}", prompt_id="p0", sample_idx=i, prompt_ids=prompt,
+                                     response_ids=r["ids"], loss_mask=[1] * n, old_logprobs=[0.0] * n, advantage=0.0)],
+                        0, device)
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 logp, _ = action_log_probs(actor, m.sequences, m.action_mask, m.attention_mask)
             got = logp[0, len(prompt) - 1: len(prompt) - 1 + n].float().tolist()

@@ -139,17 +139,18 @@ def paired_t(diffs: dict[int, float], alpha: float = 0.05, margin: float | None 
         raise ValueError("no seed has both arms")
     m = mean(values)
     nan = float("nan")
+    by_seed = dict(sorted(diffs.items()))
     if n < 2:
-        return PairedT(dict(sorted(diffs.items())), m, nan, nan, 0, nan, nan, nan, nan)
+        return PairedT(diffs=by_seed, mean=m, sd=nan, se=nan, df=0, low=nan, high=nan, p=nan, p_equivalence=nan)
     df = n - 1
     sd = stdev(values)
     if sd <= 1e-12 * max(1.0, abs(m)):  # float noise around identical differences
-        return PairedT(dict(sorted(diffs.items())), m, 0.0, 0.0, df, m, m, nan, nan)
+        return PairedT(diffs=by_seed, mean=m, sd=0.0, se=0.0, df=df, low=m, high=m, p=nan, p_equivalence=nan)
     se = sd / sqrt(n)
     half = t_quantile(1.0 - alpha / 2.0, df) * se
     p = _p_two_sided(m, se, df)
     p_eq = nan if margin is None else max(_p_upper(m + margin, se, df), _p_upper(margin - m, se, df))
-    return PairedT(dict(sorted(diffs.items())), m, sd, se, df, m - half, m + half, p, p_eq)
+    return PairedT(diffs=by_seed, mean=m, sd=sd, se=se, df=df, low=m - half, high=m + half, p=p, p_equivalence=p_eq)
 
 
 def _p_two_sided(m: float, se: float, df: int) -> float:

@@ -26,7 +26,7 @@ def evaluate_world(cfg: CleanerConfig, checkpoint: Path, limit: int | None = Non
     return evaluate_tasks(cfg, checkpoint, eval_tasks(cfg.world)[:limit], samples, show_progress).metrics
 
 
-def run_eval(cfg: CleanerConfig, world: bool, tasks_file: Path | None, samples: int, limit: int | None,
+def run_eval(cfg: CleanerConfig, *, world: bool, tasks_file: Path | None, samples: int, limit: int | None,
              export_lcb: Path | None, as_json: bool, write: bool) -> int:
     """The command's work, with every refusal before any rollout (nothing is written on bad input)."""
     from flows.console import print_metrics
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
                            tasks_file=str(args.tasks) if args.tasks else None, samples=args.samples, limit=args.limit)
         print_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.json)
         return 0
-    return run_eval(cfg, args.world, args.tasks, args.samples, args.limit, args.export_lcb, args.json, args.write)
+    return run_eval(cfg, world=args.world, tasks_file=args.tasks, samples=args.samples, limit=args.limit,
+                    export_lcb=args.export_lcb, as_json=args.json, write=args.write)
 
 
 def _at_least_one(text: str) -> int:

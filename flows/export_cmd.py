@@ -24,15 +24,17 @@ class Exported:
 
 
 def default_partition(root: Path, run_id: str, cfg) -> str:
-    """The partition the run's update trains on (run.json's train.mode and train.gamma, else the config's)."""
-    from pipeline.modes import Variant
+    """The partition the run's update trains on (run.json's train.mode and its threshold, else the config's)."""
+    from pipeline.config import upgrade_frozen
+    from pipeline.modes import IS_MODES, Variant
     from storage.layout import RunLayout
 
-    train = {"mode": cfg.train.mode, "gamma": cfg.train.gamma}
+    train = {"mode": cfg.train.mode, "gamma": cfg.train.gamma, "tau": cfg.train.tau}
     run_json = RunLayout(root, run_id).run_json
     if run_json.is_file():
-        train.update({k: v for k, v in json.loads(run_json.read_text()).get("train", {}).items() if k in train})
-    return Variant.of(train["mode"], train["gamma"]).partition
+        frozen = upgrade_frozen(json.loads(run_json.read_text())).get("train", {})
+        train.update({k: v for k, v in frozen.items() if k in train})
+    return Variant.of(train["mode"], train["tau"] if train["mode"] in IS_MODES else train["gamma"]).partition
 
 
 def _live_measure(root: Path, run_id: str, raw_manifest):
@@ -162,7 +164,7 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
 
 
 def run_export(cfg, run_id: str | None, iterations: list[int] | None, partition: str | None, fmt: str, out: Path,
-               tasks: Path | None = None, batch_rows: int | None = None) -> Exported:
+               *, tasks: Path | None = None, batch_rows: int | None = None) -> Exported:
     """Write the export into --out (staged, renamed at the end); returns what was written."""
     from flows.interop import dataset_card, trl
     from flows.interop.source import (BATCH_ROWS, ROWWISE_BATCH_ROWS, InteropError, check_out_dir, decoder_of,
@@ -249,17 +251,20 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
                                    ).to_pylist():
                 users = [m["content"] for m in r["prompt"] or [] if m.get("role") == "user"]
                 if users:
-                    extra[users[-1]] = (r.get("pass_rate"), r.get("rollouts"))
-        rows = [verl.PromptRow(t.prompt_id, t.source, t.question, t.ground_truth, t.kind,
-                               *extra.get(t.question, (None, None))) for t in load_task_parquet(tasks)]
+                    extra[users[-1]] = {"pass_rate": r.get("pass_rate"), "rollouts": r.get("rollouts")}
+        rows = [verl.PromptRow(prompt_id=t.prompt_id, data_source=t.source, question=t.question,
+                               ground_truth=t.ground_truth, ability=t.kind, **extra.get(t.question, {}))
+                for t in load_task_parquet(tasks)]
         provenance = {"task file": str(tasks)}
     else:
         from flows.filter_cmd import pass_rates
         from rollout_gen.tasks import code_tests_problem
 
-        rows = [verl.PromptRow(r["prompt_id"], r["data_source"], r["question"], r["ground_truth"],
-                               "code" if code_tests_problem(r["ground_truth"]) == "" else "math", r["pass_rate"],
-                               r["rollouts"]) for r in pass_rates(Path(cfg.storage.root), run_id, iterations)]
+        rows = [verl.PromptRow(prompt_id=r["prompt_id"], data_source=r["data_source"], question=r["question"],
+                               ground_truth=r["ground_truth"],
+                               ability="code" if code_tests_problem(r["ground_truth"]) == "" else "math",
+                               pass_rate=r["pass_rate"], rollouts=r["rollouts"])
+                for r in pass_rates(Path(cfg.storage.root), run_id, iterations)]
         provenance = {"run": run_id, "iterations": "all committed" if iterations is None else
                       ", ".join(map(str, iterations))}
     with staged_output(out) as staging:
@@ -278,7 +283,8 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
-    done = run_export(cfg, run_id, args.iteration, args.partition, args.format, args.out, args.tasks)
+    done = run_export(cfg, run_id, iterations=args.iteration, partition=args.partition, fmt=args.format, out=args.out,
+                      tasks=args.tasks)
     print(f"exported {done.rows} rows" + ("" if args.format == "verl" and args.tasks else f" of run {run_id}")
           + f" as {args.format} to {args.out} ({len(done.files)} files, {done.bytes / 2**20:.1f} MiB)")
     return 0

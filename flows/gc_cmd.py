@@ -6,8 +6,8 @@ import json
 
 from flows.command import command_parser, config_of
 from flows.stage_cmds import published
-from pipeline.config import CleanerConfig
-from pipeline.modes import partition_gamma, partition_measure
+from pipeline.config import CleanerConfig, upgrade_frozen
+from pipeline.modes import partition_threshold, partition_measure
 from storage.layout import RunLayout
 from storage.retention import empty_trash, partitions_of, plan, remove
 
@@ -19,13 +19,14 @@ def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
 
     layout = RunLayout(cfg.storage.root, run_id)
     if layout.run_json.is_file():
-        frozen = json.loads(layout.run_json.read_text())
+        frozen = upgrade_frozen(json.loads(layout.run_json.read_text()))
         cfg = CleanerConfig.model_validate({**cfg.model_dump(mode="json"), **{
             k: v for k, v in frozen.items() if k in ("purify", "train", "rollout")}})
     p, t = cfg.purify, cfg.train
     measure = live_measure(cfg.rollout.saar)
-    wanted = {(m, v) for m in [*p.modes, t.mode] for v in (p.is_thresholds if m in IS_MODES else [*p.gammas, t.gamma])}
-    folders = (layout.purified_dir(0, mode, partition_gamma(mode, value), partition_measure(mode, measure))
+    wanted = {(m, v) for m in [*p.modes, t.mode]
+              for v in ([*p.is_thresholds, t.tau] if m in IS_MODES else [*p.gammas, t.gamma])}
+    folders = (layout.purified_dir(0, mode, partition_threshold(mode, value), partition_measure(mode, measure))
                for mode, value in wanted)
     return {f"{folder.parent.name}/{folder.name}" for folder in folders}
 

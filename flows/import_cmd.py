@@ -63,8 +63,8 @@ def _check_row(row: dict[str, Any], where: str, arrow: bool = False) -> None:
             from None
 
 
-def _rows(files: list[Path], fmt: str, run_id: str, chat, tokenizer: Path | None, iteration: int | None, root: Path,
-          state: dict[str, Any]):
+def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | None, iteration: int | None,
+          root: Path, state: dict[str, Any]):
     """(iteration, raw row, token-exact, where) per source line, in file order."""
     from flows.interop import atif as atif_format
     from flows.interop import importers
@@ -164,7 +164,7 @@ def _rows(files: list[Path], fmt: str, run_id: str, chat, tokenizer: Path | None
             yield it, row, False, where
 
 
-def run_import(cfg, files: list[Path], fmt: str, run_id: str, tokenizer: Path | None = None,
+def run_import(cfg, files: list[Path], fmt: str, run_id: str, *, tokenizer: Path | None = None,
                iteration: int | None = None, allow_purify: bool = False, batch_rows: int = 16) -> Imported:
     """Write the raw shards; returns what was imported (or found already imported). Rows are held `batch_rows` per
     iteration at a time (as Python objects: ~3 MiB a row at 8,192 tokens), then written to the open part."""
@@ -225,7 +225,8 @@ def run_import(cfg, files: list[Path], fmt: str, run_id: str, tokenizer: Path | 
         pending[it] = []
 
     try:
-        for it, row, row_exact, where in _rows(files, fmt, run_id, chat, tokenizer, iteration, root, state):
+        for it, row, row_exact, where in _rows(files, fmt, run_id, chat=chat, tokenizer=tokenizer, iteration=iteration,
+                                               root=root, state=state):
             _check_row(row, where)
             key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
             if key in seen:
@@ -262,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     from flows.stage_cmds import published
 
     cfg = config_of(args)
-    done = run_import(cfg, args.files, args.format, args.run, args.tokenizer, args.iteration, args.allow_purify)
+    done = run_import(cfg, args.files, args.format, args.run, tokenizer=args.tokenizer, iteration=args.iteration,
+                      allow_purify=args.allow_purify)
     what = ", ".join(f"iteration {i} {state}" for i, state in sorted(done.iterations.items()))
     exact = "token-exact" if done.token_exact else (
         "re-tokenized (token_exact: false; purifying it is " + ("allowed" if args.allow_purify else

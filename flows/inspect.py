@@ -35,7 +35,8 @@ EXAMPLE_QUERIES = {
         "SELECT * FROM failed_call_advantage ORDER BY ALL"
     ),
     "similarity of splices": (
-        "SELECT mode, gamma, kind, count(*) AS n, avg(similarity) AS mean_similarity FROM splices GROUP BY ALL ORDER BY ALL"
+        "SELECT mode, gamma, is_threshold, kind, count(*) AS n, avg(similarity) AS mean_similarity FROM splices "
+        "GROUP BY ALL ORDER BY ALL"
     ),
 }
 
@@ -85,9 +86,11 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     "purified shards": (  # one table per run (PER_RUN): without a run column its columns fit 100 characters
         _ITERATION,
         Column("partition", "partition", "the purified partition: mode, its γ (τ for saar_is) and the similarity "
-               "measure when not the default; --wide shows them as mode, gamma, measure", narrow=True),
+               "measure when not the default; --wide shows them as mode, gamma, is_threshold, measure", narrow=True),
         Column("mode", "mode", "purification mode (docs/saar.md#purification-modes)", wide=True),
-        Column("gamma", "gamma", "SAAR's shallow/deep threshold γ (τ for saar_is; 0 for modes without one)", wide=True),
+        Column("gamma", "gamma", "SAAR's shallow/deep threshold γ of a splicing mode (0 for the others)", wide=True),
+        Column("is_threshold", "tau", "the importance-ratio threshold τ of mode saar_is (None for the others)",
+               wide=True),
         Column("measure", "measure", "similarity measure of a splicing mode's partition (None for the others)",
                wide=True),
         Column("trajectories", "rows", "purified rows (one per raw trajectory, fewer for roc)"),
@@ -145,7 +148,7 @@ def _partition(row: dict) -> str:
     from flows.report_tables import partition_label
 
     measure = row.get("measure")
-    label = partition_label(row["mode"], row["gamma"], measure)
+    label = partition_label(row)
     return label.replace(f"({measure})", f"({measure.replace('-', ', ')})") if measure else label
 
 

@@ -1,5 +1,5 @@
 """The premise of purification, for people: the catalog's `trajectory_kinds` and `failed_call_advantage`
-views (storage/catalog.py) as tables, and the prediction they make (issue 19 §1, issue 32 §3).
+views (storage/catalog.py) as tables, and the prediction they make (docs/saar.md).
 
 SAAR removes a failed call and puts the trajectory's advantage on a working one. The token-level rule is a
 hypothesis, stated at the strength its data has (TOKEN_RULE says how weak): count the failed-call tokens a mode
@@ -25,9 +25,9 @@ RULE = ("coarse rule, disproved (it did not predict in the project's own experim
         "mean advantage is positive, hurts when it is negative")
 KINDS_SQL = ("SELECT iteration, kind, trajectories, mean_reward, correct, mean_advantage FROM trajectory_kinds "
              "WHERE run_id = $run AND ($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, kind")
-FAILED_SQL = ("SELECT iteration, mode, gamma, measure, failed_call_tokens, trained, on_negative, on_positive, "
-              "share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run AND ($iteration IS NULL "
-              "OR iteration = $iteration) ORDER BY iteration, mode, gamma, measure")
+FAILED_SQL = ("SELECT iteration, mode, gamma, is_threshold, measure, failed_call_tokens, trained, on_negative, "
+              "on_positive, share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run AND "
+              "($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, mode, gamma, is_threshold, measure")
 
 
 def premise_rows(cat: Catalog, run_id: str, iteration: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -100,10 +100,10 @@ def verdict(negative: int, positive: int) -> str:
 
 
 def _label(r: dict) -> str:
+    if r.get("is_threshold") is not None:  # an importance-ratio mode's partition, named by τ
+        return f"{r['mode']} τ={r['is_threshold']:g}"
     if not r["gamma"] and not r.get("measure"):  # a mode without a threshold (mask_failed)
         return r["mode"]
-    if r["mode"] == "saar_is":  # its threshold is τ, an importance ratio
-        return f"saar_is τ={r['gamma']:g}"
     measure = f" {r['measure']}" if r.get("measure") else ""
     return f"{r['mode']} γ={r['gamma']:g}{measure}"
 
@@ -126,13 +126,14 @@ def _zero(raw: dict, mode: dict) -> str:
 
 
 def token_rule_by_mode(failed: list[dict]) -> list[dict]:
-    """The token-level rule per purified partition of a run (mode, γ, measure; roc and raw left out), summed over
+    """The token-level rule per purified partition of a run (mode, γ, τ, measure; roc and raw left out), summed over
     the iterations that hold both that partition and raw: iterations, raw's failed-call tokens under negative /
     positive advantage there, the tokens the partition stops training under each sign, and the verdict."""
     out: dict[tuple, dict] = {}
     for r, raw, neg, pos in removals(failed):
-        m = out.setdefault((r["mode"], r["gamma"], r.get("measure")), {
-            "mode": r["mode"], "gamma": r["gamma"], "measure": r.get("measure"), "iterations": [],
+        m = out.setdefault((r["mode"], r["gamma"], r.get("is_threshold"), r.get("measure")), {
+            "mode": r["mode"], "gamma": r["gamma"], "is_threshold": r.get("is_threshold"), "measure": r.get("measure"),
+            "iterations": [],
             "raw_negative": 0, "raw_positive": 0, "removed_negative": 0, "removed_positive": 0})
         m["iterations"].append(r["iteration"])
         m["raw_negative"] += raw["on_negative"]
@@ -142,7 +143,7 @@ def token_rule_by_mode(failed: list[dict]) -> list[dict]:
     for m in out.values():
         m["slower"] = predicts_slower(m["removed_negative"], m["removed_positive"])
         m["verdict"] = verdict(m["removed_negative"], m["removed_positive"])
-    return sorted(out.values(), key=lambda m: (m["mode"], m["gamma"], m["measure"] or ""))
+    return sorted(out.values(), key=lambda m: (m["mode"], m["gamma"], m["is_threshold"] or 0.0, m["measure"] or ""))
 
 
 def cell(v: object) -> str:
@@ -160,12 +161,12 @@ def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -
     console.print(table)
     table = Table(title="failed-call tokens (call segments of failed attempts) each purified partition trains, by "
                         "the sign of their advantage; shares of all the iteration's failed-call tokens")
-    for col in ("mode", "gamma", "measure", "failed-call tokens", "trained", "on negative", "on positive",
+    for col in ("mode", "gamma", "tau", "measure", "failed-call tokens", "trained", "on negative", "on positive",
                 "share negative", "share positive"):
         table.add_column(col, justify="left" if col in ("mode", "measure") else "right")
     for r in failed:
-        table.add_row(r["mode"], *map(cell, (r["gamma"], r["measure"], r["failed_call_tokens"], r["trained"],
-                                             r["on_negative"], r["on_positive"], r["share_negative"],
+        table.add_row(r["mode"], *map(cell, (r["gamma"], r["is_threshold"], r["measure"], r["failed_call_tokens"],
+                                             r["trained"], r["on_negative"], r["on_positive"], r["share_negative"],
                                              r["share_positive"])))
     console.print(table)
     console.print(TOKEN_RULE, highlight=False)

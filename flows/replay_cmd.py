@@ -13,9 +13,9 @@ from pathlib import Path
 
 from flows.command import config_of
 from flows.console import working
-from flows.stage_cmds import asked_modes, check_thresholds, published, purify_parser
+from flows.stage_cmds import check_thresholds, published, purify_parser
 from pipeline.config import CleanerConfig, SaarConfig
-from pipeline.modes import live_measure
+from pipeline.modes import IS_MODES, live_measure
 from pipeline.similarity import REFERENCE_MEASURE
 
 
@@ -66,8 +66,11 @@ def print_is_replay(console, raws, taus: list[float], decode, checkpoint: Path, 
             console.print(line, highlight=False)
 
 
-def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[float] | None, modes: list[str] | None,
-               sweep: bool, taus: list[float] | None = None) -> int:
+def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, *, gammas: list[float] | None = None,
+               modes: list[str] | None = None, sweep: bool = False, taus: list[float] | None = None) -> int:
+    """Replay iteration `iteration` of run `run_id`: partitions for the γ (`gammas`, default flow.replay_gammas) of the
+    splicing modes and the τ (`taus`) of the importance-ratio modes among `modes` (default: implied by what is
+    given), written beside the others, or with `sweep` a grid of γ in memory; then the tables."""
     from rich.console import Console
     from rich.table import Table
 
@@ -76,7 +79,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
     from purifier.replay import (candidates, diff_window, examples_around, histogram_lines, plot, replay_stats,
                                  sweep_gammas, sweep_taus, with_retries)
     from flows.stage_cmds import print_partitions
-    from purifier.stage import describe_asked, run_purify_stage
+    from pipeline.variants import describe, implied_modes, plan_variants
+    from purifier.stage import run_purify_stage
     from storage.errors import CheckpointError
     from storage.layout import RunLayout, resolve_recorded
     from storage.schemas import RAW
@@ -91,13 +95,13 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
         raise CheckpointError(f"{sampled_by}, the checkpoint that sampled iteration {iteration}, is gone (removed by "
                               "`cleaner gc`?): replay needs its tokenizer, and its weights to recompute log-probs; "
                               f"keep the checkpoints of iterations you will replay (`cleaner gc --keep {iteration}`)")
-    modes = modes or asked_modes(["saar"], gammas, taus)
+    modes = modes or implied_modes(["saar"], gammas, taus)
     gammas = gammas or (sweep_gammas() if sweep else cfg.flow.replay_gammas)
     if not sweep:  # partitions for the asked γ / τ; a sweep stays in memory (21 partitions would be clutter)
-        asked = describe_asked(modes, gammas, taus or cfg.purify.is_thresholds)
-        with working(f"[replay {run_id} it {iteration}] purifying {asked} beside the committed partitions "
-                     f"on Beam ({cfg.purify.runner})"):
-            results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
+        variants = plan_variants(cfg, modes, gammas, taus)
+        with working(f"[replay {run_id} it {iteration}] purifying {describe(variants)} beside the committed "
+                     f"partitions on Beam ({cfg.purify.runner})"):
+            results = run_purify_stage(cfg, run_id, iteration, variants)
         print_partitions(results)
     with working(f"[replay {run_id} it {iteration}] reading the raw shard and the tokenizer of the policy that "
                  "sampled it"):
@@ -134,7 +138,7 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
                      f"{live.key}" if known else "unknown: the run did not record how it lived")
                   + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
                   f"at the same γ", style="italic", highlight=False, markup=False)
-    if taus or (sweep and "saar_is" in modes) or by_importance:
+    if taus or (sweep and any(m in IS_MODES for m in modes)) or by_importance:
         print_is_replay(console, raws, taus or (sweep_taus() if sweep else [saar.is_threshold]), chat.decode,
                         sampled_by, cfg, histogram=sweep, lived_tau=saar.is_threshold if by_importance else None)
     from flows.premise import print_premise
@@ -163,8 +167,8 @@ def run_replay(cfg: CleanerConfig, run_id: str, iteration: int, gammas: list[flo
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     check_thresholds(args.mode, args.gamma, args.is_threshold)
-    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, args.gamma, args.mode, args.sweep,
-                      args.is_threshold)
+    code = run_replay(cfg, args.run or cfg.flow.run_id, args.iteration, gammas=args.gamma, modes=args.mode,
+                      sweep=args.sweep, taus=args.is_threshold)
     published(cfg)
     return code
 

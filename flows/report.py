@@ -14,6 +14,7 @@ from urllib.parse import quote
 from flows.premise import cell, premise_rows
 from flows.report_tables import (STYLE, by_partition, iteration_href, link, partition_label, rule_section, table,
                                  viewer_note)
+from pipeline.config import upgrade_frozen
 from pipeline.modes import IS_MODES, SPLICING_MODES
 from storage.catalog import Catalog
 from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
@@ -53,8 +54,8 @@ def iteration_table(root: Path, run_id: str) -> list[dict]:
 # storage/catalog.py failed_call_advantage).
 EXAMPLES_SQL = """
 SELECT * EXCLUDE (n) FROM (
-  SELECT p.iteration, p.mode, p.gamma, p.measure, p.prompt_id, p.sample_idx, p.advantage,
-         row_number() OVER (PARTITION BY p.mode, p.gamma, p.measure, p.advantage < 0
+  SELECT p.iteration, p.mode, p.gamma, p.is_threshold, p.measure, p.prompt_id, p.sample_idx, p.advantage,
+         row_number() OVER (PARTITION BY p.mode, p.gamma, p.is_threshold, p.measure, p.advantage < 0
                             ORDER BY p.iteration, p.prompt_id, p.sample_idx) AS n
   FROM purified_summary p JOIN raw_kinds k USING (run_id, iteration, prompt_id, sample_idx)
   WHERE p.run_id = $run AND k.kind IN ('recovered', 'not_recovered') AND p.advantage <> 0 AND p.trained_tokens > 0
@@ -118,16 +119,15 @@ CAPTIONS = {
 def run_thresholds(run_json: Path) -> tuple[float, float]:
     """(γ, τ) the report marks, from the run's frozen config: the trained threshold for its kind of mode (train.gamma
     is γ for saar / saar_correct, τ for saar_is), else the first purified one; (0.5, 0.5) without run.json."""
-    frozen = json.loads(run_json.read_text()) if run_json.is_file() else {}
+    frozen = upgrade_frozen(json.loads(run_json.read_text())) if run_json.is_file() else {}
     train, purify = frozen.get("train", {}), frozen.get("purify", {})
-    trained = train.get("gamma", 0.5)
-    gamma = trained if train.get("mode") in SPLICING_MODES else (purify.get("gammas") or [0.5])[0]
-    tau = trained if train.get("mode") in IS_MODES else (purify.get("is_thresholds") or [0.5])[0]
+    gamma = train.get("gamma", 0.5) if train.get("mode") in SPLICING_MODES else (purify.get("gammas") or [0.5])[0]
+    tau = train.get("tau", 0.5) if train.get("mode") in IS_MODES else (purify.get("is_thresholds") or [0.5])[0]
     return gamma, tau
 
 
 def _variant(r: dict) -> str:
-    return partition_label(r["mode"], r["gamma"], r.get("measure"))
+    return partition_label(r)
 
 
 def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
@@ -151,13 +151,13 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         its = _q(cat, ITERATIONS_SQL, run_id)
         sims = _q(cat, "SELECT iteration, gamma, measure, kind, similarity FROM splices "
                        "WHERE run_id = $run AND mode = 'saar'", run_id)
-        compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, measure",
-                     run_id)
+        compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, "
+                          "is_threshold, measure", run_id)
         kinds, failed_calls = premise_rows(cat, run_id)
         examples = _q(cat, EXAMPLES_SQL, run_id)
-        off_policy = _q(cat, "SELECT iteration, mode, gamma, measure, origin, tokens, mean_abs_delta, kl_k3, "
-                             "beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
-        ratios = _q(cat, "SELECT mode, gamma, log_is_ratio FROM splices WHERE run_id = $run "
+        off_policy = _q(cat, "SELECT iteration, mode, gamma, is_threshold, measure, origin, tokens, mean_abs_delta, "
+                             "kl_k3, beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
+        ratios = _q(cat, "SELECT mode, gamma, is_threshold, log_is_ratio FROM splices WHERE run_id = $run "
                          "AND log_is_ratio IS NOT NULL AND NOT isnan(log_is_ratio)", run_id)
         curves = eval_curves(_q(cat, EVAL_SQL, run_id))
         for r in compare:  # DuckDB sums come back as decimals

@@ -12,6 +12,7 @@ import html
 import numbers
 import shlex
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import quote, urlencode
 
 from flows.premise import NOT_A_REMOVAL, RULE, TOKEN_RULE, WRITEUP, cell, removals, token_rule_by_mode, verdict
@@ -65,17 +66,24 @@ def trajectory_href(iteration: int, prompt_id: str, sample_idx: int) -> str:
     return f"../{int(iteration)}/trajectory?prompt={quote(str(prompt_id), safe='')}&sample={int(sample_idx)}"
 
 
-def partition_key(mode: str, gamma: float, measure: str | None) -> str:
-    """A partition as a URL value, the viewer's partition filter: mode:γ[:measure]."""
-    return f"{mode}:{gamma:g}" + (f":{measure}" if measure else "")
+PARTITION_COLUMNS = ("mode", "gamma", "is_threshold", "measure")  # what names a purified partition in the catalog
 
 
-def partition_label(mode: str, gamma: float, measure: str | None) -> str:
-    if mode == "saar_is":
-        return f"saar_is τ={gamma:g}"
+def partition_key(row: Mapping[str, Any]) -> str:
+    """A partition of a catalog row (PARTITION_COLUMNS) as a URL value, the viewer's partition filter:
+    mode:γ[:measure], mode:τ for an importance-ratio mode."""
+    threshold = row["gamma"] if row.get("is_threshold") is None else row["is_threshold"]
+    return f"{row['mode']}:{threshold:g}" + (f":{row['measure']}" if row.get("measure") else "")
+
+
+def partition_label(row: Mapping[str, Any]) -> str:
+    """`saar γ=0.5`, `saar γ=0.5 (difflib-segment)`, `saar_is τ=0.5`, `raw`: a catalog row's partition."""
+    mode, measure = row["mode"], row.get("measure")
+    if row.get("is_threshold") is not None:
+        return f"{mode} τ={row['is_threshold']:g}"
     if mode not in SPLICING_MODES:
         return mode
-    return f"{mode} γ={gamma:g}" + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
+    return f"{mode} γ={row['gamma']:g}" + (f" ({measure})" if measure and measure != DEFAULT_MEASURE_KEY else "")
 
 
 def table(rows: list[dict], links: dict | None = None, table_id: str = "") -> str:
@@ -100,11 +108,10 @@ def table(rows: list[dict], links: dict | None = None, table_id: str = "") -> st
 
 
 def by_partition(rows: list[dict]) -> list[dict]:
-    """Rows keyed by (iteration, mode, gamma, measure) with the last three folded into one partition label,
-    key columns first: fewer, narrower columns."""
-    return [{"iteration": r["iteration"], "partition": partition_label(r["mode"], r["gamma"], r["measure"]),
-             **{k: v for k, v in r.items() if k not in ("run_id", "iteration", "mode", "gamma", "measure")}}
-            for r in rows]
+    """Rows keyed by iteration and partition (PARTITION_COLUMNS) with the partition folded into one label, key
+    columns first: fewer, narrower columns."""
+    return [{"iteration": r["iteration"], "partition": partition_label(r),
+             **{k: v for k, v in r.items() if k not in ("run_id", "iteration", *PARTITION_COLUMNS)}} for r in rows]
 
 
 def viewer_note(root: Path, run_id: str) -> str:
@@ -126,7 +133,7 @@ def _span(iterations: list[int]) -> str:
 
 
 def _examples(m: dict, examples: list[dict]) -> str:
-    mine = [e for e in examples if (e["mode"], e["gamma"], e["measure"]) == (m["mode"], m["gamma"], m["measure"])]
+    mine = [e for e in examples if all(e.get(c) == m.get(c) for c in PARTITION_COLUMNS)]
     parts = []
     for sign, pick in (("negative", lambda e: e["advantage"] < 0), ("positive", lambda e: e["advantage"] > 0)):
         found = [link(trajectory_href(e["iteration"], e["prompt_id"], e["sample_idx"]),
@@ -137,7 +144,7 @@ def _examples(m: dict, examples: list[dict]) -> str:
 
 
 def mode_sentence(m: dict, examples: list[dict]) -> str:
-    name = partition_label(m["mode"], m["gamma"], m["measure"])
+    name = partition_label(m)
     return (f'<li class="mode-rule" data-mode="{esc(m["mode"])}"><strong>{esc(name)}</strong>: over '
             f"{esc(_span(m['iterations']))}, raw trains {m['raw_negative']} failed-call tokens under negative "
             f"advantage and {m['raw_positive']} under positive; {esc(name)} stops training {m['removed_negative']} "
@@ -148,10 +155,10 @@ def mode_sentence(m: dict, examples: list[dict]) -> str:
 def per_iteration(failed: list[dict]) -> list[dict]:
     """One row per purified partition and iteration that has a raw partition beside it: the token-level counts
     and verdict (the report's detail table)."""
-    return [{"iteration": r["iteration"], "partition": partition_label(r["mode"], r["gamma"], r["measure"]),
+    return [{"iteration": r["iteration"], "partition": partition_label(r),
              "raw trains on negative": raw["on_negative"], "raw trains on positive": raw["on_positive"],
              "stops training on negative": neg, "stops training on positive": pos,
-             "prediction": verdict(neg, pos), "_key": partition_key(r["mode"], r["gamma"], r["measure"])}
+             "prediction": verdict(neg, pos), "_key": partition_key(r)}
             for r, raw, neg, pos in removals(failed)]
 
 

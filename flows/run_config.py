@@ -3,14 +3,15 @@ schedule's firings), its config frozen in run.json when it starts (a rerun must 
 iterations it has trained, and the DuckDB catalog republished after each commit."""
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import MOVED_TO_ENGINE_TUNING, PLACEMENT_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig
+from pipeline.config import (MOVED_TO_ENGINE_TUNING, PLACEMENT_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig,
+                             upgrade_frozen)
 from storage.errors import CleanerError
+from storage.identity import file_digest, without_speed_only
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
 
@@ -24,17 +25,17 @@ class RunConfigMismatch(CleanerError, ValueError):
 
 
 def _frozen(data: dict) -> dict:
+    data = upgrade_frozen(data)  # a run frozen with its τ in train.gamma
     out = {s: {k: v for k, v in data[s].items() if k not in PLACEMENT_SETTINGS} for s in FROZEN_SECTIONS}
     for key in PURIFY_REPLAY_SETTINGS:
         out["purify"].pop(key, None)
     rollout = out["rollout"]
-    rollout.pop("loop", None)  # removed by issue 28: every run rolls out on the asynchronous loop
+    rollout.pop("loop", None)  # a setting no cleaner reads now: every run rolls out on the asynchronous loop
     tuning = dict(rollout.get("engine_tuning") or {})
     # a run frozen before rollout.engine_tuning held them
     tuning.update({key: rollout.pop(key) for key in MOVED_TO_ENGINE_TUNING if key in rollout})
-    tuning.pop("threads", None)  # speed only: a rerun may use other threads
     rollout["engine_tuning"] = tuning
-    return out
+    return without_speed_only(out)  # a rerun may run at another speed
 
 
 def preflight(cfg: CleanerConfig) -> None:
@@ -54,13 +55,7 @@ def preflight(cfg: CleanerConfig) -> None:
 def tasks_digest(cfg: CleanerConfig) -> str | None:
     """The content identity of rollout.tasks when it is a file (None for the world): a run trains on the tasks it
     started with, wherever the file is and whatever its name."""
-    if cfg.rollout.tasks == "world":
-        return None
-    h = hashlib.blake2b(digest_size=16)
-    with open(cfg.rollout.tasks, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return None if cfg.rollout.tasks == "world" else file_digest(cfg.rollout.tasks)
 
 
 def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:

@@ -11,6 +11,7 @@ from prefect.cache_policies import NONE
 from flows.run_config import publish_catalog
 from flows.training import purify_task, value
 from pipeline.config import CleanerConfig, load_config
+from pipeline.variants import plan_variants
 
 
 @flow(name="cleaner-replay")
@@ -21,7 +22,8 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
     cfg = load_config(config_file, overrides or [])
     out = []
     for i in iterations if iterations is not None else [0]:
-        out += value(purify_task(cfg, cfg.flow.run_id, i, modes or ["saar"], gammas or cfg.flow.replay_gammas))
+        variants = plan_variants(cfg, modes or ["saar"], gammas or cfg.flow.replay_gammas)
+        out += value(purify_task(cfg, cfg.flow.run_id, i, variants))
         publish_catalog(cfg, get_run_logger().warning)
     return out
 

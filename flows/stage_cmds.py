@@ -70,12 +70,6 @@ def check_thresholds(modes: list[str] | None, gammas: list[float] | None, taus: 
                                  f"has none: add {kinds[0]} to --mode, or leave {option} out")
 
 
-def asked_modes(default: list[str], gammas: list[float] | None, taus: list[float] | None) -> list[str]:
-    """The modes of a purify or replay given γ and/or τ but no --mode: τ alone asks for saar_is; γ (or neither)
-    the default modes, with saar_is beside them when τ is given too."""
-    return list(dict.fromkeys([*(default if gammas or not taus else []), *(["saar_is"] if taus else [])]))
-
-
 def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
     """A command that committed republishes the catalog file too (one warning on stderr if it cannot)."""
     from flows.run_config import publish_catalog
@@ -107,17 +101,15 @@ def run_rollout(args: argparse.Namespace) -> int:
 
 
 def run_purify(args: argparse.Namespace) -> int:
-    from purifier.stage import configured_variants, describe_asked, run_purify_stage
+    from pipeline.variants import describe, plan_variants
+    from purifier.stage import run_purify_stage
 
     cfg = config_of(args)
     check_thresholds(args.mode, args.gamma, args.is_threshold)
-    modes, gammas, taus = configured_variants(cfg)  # as the flow: the trained partition too
-    if args.mode or args.gamma or args.is_threshold:  # what is asked, the config's for what is not
-        modes = args.mode or asked_modes(cfg.purify.modes, args.gamma, args.is_threshold)
-        gammas, taus = args.gamma or cfg.purify.gammas, args.is_threshold or cfg.purify.is_thresholds
-    print(f"[purify it {args.iteration}] {describe_asked(modes, gammas, taus)} on Beam ({cfg.purify.runner}) …",
+    variants = plan_variants(cfg, args.mode, args.gamma, args.is_threshold)  # nothing asked: as the flow
+    print(f"[purify it {args.iteration}] {describe(variants)} on Beam ({cfg.purify.runner}) …",
           file=sys.stderr, flush=True)
-    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, modes, gammas, is_thresholds=taus)
+    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, variants)
     published(cfg)
     print_partitions(results)
     return 0
@@ -161,6 +153,7 @@ def add_parser(sub) -> None:
                   "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5", run_purify)
     stage_parser(sub, "update", "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
                  "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
-                 "Train checkpoint I on iteration I's purified partition (train.mode, train.gamma) with "
+                 "Train checkpoint I on iteration I's purified partition (train.mode at train.gamma, or at "
+                 "train.tau for saar_is) with "
                  "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
                  "An interrupted update resumes from its last finished mini-batch.", run_update)

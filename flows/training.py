@@ -4,12 +4,13 @@
     rollout  checkpoint I (rollout.policy for I = 0)  iteration=I/raw
     purify   iteration=I/raw                          iteration=I/purified/mode=M/gamma=G and dead_letter/…
     update   checkpoint I, the purified partition     checkpoints/iteration=I+1, iteration=I/metrics/stage=update
-             of (train.mode, train.gamma)
+             pipeline.variants.trained_variant names
     eval     checkpoint I (flow.eval_every)           iteration=I/metrics/stage=eval
 
-Each task is a thin wrapper of its stage (rollout_gen/, purifier/, trainer/ `stage.py`); a stage whose
-committed output exists is kept, so rerunning the flow resumes it. After every commit the catalog is
-republished; after every iteration its metrics go to the flow's page (flows/trackers.py).
+Each task calls its stage (rollout_gen/, purifier/, trainer/ `stage.py`) and logs; the stage's plan decides, as it
+does for `cleaner rollout/purify/update`, that an output committed from the same inputs is kept, so rerunning the
+flow resumes it. After every commit the catalog is republished; after every iteration its metrics go to the flow's
+page (flows/trackers.py).
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from flows.env import retry_unless_user_error
 from flows.run_config import freeze_run_config, preflight, publish_catalog, run_id_for, trained_iterations
 from flows.trackers import record_iteration
 from pipeline.config import CleanerConfig, load_config
-from storage.layout import RunLayout
-from storage.shards import read_manifest
 
 quiet_libraries()  # flows served by a deployment run in a fresh process that starts here
 user_errors_once()  # and without tracebacks
@@ -50,29 +49,23 @@ def describe_purified(purified: list[tuple[str, float, int, int]]) -> str:
 
 @task(name="rollout", cache_policy=NONE)
 def rollout_task(cfg: CleanerConfig, run_id: str, iteration: int) -> int:
-    from rollout_gen.stage import run_rollout_stage
-    from storage.checkpoints import checkpoint_for
+    from rollout_gen.stage import plan_rollout, run_rollout_plan
 
     log = get_run_logger().info
-    done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
-    if done is not None:  # resumed: its checkpoint may have been removed by `cleaner gc` since
-        log(f"[rollout it {iteration}] raw shard already committed ({done.rows} trajectories): kept")
-        return as_state(done.rows, True)
-    checkpoint = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
-    log(f"[rollout it {iteration}] loading {checkpoint} and starting the sandbox")
-    return as_state(run_rollout_stage(cfg, run_id, iteration, checkpoint, log=log).rows, False)
+    plan = plan_rollout(cfg, run_id, iteration)
+    log(f"[rollout it {iteration}] {plan.note}")
+    return as_state(run_rollout_plan(cfg, plan, log=log).rows, plan.kept is not None)
 
 
 @task(name="purify", cache_policy=NONE)
-def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str] | None = None,
-                gammas: list[float] | None = None) -> list:
-    from purifier.stage import configured_variants, describe_asked, run_purify_stage
+def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, variants: list | None = None) -> list:
+    from pipeline.variants import describe, plan_variants
+    from purifier.stage import run_purify_stage
 
     log = get_run_logger().info
-    configured = configured_variants(cfg)  # the trained partition among them
-    modes, gammas, taus = modes or configured[0], gammas or configured[1], configured[2]
-    log(f"[purify it {iteration}] {describe_asked(modes, gammas, taus)} on Beam ({cfg.purify.runner})")
-    results = run_purify_stage(cfg, run_id, iteration, modes, gammas, is_thresholds=taus)
+    variants = variants or plan_variants(cfg)  # the flow's: the trained partition among them
+    log(f"[purify it {iteration}] {describe(variants)} on Beam ({cfg.purify.runner})")
+    results = run_purify_stage(cfg, run_id, iteration, variants)
     purified, skipped = [(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results)
     log(f"[purify it {iteration}] {describe_purified(purified)}" + (": already committed, kept" if skipped else ""))
     return as_state(purified, skipped)
@@ -80,36 +73,23 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, modes: list[str
 
 @task(name="update", cache_policy=NONE)
 def update_task(cfg: CleanerConfig, run_id: str, iteration: int) -> str:
-    from pipeline.config import train_settings
-    from storage.checkpoints import committed_update, newest_checkpoint
+    from trainer.stage import plan_update, run_update_plan
 
     log = get_run_logger().info
-    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(iteration + 1)
-    if committed_update(target, train_settings(cfg.train)):  # kept without importing the trainer (seconds of torch and OpenRLHF)
-        log(f"[update it {iteration}] checkpoint {target.name} already committed: kept")
-        return as_state(str(target), True)
-    newest = newest_checkpoint(RunLayout(cfg.storage.root, run_id))
-    if newest > iteration + 1:  # removed by `cleaner gc`: the run trained past it, and training it again is waste
-        log(f"[update it {iteration}] checkpoint {target.name} was removed (cleaner gc); the run went on to checkpoint "
-            f"{newest}: kept as done")
-        return as_state(str(target), True)
-    log(f"[update it {iteration}] loading the trainer (torch, OpenRLHF) and checkpoint {iteration}")
-    from trainer.stage import run_update_stage
-
-    return as_state(str(run_update_stage(cfg, run_id, iteration, log=log)), False)
+    plan = plan_update(cfg, run_id, iteration)
+    log(f"[update it {iteration}] {plan.note}")
+    return as_state(str(run_update_plan(cfg, plan, log=log)), plan.kept)
 
 
 @task(name="eval", cache_policy=NONE)
 def eval_stage_task(cfg: CleanerConfig, run_id: str, iteration: int) -> dict:
     """Checkpoint `iteration` on flow.eval_tasks, SAAR at test time on and off, into iteration's metrics shard."""
-    from rollout_gen.eval_stage import STAGE, run_eval_stage
-    from storage.checkpoints import checkpoint_for
+    from rollout_gen.eval_stage import plan_eval, run_eval_plan
 
-    done = read_manifest(RunLayout(cfg.storage.root, run_id).metrics_dir(iteration, STAGE))
-    if done is not None:  # resumed: kept as committed (its checkpoint may be gone since)
-        return as_state(done.extra, True)
-    ckpt = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
-    return as_state(run_eval_stage(cfg, run_id, iteration, ckpt, log=get_run_logger().info)[0].extra, False)
+    log = get_run_logger().info
+    plan = plan_eval(cfg, run_id, iteration)
+    log(f"[eval it {iteration}] {plan.note}")
+    return as_state(run_eval_plan(cfg, plan, log=log)[0].extra, plan.kept is not None)
 
 
 @flow(name="cleaner-training")

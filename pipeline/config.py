@@ -197,7 +197,8 @@ class EngineTuning(Section):
     vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
 
 
-# rollout.* keys that rollout.engine_tuning holds since issue 28 (old configs and frozen runs name them at the top)
+# rollout.* keys that rollout.engine_tuning holds (a config or frozen run that names them at the top of rollout is
+# read as if under engine_tuning, or refused with where they went)
 MOVED_TO_ENGINE_TUNING = ("threads", "deterministic", "tool_delay_steps", "tool_priority", "kv_cache_tokens",
                           "max_in_flight", "vllm_start_timeout_s")
 
@@ -250,7 +251,7 @@ class RolloutConfig(Section):
 # a run may change them between invocations (replay under more γ or another measure, another runner),
 # and they stay out of the partitions' config hash (purifier/stage.py) and the frozen run config
 # (flows/run_config.py).
-# ("similarity", "similarity_on": purify keys before issue 28, merged into rollout.saar; an old run.json may hold them)
+# ("similarity", "similarity_on": purify keys merged into rollout.saar, which a frozen run.json may hold)
 PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options",
                                     "similarity", "similarity_on"}) | PLACEMENT_SETTINGS
 # purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
@@ -300,8 +301,11 @@ class PurifyConfig(Section):
 class TrainConfig(Section):
     mode: Mode = Field("saar", description="the purification mode the update trains on")
     gamma: Gamma = Field(0.5, description=(
-        "the threshold of the partition the update trains on: γ for saar / saar_correct, τ for saar_is "
-        "(train.mode=saar_is train.gamma=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"))
+        "SAAR's similarity threshold γ of the partition the update trains on when train.mode is saar or "
+        "saar_correct (mode=saar/gamma=0.50); the flow purifies it"))
+    tau: IsThreshold = Field(0.5, description=(
+        "the importance-ratio threshold τ of the partition the update trains on when train.mode=saar_is "
+        "(train.tau=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"))
     strategy: Literal["local", "deepspeed"] = Field("local", description=(
         "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
         "process under torchrun (gloo on CPU)"))
@@ -377,11 +381,10 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _tau_for_saar_is(self) -> "TrainConfig":
-        if self.mode in IS_MODES:
-            try:
-                check_is_threshold(self.gamma)
-            except ValueError as e:
-                raise ValueError(f"train.gamma is the τ of train.mode={self.mode}: {e}") from None
+        # γ given where a τ is wanted, and no τ: the threshold meant for the partition would be silently ignored
+        if self.mode in IS_MODES and "gamma" in self.model_fields_set and "tau" not in self.model_fields_set:
+            raise ValueError(f"train.gamma is SAAR's similarity threshold γ, which train.mode={self.mode} does not "
+                             f"use: give its importance-ratio threshold as train.tau (e.g. train.tau={self.gamma:g})")
         return self
 
     @model_validator(mode="after")
@@ -412,9 +415,24 @@ TRAIN_SETTINGS_IF_SET = {"gradient_checkpointing": False, "offload_optimizer": F
 
 
 def hashed_train_settings(train: TrainConfig) -> dict[str, Any]:
-    """The train settings that decide what an update computes (its placement left out)."""
-    return {k: v for k, v in train.model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS)).items()
-            if k not in TRAIN_SETTINGS_IF_SET or v != TRAIN_SETTINGS_IF_SET[k]}
+    """The train settings that decide what an update computes (its placement left out). The threshold of the
+    partition trained on is recorded under `gamma` for every mode, τ for the importance-ratio modes: one record
+    format for every checkpoint, those of importance-ratio runs frozen with their τ in train.gamma among them."""
+    settings = train.model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS) | {"tau"})
+    if train.mode in IS_MODES:
+        settings["gamma"] = train.tau
+    return {k: v for k, v in settings.items() if k not in TRAIN_SETTINGS_IF_SET or v != TRAIN_SETTINGS_IF_SET[k]}
+
+
+def upgrade_frozen(data: dict[str, Any]) -> dict[str, Any]:
+    """A config tree as run.json froze it, as this cleaner names it: a train section without `tau` holds an
+    importance-ratio mode's τ in `gamma` (γ then is at its default). Every reader of a frozen config reads it through
+    this (the flow's comparison with it, gc, export, report)."""
+    train = data.get("train")
+    if not isinstance(train, dict) or "tau" in train or train.get("mode") not in IS_MODES or "gamma" not in train:
+        return data
+    gamma = TrainConfig.model_fields["gamma"].default
+    return {**data, "train": {**train, "gamma": gamma, "tau": train["gamma"]}}
 
 
 def train_settings(train: TrainConfig) -> str:

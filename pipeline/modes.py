@@ -1,12 +1,17 @@
-"""Purification modes and how a (mode, γ, measure) names its partition: one owner for the facts the
-purifier writes by and the trainer reads by (docs/saar.md §modes)."""
+"""Purification modes and how a (mode, threshold, measure) names its partition: one owner for the facts the
+purifier writes by and the trainer reads by (docs/saar.md §modes). The vocabulary itself (Mode, MODES, IS_MODES,
+SPLICING_MODES) lives in storage/modes.py, which storage's partition names and SQL read too."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Protocol
 
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.layout import threshold_partition
+from storage.modes import IS_MODES, MODES, SPLICING_MODES, Mode
+
+__all__ = ["IS_MODES", "MODES", "SPLICING_MODES", "Mode", "MeasureSettings", "Variant", "live_measure",
+           "partition_measure", "partition_threshold"]
 
 
 class MeasureSettings(Protocol):
@@ -15,28 +20,11 @@ class MeasureSettings(Protocol):
     similarity: str
     similarity_on: str
 
-# One line per mode (docs/saar.md, "Purification modes", says more):
-#   saar          the SAAR splice at γ on every trajectory (CLEANER)
-#   raw           every attempt and error kept: no purification
-#   void_turn     raw, with the whole loss zeroed when a turn has neither a complete call nor an answer (SimpleTIR)
-#   saar_correct  SAAR at γ on trajectories whose reward is positive; every other trajectory exactly raw
-#   mask_failed   raw, with the failed-call turns of recovered-and-correct trajectories masked instead of removed
-#   roc           raw, each prompt group down-sampled GRPO-RoC style to purify.roc_group_size before advantages
-#   saar_is       Open-CLEANER's Plan B: a retry replaces the failed turn when its importance ratio is ≥ τ, else
-#                 the failed turn, its error and the retry all stay (purifier/saar.py)
-Mode = Literal["saar", "raw", "void_turn", "saar_correct", "mask_failed", "roc", "saar_is"]
-MODES: tuple[Mode, ...] = get_args(Mode)
-# Modes whose threshold is an importance-ratio τ (partition tau=…; storage/layout.py keeps a copy, tested equal)
-IS_MODES: tuple[Mode, ...] = ("saar_is",)
-# Modes that splice, so γ and the similarity measure decide what they hold and name their partitions
-# (storage/catalog.py keeps a copy of this list for its SQL; a test holds them equal).
-SPLICING_MODES: tuple[Mode, ...] = ("saar", "saar_correct")
 
-
-def partition_gamma(mode: str, gamma: float) -> float:
-    """A variant's threshold, the `gamma` of its rows: γ for the splicing modes, τ for the importance-ratio
-    modes (partition tau=…); the others live under gamma=0.00 whatever was asked."""
-    return float(gamma) if mode in SPLICING_MODES or mode in IS_MODES else 0.0
+def partition_threshold(mode: str, threshold: float) -> float:
+    """The threshold that names a mode's partition: γ for the splicing modes (gamma=…), τ for the importance-ratio
+    modes (tau=…); the others live under gamma=0.00 whatever was asked."""
+    return float(threshold) if mode in SPLICING_MODES or mode in IS_MODES else 0.0
 
 
 def partition_measure(mode: str, measure: Measure) -> str:
@@ -53,17 +41,28 @@ def live_measure(saar: MeasureSettings) -> Measure:
 
 @dataclass(frozen=True)
 class Variant:
-    """One purified partition of an iteration, the same object from the config (purifier.stage.wanted_variants)
+    """One purified partition of an iteration, the same object from the config (pipeline.variants.plan_variants)
     through Beam (PurifyJob.variants, the staged files) to disk (`partition`). Build it with `Variant.of`, which
     normalises what does not name a partition: the others' threshold is 0, and only splicing modes keep a measure."""
 
     mode: Mode
-    threshold: float = 0.0  # γ for the splicing modes, τ for the importance-ratio modes, 0 for the others
+    threshold: float = 0.0  # what names the partition: γ (splicing modes), τ (importance-ratio modes), else 0
     measure: Measure = DEFAULT_MEASURE  # decides shallow vs deep (splicing modes only)
 
     @classmethod
     def of(cls, mode: Mode, threshold: float = 0.0, measure: Measure = DEFAULT_MEASURE) -> Variant:
-        return cls(mode, partition_gamma(mode, threshold), measure if mode in SPLICING_MODES else DEFAULT_MEASURE)
+        return cls(mode, partition_threshold(mode, threshold), measure if mode in SPLICING_MODES else DEFAULT_MEASURE)
+
+    @property
+    def gamma(self) -> float:
+        """SAAR's similarity threshold γ: a splicing mode's threshold, 0.0 for every other mode (its rows' `gamma`)."""
+        return self.threshold if self.mode in SPLICING_MODES else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        """The importance-ratio threshold τ of an importance-ratio mode, None for every other mode (its rows'
+        `is_threshold`)."""
+        return self.threshold if self.mode in IS_MODES else None
 
     @property
     def measure_key(self) -> str:

@@ -1,16 +1,22 @@
-"""The SAAR splice (docs/saar.md) on token ids: one primitive shared by the live rollout (γ_live)
-and offline purification (any γ).
+"""The SAAR splice (docs/saar.md) on token ids, and the two rules that decide a rollback: each one shared by the
+live rollout and offline purification.
 
 A turn is split at its call boundary: `prefix` = reasoning before the `<tool_call>` marker,
 `call` = marker to end of turn. similarity(failed call, retry call) ≥ γ → SHALLOW (keep the failed
 turn's reasoning byte-identical, take the retry's call); otherwise, or when either split fails,
 DEEP (take the whole retry turn). The measure (rapidfuzz or difflib, on the call segment or on the
-code only) is pipeline/similarity.py's `Measure`.
+code only) is pipeline/similarity.py's `Measure`. `decide` is that rule (γ_live live, any γ offline).
+
+Open-CLEANER's Plan B decides by importance ratio instead (`decide_by_ratio`: live under
+rollout.saar.rollback=importance, offline in purify mode saar_is): the retry replaces the failed turn when
+π(retry | context without the failed turn) / π_b(retry | as sampled) ≥ τ, else it follows the failed turn and
+its error where it was sampled.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 from pipeline.similarity import DEFAULT_MEASURE, Measure
 
@@ -69,3 +75,21 @@ def splice(failed: TurnPiece, retry: TurnPiece, decision: SpliceDecision) -> Tur
         call_start=cut,
         sources=_cut_sources(failed.sources, 0, cut) + _cut_sources(retry.sources, rcut, len(retry.ids)),
     )
+
+
+@dataclass(frozen=True)
+class RatioDecision:
+    kind: Literal["replace", "append"]
+    log_ratio: float  # log π(retry | context without the failed turn) − log π_b(retry | as sampled)
+
+
+def log_importance_ratio(target: Sequence[float], behaviour: Sequence[float]) -> float:
+    """log of a retry's importance ratio from its log-probs: `target` in the context without the failed turn (the
+    scoring model's), `behaviour` as sampled."""
+    return sum(target) - sum(behaviour)
+
+
+def decide_by_ratio(target: Sequence[float], behaviour: Sequence[float], tau: float) -> RatioDecision:
+    """Replace iff the retry's importance ratio is ≥ τ, compared in log space; a NaN ratio appends."""
+    log_ratio = log_importance_ratio(target, behaviour)
+    return RatioDecision("replace" if log_ratio >= math.log(tau) else "append", log_ratio)

@@ -19,10 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-def row_key(run_id: Any, iteration: Any, prompt_id: Any, sample_idx: Any) -> str:
-    """A raw row's identity, `run/iteration/prompt/sample`: its `raw_key` in purified and dead-letter
-    rows (purifier/unspliced.py builds the same string column-wise; a test holds them equal)."""
-    return f"{run_id}/{iteration}/{prompt_id}/{sample_idx}"
+from storage.schemas import row_key  # noqa: F401 - a raw row's key (`Trajectory.key`), defined with its columns
 
 
 ErrorClass = Literal["model", "infra"]
@@ -177,7 +174,7 @@ class PurifiedTrajectory:
     prompt_id: str
     sample_idx: int
     mode: str
-    gamma: float
+    gamma: float  # SAAR's γ of a splicing mode's row, 0.0 in every other row
     raw_key: str
     prompt_ids: list[int]
     response_ids: list[int]
@@ -192,7 +189,7 @@ class PurifiedTrajectory:
     gate: bool
     behaviour_logprobs: list[float] = field(default_factory=list)  # per response token: as sampled (0: not sampled)
     token_origin: list[int] = field(default_factory=list)  # per response token: a TokenOrigin value
-    is_threshold: float | None = None  # τ of a saar_is row (its `gamma` holds it too: the partition's threshold)
+    is_threshold: float | None = None  # τ of an importance-ratio mode's row (saar_is), None in every other row
 
 
 # ---- Arrow row conversion -------------------------------------------------------------------

@@ -54,7 +54,7 @@ def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[
                 continue
             for v in wanted:
                 try:
-                    rows[v].append(purified_to_row(purify(traj, v.threshold, v.mode, decode, v.measure, score)))
+                    rows[v].append(purified_to_row(purify(traj, v.gamma, v.mode, decode, v.measure, score, tau=v.tau)))
                 except PurifyError as e:
                     dead[v].append(_dead(traj.key, source_file, str(e)))
 

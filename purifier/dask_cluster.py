@@ -204,7 +204,8 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         except BlockingIOError:
             raise ClusterError(f"another `cleaner cluster start` is starting a Dask cluster from {directory}; "
                                "see `cleaner cluster status` once it is done") from None
-        return _start(directory, workers, threads, port, timeout, resources, memory_limit, env)
+        return _start(directory, workers=workers, threads=threads, port=port, timeout=timeout, resources=resources,
+                      memory_limit=memory_limit, env=env)
 
 
 def _check_options(port: int, timeout: float, resources: str) -> None:
@@ -229,7 +230,7 @@ def _check_options(port: int, timeout: float, resources: str) -> None:
             raise ClusterError(f"--resources {resources!r}: {name!r} is not a resource name")
 
 
-def _start(directory: Path, workers: int, threads: int, port: int, timeout: float, resources: str,
+def _start(directory: Path, *, workers: int, threads: int, port: int, timeout: float, resources: str,
            memory_limit: str, env: dict[str, str] | None) -> Cluster:
     current = status(directory)
     if current is not None and any(current.alive.values()):

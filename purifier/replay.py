@@ -23,13 +23,13 @@ Decode = Callable[[list[int]], str]
 @dataclass
 class ReplayStats:
     gamma: float
-    positions: int  # positions with at least one spliced retry
-    shallow: int
-    deep: int
-    tokens_removed: int
-    tokens_recomputed: int
-    differ_from_live: int  # splices whose shallow/deep decision differs from the one lived (γ_live, live measure)
-    differ_from_reference: int  # ... differs from the reference measure's (difflib on the segment) at this γ
+    positions: int = 0  # positions with at least one spliced retry
+    shallow: int = 0
+    deep: int = 0
+    tokens_removed: int = 0
+    tokens_recomputed: int = 0
+    differ_from_live: int = 0  # splices whose shallow/deep decision differs from the one lived (γ_live, live measure)
+    differ_from_reference: int = 0  # ... differs from the reference measure's (difflib on the segment) at this γ
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def with_retries(raws: list[Trajectory]) -> list[Trajectory]:
 
 def replay_stats(raws: list[Trajectory], gamma: float, decode: Decode, measure: Measure,
                  live: Measure, reference: Measure = REFERENCE_MEASURE) -> ReplayStats:
-    s = ReplayStats(gamma, 0, 0, 0, 0, 0, 0, 0)
+    s = ReplayStats(gamma=gamma)
     for raw in with_retries(raws):
         ours = purify(raw, gamma, "saar", decode, measure)
         lived = {(x.position_idx, x.attempt_idx): x.kind for x in purify(raw, raw.gamma_live, "saar", decode, live).splices}
@@ -106,7 +106,7 @@ def replay_is(raws: list[Trajectory], taus: list[float], decode: Decode, score: 
             seen.append((position, attempt))
             return scores
 
-        p = purify(raw, tau, "saar_is", decode, score=counting)
+        p = purify(raw, 0.0, "saar_is", decode, score=counting, tau=tau)
         replaced = {(x.position_idx, x.attempt_idx) for x in p.splices}
         return {a: a in replaced for a in seen}, sum(x.tokens_removed for x in p.splices)
 

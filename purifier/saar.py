@@ -1,7 +1,7 @@
 """SAAR purification as pure functions on raw trajectories (docs/saar.md).
 
-`purify(raw, gamma, mode, decode)` rebuilds one training sequence from the attempt tree in the raw
-row, whatever live mode produced it:
+`purify(raw, gamma, mode, decode)` (`tau=` for saar_is) rebuilds one training sequence from the attempt tree in
+the raw row, whatever live mode produced it:
 
 - `saar`: at every position, retries are spliced over the failed turn (shallow if the call
   segments' similarity ≥ γ, else deep); failed attempts and their error feedback disappear.
@@ -20,8 +20,8 @@ row, whatever live mode produced it:
 - `saar_is`: Open-CLEANER's Plan B, decided offline. At each rollback, the retry's importance ratio
   IS = π(retry | context without the failed turn) / π_b(retry | context it was sampled in) is scored
   (`score`, the recompute model); IS ≥ τ replaces the whole failed turn (deep), IS < τ appends: the
-  failed turn, its error and the retry all stay, where they were sampled. Positions are decided in
-  order, each scored in the context the earlier decisions built.
+  failed turn, its error and the retry all stay, where they were sampled (pipeline.splice.decide_by_ratio, the
+  live loop's rule too). Positions are decided in order, each scored in the context the earlier decisions built.
 
 Each emitted token remembers which attempt sampled it: its sampled log-prob is its behaviour log-prob,
 and it is also its old log-prob only if the purified sequence before it equals the context it was sampled
@@ -31,14 +31,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Generic, NamedTuple, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.similarity import DEFAULT_MEASURE, Measure
-from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
+from pipeline.splice import TurnPiece, decide, decide_by_ratio, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, PurifiedTrajectory, Splice, TokenOrigin, Trajectory, fingerprint
 from pipeline.answers import last_boxed
 from pipeline.kinds import failed_call, trajectory_kind
-from pipeline.modes import IS_MODES, MODES, partition_gamma
+from pipeline.modes import IS_MODES, MODES, Mode, Variant
 
 # score(context ids, turn ids) -> log π(each turn id | context and the turn ids before it), under the
 # temperature the rollout sampled with (saar_is; purifier/recompute.py provides it)
@@ -105,24 +109,116 @@ class _Builder:
         return fingerprint(self.prompt + self.ids[: len(self.ids) - j0]) == attempt.context_fingerprint
 
 
+# ---- raw-row validation ---------------------------------------------------------------------------------------
+# The structural rules a raw row keeps to be purified, declared once and evaluated two ways: per row by
+# `validate_raw` (purify(), whose dead letter names the rule broken) and column-wise over a whole table by
+# `all_hold` (purifier/unspliced.py's fast path, which leaves a row breaking any of them to purify()). A rule is
+# one expression over the facts below written with `== < >= & |` only, so it evaluates alike on a row's Python
+# values and on numpy columns of them; the facts are read beside each other from a row and from a table.
+
+class RowFacts(NamedTuple):
+    lived: Any  # len(lived_ids), -1 when not recorded
+    lived_mask: Any  # len(lived_mask), -1 when not recorded
+    lived_logprobs: Any  # len(lived_logprobs), -1 when not recorded
+
+
+class PositionFacts(NamedTuple):
+    attempts: Any  # how many attempts it holds
+
+
+class AttemptFacts(NamedTuple):
+    turn: Any  # len(turn_ids), -1 when not recorded
+    logprobs: Any  # len(logprobs), -1 when not recorded
+    call_start: Any  # -2 when not recorded
+    context: Any  # context_len and context_fingerprint both recorded
+    no_call: Any  # call_status is "no_call"
+    result: Any  # a tool result recorded
+    truncated: Any  # its position was cut by a limit
+
+
+F = TypeVar("F", RowFacts, PositionFacts, AttemptFacts)
+
+
+@dataclass(frozen=True)
+class Rule(Generic[F]):
+    holds: Callable[[F], Any]  # True where the facts are sound (a bool, or a numpy bool array over columns)
+    problem: Callable[[F], str]  # what a dead letter says of one row that breaks it
+
+
+ROW_RULES: tuple[Rule[RowFacts], ...] = (
+    Rule(lambda f: (f.lived < 0) | ((f.lived_mask == f.lived) & (f.lived_logprobs == f.lived)),
+         lambda f: "lived_mask/lived_logprobs length differs from lived_ids"),
+)
+POSITION_RULES: tuple[Rule[PositionFacts], ...] = (
+    Rule(lambda f: f.attempts >= 1, lambda f: "no attempts"),
+)
+ATTEMPT_RULES: tuple[Rule[AttemptFacts], ...] = (
+    Rule(lambda f: f.turn >= 0, lambda f: "no turn_ids"),
+    Rule(lambda f: f.logprobs == f.turn, lambda f: f"logprobs length {f.logprobs} != turn_ids length {f.turn}"),
+    Rule(lambda f: (f.call_start == -1) | ((f.call_start >= 0) & (f.call_start < f.turn)),
+         lambda f: f"call_start {f.call_start} out of range 0..{f.turn - 1}"),
+    Rule(lambda f: f.context, lambda f: "missing context_len/context_fingerprint"),
+    Rule(lambda f: f.no_call | f.result | f.truncated, lambda f: "a call without a tool result"),
+)
+
+
+def _length(values: list | None) -> int:
+    return -1 if values is None else len(values)
+
+
+def _lengths(lists: pa.Array) -> np.ndarray:
+    return pc.list_value_length(lists).fill_null(-1).to_numpy()
+
+
+def _flags(values: pa.Array) -> np.ndarray:
+    return values.to_numpy(zero_copy_only=False).astype(bool)
+
+
+def row_facts(raw: Trajectory) -> RowFacts:
+    return RowFacts(_length(raw.lived_ids), _length(raw.lived_mask), _length(raw.lived_logprobs))
+
+
+def row_facts_columns(table: pa.Table) -> RowFacts:
+    return RowFacts(*(_lengths(table[name].combine_chunks()) for name in ("lived_ids", "lived_mask", "lived_logprobs")))
+
+
+def attempt_facts(a: Attempt, outcome: str) -> AttemptFacts:
+    return AttemptFacts(
+        turn=_length(a.turn_ids), logprobs=_length(a.logprobs), call_start=-2 if a.call_start is None else a.call_start,
+        context=a.context_len is not None and a.context_fingerprint is not None, no_call=a.call_status == "no_call",
+        result=a.result is not None, truncated=outcome == "truncated")
+
+
+def attempt_facts_columns(attempts: pa.StructArray, outcome: np.ndarray) -> AttemptFacts:
+    """The facts of a column of attempts; `outcome`: each one's position outcome."""
+    return AttemptFacts(
+        turn=_lengths(attempts.field("turn_ids")), logprobs=_lengths(attempts.field("logprobs")),
+        call_start=attempts.field("call_start").fill_null(-2).to_numpy(zero_copy_only=False),
+        context=_flags(attempts.field("context_len").is_valid())
+        & _flags(attempts.field("context_fingerprint").is_valid()),
+        no_call=_flags(pc.equal(attempts.field("call_status"), "no_call").fill_null(False)),
+        result=_flags(attempts.field("result").is_valid()), truncated=outcome == "truncated")
+
+
+def all_hold(rules: tuple[Rule[F], ...], facts: F) -> np.ndarray:
+    """Column-wise: True where every rule holds."""
+    return np.logical_and.reduce([np.asarray(rule.holds(facts), dtype=bool) for rule in rules])
+
+
+def _check(rules: tuple[Rule[F], ...], facts: F, where: str = "") -> None:
+    for rule in rules:
+        if not rule.holds(facts):
+            raise PurifyError(where + rule.problem(facts))
+
+
 def validate_raw(raw: Trajectory) -> None:
-    """Structural checks on a raw row; raises PurifyError naming the field."""
-    if raw.lived_ids is not None and (len(raw.lived_mask) != len(raw.lived_ids)
-                                      or len(raw.lived_logprobs) != len(raw.lived_ids)):
-        raise PurifyError("lived_mask/lived_logprobs length differs from lived_ids")
+    """Structural checks on a raw row (ROW_RULES, POSITION_RULES, ATTEMPT_RULES); raises PurifyError naming the
+    field."""
+    _check(ROW_RULES, row_facts(raw))
     for p in raw.positions:
-        if not p.attempts:
-            raise PurifyError(f"position {p.position_idx}: no attempts")
+        _check(POSITION_RULES, PositionFacts(len(p.attempts)), f"position {p.position_idx}: ")
         for a in p.attempts:
-            where = f"position {p.position_idx} attempt {a.attempt_idx}"
-            if len(a.logprobs) != len(a.turn_ids):
-                raise PurifyError(f"{where}: logprobs length {len(a.logprobs)} != turn_ids length {len(a.turn_ids)}")
-            if not (a.call_start == -1 or 0 <= a.call_start < len(a.turn_ids)):
-                raise PurifyError(f"{where}: call_start {a.call_start} out of range 0..{len(a.turn_ids) - 1}")
-            if a.context_len is None or a.context_fingerprint is None:
-                raise PurifyError(f"{where}: missing context_len/context_fingerprint")
-            if a.has_call and a.result is None and p.outcome != "truncated":
-                raise PurifyError(f"{where}: a call without a tool result")
+            _check(ATTEMPT_RULES, attempt_facts(a, p.outcome), f"position {p.position_idx} attempt {a.attempt_idx}: ")
 
 
 def _is_void(a: Attempt, decode: Callable[[list[int]], str]) -> bool:
@@ -149,14 +245,17 @@ def sequence_rule(raw: Trajectory, mode: str) -> str:
     return "saar" if mode in ("saar", "saar_is") or (mode == "saar_correct" and raw.reward > 0) else "raw"
 
 
-def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]], str],
-           measure: Measure = DEFAULT_MEASURE, score: Scorer | None = None) -> PurifiedTrajectory:
-    """One raw row purified under `mode`; `gamma` is γ for the splicing modes and τ for `saar_is`, which
-    also needs `score`."""
+def purify(raw: Trajectory, gamma: float, mode: Mode, decode: Callable[[list[int]], str],
+           measure: Measure = DEFAULT_MEASURE, score: Scorer | None = None, *, tau: float | None = None
+           ) -> PurifiedTrajectory:
+    """One raw row purified under `mode`. `gamma`: SAAR's similarity threshold γ of the splicing modes (the others
+    do not read it); `tau`: the importance-ratio threshold τ that `saar_is` decides by, with `score`."""
     if mode not in MODES:
         raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
-    if mode == "saar_is" and score is None:
-        raise ValueError("mode saar_is scores each rollback: pass score= (a recompute backend's score)")
+    if mode in IS_MODES and (score is None or tau is None):
+        raise ValueError(f"mode {mode} scores each rollback against τ: pass score= (a recompute backend's score) "
+                         "and tau=")
+    variant = Variant.of(mode, tau if mode in IS_MODES else gamma, measure)
     validate_raw(raw)
     attempts = {(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
     if raw.final_turn is not None:
@@ -196,9 +295,9 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
             if not r.has_call:
                 gave_up = r
                 break
-            if mode == "saar_is":  # Plan B: the ratio decides replace (deep) or append
-                log_is = sum(score(b.prompt + b.ids, r.turn_ids)) - sum(r.logprobs)
-                if not log_is >= math.log(gamma):  # append: the failed turn and its error stay
+            if mode in IS_MODES:  # Plan B: the ratio decides replace (deep) or append
+                by_ratio = decide_by_ratio(score(b.prompt + b.ids, r.turn_ids), r.logprobs, tau)
+                if by_ratio.kind == "append":  # the failed turn and its error stay
                     b.turn(current, p.position_idx, spliced)
                     b.feedback(previous.feedback_ids)
                 else:
@@ -206,16 +305,18 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
                     for s in splices:  # a retry that replaced before and is replaced now: none of its tokens stay
                         if s.position_idx == p.position_idx and s.attempt_idx == previous.attempt_idx:
                             s.moved_tokens = 0
-                    splices.append(Splice(p.position_idx, r.attempt_idx, "deep", math.nan, removed, -1, False,
-                                          len(r.turn_ids), log_is))
+                    splices.append(Splice(position_idx=p.position_idx, attempt_idx=r.attempt_idx, kind="deep",
+                                          similarity=math.nan, tokens_removed=removed, first_recomputed=-1,
+                                          moved_tokens=len(r.turn_ids), log_is_ratio=by_ratio.log_ratio))
                     spliced[r.attempt_idx] = "deep"
                 current, previous = whole(r), r
                 continue
             decision = decide(current, whole(r), gamma, decode, measure)
             new = splice(current, whole(r), decision)
             removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
-            splices.append(Splice(p.position_idx, r.attempt_idx, decision.kind, decision.similarity, removed, -1,
-                                  decision.split_failed))
+            splices.append(Splice(position_idx=p.position_idx, attempt_idx=r.attempt_idx, kind=decision.kind,
+                                  similarity=decision.similarity, tokens_removed=removed, first_recomputed=-1,
+                                  split_failed=decision.split_failed))
             spliced[r.attempt_idx] = decision.kind
             current, previous = new, r
         start = len(b.ids)
@@ -224,7 +325,7 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
         for s in splices:
             if s.position_idx == p.position_idx:
                 s.first_recomputed = first_invalid if first_invalid >= 0 else start
-                if mode != "saar_is":  # a saar_is splice moves its whole retry, scored when decided
+                if mode not in IS_MODES:  # a saar_is splice moves its whole retry, scored when decided
                     s.moved_tokens = moved
         b.feedback(last_feedback if previous is p.attempts[-1] else previous.feedback_ids)
         if gave_up is not None:  # no purification beyond what was spliced before the give-up
@@ -239,11 +340,10 @@ def purify(raw: Trajectory, gamma: float, mode: str, decode: Callable[[list[int]
     invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]
     return PurifiedTrajectory(
         run_id=raw.run_id, iteration=raw.iteration, prompt_id=raw.prompt_id, sample_idx=raw.sample_idx,
-        mode=mode, gamma=partition_gamma(mode, gamma), raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
+        mode=mode, gamma=variant.gamma, raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
         loss_mask=loss_mask, old_logprobs=b.logprobs, logprob_valid=b.valid, reward=raw.reward, advantage=math.nan,
         splices=splices, recompute_from=invalid[0] if invalid else -1, tokens_forwarded=0, gate=raw.saar_gate,
-        behaviour_logprobs=b.behaviour, token_origin=b.origin,
-        is_threshold=float(gamma) if mode in IS_MODES else None,
+        behaviour_logprobs=b.behaviour, token_origin=b.origin, is_threshold=variant.tau,
     )
 
 

@@ -12,14 +12,13 @@ purifier can rebuild any variant offline.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
 from pipeline.chat import RETRY_NOTE, ChatFormat, format_tool_response
 from pipeline.similarity import Measure
 from pipeline.config import RolloutConfig
-from pipeline.splice import TurnPiece, decide, piece_from_attempt, splice
+from pipeline.splice import TurnPiece, decide, decide_by_ratio, piece_from_attempt, splice
 from pipeline.trajectory import Attempt, Position, ToolResult, Trajectory, TrajectoryStats, fingerprint
 from pipeline.engines.base import Engine, Generation, Request, SamplingParams, ScoreRequest
 from rollout_gen.rewards import overlong_penalty, reward_outcome
@@ -217,11 +216,10 @@ class AgentLoop:
 
     def _importance_rollback(self, lv: _Live, scores: list[float]) -> None:
         """Plan B, live, given the retry's log-probs in the clean context (`score_request`): IS ≥ τ replaces the
-        failed turn and its error, else the retry follows them where it was sampled. The same rule as purify
-        mode saar_is, which decides again from the stored tree (same scoring function)."""
+        failed turn and its error, else the retry follows them where it was sampled: pipeline.splice's
+        `decide_by_ratio`, which purify mode saar_is applies again to the stored tree (same scoring function)."""
         (att, piece), lv.unscored = lv.unscored, None
-        log_is = sum(scores) - sum(att.logprobs)
-        if log_is >= math.log(self.saar.is_threshold):  # replace: the failed turn and its error leave
+        if decide_by_ratio(scores, att.logprobs, self.saar.is_threshold).kind == "replace":  # the failed turn leaves
             del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
             lv.stats.live_deep += 1
         else:  # append: the retry is a turn of its own after the failed one
@@ -284,8 +282,9 @@ class AgentLoop:
     def _agent_failure(self, att: Attempt) -> ToolResult:
         """A call that could not even be made (malformed, unknown tool): the model's failure."""
         _, parsed = self.chat.parse_turn(att.turn_ids, self.cfg.malformed_call)
-        text = format_tool_response(False, reason=parsed.problem or att.call_status, limit=self.cfg.sandbox.response_chars)
-        return ToolResult("failure", text, "unknown_error", "model", None, 0.0, False)
+        text = format_tool_response(False, reason=parsed.problem or att.call_status,
+                                    limit=self.cfg.sandbox.response_chars)
+        return ToolResult(status="failure", text=text, error_label="unknown_error", error_class="model")
 
     def _run_one(self, code: str) -> ToolResult:
         return self.sandbox.run_many([code])[0]

@@ -1,6 +1,7 @@
 """The training flow's evaluation as a stage: checkpoint i on the held-out tasks (flow.eval_tasks), SAAR at test
 time on and off, written as iteration i's metrics shard (stage=eval), which the catalog's `metrics` view and
-`cleaner report` read. A shard committed with the same inputs is kept, so a rerun of the flow resumes.
+`cleaner report` read; as plan (`plan_eval`) → evaluate → commit. A shard committed from the same inputs is kept, so a
+rerun of the flow resumes.
 
 Metric names: `<setting>/<benchmark>/<metric>` for setting saar_on | saar_off, benchmark `all` or a task
 source, metric pass@k, pass@k_se, tool_failures_per_trajectory, first_call_failure_rate, …; and
@@ -8,9 +9,8 @@ source, metric pass@k, pass@k_se, tool_failures_per_trajectory, first_call_failu
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -20,8 +20,10 @@ from pipeline.config import CleanerConfig
 from rollout_gen.eval_run import evaluate_tasks
 from rollout_gen.tasks import Task, load_task_parquet
 from rollout_gen.world.tasks import eval_tasks
+from rollout_gen.stage import sampling_checkpoint
 from storage.checkpoints import policy_version
 from storage.errors import check_writable_root
+from storage.identity import StageIdentity, check_committed, file_digest, stage_identity
 from storage.layout import RunLayout, record_path
 from storage.schemas import METRICS
 from storage.shards import Manifest, read_manifest, write_shard
@@ -50,13 +52,17 @@ def eval_settings(cfg: CleanerConfig) -> list[str]:
     return ["saar_on", "saar_off"] if cfg.flow.eval_saar_off else ["saar_on"]
 
 
-def eval_config_hash(cfg: CleanerConfig, version: str) -> str:
-    """What the shard's numbers depend on: the eval settings, the task file's bytes, rollout and world, the policy."""
+def _record(cfg: CleanerConfig, version: str, digest_size: int = 16) -> dict:
     f = cfg.flow
-    source = "world" if f.eval_tasks == "world" else hashlib.blake2b(Path(f.eval_tasks).read_bytes(), digest_size=8).hexdigest()
-    data = {"tasks": source, "samples": f.eval_samples, "limit": f.eval_limit, "settings": eval_settings(cfg),
+    source = "world" if f.eval_tasks == "world" else file_digest(f.eval_tasks, digest_size)
+    return {"tasks": source, "samples": f.eval_samples, "limit": f.eval_limit, "settings": eval_settings(cfg),
             "sections": cfg.section_hash("rollout", "world"), "policy": version}
-    return hashlib.blake2b(json.dumps(data, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def eval_identity(cfg: CleanerConfig, version: str) -> StageIdentity:
+    """What the shard's numbers depend on: the eval settings, the task file's bytes, rollout and world, the policy
+    (`version`). Shards committed before the one task-file digest recorded the file's 8-byte digest."""
+    return stage_identity(cfg, lambda c: _record(c, version), lambda c: _record(c, version, digest_size=8))
 
 
 def _value(v: object) -> float | None:
@@ -75,29 +81,68 @@ def metric_records(run_id: str, iteration: int, setting: str, metrics: dict) -> 
             for name, v in values.items()]
 
 
-def run_eval_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path,
-                   log: Callable[[str], None] = print) -> tuple[Manifest, bool]:
-    """(the committed eval shard of `iteration`, whether it was already there)."""
+@dataclass(frozen=True)
+class EvalPlan:
+    """An evaluation of one checkpoint, decided before anything loads: keep the committed shard `kept`, or evaluate
+    `checkpoint` on `tasks` into `out`."""
+
+    run_id: str
+    iteration: int
+    out: Path
+    kept: Manifest | None = None
+    checkpoint: Path | None = None
+    identity: str = ""  # what the shard records as its config hash
+    tasks: tuple[Task, ...] = ()
+
+    @property
+    def note(self) -> str:
+        """The plan in a log line."""
+        if self.kept is not None:
+            return "evaluation already committed: kept"
+        return f"evaluating {self.checkpoint} on {len(self.tasks)} held-out tasks"
+
+
+def plan_eval(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None) -> EvalPlan:
+    """Every check of an evaluation before anything loads. `checkpoint`: the policy evaluated (default: the run's
+    checkpoint `iteration`). A committed shard is kept when made from the same inputs, or when that checkpoint is
+    gone since; one made from other inputs is refused."""
     out = RunLayout(cfg.storage.root, run_id).metrics_dir(iteration, STAGE)
     check_writable_root(cfg.storage.root)
     tasks = held_out_tasks(cfg)  # a bad task file fails here, before any rollout
-    config_hash = eval_config_hash(cfg, policy_version(checkpoint))
     done = read_manifest(out)
+    checkpoint = checkpoint or sampling_checkpoint(cfg, run_id, iteration, committed=done is not None)
+    if checkpoint is None:
+        return EvalPlan(run_id, iteration, out, kept=done)
+    identity = eval_identity(cfg, policy_version(checkpoint))
     if done is not None:
-        if done.config_hash != config_hash:
-            log(f"[eval it {iteration}] kept the evaluation committed with other settings (config "
-                f"{done.config_hash}, now {config_hash}); remove {out} to evaluate again")
-        return done, True
+        check_committed(out, done.config_hash, identity, made_with="with other evaluation settings (flow.eval_*)",
+                        remedy=f"remove {out} to evaluate it again, or rerun with the settings it was evaluated with")
+        return EvalPlan(run_id, iteration, out, kept=done)
+    return EvalPlan(run_id, iteration, out, checkpoint=checkpoint, identity=identity.value, tasks=tuple(tasks))
+
+
+def run_eval_plan(cfg: CleanerConfig, plan: EvalPlan, log: Callable[[str], None] = print) -> tuple[Manifest, bool]:
+    """The planned evaluation, each setting in turn, and its commit: (the committed shard, whether it was kept)."""
+    if plan.kept is not None:
+        return plan.kept, True
     records, extra = [], {}
     for setting in eval_settings(cfg):
         c = cfg.model_copy(deep=True)
         c.rollout.saar.gate_p = SETTINGS[setting]
-        m = evaluate_tasks(c, checkpoint, tasks, cfg.flow.eval_samples, show_progress=False).metrics
-        records += metric_records(run_id, iteration, setting, m)
+        m = evaluate_tasks(c, plan.checkpoint, list(plan.tasks), cfg.flow.eval_samples, show_progress=False).metrics
+        records += metric_records(plan.run_id, plan.iteration, setting, m)
         overall = m["benchmarks"]["all"]
         extra[setting] = {"pass@1": overall["pass@1"], "wall_s": m["wall_s"]}
-        log(f"[eval it {iteration}] {setting}: avg@{cfg.flow.eval_samples} pass@1 {overall['pass@1']:.3f}, "
+        log(f"[eval it {plan.iteration}] {setting}: avg@{cfg.flow.eval_samples} pass@1 {overall['pass@1']:.3f}, "
             f"tool failures/trajectory {overall['tool_failures_per_trajectory']:.3f}, {m['wall_s']:.1f} s")
-    manifest = write_shard(out, pa.Table.from_pylist(records, schema=METRICS), METRICS, config_hash,
-                           extra={"checkpoint": record_path(cfg.storage.root, checkpoint), "tasks": len(tasks), **extra})
+    extra = {"checkpoint": record_path(cfg.storage.root, plan.checkpoint), "tasks": len(plan.tasks), **extra}
+    manifest = write_shard(plan.out, pa.Table.from_pylist(records, schema=METRICS), METRICS, plan.identity,
+                           extra=extra)
     return manifest, False
+
+
+def run_eval_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None,
+                   log: Callable[[str], None] = print) -> tuple[Manifest, bool]:
+    """Evaluate checkpoint `iteration` into its metrics shard: plan, evaluate, commit. Returns the committed shard
+    and whether it was already there."""
+    return run_eval_plan(cfg, plan_eval(cfg, run_id, iteration, checkpoint), log)

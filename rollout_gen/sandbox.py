@@ -67,18 +67,21 @@ def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
     limit = cfg.response_chars
     if ex.infra_error is not None:
         text = format_tool_response(False, reason="the sandbox could not run the code (internal error)", limit=limit)
-        return ToolResult("failure", text, INFRA_LABEL, "infra", ex.exit_code, ex.duration_s, False)
+        return ToolResult(status="failure", text=text, error_label=INFRA_LABEL, error_class="infra",
+                          exit_code=ex.exit_code, duration_s=ex.duration_s)
     if ex.timed_out:
         text = format_tool_response(False, ex.stdout, ex.stderr,
                                     reason=f"worker_timeout: the code ran longer than {cfg.timeout_s:g} s", limit=limit)
-        return ToolResult("failure", text, "worker_timeout", "model", ex.exit_code, ex.duration_s, True)
+        return ToolResult(status="failure", text=text, error_label="worker_timeout", error_class="model",
+                          exit_code=ex.exit_code, duration_s=ex.duration_s, timed_out=True)
     if ex.exit_code == 0:
-        return ToolResult("success", format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
-                          None, None, 0, ex.duration_s, False)
+        return ToolResult(status="success", text=format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
+                          exit_code=0, duration_s=ex.duration_s)
     reason = next((ln.strip() for ln in reversed(ex.stderr.splitlines()) if ln.strip()),  # the error's last line
                   f"the process ended with exit code {ex.exit_code}")
     text = format_tool_response(False, ex.stdout, ex.stderr, reason=reason, limit=limit)
-    return ToolResult("failure", text, error_label(ex.stderr), "model", ex.exit_code, ex.duration_s, False)
+    return ToolResult(status="failure", text=text, error_label=error_label(ex.stderr), error_class="model",
+                      exit_code=ex.exit_code, duration_s=ex.duration_s)
 
 
 class _Worker:

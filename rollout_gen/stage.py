@@ -1,8 +1,9 @@
-"""Phase 1 as a stage: one iteration's rollouts from a checkpoint into a committed raw shard."""
+"""Phase 1 as a stage: one iteration's rollouts from a checkpoint into a committed raw shard, as plan
+(`plan_rollout`) → roll out → commit."""
 from __future__ import annotations
 
-import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -10,7 +11,7 @@ import pyarrow as pa
 
 from pipeline.chat import ChatFormat, load_chat
 from pipeline.config import CleanerConfig
-from storage.errors import check_writable_root
+from storage.errors import CheckpointError, check_writable_root
 from pipeline.progress import StageProgress
 from pipeline.trajectory import Trajectory, trajectory_to_row
 from rollout_gen.agent import SEEDING, AgentLoop, RolloutIdentity
@@ -18,10 +19,11 @@ from pipeline.engines import Engine
 from rollout_gen.sandbox import SandboxPool
 from rollout_gen.tasks import Task, TaskFileError, load_task_parquet
 from rollout_gen.world.tasks import training_tasks
-from storage.checkpoints import policy_version
+from storage.checkpoints import checkpoint_for, policy_version
+from storage.identity import StageIdentity, check_committed, stage_identity
 from storage.layout import RunLayout, record_path
 from storage.schemas import RAW
-from storage.shards import Manifest, ShardError, ShardWriter, read_manifest
+from storage.shards import Manifest, ShardWriter, read_manifest
 
 
 def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
@@ -65,65 +67,115 @@ def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[T
             return loop.run(tasks, identity, progress=lambda done, _total, note: bar.update(done, note))
 
 
-def _hash(cfg: CleanerConfig, version: str) -> str:
-    return hashlib.blake2b(f"{cfg.section_hash('rollout', 'world')}/{version}".encode(), digest_size=8).hexdigest()
+def rollout_identity(cfg: CleanerConfig, version: str) -> StageIdentity:
+    """What a raw shard's rows depend on: the rollout and world settings and the policy's weights (`version`)."""
+    return stage_identity(cfg, lambda c: f"{c.section_hash('rollout', 'world')}/{version}")
 
 
-def rollout_config_hash(cfg: CleanerConfig, version: str) -> str:
-    """What a raw shard's rows depend on: the rollout and world settings and the policy, not how many threads the
-    engine used (speed only, as the frozen run.json has it: a flow resumed with other threads keeps its shards)."""
-    same = cfg.model_copy(deep=True)
-    same.rollout.engine_tuning.threads = type(cfg.rollout.engine_tuning).model_fields["threads"].default
-    return _hash(same, version)
+def sampling_checkpoint(cfg: CleanerConfig, run_id: str, iteration: int, committed: bool) -> Path | None:
+    """The policy `iteration` samples from (storage.checkpoints.checkpoint_for). None when the iteration's output is
+    committed and that policy is gone (removed by `cleaner gc` since): nothing is left to compare it with."""
+    try:
+        found = checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    except CheckpointError:
+        if committed:
+            return None
+        raise
+    return None if committed and not found.is_dir() else found
 
 
-def committed_with_same_inputs(done: Manifest, cfg: CleanerConfig, version: str) -> bool:
-    """A committed raw shard's identity is this config's; shards committed before threads left the identity hashed
-    the config with its threads (the same value at the default)."""
-    return done.config_hash in (rollout_config_hash(cfg, version), _hash(cfg, version))
+@dataclass(frozen=True)
+class RolloutPlan:
+    """A rollout of one iteration, decided before anything loads: keep the committed raw shard `kept`, or roll
+    `tasks` out from `checkpoint` into `out`."""
+
+    run_id: str
+    iteration: int
+    out: Path
+    kept: Manifest | None = None
+    checkpoint: Path | None = None
+    version: str = ""  # the checkpoint's weights' hash: the rows' policy_version
+    identity: str = ""  # what the shard records as its config hash
+    tasks: tuple[Task, ...] = ()
+
+    @property
+    def note(self) -> str:
+        """The plan in a log line."""
+        if self.kept is not None:
+            return f"raw shard already committed ({self.kept.rows} trajectories): kept"
+        return f"loading {self.checkpoint} and starting the sandbox"
 
 
-def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path,
-                      show_progress: bool = True, log: Callable[[str], None] | None = None) -> Manifest:
-    """Write `iteration`'s raw shard; a shard already committed with the same inputs is kept."""
-    layout = RunLayout(cfg.storage.root, run_id)
-    out = layout.raw_dir(iteration)
+def plan_rollout(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None) -> RolloutPlan:
+    """Every check of a rollout before anything loads. `checkpoint`: the policy to sample from (default: the run's
+    checkpoint of the iteration). A committed shard is kept when made from the same inputs, or when that checkpoint
+    is gone since; one made from other inputs is refused."""
+    out = RunLayout(cfg.storage.root, run_id).raw_dir(iteration)
     check_writable_root(cfg.storage.root)  # before the rollout's work, not at its commit
-    version = policy_version(checkpoint)
-    config_hash = rollout_config_hash(cfg, version)
     done = read_manifest(out)
+    checkpoint = checkpoint or sampling_checkpoint(cfg, run_id, iteration, committed=done is not None)
+    if checkpoint is None:
+        return RolloutPlan(run_id, iteration, out, kept=done)
+    version = policy_version(checkpoint)
+    identity = rollout_identity(cfg, version)
     if done is not None:
-        if not committed_with_same_inputs(done, cfg, version):
-            raise ShardError(f"{out}: committed with other rollout settings or another cleaner version (config "
-                             f"{done.config_hash}, now {config_hash}); use a new flow.run_id — raw shards are never "
-                             "overwritten")
-        return done
-    chat = load_chat(checkpoint, cfg.rollout.chat_template_kwargs)
-    engine = make_engine(cfg, checkpoint, chat)
-    identity = RolloutIdentity(run_id, iteration, version, cfg.rollout.seed)
+        check_committed(out, done.config_hash, identity, made_with="with other rollout settings",
+                        remedy="raw shards are never overwritten: use a new flow.run_id")
+        return RolloutPlan(run_id, iteration, out, kept=done)
+    return RolloutPlan(run_id, iteration, out, checkpoint=checkpoint, version=version, identity=identity.value,
+                       tasks=tuple(iteration_tasks(cfg, iteration)))
+
+
+def _roll_out_planned(cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool,
+                      log: Callable[[str], None] | None) -> tuple[list[Trajectory], float]:
+    """The planned trajectories and the seconds they took."""
+    chat = load_chat(plan.checkpoint, cfg.rollout.chat_template_kwargs)
+    engine = make_engine(cfg, plan.checkpoint, chat)
+    identity = RolloutIdentity(plan.run_id, plan.iteration, plan.version, cfg.rollout.seed)
     t0 = time.perf_counter()
     try:
-        trajectories = roll_out(cfg, engine, chat, iteration_tasks(cfg, iteration), identity, show_progress, log)
+        trajectories = roll_out(cfg, engine=engine, chat=chat, tasks=list(plan.tasks), identity=identity,
+                                show_progress=show_progress, log=log)
     finally:
         engine.close()
-    wall = time.perf_counter() - t0
+    return trajectories, time.perf_counter() - t0
+
+
+def _commit(cfg: CleanerConfig, plan: RolloutPlan, trajectories: list[Trajectory], wall: float,
+            log: Callable[[str], None] | None) -> Manifest:
+    """The raw shard, refused when no prompt fitted rollout.max_prompt_tokens."""
     too_long = sum(t.finish_reason == "prompt_too_long" for t in trajectories)
     if trajectories and too_long == len(trajectories):  # a shard of empty rows would train nothing, silently
-        raise TaskFileError(f"every prompt of iteration {iteration} is longer than rollout.max_prompt_tokens "
+        raise TaskFileError(f"every prompt of iteration {plan.iteration} is longer than rollout.max_prompt_tokens "
                             f"({cfg.rollout.max_prompt_tokens} tokens, the chat template's system prompt and tools "
                             "included): raise it; nothing was written")
     if too_long and log is not None:  # the CLI says it from the manifest; a flow's log must too
-        log(f"[rollout it {iteration}] {too_long // cfg.rollout.samples_per_prompt} of {cfg.rollout.tasks_per_iteration} "
-            f"prompts are longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}): not rolled out, "
-            "their rows end prompt_too_long with reward -1; raise rollout.max_prompt_tokens")
+        log(f"[rollout it {plan.iteration}] {too_long // cfg.rollout.samples_per_prompt} of "
+            f"{cfg.rollout.tasks_per_iteration} prompts are longer than rollout.max_prompt_tokens "
+            f"({cfg.rollout.max_prompt_tokens}): not rolled out, their rows end prompt_too_long with reward -1; raise "
+            "rollout.max_prompt_tokens")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
-    with ShardWriter(out, RAW, config_hash, inputs=[record_path(cfg.storage.root, checkpoint)],
-                     rows_per_part=cfg.storage.rows_per_part,
-                     compression=cfg.storage.compression) as w:
+    with ShardWriter(plan.out, RAW, plan.identity, inputs=[record_path(cfg.storage.root, plan.checkpoint)],
+                     rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression) as w:
         w.write(table)
         generated = sum(t.stats.generated_tokens for t in trajectories)
-        return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": version,
+        return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": plan.version,
                          "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
                          "prompt_too_long": too_long,
                          # how the rows were lived and seeded, for readers without run.json (replay)
                          "saar": cfg.rollout.saar.model_dump(mode="json"), "seeding": SEEDING})
+
+
+def run_rollout_plan(cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool = True,
+                     log: Callable[[str], None] | None = None) -> Manifest:
+    """The planned rollout and its commit; the committed shard when the plan keeps it."""
+    if plan.kept is not None:
+        return plan.kept
+    trajectories, wall = _roll_out_planned(cfg, plan, show_progress, log)
+    return _commit(cfg, plan, trajectories, wall, log)
+
+
+def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None,
+                      show_progress: bool = True, log: Callable[[str], None] | None = None) -> Manifest:
+    """Write `iteration`'s raw shard: plan, roll out, commit (a shard committed from the same inputs is kept)."""
+    return run_rollout_plan(cfg, plan_rollout(cfg, run_id, iteration, checkpoint), show_progress, log)

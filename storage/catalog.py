@@ -27,8 +27,9 @@ import pyarrow as pa
 
 from storage.errors import first_line
 from storage.layout import DEFAULT_MEASURE_KEY
+from storage.modes import IS_MODES, SPLICING_MODES, sql_list
 from storage.packs import KINDS
-from storage.schemas import schema_id
+from storage.schemas import GAMMA_ALONE_SQL, schema_id
 from storage.shard_index import SOURCES, Problem, Scan, ShardFiles, identity, scan  # noqa: F401 - re-exported
 from storage.shards import atomic_write_json
 from storage.summaries import PURIFIED_SUMMARY, RAW_SUMMARY
@@ -67,7 +68,7 @@ def _sql_list(paths: list[str]) -> str:
     return "string_split('" + "\n".join(paths).replace("'", "''") + "', chr(10))"
 
 
-# The premise of purification (issue 19 §1; the rule is pipeline/kinds.py's, tested equal row for row):
+# The premise of purification (docs/saar.md; the kinds are pipeline/kinds.py's rule, tested equal row for row):
 # raw_kinds: one row per raw trajectory, its kind and its GRPO advantage in its prompt group, computed
 #   from raw rewards exactly as purifier/advantages.py `group_norm` does: (r - mean) / (std + 1e-6), std
 #   over the group (population). No mode changes a reward, so this is every mode's advantage except roc's,
@@ -80,7 +81,7 @@ def _sql_list(paths: list[str]) -> str:
 #   a turn it appended to stays), its row trains no token (void_turn), or its row is
 #   recovered and correct in mode mask_failed; rows a mode left out (roc, dead letters, filtered groups)
 #   train nothing. Shares are of all failed-call tokens of the iteration's raw rows, the same for every mode.
-PREMISE_SQL = """
+PREMISE_SQL = f"""
 CREATE OR REPLACE VIEW raw_kinds AS
 WITH positions AS (
     SELECT run_id, iteration, prompt_id, sample_idx, position_idx,
@@ -118,30 +119,30 @@ WITH failed AS (
     SELECT t.run_id, t.iteration, coalesce(sum(f.call_tokens), 0)::BIGINT AS failed_call_tokens
     FROM raw_trajectories t LEFT JOIN failed f USING (run_id, iteration, prompt_id, sample_idx) GROUP BY ALL
 ), partitions AS (
-    SELECT DISTINCT run_id, iteration, mode, gamma, measure FROM purified
+    SELECT DISTINCT run_id, iteration, mode, gamma, is_threshold, measure FROM purified
 ), trained AS (
-    SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure, f.call_tokens, p.advantage
+    SELECT p.run_id, p.iteration, p.mode, p.gamma, p.is_threshold, p.measure, f.call_tokens, p.advantage
     FROM purified p JOIN failed f USING (run_id, iteration, prompt_id, sample_idx)
     JOIN raw_kinds k USING (run_id, iteration, prompt_id, sample_idx)
     WHERE NOT coalesce(list_bool_or(list_transform(p.splices, lambda s: s.position_idx = f.position_idx
-                                                                        AND (s.attempt_idx > f.attempt_idx AND p.mode <> 'saar_is'
-                                                                             OR s.attempt_idx = f.attempt_idx + 1))), false)
+              AND (s.attempt_idx > f.attempt_idx AND p.mode NOT IN {sql_list(IS_MODES)}
+                   OR s.attempt_idx = f.attempt_idx + 1))), false)
       AND list_sum(p.loss_mask) > 0
       AND NOT (p.mode = 'mask_failed' AND k.kind = 'recovered' AND p.reward > 0)
 ), sums AS (
-    SELECT run_id, iteration, mode, gamma, measure, sum(call_tokens) AS trained,
+    SELECT run_id, iteration, mode, gamma, is_threshold, measure, sum(call_tokens) AS trained,
            coalesce(sum(call_tokens) FILTER (WHERE advantage < 0), 0) AS on_negative,
            coalesce(sum(call_tokens) FILTER (WHERE advantage > 0), 0) AS on_positive
     FROM trained GROUP BY ALL
 )
-SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure, t.failed_call_tokens,
+SELECT p.run_id, p.iteration, p.mode, p.gamma, p.is_threshold, p.measure, t.failed_call_tokens,
        coalesce(s.trained, 0)::BIGINT AS trained, coalesce(s.on_negative, 0)::BIGINT AS on_negative,
        coalesce(s.on_positive, 0)::BIGINT AS on_positive,
        coalesce(s.on_negative, 0) / nullif(t.failed_call_tokens, 0) AS share_negative,
        coalesce(s.on_positive, 0) / nullif(t.failed_call_tokens, 0) AS share_positive
 FROM partitions p JOIN totals t USING (run_id, iteration)
 LEFT JOIN sums s ON s.run_id = p.run_id AND s.iteration = p.iteration AND s.mode = p.mode AND s.gamma = p.gamma
-                AND s.measure IS NOT DISTINCT FROM p.measure
+                AND s.is_threshold IS NOT DISTINCT FROM p.is_threshold AND s.measure IS NOT DISTINCT FROM p.measure
 ORDER BY ALL;
 """
 
@@ -164,11 +165,12 @@ SELECT run_id, iteration, prompt_id, sample_idx, saar_gate, live_mode, position_
 FROM att;
 
 CREATE OR REPLACE VIEW splices AS
-SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, s.position_idx AS position_idx,
+SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, is_threshold, measure, s.position_idx AS position_idx,
        s.attempt_idx AS attempt_idx, s.kind AS kind, s.similarity AS similarity,
        s.tokens_removed AS tokens_removed, s.first_recomputed AS first_recomputed, s.split_failed AS split_failed,
        s.moved_tokens AS moved_tokens, s.log_is_ratio AS log_is_ratio, exp(s.log_is_ratio) AS is_ratio
-FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, UNNEST(splices) AS s FROM purified);
+FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, is_threshold, measure, UNNEST(splices) AS s
+      FROM purified);
 
 -- How far each purified partition trains tokens from the distribution that sampled them, by where the token
 -- was sampled (pipeline.trajectory.TokenOrigin): per trained token, d = old log-prob (the policy in the trained
@@ -177,11 +179,12 @@ FROM (SELECT run_id, iteration, prompt_id, sample_idx, mode, gamma, measure, UNN
 -- version-1 shards carry no behaviour log-probs and are left out.
 CREATE OR REPLACE VIEW off_policy AS
 WITH tokens AS (
-    SELECT run_id, iteration, mode, gamma, measure, UNNEST(token_origin) AS origin, UNNEST(loss_mask) AS trained,
+    SELECT run_id, iteration, mode, gamma, is_threshold, measure, UNNEST(token_origin) AS origin,
+           UNNEST(loss_mask) AS trained,
            UNNEST(old_logprobs) - UNNEST(behaviour_logprobs) AS d
     FROM purified WHERE behaviour_logprobs IS NOT NULL
 )
-SELECT run_id, iteration, mode, gamma, measure,
+SELECT run_id, iteration, mode, gamma, is_threshold, measure,
        CASE origin WHEN 1 THEN 'in_place' WHEN 2 THEN 'shallow' WHEN 3 THEN 'deep' WHEN 4 THEN 'moved' END AS origin,
        count(*) AS tokens, avg(abs(d)) AS mean_abs_delta, max(abs(d)) AS max_abs_delta,
        avg(exp(d) - 1 - d) AS kl_k3, avg((exp(d) < 0.5 OR exp(d) > 2)::INT) AS beyond_bounds
@@ -189,7 +192,7 @@ FROM tokens WHERE trained = 1 AND origin > 0
 GROUP BY ALL ORDER BY ALL;
 
 CREATE OR REPLACE VIEW purify_compare AS
-SELECT p.run_id, p.iteration, p.mode, p.gamma, p.measure,
+SELECT p.run_id, p.iteration, p.mode, p.gamma, p.is_threshold, p.measure,
        count(*) AS trajectories,
        avg(r.response_tokens) AS raw_response_tokens,
        avg(p.response_tokens) AS purified_response_tokens,
@@ -207,13 +210,14 @@ ORDER BY ALL;
 """ + PREMISE_SQL
 
 
-# Modes that splice (pipeline.modes.SPLICING_MODES, tested equal): their partitions name a similarity measure.
-SPLICING_MODES = ("saar", "saar_correct")
 # The similarity measure of a splicing mode's partition: the name after γ (gamma=0.50-difflib-segment),
 # else the default measure; modes without splices have none.
-_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {SPLICING_MODES} THEN NULL ELSE "
-                f"coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
+_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {sql_list(SPLICING_MODES)} THEN NULL "
+                f"ELSE coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
                 f"'{DEFAULT_MEASURE_KEY}') END")
+# The τ of an importance-ratio mode's partition (tau=0.50, read back exactly: storage.layout.format_threshold); NULL
+# in the others. From the path, as the measure: a purified row's summary and text carry no τ of their own.
+_TAU_SQL = "TRY_CAST(nullif(regexp_extract(filename, '/tau=([^/]+)/[^/]+$', 1), '') AS DOUBLE)"
 
 
 # The row summaries (storage/summaries.py) of a shard committed without them, computed from its parts
@@ -307,13 +311,23 @@ class Catalog:
 
     def _view(self, name: str, reads: list[str], schema: pa.Schema, partitioned: bool, stand_in: bool) -> None:
         """View `name` over these reads combined by column name, or over a typed empty table of `schema` when there
-        are none. A partitioned view's reads carry each row's file name, which gives it its similarity measure."""
+        are none. A partitioned view's reads carry each row's file name, which gives it its similarity measure and,
+        in views of purified rows (those with `gamma`), its τ (`is_threshold`); their `gamma` holds γ alone, whatever
+        version wrote the row (storage.schemas.GAMMA_ALONE_SQL)."""
         if reads:
             source = "(" + " UNION ALL BY NAME ".join(reads) + ")"
-            select = f"SELECT * EXCLUDE (filename), {_MEASURE_SQL} AS measure" if partitioned else "SELECT *"
         else:
             source = _empty_table(self.con, name, schema, stand_in)
-            select = "SELECT *, CAST(NULL AS VARCHAR) AS measure" if partitioned else "SELECT *"
+        select = "SELECT *"
+        if partitioned:
+            rows = "gamma" in schema.names
+            excluded = ["filename"] if reads else []
+            excluded += ["is_threshold"] if rows and "is_threshold" in schema.names else []
+            select = ("SELECT *" + (f" EXCLUDE ({', '.join(excluded)})" if excluded else "")
+                      + (f" REPLACE ({GAMMA_ALONE_SQL} AS gamma)" if rows else "")
+                      + (f", {_MEASURE_SQL} AS measure" if reads else ", CAST(NULL AS VARCHAR) AS measure")
+                      + ((f", {_TAU_SQL} AS is_threshold" if reads else ", CAST(NULL AS DOUBLE) AS is_threshold")
+                         if rows else ""))
         self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}{self._guard if reads else ''}")
 
     def _text_views(self, scanned: Scan) -> None:

@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 from storage.errors import CheckpointError
+from storage.identity import StageIdentity, check_committed
 from storage.layout import RunLayout
 
 DONE_MARKER = "_CHECKPOINT.json"  # written last into a checkpoint folder: the checkpoint is whole
@@ -92,19 +93,21 @@ def checkpoint_for(root: Path, run_id: str, iteration: int, initial_policy: Path
     raise CheckpointError(f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})")
 
 
-def committed_update(target: Path, settings: str) -> bool:
-    """Whether checkpoint `target` is committed (by an update with these train settings); one committed by an
-    update with other settings is refused: checkpoints are never overwritten, and keeping it would say a rerun
-    trained what it did not. A checkpoint that records no settings (an earlier cleaner's) is kept."""
+def committed_update(target: Path, identity: StageIdentity | str) -> bool:
+    """Whether checkpoint `target` is committed by an update of this identity (its train settings: trainer/stage.py
+    `update_identity`); one committed by an update with other settings is refused (storage.identity.check_committed):
+    checkpoints are never overwritten, and keeping it would say a rerun trained what it did not. A checkpoint that
+    records no settings (an earlier cleaner's) is kept."""
     marker = Path(target) / DONE_MARKER
     if not marker.is_file():
         return False
     try:
         recorded = json.loads(marker.read_text()).get("train_settings")
     except (OSError, ValueError, AttributeError):
-        raise CheckpointError(f"{marker}: unreadable; restore it (the checkpoint beside it is otherwise whole)") from None
-    if recorded not in (None, settings):
-        raise CheckpointError(f"{target}: committed by an update with other train settings (settings {recorded}, now "
-                              f"{settings}); checkpoints are never overwritten: use a new flow.run_id, or remove this "
-                              "checkpoint and every later one to train them again")
+        raise CheckpointError(f"{marker}: unreadable; restore it (the checkpoint beside it is otherwise "
+                              "whole)") from None
+    check_committed(target, recorded, identity if isinstance(identity, StageIdentity) else StageIdentity(identity),
+                    made_with="by an update with other train settings", error=CheckpointError,
+                    remedy="checkpoints are never overwritten: use a new flow.run_id, or remove this checkpoint and "
+                           "every later one to train them again")
     return True

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import RunIdError
+from storage.modes import IS_MODES
 
 
 # The similarity measure whose partitions carry no suffix (gamma=0.50); pipeline.similarity's
@@ -12,25 +13,20 @@ from storage.errors import RunIdError
 DEFAULT_MEASURE_KEY = "rapidfuzz-segment"
 
 
-def format_gamma(gamma: float) -> str:
-    """0.5 -> '0.50', 1.01 -> '1.01', 0.125 -> '0.125': stable partition names for γ."""
-    two = f"{gamma:.2f}"
-    return two if float(two) == gamma else repr(float(gamma))
-
-
-# Modes whose partitions are named by an importance-ratio threshold τ (tau=0.50) instead of γ
-# (pipeline.modes.IS_MODES, tested equal).
-IS_MODES = ("saar_is",)
+def format_threshold(value: float) -> str:
+    """0.5 -> '0.50', 1.01 -> '1.01', 0.125 -> '0.125': stable partition names for γ and τ (read back exactly)."""
+    two = f"{value:.2f}"
+    return two if float(two) == value else repr(float(value))
 
 
 def threshold_partition(mode: str, value: float, measure: str = "") -> str:
     """A variant's partition folder name: tau=0.50 for the importance-ratio modes; else 'gamma=0.50' for the
     default similarity measure (the paths every earlier run wrote), and 'gamma=0.50-difflib-segment' for another
-    one (purifier.saar.partition_measure names it), so replays under different measures sit side by side and the
+    one (pipeline.modes.partition_measure names it), so replays under different measures sit side by side and the
     `mode=*/gamma=*` globs see them all."""
     if mode in IS_MODES:
-        return f"tau={format_gamma(value)}"
-    return f"gamma={format_gamma(value)}" + (f"-{measure}" if measure else "")
+        return f"tau={format_threshold(value)}"
+    return f"gamma={format_threshold(value)}" + (f"-{measure}" if measure else "")
 
 
 def record_path(root: Path, path: Path | str) -> str:
@@ -81,11 +77,14 @@ class RunLayout:
     def raw_dir(self, iteration: int) -> Path:
         return self.iteration_dir(iteration) / "raw"
 
-    def purified_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
-        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / threshold_partition(mode, gamma, measure)
+    def purified_dir(self, iteration: int, mode: str, threshold: float, measure: str = "") -> Path:
+        """A variant's purified partition; `threshold` is its γ, or its τ for an importance-ratio mode."""
+        partition = threshold_partition(mode, threshold, measure)
+        return self.iteration_dir(iteration) / "purified" / f"mode={mode}" / partition
 
-    def dead_letter_dir(self, iteration: int, mode: str, gamma: float, measure: str = "") -> Path:
-        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / threshold_partition(mode, gamma, measure)
+    def dead_letter_dir(self, iteration: int, mode: str, threshold: float, measure: str = "") -> Path:
+        partition = threshold_partition(mode, threshold, measure)
+        return self.iteration_dir(iteration) / "dead_letter" / f"mode={mode}" / partition
 
     def metrics_dir(self, iteration: int, stage: str) -> Path:
         return self.iteration_dir(iteration) / "metrics" / f"stage={stage}"

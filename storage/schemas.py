@@ -5,7 +5,12 @@ so a reader can refuse a file written by an incompatible cleaner before it reads
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.modes import IS_MODES, sql_list
 
 SCHEMA_META_KEY = b"cleaner.schema"
 
@@ -69,6 +74,19 @@ def _versioned(name: str, version: int, fields: list[tuple[str, pa.DataType]]) -
 
 # A trajectory's identity, the first columns of every row kind that describes one trajectory.
 IDENTITY = [("run_id", pa.string()), ("iteration", pa.int32()), ("prompt_id", pa.string()), ("sample_idx", pa.int32())]
+_KEY_SEPARATOR = "/"
+
+
+# A raw row's key, its identity joined (`run/iteration/prompt/sample`): the `raw_key` of its purified and dead-letter
+# rows. One rule in two forms, side by side: per row, and column-wise for whole tables (purifier/unspliced.py).
+def row_key(run_id: Any, iteration: Any, prompt_id: Any, sample_idx: Any) -> str:
+    return _KEY_SEPARATOR.join(map(str, (run_id, iteration, prompt_id, sample_idx)))
+
+
+def row_keys(table: pa.Table) -> pa.ChunkedArray:
+    """`row_key` of every row of a table holding the IDENTITY columns."""
+    return pc.binary_join_element_wise(*(pc.cast(table[name], pa.string()) for name, _ in IDENTITY), _KEY_SEPARATOR)
+
 
 _RAW_V1_FIELDS = [
     *IDENTITY,
@@ -118,13 +136,19 @@ _PURIFIED_V1_FIELDS = [
 PURIFIED_V1 = _versioned("purified", 1, _PURIFIED_V1_FIELDS)
 # v2 (off-policy-aware purification, docs/saar.md): per response token the log-prob it was sampled with and
 # where it was sampled (pipeline.trajectory.TokenOrigin), per splice its importance ratio, and τ of saar_is.
-PURIFIED = _versioned("purified", 2, [
+_PURIFIED_V2_FIELDS = [
     (name, pa.list_(SPLICE) if name == "splices" else kind) for name, kind in _PURIFIED_V1_FIELDS
 ] + [
     ("behaviour_logprobs", logprobs),
     ("token_origin", mask),
     ("is_threshold", pa.float64()),
-])
+]
+PURIFIED_V2 = _versioned("purified", 2, _PURIFIED_V2_FIELDS)
+# v3, the same columns: each threshold in its own column. `gamma` is SAAR's similarity threshold γ of a splicing
+# mode's row, 0.0 in every other row; `is_threshold` is the importance-ratio threshold τ of an importance-ratio mode's
+# row, NULL in every other row. A v2 row of an importance-ratio mode holds its τ in `gamma` too: `gamma_alone` reads
+# it as v3.
+PURIFIED = _versioned("purified", 3, _PURIFIED_V2_FIELDS)
 
 DEAD_LETTER = _versioned("dead_letter", 1, [
     ("raw_key", pa.string()),
@@ -142,7 +166,34 @@ METRICS = _versioned("metrics", 1, [
 ])
 
 # Earlier versions readers still accept, by the version they are read as; `upgrade` brings their rows to it.
-EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/2": {"purified/1": PURIFIED_V1}, "raw/2": {"raw/1": RAW_V1}}
+EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/3": {"purified/1": PURIFIED_V1, "purified/2": PURIFIED_V2},
+                                            "raw/2": {"raw/1": RAW_V1}}
+
+
+# `gamma` holds γ alone (purified v3): in a row of an importance-ratio mode it is 0.0, its τ in `is_threshold`. The
+# one rule that reads rows of any version so, in two forms side by side: column-wise on an Arrow table (`upgrade`,
+# storage.shards' readers) and in SQL over rows that carry `mode` and `gamma` (the catalog's purified views, which read
+# every version's files together, their summaries and texts too). Both leave v3 rows as they are.
+GAMMA_ALONE_SQL = f"CASE WHEN mode IN {sql_list(IS_MODES)} THEN 0.0 ELSE gamma END"
+
+
+def gamma_alone(table: pa.Table) -> pa.Table:
+    """`table` with γ alone in `gamma`, and the τ of its importance-ratio rows in `is_threshold` (taken from `gamma`
+    where a row has none there)."""
+    if "gamma" not in table.column_names or "mode" not in table.column_names:
+        return table
+    if "is_threshold" not in table.column_names:
+        table = table.append_column("is_threshold", pa.nulls(table.num_rows, pa.float64()))
+    ratio_rows = pc.is_in(table["mode"], value_set=pa.array(IS_MODES, pa.string()))
+    tau = pc.if_else(ratio_rows, pc.coalesce(table["is_threshold"], table["gamma"]), table["is_threshold"])
+    gamma = pc.if_else(ratio_rows, pa.scalar(0.0, pa.float64()), table["gamma"])
+    table = table.set_column(table.schema.get_field_index("is_threshold"), "is_threshold", tau)
+    return table.set_column(table.schema.get_field_index("gamma"), "gamma", gamma)
+
+
+def upgrade_inputs(want: pa.Schema) -> list[str]:
+    """The columns `upgrade` reads to give `want`'s (a reader of some columns reads these from an earlier version)."""
+    return list(dict.fromkeys([*want.names, *(["mode", "is_threshold"] if "gamma" in want.names else [])]))
 
 
 def readable_as(found: str, want: pa.Schema) -> pa.Schema | None:
@@ -154,7 +205,9 @@ def readable_as(found: str, want: pa.Schema) -> pa.Schema | None:
 
 def upgrade(table: pa.Table, want: pa.Schema) -> pa.Table:
     """Rows of an earlier version as `want`'s: columns it lacks are null (a v1 purified row has no behaviour
-    log-probs: what needs them says so), nested structs gain their new fields as nulls."""
+    log-probs: what needs them says so), nested structs gain their new fields as nulls, and `gamma` holds γ alone
+    (`gamma_alone`). `table` may hold more columns than `want` (`upgrade_inputs`): they are read, not kept."""
+    table = gamma_alone(table)
     columns = []
     for field in want:
         if field.name not in table.column_names:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from storage import summaries, texts, verified
 from storage.errors import CleanerError, os_error
-from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade
+from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade, upgrade_inputs
 
 MANIFEST = "_MANIFEST.json"
 PART_GLOB = "part-*.parquet"
@@ -450,7 +450,7 @@ def read_shard(
         pf, written = _open_part(path, part, schema, verify_checksums)
         try:
             table = pf.read(columns=columns if columns is None or written is schema
-                            else [c for c in columns if c in written.names])
+                            else [c for c in upgrade_inputs(want) if c in written.names])
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: corrupt Parquet ({e})") from None
         if table.num_rows != part.rows:

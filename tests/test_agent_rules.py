@@ -145,5 +145,5 @@ def test_importance_rollback_places_the_retry_by_the_engines_score(chat, sandbox
     text = chat.decode(t.lived_ids)
     assert ("prnt" not in text and "NameError" not in text) == replaced and "print(6 * 7)" in text
     assert t.stats.live_deep == int(replaced) and t.reward == 1.0
-    relived = purify(t, 1.0, "saar_is", chat.decode, score=lambda context, turn: [logp] * len(turn))
+    relived = purify(t, 0.0, "saar_is", chat.decode, score=lambda context, turn: [logp] * len(turn), tau=1.0)
     assert relived.response_ids == t.lived_ids

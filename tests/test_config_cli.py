@@ -176,12 +176,16 @@ def test_the_default_correction_preset_off_is_accepted_bare(override, tmp_path):
     assert load_config(tmp_path / "c.yaml", []).train.rollout_correction == "off"
 
 
-def test_train_gamma_is_the_tau_of_saar_is_and_is_checked_as_one():
+def test_the_tau_of_saar_is_is_train_tau_and_is_checked_as_one():
+    """train.gamma is γ alone: saar_is trains at train.tau, and train.gamma given for it without a τ is refused in one
+    line that names train.tau (tests/test_gamma_tau.py has the rest)."""
     from pipeline.config import ConfigError, load_config
 
-    assert load_config(None, ["train.mode=saar_is", "train.gamma=0.3"]).train.gamma == 0.3
-    with pytest.raises(ConfigError, match="train.gamma is the τ of train.mode=saar_is"):
-        load_config(None, ["train.mode=saar_is", "train.gamma=0"])
+    assert load_config(None, ["train.mode=saar_is", "train.tau=0.3"]).train.tau == 0.3
+    with pytest.raises(ConfigError, match="train.tau: the importance-ratio threshold τ must be a finite number > 0"):
+        load_config(None, ["train.mode=saar_is", "train.tau=0"])
+    with pytest.raises(ConfigError, match=r"give its importance-ratio threshold as train.tau \(e.g. train.tau=0.3\)"):
+        load_config(None, ["train.mode=saar_is", "train.gamma=0.3"])
 
 
 def test_scoring_on_vllm_at_another_temperature_is_refused_when_the_config_is_read():

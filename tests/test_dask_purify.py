@@ -27,6 +27,7 @@ from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from purifier import beam_pipeline, dask_cluster
 from purifier.batch import SORT
 from purifier.stage import DaskRunFailed, run_purify_stage
+from pipeline.variants import plan_variants
 from storage.errors import CleanerError
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -123,7 +124,8 @@ def test_dask_commits_what_fnapi_commits_with_work_in_both_workers(world_rollout
         loads = client.run(lambda: dict(__import__("purifier.beam_pipeline").beam_pipeline.loads))
         assert all(n["recompute"] == 1 and n["tokenizer"] == 1 for n in loads.values()), loads
         # another γ on the same workers: the same checkpoint stays loaded
-        run_purify_stage(_cfg(world_rollout, root, "dask", cluster.address), "w", 0, ["saar"], [0.7])
+        again = _cfg(world_rollout, root, "dask", cluster.address)
+        run_purify_stage(again, "w", 0, plan_variants(again, ["saar"], [0.7]))
         loads = client.run(lambda: dict(__import__("purifier.beam_pipeline").beam_pipeline.loads))
         assert all(n["recompute"] == 1 for n in loads.values()), loads
     assert not (RunLayout(root, "w").iteration_dir(0) / ".staging").exists()

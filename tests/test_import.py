@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.variants import plan_variants
 from tests.flow_helpers import refused
 
 QUESTION = "What is 6 * 7?"
@@ -73,7 +74,7 @@ def test_atif_round_trip_gives_the_same_raw_rows_and_partitions(purified_run, tm
     assert manifest.extra["source_format"] == "atif" and manifest.extra["token_exact"] is True
     assert resolve_recorded(cfg.storage.root, manifest.inputs[0]).resolve() == Path(DEFAULT_POLICY).resolve()
 
-    run_purify_stage(cfg, "copy", 0, ["saar"], [0.5])
+    run_purify_stage(cfg, "copy", 0, plan_variants(cfg, ["saar"], [0.5]))
     assert _partition(cfg.storage.root, "copy") == _partition(purified_run.storage.root, "w")  # decisions too
 
     from flows.cli import main  # the imported run is a run like any other to the catalog
@@ -192,7 +193,7 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     raw_dir = RunLayout(cfg.storage.root, "from-trl").raw_dir(0)
     assert read_manifest(raw_dir).extra["token_exact"] is False
     with pytest.raises(ShardError, match="token_exact: false") as e:
-        run_purify_stage(cfg, "from-trl", 0, ["saar"], [0.5])
+        run_purify_stage(cfg, "from-trl", 0, plan_variants(cfg, ["saar"], [0.5]))
     assert "\n" not in str(e.value) and "--allow-purify" in str(e.value)
     assert [r["prompt_id"] for r in pass_rates(cfg.storage.root, "from-trl")] == [row["prompt_id"]]
 
@@ -217,7 +218,7 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     assert plain["lived_ids"] == row["lived_ids"] and turns == [[(a["turn_ids"], a["code"], a["feedback_ids"])
                                                                  for a in p["attempts"]] for p in plain["positions"]]
     assert plain["prompt_ids"] == chat.prompt_ids(QUESTION)  # rendered again: the text lost its special tokens
-    [result] = run_purify_stage(cfg, "from-verl", 0, ["saar"], [0.5])  # allowed: purified
+    [result] = run_purify_stage(cfg, "from-verl", 0, plan_variants(cfg, ["saar"], [0.5]))  # allowed: purified
     assert result.rows == 2
 
 

@@ -12,16 +12,16 @@ import pytest
 from flows.cli import build_parser
 from pipeline.config import ConfigError, load_config
 from pipeline.kinds import failed_call, trajectory_kind
-from pipeline.modes import MODES, SPLICING_MODES, Variant, partition_gamma, partition_measure
+from pipeline.modes import MODES, Variant, partition_measure, partition_threshold
 from pipeline.similarity import REFERENCE_MEASURE, Measure
 from pipeline.trajectory import purified_from_row, purified_to_row, trajectory_from_row
 from purifier.advantages import group_advantages
 from purifier.batch import with_advantages
 from purifier.roc import ROC_PENALTY, roc_penalties, roc_plan, roc_seed
 from purifier.saar import purify
-from purifier.stage import purify_config_hash, run_purify_stage
+from purifier.stage import purify_identity, run_purify_stage
+from pipeline.variants import plan_variants
 from purifier.unspliced import purified_table, unspliced_mask
-from storage import catalog
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
@@ -38,14 +38,14 @@ def _raw_table(cfg, run_id: str) -> pa.Table:
 
 
 def _rows(cfg, run_id: str, mode: str) -> dict:
-    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, partition_gamma(mode, GAMMA))
+    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, partition_threshold(mode, GAMMA))
     return {r["raw_key"]: purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()}
 
 
 @pytest.fixture(scope="module")
 def real(world_rollout, tmp_path_factory):
     cfg = rollout_copy(world_rollout, tmp_path_factory, "modes-real")
-    run_purify_stage(cfg, "w", 0, list(MODES), [GAMMA])
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, list(MODES), [GAMMA]))
     return cfg
 
 
@@ -54,19 +54,18 @@ def scripted(chat, sandbox, tmp_path_factory):
     root = tmp_path_factory.mktemp("modes-scripted")
     write_group(root, build_group(chat, sandbox))
     cfg = load_config(None, [f"storage.root={root}", f"rollout.samples_per_prompt={len(NAMES)}"])
-    run_purify_stage(cfg, "s", 0, ["raw", "roc"], [GAMMA])
+    run_purify_stage(cfg, "s", 0, plan_variants(cfg, ["raw", "roc"], [GAMMA]))
     return cfg
 
 
 # ---- names, hashes, config -------------------------------------------------------------------------
 
 def test_gamma_and_measure_name_the_splicing_modes_only(real):
-    assert catalog.SPLICING_MODES == SPLICING_MODES == ("saar", "saar_correct")
-    assert [partition_gamma(m, GAMMA) for m in NEW] == [GAMMA, 0.0, 0.0]
+    assert [partition_threshold(m, GAMMA) for m in NEW] == [GAMMA, 0.0, 0.0]
     assert [partition_measure(m, REFERENCE_MEASURE) for m in NEW] == ["difflib-segment", "", ""]
     other = real.model_copy(deep=True)
     other.rollout.saar.similarity = "difflib"
-    run_purify_stage(other, "w", 0, ["saar_correct", "roc"], [GAMMA])
+    run_purify_stage(other, "w", 0, plan_variants(other, ["saar_correct", "roc"], [GAMMA]))
     it = RunLayout(real.storage.root, "w").iteration_dir(0) / "purified"
     assert sorted(p.name for p in (it / "mode=saar_correct").iterdir()) == ["gamma=0.50", "gamma=0.50-difflib-segment"]
     assert sorted(p.name for p in (it / "mode=roc").iterdir()) == ["gamma=0.00"]
@@ -81,14 +80,14 @@ def test_every_variant_hashes_one_record_and_a_mode_setting_only_its_mode():
     """Golden values of the one record (issue 28): a new purify setting must not invalidate committed partitions
     (settings left out of the hash: replay and mode settings), and a mode's own setting only that mode's."""
     cfg = load_config(None, [])
-    assert purify_config_hash(cfg, Variant.of("saar", 0.5), "rawhash") == "c50811d5d948a6cc"
-    assert purify_config_hash(cfg, Variant.of("raw", 0.0), "rawhash") == "dcc16b6b0b382d87"
-    assert purify_config_hash(cfg, Variant.of("void_turn", 0.0), "rawhash") == "d3af88001cb421bb"
-    assert purify_config_hash(cfg, Variant.of("saar", 0.5, Measure("difflib")), "rawhash") == "f837ded6173116ea"
+    assert purify_identity(cfg, Variant.of("saar", 0.5), "rawhash").value == "c50811d5d948a6cc"
+    assert purify_identity(cfg, Variant.of("raw", 0.0), "rawhash").value == "dcc16b6b0b382d87"
+    assert purify_identity(cfg, Variant.of("void_turn", 0.0), "rawhash").value == "d3af88001cb421bb"
+    assert purify_identity(cfg, Variant.of("saar", 0.5, Measure("difflib")), "rawhash").value == "f837ded6173116ea"
     two, three = (load_config(None, [f"purify.roc_group_size={k}"]) for k in (2, 3))
-    assert purify_config_hash(two, Variant.of("saar", 0.5), "h") == purify_config_hash(three, Variant.of("saar", 0.5), "h")
-    assert purify_config_hash(two, Variant.of("roc", 0.0), "h") != purify_config_hash(three, Variant.of("roc", 0.0), "h")
-    assert purify_config_hash(cfg, Variant.of("roc", 0.0), "h") == purify_config_hash(two, Variant.of("roc", 0.0), "h")  # default: 4 // 2
+    assert purify_identity(two, Variant.of("saar", 0.5), "h").value == purify_identity(three, Variant.of("saar", 0.5), "h").value
+    assert purify_identity(two, Variant.of("roc", 0.0), "h").value != purify_identity(three, Variant.of("roc", 0.0), "h").value
+    assert purify_identity(cfg, Variant.of("roc", 0.0), "h").value == purify_identity(two, Variant.of("roc", 0.0), "h").value  # default: 4 // 2
 
 
 def test_one_measure_setting_the_old_purify_keys_say_where_they_went():

@@ -102,16 +102,16 @@ def test_saar_is_decides_append_or_replace_exactly_at_tau(chat, sandbox):
     tau = math.exp(-1.0)
     assert math.log(tau) == -1.0  # the boundary is exactly representable in log space
     as_raw = purify(t, 0.0, "raw", chat.decode)
-    replaced = purify(t, tau, "saar_is", chat.decode, score=_scorer(-1.0))  # IS = τ: replace
+    replaced = purify(t, 0.0, "saar_is", chat.decode, score=_scorer(-1.0), tau=tau)  # IS = τ: replace
     (s,) = replaced.splices
     assert s.kind == "deep" and s.log_is_ratio == -1.0 and s.moved_tokens == len(t.positions[0].attempts[1].turn_ids)
-    assert "prnt" not in chat.decode(replaced.response_ids) and replaced.gamma == tau == replaced.is_threshold
+    assert "prnt" not in chat.decode(replaced.response_ids) and (replaced.gamma, replaced.is_threshold) == (0.0, tau)
     below = -1.0 - 2.0 ** -40  # a hair below τ, and still that after the sums (their ulp is ~2^-49)
-    appended = purify(t, tau, "saar_is", chat.decode, score=_scorer(below))
+    appended = purify(t, 0.0, "saar_is", chat.decode, score=_scorer(below), tau=tau)
     assert appended.splices == [] and appended.response_ids == as_raw.response_ids
     assert appended.loss_mask == as_raw.loss_mask and appended.old_logprobs == as_raw.old_logprobs
     assert set(appended.token_origin) == {TokenOrigin.NOT_SAMPLED, TokenOrigin.IN_PLACE}  # fully on-policy
-    assert purify(t, tau * 0.999, "saar_is", chat.decode, score=_scorer(below)).splices
+    assert purify(t, 0.0, "saar_is", chat.decode, score=_scorer(below), tau=tau * 0.999).splices
 
 
 def test_saar_is_a_retry_replaced_again_keeps_no_moved_tokens(chat, sandbox):
@@ -120,7 +120,7 @@ def test_saar_is_a_retry_replaced_again_keeps_no_moved_tokens(chat, sandbox):
     second_fail = call("prnt(6*7)", reasoning="Again.")
     t = raw(chat, sandbox, [FAILED, second_fail, FIX], live_mode="raw")
     assert [len(q.attempts) for q in t.positions][:1] == [3]
-    p = purify(t, 0.5, "saar_is", chat.decode, score=_scorer(0.0))  # IS = 1 ≥ τ: both retries replace
+    p = purify(t, 0.0, "saar_is", chat.decode, score=_scorer(0.0), tau=0.5)  # IS = 1 ≥ τ: both retries replace
     first, last = p.splices
     assert (first.attempt_idx, last.attempt_idx) == (1, 2) and first.moved_tokens == 0
     assert last.moved_tokens == len(t.positions[0].attempts[2].turn_ids)
@@ -135,15 +135,16 @@ def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
     layout = RunLayout(cfg.storage.root, "w")
     assert layout.purified_dir(0, "saar_is", 0.5).name == "tau=0.50"
     with Catalog(cfg.storage.root) as cat:
-        got = cat.query("SELECT gamma, count(*) AS n, count(*) FILTER (WHERE is_threshold = gamma) AS tau "
-                        "FROM purified WHERE mode = 'saar_is' GROUP BY ALL ORDER BY gamma").to_pylist()
-        ratios = cat.query("SELECT gamma, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'").to_pylist()
+        got = cat.query("SELECT is_threshold AS tau, count(*) AS n, count(*) FILTER (WHERE gamma = 0) AS no_gamma "
+                        "FROM purified WHERE mode = 'saar_is' GROUP BY ALL ORDER BY tau").to_pylist()
+        ratios = cat.query("SELECT is_threshold AS tau, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'"
+                           ).to_pylist()
         saar = cat.query("SELECT count(*) AS n, count(log_is_ratio) AS scored FROM splices "
                          "WHERE mode = 'saar'").to_pylist()[0]
-    assert [(g["gamma"], g["n"] == g["tau"]) for g in got] == [(0.5, True), (2.0, True)]
-    assert all(r["kind"] == "deep" and r["log_is_ratio"] >= math.log(r["gamma"]) for r in ratios)
+    assert [(g["tau"], g["n"] == g["no_gamma"]) for g in got] == [(0.5, True), (2.0, True)]
+    assert all(r["kind"] == "deep" and r["log_is_ratio"] >= math.log(r["tau"]) for r in ratios)
     assert saar["n"] > 0 and saar["scored"] == saar["n"]  # every SAAR splice carries its ratio after recompute
-    n = {g: sum(1 for r in ratios if r["gamma"] == g) for g in (0.5, 2.0)}
+    n = {tau: sum(1 for r in ratios if r["tau"] == tau) for tau in (0.5, 2.0)}
     assert n[0.5] >= n[2.0]  # a higher τ replaces no more
 
 
@@ -157,7 +158,7 @@ def test_v1_purified_shards_still_read(purified_run, tmp_path):
     out = tmp_path / "runs" / "old" / "iteration=0000" / "purified" / "mode=saar" / "gamma=0.50"
     write_shard(out, v1, PURIFIED_V1, "h")
     back = read_shard(out, PURIFIED)
-    assert back.schema.equals(PURIFIED, check_metadata=False) and schema_id(back.schema) == "purified/2"
+    assert back.schema.equals(PURIFIED, check_metadata=False) and schema_id(back.schema) == schema_id(PURIFIED)
     assert back["response_ids"].to_pylist() == v2["response_ids"].to_pylist()
     assert back["behaviour_logprobs"].null_count == back.num_rows
     assert back["splices"].to_pylist()[0] == [] or back["splices"].to_pylist()[0][0]["log_is_ratio"] is None
@@ -169,13 +170,6 @@ def test_v1_purified_shards_still_read(purified_run, tmp_path):
         off = cat.query("SELECT sum(tokens) AS t FROM off_policy").to_pylist()[0]["t"]
     assert n.to_pylist() == [{"n": v1.num_rows + v2.num_rows, "b": v2.num_rows, "o": v2.num_rows}]  # v1 rows: NULL
     assert off == sum(sum(m) for m in v2["loss_mask"].to_pylist())  # the view reads the v2 rows only
-
-
-def test_storage_knows_the_importance_ratio_modes():
-    from pipeline import modes
-    from storage import layout
-
-    assert layout.IS_MODES == modes.IS_MODES
 
 
 def test_bad_thresholds_are_one_line_errors():
@@ -199,7 +193,7 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     import duckdb
 
     con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)  # the published catalog, at once
-    got = con.sql("SELECT DISTINCT gamma FROM purified WHERE mode = 'saar_is' ORDER BY 1").fetchall()
+    got = con.sql("SELECT DISTINCT is_threshold FROM purified WHERE mode = 'saar_is' ORDER BY 1").fetchall()
     con.close()
     assert got == [(0.3,), (0.7,)]
     assert "mode=saar_is/tau=0.30: " in run.stdout and "— written" in run.stdout, run.stdout
@@ -218,7 +212,7 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
 
 
 def test_training_saar_is_at_a_tau_of_its_own_purifies_that_tau_and_options_that_fit_no_mode_are_refused(world_copy):
-    """train.mode=saar_is train.gamma=0.3 trains on mode=saar_is/tau=0.30: `cleaner purify` without options (what the
+    """train.mode=saar_is train.tau=0.3 trains on mode=saar_is/tau=0.30: `cleaner purify` without options (what the
     update's hint says to run, and what the flow purifies) writes it; it wrote saar at γ 0.3 instead, and the update
     failed on every rerun. --is-threshold with no saar_is mode, or --gamma with no similarity mode, wrote nothing
     of it and said nothing: refused in one line."""
@@ -227,9 +221,9 @@ def test_training_saar_is_at_a_tau_of_its_own_purifies_that_tau_and_options_that
     root = world_copy.storage.root
     common = ["--run", "w", "--iteration", "0", f"storage.root={root}", "rollout.tasks_per_iteration=16",
               "rollout.samples_per_prompt=4"]
-    purify = run_cleaner(["purify", *common, "train.mode=saar_is", "train.gamma=0.3"])
+    purify = run_cleaner(["purify", *common, "train.mode=saar_is", "train.tau=0.3"])
     assert purify.returncode == 0, purify.stderr
-    assert "saar γ 0.5, raw, saar_is τ 0.5 0.3" in purify.stderr, purify.stderr
+    assert "saar γ 0.5, raw, saar_is τ 0.3" in purify.stderr, purify.stderr  # the trained τ, not purify.is_thresholds
     layout = RunLayout(root, "w")
     assert layout.purified_dir(0, "saar_is", 0.3).is_dir() and not layout.purified_dir(0, "saar", 0.3).exists()
     for command in ("purify", "replay"):
@@ -260,7 +254,8 @@ def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
 
     for s in stats:
         calls = []
-        purified = [purify(r, s.tau, "saar_is", chat.decode, score=lambda c, t, calls=calls: calls.append(1) or backend.score(c, t))
+        purified = [purify(r, 0.0, "saar_is", chat.decode, tau=s.tau,
+                           score=lambda c, t, calls=calls: calls.append(1) or backend.score(c, t))
                     for r in with_retries(raws)]
         assert (s.rollbacks, s.replaced) == (len(calls), sum(len(p.splices) for p in purified)), s
         assert s.tokens_removed == sum(x.tokens_removed for p in purified for x in p.splices)
@@ -280,7 +275,7 @@ def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_pa
     raws = [trajectory_from_row(r) for r in read_shard(RunLayout(tmp_path, "live").raw_dir(0), RAW).to_pylist()]
     replaced = appended = 0
     for t in raws:
-        p = purify(t, 0.5, "saar_is", chat.decode, score=backend.score)
+        p = purify(t, 0.0, "saar_is", chat.decode, score=backend.score, tau=0.5)
         assert p.response_ids == t.lived_ids and p.loss_mask == t.lived_mask, t.key
         # lived log-probs are as sampled: in place they are the old ones; a replaced retry's are its behaviour ones
         assert p.behaviour_logprobs == t.lived_logprobs
@@ -305,7 +300,7 @@ def test_replay_of_a_run_that_lived_by_importance_compares_with_its_own_tau(tmp_
     freeze_run_config(lived, "live")
     capsys.readouterr()
     replay = load_config(None, [f"storage.root={tmp_path}"])  # the user's config: similarity, τ 0.5
-    assert run_replay(replay, "live", 0, [0.5], None, False, [0.5, 0.9]) == 0
+    assert run_replay(replay, "live", 0, gammas=[0.5], taus=[0.5, 0.9]) == 0
     out = capsys.readouterr().out
     words = " ".join(out.split())  # table titles wrap at the table's width
     assert "lived by importance ratio at τ_live=0.9" in words and "γ_live" not in words.split("positions:")[0], out

@@ -14,12 +14,13 @@ from flows.replay_cmd import run_replay
 from flows.report import write_report
 from pipeline.kinds import failed_call, trajectory_kind
 from pipeline.config import DEFAULT_POLICY, load_config
-from pipeline.modes import MODES, partition_gamma
+from pipeline.modes import MODES, partition_threshold
 from pipeline.trajectory import purified_from_row, trajectory_from_row
 from purifier.advantages import group_advantages
 from purifier.recompute import CPURecompute
 from purifier.saar import purify
 from purifier.stage import run_purify_stage
+from pipeline.variants import plan_variants
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import PURIFIED, RAW
@@ -32,7 +33,7 @@ TAG = 1 << 24  # added to the ids of failed-call tokens; decoding removes it, so
 
 
 def purify_all(cfg, run_id: str) -> None:
-    run_purify_stage(cfg, run_id, 0, list(MODES), [GAMMA])
+    run_purify_stage(cfg, run_id, 0, plan_variants(cfg, list(MODES), [GAMMA]))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def _query(cfg, sql: str) -> list[dict]:
 
 
 def _partition(cfg, run_id: str, mode: str):
-    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, partition_gamma(mode, GAMMA))  # saar_is: τ = 0.5
+    d = RunLayout(cfg.storage.root, run_id).purified_dir(0, mode, partition_threshold(mode, GAMMA))  # saar_is: τ = 0.5
     return [purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()]
 
 
@@ -157,7 +158,7 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
     for mode in MODES:
         trained = negative = positive = 0
         for p in _partition(cfg, run_id, mode):
-            q = purify(_tagged(raws[p.raw_key]), GAMMA, mode, decode, score=score)
+            q = purify(_tagged(raws[p.raw_key]), GAMMA, mode, decode, score=score, tau=GAMMA)  # saar_is: τ = 0.5
             n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
             trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
         assert (view[mode]["trained"], view[mode]["on_negative"], view[mode]["on_positive"]) == (
@@ -173,19 +174,19 @@ def test_saar_is_failed_calls_in_the_view_equal_purify_at_every_tau(real, chat):
     τ: an earlier failed call that was appended stays trained. The view counted every attempt before any later
     splice at the position as removed, so at some τ its counts (and the report's prediction) were wrong."""
     cfg = real
-    run_purify_stage(cfg, "w", 0, ["saar_is"], [GAMMA], is_thresholds=TAUS)
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, ["saar_is"], [GAMMA], TAUS))
     raws = {t.key: t for t in (trajectory_from_row(r) for r in
                                read_shard(RunLayout(cfg.storage.root, "w").raw_dir(0), RAW).to_pylist())}
     untag = lambda ids: [i - TAG if i >= TAG else i for i in ids]  # noqa: E731
     backend = CPURecompute(DEFAULT_POLICY)
-    view = {r["gamma"]: r for r in _query(cfg, "SELECT * FROM failed_call_advantage WHERE mode = 'saar_is'")}
+    view = {r["is_threshold"]: r for r in _query(cfg, "SELECT * FROM failed_call_advantage WHERE mode = 'saar_is'")}
     appended_then_replaced = 0
     for tau in TAUS:
         d = RunLayout(cfg.storage.root, "w").purified_dir(0, "saar_is", tau)
         trained = negative = positive = 0
         for p in (purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()):
-            q = purify(_tagged(raws[p.raw_key]), tau, "saar_is", lambda ids: chat.decode(untag(ids)),
-                       score=lambda context, turn: backend.score(untag(context), untag(turn)))
+            q = purify(_tagged(raws[p.raw_key]), 0.0, "saar_is", lambda ids: chat.decode(untag(ids)),
+                       score=lambda context, turn: backend.score(untag(context), untag(turn)), tau=tau)
             n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
             trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
             appended_then_replaced += any(s.attempt_idx > 1 and not any(
@@ -214,7 +215,7 @@ def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
     cfg.storage.root = tmp_path
     shutil.copytree(real.storage.root / "runs" / "w" / "iteration=0000" / "raw",
                     tmp_path / "runs" / "w" / "iteration=0000" / "raw")
-    assert run_replay(cfg, "w", 0, [GAMMA], ["saar_correct", "roc"], sweep=False) == 0
+    assert run_replay(cfg, "w", 0, gammas=[GAMMA], modes=["saar_correct", "roc"]) == 0
     out = capsys.readouterr().out
     kinds = _query(cfg, "SELECT * FROM trajectory_kinds")
     for k in kinds:
@@ -223,7 +224,7 @@ def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
     assert " ".join(RULE.split()) in " ".join(out.split())
     recovered = next(k for k in kinds if k["kind"] == "recovered")
     assert f"recovered trajectories' mean advantage {recovered['mean_advantage']:+.3f}" in " ".join(out.split())
-    modes = {ln.split("│")[1].strip() for ln in out.splitlines() if ln.count("│") == 10}
+    modes = {ln.split("│")[1].strip() for ln in out.splitlines() if ln.count("│") == 11}
     assert modes == {"saar_correct", "roc"}  # the partitions this replay wrote, each with its failed-call row
 
 

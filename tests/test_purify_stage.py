@@ -16,6 +16,7 @@ from pipeline.trajectory import purified_from_row, trajectory_from_row, trajecto
 from purifier.advantages import group_advantages
 from purifier import beam_pipeline
 from purifier.stage import DeadLetterOverflow, StagingMismatch, run_purify_stage
+from pipeline.variants import plan_variants
 from storage.catalog import Catalog
 from storage.layout import RunLayout
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
@@ -94,14 +95,14 @@ def test_replay_gammas_never_touch_raw(stage):
     cfg, _ = stage
     raw_dir = RunLayout(cfg.storage.root, "w").raw_dir(0)
     before = {p.name: p.read_bytes() for p in raw_dir.iterdir()}
-    run_purify_stage(cfg, "w", 0, ["saar"], [0.0, 1.01])
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, ["saar"], [0.0, 1.01]))
     assert {p.name: p.read_bytes() for p in raw_dir.iterdir()} == before
     low = [s for r in purified(cfg, "saar", 0.0) for s in r.splices]
     high = [s for r in purified(cfg, "saar", 1.01) for s in r.splices]
     assert low and all(s.kind == "shallow" or s.split_failed for s in low)
     assert high and all(s.kind == "deep" for s in high)
     mid = statistics.median(s.similarity for s in low)  # in this world the JSON wrapper keeps similarity high
-    run_purify_stage(cfg, "w", 0, ["saar"], [mid])
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, ["saar"], [mid]))
     kinds = {s.kind for r in purified(cfg, "saar", mid) for s in r.splices}
     assert kinds == {"shallow", "deep"}
     assert [s.kind for r in purified(cfg, "saar", 0.5) for s in r.splices].count("deep") == 0

@@ -40,7 +40,7 @@ def _table_rows(out: str) -> list[list[int | float]]:
 def test_sweep_prints_table_histogram_examples_and_plot_without_writing_partitions(run, capsys):
     layout = RunLayout(run.storage.root, "w")
     before = _snapshot(layout.run_dir)
-    assert run_replay(run, "w", 0, None, None, sweep=True) == 0
+    assert run_replay(run, "w", 0, sweep=True) == 0
     out = capsys.readouterr().out
 
     rows = _table_rows(out)
@@ -75,14 +75,14 @@ def test_sweep_prints_table_histogram_examples_and_plot_without_writing_partitio
 def test_replay_at_gammas_writes_partitions_and_other_measure_beside_default(run, capsys):
     layout = RunLayout(run.storage.root, "w")
     raw_before = _snapshot(layout.raw_dir(0))
-    assert run_replay(run, "w", 0, [0.9], ["saar"], sweep=False) == 0
+    assert run_replay(run, "w", 0, gammas=[0.9], modes=["saar"]) == 0
     rows = _table_rows(capsys.readouterr().out)
     assert [r[0] for r in rows] == [0.9]
     assert layout.purified_dir(0, "saar", 0.9).is_dir()
 
     other = run.model_copy(deep=True)
     other.rollout.saar.similarity = "difflib"  # a replay under another measure than the run lived with
-    assert run_replay(other, "w", 0, [0.9], ["saar"], sweep=False) == 0
+    assert run_replay(other, "w", 0, gammas=[0.9], modes=["saar"]) == 0
     ref_rows = _table_rows(capsys.readouterr().out)
     assert ref_rows[0][7] == 0  # the reference measure agrees with itself
     names = sorted(p.name for p in layout.purified_dir(0, "saar", 0.9).parent.iterdir() if p.name.startswith("gamma=0.90"))
@@ -101,7 +101,7 @@ def test_replay_names_the_lived_measure_from_what_the_run_recorded(run, capsys):
     assert not layout.run_json.exists()
     other = run.model_copy(deep=True)
     other.rollout.saar.similarity = "difflib"
-    assert run_replay(other, "w", 0, [0.5], ["saar"], sweep=True) == 0
+    assert run_replay(other, "w", 0, gammas=[0.5], modes=["saar"], sweep=True) == 0
     out = " ".join(capsys.readouterr().out.split())  # the table's title wraps
     assert "lived with rapidfuzz-segment at γ_live=0.5" in out and "lived with difflib" not in out
 
@@ -109,7 +109,7 @@ def test_replay_names_the_lived_measure_from_what_the_run_recorded(run, capsys):
     data = json.loads(manifest.read_text())
     del data["extra"]["saar"]  # as a shard written before the rollout recorded its SAAR settings
     manifest.write_text(json.dumps(data))
-    assert run_replay(other, "w", 0, [0.5], ["saar"], sweep=True) == 0
+    assert run_replay(other, "w", 0, gammas=[0.5], modes=["saar"], sweep=True) == 0
     out = capsys.readouterr().out
     flat = " ".join(out.split())
     assert "lived settings unknown" in flat and "lived with" not in flat

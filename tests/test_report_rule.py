@@ -139,11 +139,12 @@ def store(world_rollout, tmp_path_factory):
     from flows.report import write_report
     from pipeline.modes import MODES
     from purifier.stage import run_purify_stage
+    from pipeline.variants import plan_variants
     from storage.catalog import publish
 
     cfg = rollout_copy(world_rollout, tmp_path_factory, "report-rule")
     root = cfg.storage.root
-    run_purify_stage(cfg, "w", 0, list(MODES), [GAMMA])
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, list(MODES), [GAMMA]))
     page = write_report(root, "w").read_text()
     publish(root, root / "catalog.duckdb")
     return root, page
@@ -271,7 +272,7 @@ def test_the_plots_mark_the_runs_own_thresholds_not_the_commands(tmp_path):
     from storage.layout import RunLayout
 
     for run, overrides, want in (("g", ["train.gamma=1.01", "purify.gammas=[1.01]"], (1.01, 0.5)),
-                                 ("t", ["train.mode=saar_is", "train.gamma=0.3", "purify.gammas=[0.7]"], (0.7, 0.3))):
+                                 ("t", ["train.mode=saar_is", "train.tau=0.3", "purify.gammas=[0.7]"], (0.7, 0.3))):
         freeze_run_config(load_config(None, [f"storage.root={tmp_path}", *overrides]), run)
         assert run_thresholds(RunLayout(tmp_path, run).run_json) == want
     assert run_thresholds(tmp_path / "none.json") == (0.5, 0.5)

@@ -14,7 +14,7 @@ import pytest
 from tests.synthetic import synthetic_trajectories
 from pipeline.trajectory import trajectory_from_row, trajectory_to_row
 from storage.catalog import Catalog
-from storage.layout import RunLayout, format_gamma
+from storage.layout import RunLayout, format_threshold
 from storage.schemas import RAW
 from storage.shards import (
     MANIFEST,
@@ -210,7 +210,7 @@ def test_catalog_ignores_uncommitted_parts_and_serves_empty_views(tmp_path):
 def test_layout_paths():
     layout = RunLayout(Path("/r"), "run")
     assert str(layout.purified_dir(7, "saar", 0.5)) == "/r/runs/run/iteration=0007/purified/mode=saar/gamma=0.50"
-    assert format_gamma(1.01) == "1.01" and format_gamma(0.125) == "0.125" and format_gamma(0) == "0.00"
+    assert format_threshold(1.01) == "1.01" and format_threshold(0.125) == "0.125" and format_threshold(0) == "0.00"
     with pytest.raises(ValueError):
         RunLayout(Path("/r"), "../escape")
 

@@ -272,7 +272,7 @@ def test_a_checkpoint_records_its_train_settings_and_earlier_ones_are_kept(tmp_p
     assert committed_update(tmp_path, "abc") is True
     marker.write_text(json.dumps({"train_settings": "abc"}))
     assert committed_update(tmp_path, "abc") is True
-    with pytest.raises(CleanerError, match="other train settings \\(settings abc, now xyz\\)"):
+    with pytest.raises(CleanerError, match="other train settings or by an earlier cleaner \\(config hash abc, now xyz\\)"):
         committed_update(tmp_path, "xyz")
     marker.write_text("{")
     with pytest.raises(CleanerError, match="_CHECKPOINT.json: unreadable"):

@@ -22,12 +22,13 @@ XSS_QUESTION = "What is <script>window.__xss = 4</script> 2 + 2?"
 def build_store(purified_cfg, root: Path) -> Path:
     from flows.report import write_report
     from purifier.stage import run_purify_stage
+    from pipeline.variants import plan_variants
     from storage.catalog import publish
 
     shutil.copytree(purified_cfg.storage.root / "runs", root / "runs")
     cfg = purified_cfg.model_copy(deep=True)
     cfg.storage.root = root
-    run_purify_stage(cfg, "w", 0, modes=["raw"], gammas=[0.5])
+    run_purify_stage(cfg, "w", 0, plan_variants(cfg, ["raw"], [0.5]))
     write_xss_run(root)
     write_report(root, "w")
     publish(root, root / "catalog.duckdb")

@@ -90,8 +90,9 @@ def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int,
     old = padded([r.old_logprobs for r in rows], 0.0, torch.float)
     adv = padded([[float(r.advantage)] * len(r.response_ids) for r in rows], 0.0, torch.float)
     beh = padded(behaviour, 0.0, torch.float) if all(x is not None for x in behaviour) else None
-    return MicroBatch(seq, att, act, old * act, adv * act, [r.raw_key for r in rows],
-                      None if beh is None else beh * act)
+    return MicroBatch(sequences=seq, attention_mask=att, action_mask=act, old_log_probs=old * act,
+                      advantages=adv * act, rows=[r.raw_key for r in rows],
+                      rollout_log_probs=None if beh is None else beh * act)
 
 
 def groups_of(rows: list[PurifiedTrajectory]) -> list[list[PurifiedTrajectory]]:

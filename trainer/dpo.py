@@ -85,8 +85,9 @@ def pairs_of(row: dict) -> tuple[list[CallPair], int]:
         if len(context) != first.context_len or fingerprint(context) != first.context_fingerprint:
             skipped += 1
             continue
-        pairs += [CallPair(row["prompt_id"], key, p["position_idx"], context, list(win.turn_ids), win.call_start,
-                           list(a.turn_ids), a.call_start) for a in losers]
+        pairs += [CallPair(prompt_id=row["prompt_id"], raw_key=key, position_idx=p["position_idx"], context=context,
+                           chosen=list(win.turn_ids), chosen_call=win.call_start,
+                           rejected=list(a.turn_ids), rejected_call=a.call_start) for a in losers]
     return pairs, skipped
 
 

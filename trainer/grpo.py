@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -40,27 +40,38 @@ class DivergedError(UpdateError, FloatingPointError):
                          "and run the update again")
 
 
+# Marks a StepMetrics field each rank measures on its own groups as a sum the ranks add up
+# (GRPOUpdate.reduce_metrics). The others are the same on every rank: the step, the global gradient norm, the
+# mini-batch's tokens (summed before the loss, which divides by them), ...
+SUMMED = {"summed": True}
+
+
 @dataclass
 class StepMetrics:
     step: int
-    loss: float
-    clip_ratio: float
-    approx_kl: float
+    loss: float = field(metadata=SUMMED)
+    clip_ratio: float = field(metadata=SUMMED)
+    approx_kl: float = field(metadata=SUMMED)
     grad_norm: float
-    entropy: float | None  # None: not measured (train.log_entropy off), never 0
+    entropy: float | None = field(metadata=SUMMED)  # None: not measured (train.log_entropy off), never 0
     tokens: int
     lr: float
     seconds: float
     # train.rollout_correction: share of the mini-batch's trained tokens the correction masked or clipped
     # (OpenRLHF's is_filter_ratio, at the token level; a masked row counts all its tokens), and the mean
     # log(π_behaviour / π_old) over them (OpenRLHF's vllm_kl); None: correction off
-    correction_filtered: float | None = None
-    behaviour_kl: float | None = None
+    correction_filtered: float | None = field(default=None, metadata=SUMMED)
+    behaviour_kl: float | None = field(default=None, metadata=SUMMED)
     # train.use_dpo_on_tool_calls (trainer/dpo.py): mean −log σ(β·Δ) over the mini-batch's tool-call pairs,
     # their number, and the share whose chosen-side weight hit train.dpo_max_adjustment_ratio; None: off
-    dpo_loss: float | None = None
-    dpo_pairs: int | None = None
-    dpo_capped: float | None = None
+    dpo_loss: float | None = field(default=None, metadata=SUMMED)
+    dpo_pairs: int | None = field(default=None, metadata=SUMMED)
+    dpo_capped: float | None = field(default=None, metadata=SUMMED)
+
+
+# The summed metrics in field order: the layout of the one tensor every rank reduces, whatever order a rank
+# measured them in.
+SUMMED_METRICS = tuple(f.name for f in fields(StepMetrics) if f.metadata.get("summed"))
 
 
 @dataclass
@@ -193,6 +204,12 @@ class GRPOUpdate:
         """Sum per-rank values over the ranks."""
         return values
 
+    def reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """This rank's sums of every summed StepMetrics field, by name, added up over the ranks in one reduce."""
+        if sums.keys() != set(SUMMED_METRICS):  # a sum left out of the reduce would be this rank's alone
+            raise ValueError(f"the summed metrics are {SUMMED_METRICS}, not {tuple(sums)}")
+        return dict(zip(SUMMED_METRICS, self.reduce([sums[name] for name in SUMMED_METRICS])))
+
     def most(self, n: int) -> int:
         """The largest n over the ranks: how many forwards every rank makes (ZeRO-3 gathers weights in each)."""
         return n
@@ -265,7 +282,7 @@ class GRPOUpdate:
         dpo_micros, dpo_coef, dpo = (self.dpo_batches(mine, pad_id, micros[-1]) if self.cfg.use_dpo_on_tool_calls
                                      else ([], None, None))
         backwards = len(micros) + len(dpo_micros)
-        loss_sum = clip = kl = ent = filtered = beh_kl = 0.0
+        sums = dict.fromkeys(SUMMED_METRICS, 0.0)  # this rank's share of each, reduced by name below
         for i, m in enumerate(micros):
             # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
             with self.autocast():
@@ -281,8 +298,8 @@ class GRPOUpdate:
                 batch_num_tokens=max(1, tokens), global_batch_size=max(1, rows) if self.seq_mean else None,
                 dp_size=self.world_size)
             if self.correction is not None and m.num_actions:  # an emptied micro-batch's ratios are 0/0
-                filtered += filtered_tokens(self.loss_fn, logp, m, is_filter)
-                beh_kl += float(vllm_kl) * m.num_actions
+                sums["correction_filtered"] += filtered_tokens(self.loss_fn, logp, m, is_filter)
+                sums["behaviour_kl"] += float(vllm_kl) * m.num_actions
             if not torch.isfinite(loss):
                 raise DivergedError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
                                     f"(rows {m.rows[:3]}...)")
@@ -291,11 +308,11 @@ class GRPOUpdate:
             if not m.num_actions:
                 continue  # emptied (a rank with fewer micro-batches): it adds 0, and its means are 0/0
             share = m.num_actions / max(1, tokens)
-            loss_sum += loss.item() / self.world_size  # undo dp_size: the sum over ranks is the mini-batch loss
-            clip += clip_ratio.item() * share
-            kl += ppo_kl.item() * share
+            sums["loss"] += loss.item() / self.world_size  # undo dp_size: the sum over ranks is the mini-batch loss
+            sums["clip_ratio"] += clip_ratio.item() * share
+            sums["approx_kl"] += ppo_kl.item() * share
             if self.cfg.log_entropy:
-                ent += float((entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
+                sums["entropy"] += float((entropy.detach() * m.action_mask).sum() / max(1, m.num_actions)) * share
         for i, m in enumerate(dpo_micros, start=len(micros)):  # the side loss, normalised like the policy loss
             with self.autocast():
                 logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
@@ -305,20 +322,26 @@ class GRPOUpdate:
             side = (weight * logp.sum(-1)).sum() / max(1, tokens) * self.world_size
             self.backward(side, last=i == backwards - 1)
             self._micro_batch_done(i + 1, backwards)
-        n_pairs = len(dpo_coef) // 2 if dpo else 0
-        dpo_sum, dpo_capped = (dpo.loss * n_pairs, dpo.capped * n_pairs) if dpo else (0.0, 0.0)
-        loss_sum, clip, kl, ent, filtered, beh_kl, n_pairs, dpo_sum, dpo_capped = self.reduce(
-            [loss_sum, clip, kl, ent, filtered, beh_kl, float(n_pairs), dpo_sum, dpo_capped])
+        if dpo:  # means over this rank's pairs, as sums: the ranks' totals are then divided by all their pairs
+            n_pairs = len(dpo_coef) // 2
+            sums["dpo_loss"] = dpo.loss * n_pairs
+            sums["dpo_pairs"] = float(n_pairs)
+            sums["dpo_capped"] = dpo.capped * n_pairs
+        sums = self.reduce_metrics(sums)
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = self.step()
         self.global_step += 1
         self.model.eval()
-        corrected = self.correction is not None
-        return StepMetrics(self.global_step, loss_sum, clip, kl, grad_norm, ent if self.cfg.log_entropy else None,
-                           tokens, lr, time.perf_counter() - t0,
-                           filtered / max(1, tokens) if corrected else None, beh_kl / max(1, tokens) if corrected else None,
-                           *((dpo_sum / max(1, n_pairs), int(n_pairs), dpo_capped / max(1, n_pairs))
-                             if self.cfg.use_dpo_on_tool_calls else (None, None, None)))
+        corrected, dpo_on = self.correction is not None, self.cfg.use_dpo_on_tool_calls
+        return StepMetrics(
+            step=self.global_step, loss=sums["loss"], clip_ratio=sums["clip_ratio"], approx_kl=sums["approx_kl"],
+            grad_norm=grad_norm, entropy=sums["entropy"] if self.cfg.log_entropy else None, tokens=tokens, lr=lr,
+            seconds=time.perf_counter() - t0,
+            correction_filtered=sums["correction_filtered"] / max(1, tokens) if corrected else None,
+            behaviour_kl=sums["behaviour_kl"] / max(1, tokens) if corrected else None,
+            dpo_loss=sums["dpo_loss"] / max(1, sums["dpo_pairs"]) if dpo_on else None,
+            dpo_pairs=int(sums["dpo_pairs"]) if dpo_on else None,
+            dpo_capped=sums["dpo_capped"] / max(1, sums["dpo_pairs"]) if dpo_on else None)
 
     def _micro_batch_done(self, done: int, total: int) -> None:
         if self.on_micro_batch is not None:
@@ -341,8 +364,8 @@ def emptied(m: MicroBatch) -> MicroBatch:
     """m with nothing to train (no action token, no row): a forward and backward that add 0, so that every
     rank makes the same number of them (trainer/deepspeed_update.py)."""
     zero = torch.zeros_like(m.action_mask)
-    return MicroBatch(m.sequences, m.attention_mask, zero, zero, zero, [],
-                      None if m.rollout_log_probs is None else zero)
+    return MicroBatch(sequences=m.sequences, attention_mask=m.attention_mask, action_mask=zero, old_log_probs=zero,
+                      advantages=zero, rows=[], rollout_log_probs=None if m.rollout_log_probs is None else zero)
 
 
 def _pair_index(keys: list[str], device: torch.device) -> torch.Tensor:

@@ -2,7 +2,6 @@
 strategy (trainer/stage.py: local; trainer/distributed.py: torchrun ranks)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -12,11 +11,13 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import CleanerConfig, hashed_train_settings
-from pipeline.modes import live_measure, partition_gamma, partition_measure
+from pipeline.variants import trained_variant
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, files_as_umask_says, policy_version
+from storage.errors import CheckpointError
+from storage.identity import identity_hash
 from storage.layout import RunLayout, record_path, resolve_recorded
-from storage.schemas import METRICS, PURIFIED, schema_id
-from storage.shards import ShardMissing, is_committed, read_manifest, read_shard, write_shard
+from storage.schemas import METRICS, PURIFIED, readable_as
+from storage.shards import Manifest, ShardMissing, is_committed, read_manifest, read_shard, write_shard
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
 from trainer.dpo import read_pairs
 from trainer.grpo import UpdateError
@@ -37,35 +38,38 @@ class UpdateInputs:
     rows: list
     raw_manifest: object
     metrics_dir: Path
-    dpo_pairs: list = field(default_factory=list)  # train.use_dpo_on_tool_calls: trainer.dpo.CallPair from the raw shard
+    dpo_pairs: list = field(default_factory=list)  # train.use_dpo_on_tool_calls: trainer.dpo.CallPairs of the raw shard
     dpo_skipped: int = 0  # positions whose lived prefix is not their recorded context
 
     def key(self, cfg: CleanerConfig) -> str:
         """Identifies a partial update: resumable only with the same inputs and settings."""
         src = record_path(cfg.storage.root, self.src)  # the same key wherever the store was moved
-        return hashlib.blake2b(json.dumps([self.manifest.config_hash, hashed_train_settings(cfg.train), src],
-                                          sort_keys=True).encode(), digest_size=8).hexdigest()
+        return identity_hash([self.manifest.config_hash, hashed_train_settings(cfg.train), src])
 
 
-def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
-    layout = RunLayout(cfg.storage.root, run_id)
-    measure = live_measure(cfg.rollout.saar)  # a run trains on its own measure (rollout.saar, frozen in run.json)
-    part = layout.purified_dir(iteration, cfg.train.mode, partition_gamma(cfg.train.mode, cfg.train.gamma),
-                               partition_measure(cfg.train.mode, measure))
+def trained_partition(cfg: CleanerConfig, run_id: str, iteration: int) -> tuple[Path, Manifest, list[str]]:
+    """The purified partition an update trains on (train.mode at its threshold, under the run's measure), its manifest,
+    and the columns training reads from it."""
+    variant = trained_variant(cfg)  # under the run's own measure (rollout.saar, frozen in run.json)
+    part = RunLayout(cfg.storage.root, run_id).purified_dir(iteration, variant.mode, variant.threshold,
+                                                           variant.measure_key)
     manifest = read_manifest(part)
     if manifest is None:
-        raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} train.gamma={cfg.train.gamma} "
-                           f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's -c and "
-                           "overrides)")
+        raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} ({variant.partition}) "
+                           f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's "
+                           "-c and overrides)")
     # behaviour log-probs where the shard has them (purified schema version 2 on); older shards still train
-    has_behaviour = BEHAVIOUR_COLUMN in PURIFIED.names and manifest.schema == schema_id(PURIFIED)
+    has_behaviour = BEHAVIOUR_COLUMN in getattr(readable_as(manifest.schema, PURIFIED), "names", ())
     if cfg.train.rollout_correction != "off" and not has_behaviour:
         raise UpdateError(f"{part}: written as {manifest.schema}, without the behaviour_logprobs that "
                           f"train.rollout_correction={cfg.train.rollout_correction} needs; re-purify it "
                           f"(cleaner purify --iteration {iteration}) or set train.rollout_correction=off")
-    columns = TRAINING_COLUMNS + ([BEHAVIOUR_COLUMN] if has_behaviour else [])
-    rows = training_rows(read_shard(part, PURIFIED, columns=columns))
-    return part, manifest, rows
+    return part, manifest, TRAINING_COLUMNS + ([BEHAVIOUR_COLUMN] if has_behaviour else [])
+
+
+def load_rows(cfg: CleanerConfig, run_id: str, iteration: int):
+    part, manifest, columns = trained_partition(cfg, run_id, iteration)
+    return part, manifest, training_rows(read_shard(part, PURIFIED, columns=columns))
 
 
 def check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifest) -> None:
@@ -80,17 +84,45 @@ def check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifes
                           f"iteration ({sampled_by}); GRPO's old log-probs would not match")
 
 
-def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
-    layout = RunLayout(cfg.storage.root, run_id)
-    raw = read_manifest(layout.raw_dir(iteration))
+def update_source(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
+    """Checkpoint `iteration`, the policy an update of the iteration trains, its weight files whole."""
+    raw = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
     # iteration 0 trains the policy that sampled it, as its raw shard records it (rollout.policy may be another
     # now: `cleaner update` without the override the rollout had); later ones, the run's own checkpoint
     source = (resolve_recorded(cfg.storage.root, raw.inputs[0]) if iteration == 0 and raw is not None and raw.inputs
               else checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy))
     check_checkpoint(source)  # whole weight files before any is loaded
+    return source
+
+
+def check_trainer_state(cfg: CleanerConfig, src: Path) -> None:
+    """Training on from a checkpoint the run wrote itself needs its trainer_state.pt: without it the update would
+    silently restart AdamW's moments and the LR warm-up in the middle of a run (the initial policy has none)."""
+    path = src / TRAINER_STATE
+    if not path.is_file() and (src / DONE_MARKER).is_file() and cfg.train.strategy == "local":
+        raise CheckpointError(f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
+                              f"schedule) mid-run; restore the file, or start a new run from these weights "
+                              f"(flow.run_id=NEW rollout.policy={src})")
+
+
+def trainer_state(src: Path) -> dict | None:
+    """The optimizer and schedule state to continue from (None: the initial policy, or a DeepSpeed checkpoint)."""
+    path = src / TRAINER_STATE
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=False, map_location="cpu")  # the optimizer moves it to its weights
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a damaged file
+        raise CheckpointError(f"{path}: unreadable optimizer state ({type(e).__name__}); restore the file") from None
+
+
+def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInputs:
+    layout = RunLayout(cfg.storage.root, run_id)
+    source = update_source(cfg, run_id, iteration)
     part, manifest, rows = load_rows(cfg, run_id, iteration)
-    inputs = UpdateInputs(layout.checkpoint_dir(iteration + 1), source, part, manifest,
-                          rows, raw, layout.metrics_dir(iteration, "update"))
+    inputs = UpdateInputs(target=layout.checkpoint_dir(iteration + 1), src=source, part=part, manifest=manifest,
+                          rows=rows, raw_manifest=read_manifest(layout.raw_dir(iteration)),
+                          metrics_dir=layout.metrics_dir(iteration, "update"))
     if cfg.train.use_dpo_on_tool_calls:  # pairs of failed calls and working retries, from the raw shard
         inputs.dpo_pairs, inputs.dpo_skipped = read_pairs(layout.raw_dir(iteration))
     return inputs
@@ -132,7 +164,8 @@ def log_steps(metrics: list, log) -> None:
 OPTIONAL_METRICS = ("correction_filtered", "behaviour_kl", "dpo_loss", "dpo_pairs", "dpo_capped")
 
 
-def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
+def update_metric_records(run_id: str, iteration: int, metrics: list) -> list[dict]:
+    """The METRICS rows of an update's steps."""
     records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
                 "value": None if getattr(m, name) is None else float(getattr(m, name))}  # null: not measured
                for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
@@ -140,8 +173,17 @@ def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metr
     records += [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
                  "value": float(getattr(m, name))}
                 for m in metrics for name in OPTIONAL_METRICS if getattr(m, name) is not None]
-    if not is_committed(inputs.metrics_dir):
-        write_shard(inputs.metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, key)
+    return records
+
+
+def commit_metrics(metrics_dir: Path, records: list[dict], config_hash: str) -> None:
+    """The iteration's update metrics shard, unless an earlier attempt committed it."""
+    if not is_committed(metrics_dir):
+        write_shard(metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, config_hash)
+
+
+def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:
+    commit_metrics(inputs.metrics_dir, update_metric_records(run_id, iteration, metrics), key)
 
 
 def copy_tokenizer_files(src: Path, out: Path) -> None:
@@ -161,6 +203,25 @@ def start_checkpoint(target: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, state: dict | None, record: dict) -> None:
+    """Checkpoint `target`, the local strategy's way: the trained `model`'s weights (None: `src`'s carried over) and
+    the tokenizer, the optimizer and schedule `state`, then `record`, committed as finish_checkpoint does."""
+    tmp = start_checkpoint(target)
+    try:
+        if model is None:
+            shutil.rmtree(tmp)
+            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(DONE_MARKER, TRAINER_STATE))
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+            copy_tokenizer_files(src, tmp)
+        with open(tmp / TRAINER_STATE, "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
+            torch.save(state, f)
+        finish_checkpoint(tmp, target, record)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (full disk) leaves no half checkpoint
+        raise
 
 
 def finish_checkpoint(tmp: Path, target: Path, record: dict) -> None:

@@ -143,7 +143,7 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         examples = store.spliced_examples(run_id)
         for e in examples:
             e["href"] = trajectory_href(run_id, e["iteration"], e["prompt_id"], e["sample_idx"])
-            e["label"] = partition_label(e["mode"], e["gamma"], e["measure"])
+            e["label"] = partition_label(e)
         iterations = [r["iteration"] for r in store.query(
             "SELECT DISTINCT iteration FROM raw_summary WHERE run_id = $run ORDER BY 1", run=run_id)]
         return render("report.jinja", run=run_id, report=body, report_style=style, examples=examples,
@@ -173,7 +173,8 @@ def create_app(root: Path, catalog_file: Path, hosts: tuple[str, ...] = ("127.0.
         scope = store.scope(run_id, it)
         parts = tables.partitions(scope)
         try:
-            f = tables.filters(parts, kind, label, partition, spliced, reward_min, reward_max, advantage, q)
+            f = tables.filters(parts, kind=kind, label=label, partition=partition, spliced=spliced,
+                               reward_min=reward_min, reward_max=reward_max, advantage=advantage, q=q)
         except ValueError as e:
             raise BadFilter(str(e), f"/runs/{quote(run_id, safe='')}/{it}", f"iteration {it}, unfiltered") from None
         rows, total_matching = tables.trajectories(scope, f, parts)

@@ -23,6 +23,7 @@ import duckdb
 from flows.viewer.sql_box import cursor, sandboxed
 from storage.catalog import Catalog, Problem, scan
 from storage.layout import RunLayout
+from storage.schemas import row_key
 
 SCOPES = 8  # iteration catalogs kept (a few views each): the pages a person moves between
 
@@ -131,7 +132,7 @@ class Store:
             "avg(response_tokens) AS response_tokens FROM raw_summary WHERE run_id = $run GROUP BY iteration "
             "ORDER BY iteration", run=run_id)
         parts = self.query(
-            "SELECT iteration, mode, gamma, measure, count(*) AS rows, sum(splices)::BIGINT AS splices "
+            "SELECT iteration, mode, gamma, is_threshold, measure, count(*) AS rows, sum(splices)::BIGINT AS splices "
             "FROM purified_summary WHERE run_id = $run GROUP BY ALL ORDER BY ALL", run=run_id)
         for it in its:
             it["partitions"] = [p for p in parts if p["iteration"] == it["iteration"]]
@@ -139,7 +140,7 @@ class Store:
 
     def spliced_examples(self, run_id: str, limit: int = 20) -> list[dict[str, Any]]:
         return self.query(
-            "SELECT iteration, prompt_id, sample_idx, mode, gamma, measure, splices, shallow, deep "
+            "SELECT iteration, prompt_id, sample_idx, mode, gamma, is_threshold, measure, splices, shallow, deep "
             "FROM purified_summary WHERE run_id = $run AND splices > 0 ORDER BY iteration DESC, prompt_id, sample_idx, "
             "mode LIMIT $n", run=run_id, n=limit)
 
@@ -187,7 +188,7 @@ class Store:
             raise NotFound(f"unknown trajectory: run {run_id!r} iteration {iteration} has no prompt {prompt_id!r} "
                            f"sample {sample_idx}", f"/runs/{run_id}/{iteration}", f"iteration {iteration}")
         purified = scope.rows("SELECT * FROM purified WHERE prompt_id = $p AND sample_idx = $s "
-                              "ORDER BY mode = 'raw', mode, gamma, measure", p=prompt_id, s=sample_idx)
+                              "ORDER BY mode = 'raw', mode, gamma, is_threshold, measure", p=prompt_id, s=sample_idx)
         dead = scope.rows("SELECT * FROM dead_letters WHERE raw_key = $k",
-                          k=f"{run_id}/{iteration}/{prompt_id}/{sample_idx}")
+                          k=row_key(run_id, iteration, prompt_id, sample_idx))
         return scope, raw[0], purified, dead

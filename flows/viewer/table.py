@@ -31,7 +31,7 @@ class Filters:
     q: str = ""
 
 
-def filters(parts: list[dict[str, Any]], kind: str = "", label: str = "", partition: str = "", spliced: str = "",
+def filters(parts: list[dict[str, Any]], *, kind: str = "", label: str = "", partition: str = "", spliced: str = "",
             reward_min: str = "", reward_max: str = "", advantage: str = "", q: str = "") -> Filters:
     """The table's filters from a page's query string: ValueError naming the first value the table does not know
     (a value ignored would show rows the page says it filtered). An error label unseen in this iteration is no
@@ -40,7 +40,7 @@ def filters(parts: list[dict[str, Any]], kind: str = "", label: str = "", partit
                                ("partition", partition, [p["key"] for p in parts])):
         if value and value not in known:
             raise ValueError(f"unknown {name} {value!r}: one of {', '.join(known) or '(none in this iteration)'}")
-    bounds: list[float | None] = []
+    bounds: dict[str, float | None] = {}
     for name, value in (("reward_min", reward_min), ("reward_max", reward_max)):
         try:
             bound = float(value) if value.strip() else None
@@ -48,18 +48,17 @@ def filters(parts: list[dict[str, Any]], kind: str = "", label: str = "", partit
             bound = math.nan
         if bound is not None and not math.isfinite(bound):
             raise ValueError(f"{name} {value!r} is not a number")
-        bounds.append(bound)
-    return Filters(kind, label, partition, spliced, bounds[0], bounds[1], advantage, q)
+        bounds[name] = bound
+    return Filters(kind=kind, label=label, partition=partition, spliced=spliced, advantage=advantage, q=q, **bounds)
 
 
 def named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows of partitions (mode, gamma, measure, …) with the partition's URL key and label."""
-    return [{"key": partition_key(r["mode"], r["gamma"], r["measure"]),
-             "label": partition_label(r["mode"], r["gamma"], r["measure"]), **r} for r in rows]
+    """Rows of partitions (mode, gamma, is_threshold, measure, …) with the partition's URL key and label."""
+    return [{"key": partition_key(r), "label": partition_label(r), **r} for r in rows]
 
 
 def partitions(scope: Scope) -> list[dict[str, Any]]:
-    return named(scope.rows("SELECT DISTINCT mode, gamma, measure FROM purified_summary ORDER BY ALL"))
+    return named(scope.rows("SELECT DISTINCT mode, gamma, is_threshold, measure FROM purified_summary ORDER BY ALL"))
 
 
 def labels(scope: Scope) -> list[str]:
@@ -77,7 +76,8 @@ WITH att AS (
     -- one row per trajectory in a chosen partition; with none chosen, the most splices any partition made
     SELECT prompt_id, sample_idx, max(splices)::BIGINT AS splices, any_value(advantage) AS advantage
     FROM purified_summary
-    WHERE $partition = '' OR (mode = $mode AND gamma = $gamma AND measure IS NOT DISTINCT FROM $measure)
+    WHERE $partition = '' OR (mode = $mode AND gamma = $gamma AND is_threshold IS NOT DISTINCT FROM $tau
+                              AND measure IS NOT DISTINCT FROM $measure)
     GROUP BY ALL
 ), hits AS (
     SELECT DISTINCT prompt_id, sample_idx FROM (
@@ -88,7 +88,8 @@ WITH att AS (
             WHERE contains(lower(turn_text), $q) OR contains(lower(feedback_text), $q)
         UNION ALL SELECT prompt_id, sample_idx FROM raw_texts WHERE contains(lower(response_text), $q)
         UNION ALL SELECT prompt_id, sample_idx FROM purified_texts WHERE contains(lower(response_text), $q)
-            AND ($partition = '' OR (mode = $mode AND gamma = $gamma AND measure IS NOT DISTINCT FROM $measure)))
+            AND ($partition = '' OR (mode = $mode AND gamma = $gamma AND is_threshold IS NOT DISTINCT FROM $tau
+                                     AND measure IS NOT DISTINCT FROM $measure)))
     WHERE $q <> ''
 ), rows AS (
     SELECT k.prompt_id, k.sample_idx, k.kind, k.reward,
@@ -121,6 +122,7 @@ def trajectories(scope: Scope, f: Filters, parts: list[dict[str, Any]]) -> tuple
     rows = scope.rows(
         TABLE_SQL, kind=f.kind, label=f.label, partition=f.partition if chosen else "",
         mode=chosen["mode"] if chosen else "", gamma=chosen["gamma"] if chosen else 0.0,
+        tau=chosen["is_threshold"] if chosen else None,
         measure=chosen["measure"] if chosen else None, spliced=f.spliced, reward_min=f.reward_min,
         reward_max=f.reward_max, advantage=f.advantage, q=f.q.lower().strip(),
         limit=MAX_ROWS)

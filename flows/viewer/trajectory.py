@@ -77,7 +77,7 @@ def _splice_notes(purified: list[dict[str, Any]]) -> dict[tuple[int, int], list[
     """(position, retry attempt) -> what each variant's splice of that retry was."""
     notes: dict[tuple[int, int], list[str]] = {}
     for row in purified:
-        name = partition_label(row["mode"], row["gamma"], row.get("measure"))
+        name = partition_label(row)
         for s in row["splices"] or []:
             sim = s.get("similarity")
             sim_text = "" if sim is None or (isinstance(sim, float) and math.isnan(sim)) else \
@@ -167,8 +167,7 @@ def variants(tt: TokenText, segs: list[Segment], purified: list[dict[str, Any]],
         body = "".join(_span_html(tt, row, s, colour) for s in spans)
         splices = [f"position {s['position_idx']} retry {s['attempt_idx']}: {s['kind']}" for s in row["splices"] or []]
         out.append(VariantView(
-            label=partition_label(row["mode"], row["gamma"], row.get("measure")),
-            key=partition_key(row["mode"], row["gamma"], row.get("measure")), reward=row["reward"],
+            label=partition_label(row), key=partition_key(row), reward=row["reward"],
             advantage=row["advantage"], tokens=len(row["response_ids"]), trained=sum(row["loss_mask"]),
             splices=splices, recompute_from=row["recompute_from"], tokens_forwarded=row["tokens_forwarded"],
             has_behaviour=row.get("behaviour_logprobs") is not None, body=Markup(body)))

@@ -316,9 +316,9 @@ def vllm_urls(rollout: Any, checkpoint: Path, log: Callable[[str], None] | None 
 
     # The longest context a rollout builds, not the checkpoint's 32k or 40k: the server sizes its scheduling
     # budget and start-up profiling by it.
-    return managed_urls(checkpoint, rollout.vllm_servers, rollout.vllm_venv or DEFAULT_VLLM_VENV, rollout.vllm_dtype,
-                        rollout.max_prompt_tokens + rollout.max_response_tokens, rollout.vllm_args,
-                        rollout.engine_tuning.vllm_start_timeout_s, log)
+    return managed_urls(checkpoint, count=rollout.vllm_servers, venv=rollout.vllm_venv or DEFAULT_VLLM_VENV,
+                        dtype=rollout.vllm_dtype, max_model_len=rollout.max_prompt_tokens + rollout.max_response_tokens,
+                        extra_args=rollout.vllm_args, timeout_s=rollout.engine_tuning.vllm_start_timeout_s, log=log)
 
 
 def connect(rollout: Any, checkpoint: Path, tokenizer: Any = None, log: Callable[[str], None] | None = None) -> VLLMEngine:

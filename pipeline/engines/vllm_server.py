@@ -294,7 +294,8 @@ def managed_urls(checkpoint: Path, count: int, venv: Path, dtype: str, max_model
             return [s.url for s in servers]
         for s in servers or []:
             s.stop()
-        servers = start_servers(checkpoint, count, venv, dtype, max_model_len, extra_args, timeout_s, log)
+        servers = start_servers(checkpoint, count=count, venv=venv, dtype=dtype, max_model_len=max_model_len,
+                                extra_args=extra_args, timeout_s=timeout_s, log=log)
         with _lock:
             _started[key] = servers
         return [s.url for s in servers]

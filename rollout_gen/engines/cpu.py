@@ -158,7 +158,8 @@ class CPUEngine:
         hidden = (lambda ids, pos, c: fast(ids, torch.ones((1, int(pos[0, -1]) + 1), dtype=torch.long,
                                                            device=self.device), pos, c)) if fast else None
         self.prefill_tokens += len(context) + len(turn) - 1 - n
-        return score_turn(body, head, context, turn, temperature, self.chunk_tokens, cache, n, hidden)
+        return score_turn(body, head, context, turn, temperature=temperature, chunk_tokens=self.chunk_tokens,
+                          cache=cache, cached=n, hidden_states=hidden)
 
     @torch.inference_mode()
     def score_turns(self, requests: list[ScoreRequest]) -> list[list[float]]:

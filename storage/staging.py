@@ -1,0 +1,66 @@
+"""A writer's private staging folder beside what it commits: its files live there until the commit reads them, and
+the folder goes when the writer is done, however it ends.
+
+A writer that dies by SIGKILL runs no `finally`, so the next one entering the same staging root removes what dead
+writers left. A live writer holds an exclusive flock on its `NAME.lock` for as long as it lives, and the kernel drops
+that lock when the process dies, however it dies: a folder whose lock can be taken is stale.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+
+def _remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty (another writer is staging) or already gone
+        folder.rmdir()
+
+
+def clean_stale(root: Path, prefix: str) -> None:
+    """Remove the folders (and locks) under `root` that writers no longer running left."""
+    if not root.is_dir():
+        return
+    for entry in sorted(root.glob(f"{prefix}-*")):
+        name = entry.name.removesuffix(".lock")
+        lock = root / f"{name}.lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # removed meanwhile by another writer
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # alive: not ours to touch
+            continue
+        try:
+            shutil.rmtree(root / name, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    _remove_if_empty(root)
+
+
+@contextlib.contextmanager
+def staging_area(root: Path, prefix: str) -> Iterator[Path]:
+    """A fresh folder `PREFIX-ID` under `root`, locked while the block runs and removed when it ends (with `root`
+    when nothing else is staged there); entering first removes what dead writers left under `root`."""
+    clean_stale(root, prefix)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True, exist_ok=True)
+    lock_path = root / f"{name}.lock"
+    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    folder = root / name
+    try:
+        folder.mkdir()  # before the writer starts: an unfinished one leaves a trace
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        lock_path.unlink(missing_ok=True)
+        os.close(lock)
+        _remove_if_empty(root)
