@@ -78,20 +78,16 @@ def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from rollout_gen.stage import run_rollout_stage
-    from storage.checkpoints import checkpoint_for
-    from storage.layout import RunLayout
-    from storage.shards import read_manifest
+    from rollout_gen.stage import plan_rollout, run_rollout_plan
 
     cfg = config_of(args)
-    run_id = args.run or cfg.flow.run_id
-    # the policy the run samples this iteration from, as in the flow (a rerun checks the shard was sampled by it)
-    checkpoint = args.checkpoint or checkpoint_for(cfg.storage.root, run_id, args.iteration, cfg.rollout.policy)
-    done = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(args.iteration)) is not None
+    # the flow's plan: the run's checkpoint of the iteration unless --checkpoint; a committed shard is checked
+    plan = plan_rollout(cfg, args.run or cfg.flow.run_id, args.iteration, args.checkpoint)
+    done = plan.kept is not None
     if not done:  # the tokenizer, the weights and the sandbox take seconds before the first trajectory
-        print(f"[rollout it {args.iteration}] loading {checkpoint} and starting the sandbox …", file=sys.stderr,
+        print(f"[rollout it {args.iteration}] loading {plan.checkpoint} and starting the sandbox …", file=sys.stderr,
               flush=True)
-    manifest = run_rollout_stage(cfg, run_id, args.iteration, checkpoint)
+    manifest = run_rollout_plan(cfg, plan)
     published(cfg)
     too_long = manifest.extra.get("prompt_too_long", 0)
     print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
@@ -124,20 +120,14 @@ def print_partitions(results: list[VariantResult]) -> None:
 
 def run_update(args: argparse.Namespace) -> int:
     from flows.console import working
-    from pipeline.config import train_settings
-    from storage.checkpoints import committed_update
-    from storage.layout import RunLayout
+    from trainer.stage import plan_update, run_update_plan
 
     cfg = config_of(args)
-    run_id = args.run or cfg.flow.run_id
-    target = RunLayout(cfg.storage.root, run_id).checkpoint_dir(args.iteration + 1)
-    done = committed_update(target, train_settings(cfg.train))
-    if not done:  # a committed checkpoint is kept without loading the trainer (seconds of torch and OpenRLHF)
-        with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
-            from trainer.stage import run_update_stage
-        target = run_update_stage(cfg, run_id, args.iteration)
+    with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
+        plan = plan_update(cfg, args.run or cfg.flow.run_id, args.iteration)  # the flow's plan, gc'd checkpoints too
+    target = run_update_plan(cfg, plan)
     published(cfg)
-    print(f"checkpoint: {target}" + (" — kept (already committed)" if done else ""))
+    print(f"checkpoint: {target}" + (" — kept (already committed)" if plan.kept else ""))
     return 0
 
 

@@ -189,3 +189,19 @@ def test_committed_identities_keep_their_values(tmp_path):
                 "settings": ["saar_on", "saar_off"], "sections": cfg.section_hash("rollout", "world"), "policy": "v1"}
     legacy = hashlib.blake2b(json.dumps(recorded, sort_keys=True).encode(), digest_size=8).hexdigest()
     assert legacy in eval_identity(cfg, "v1").legacy  # an eval shard that recorded the task file's 8-byte digest
+
+
+def test_after_gc_the_stage_commands_keep_what_the_flow_keeps(run, tmp_path):
+    """`cleaner rollout` and `cleaner update` decide with the stages' plans, as the flow: after checkpoint 1 was
+    removed by `cleaner gc`, iteration 1's rollout and iteration 0's update are kept (the rollout command resolved
+    the removed checkpoint itself and failed on it)."""
+    from tests.flow_helpers import run_cleaner
+
+    root = copy_runs(run, tmp_path / "ws")
+    layout = RunLayout(root, "tiny")
+    shutil.rmtree(layout.checkpoint_dir(1))
+    for stage, iteration in (("rollout", 1), ("update", 0)):
+        done = run_cleaner([stage, "--run", "tiny", "--iteration", str(iteration), "-c", str(tiny_config(root))],
+                           root)
+        assert done.returncode == 0 and "kept (already committed)" in done.stdout, done.stderr[-2000:]
+    assert not layout.checkpoint_dir(1).exists()
