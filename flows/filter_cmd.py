@@ -1,5 +1,5 @@
 """`cleaner filter`: the tasks a run found neither always solved nor never solved, as a task file a run
-can train on (`rollout.tasks=FILE`), from the pass rates its raw shards logged (issue 19 §4).
+can train on (`rollout.tasks=FILE`), from the pass rates its raw shards logged.
 
 The reference prepares its data by keeping tasks whose pass rate over several rollouts is neither 0 nor
 1: a group whose rollouts all get the same reward has zero GRPO advantage and teaches nothing. Here the

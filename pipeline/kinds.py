@@ -1,6 +1,6 @@
 """Trajectory kinds: what happened to a trajectory's tool calls, read from its attempt tree.
 
-The kinds exist to measure the premise of purification (issue 19 §1): SAAR removes failed calls, so it
+The kinds exist to measure the premise of purification (docs/saar.md): SAAR removes failed calls, so it
 helps when the trajectories that contain a recovered failure mostly carry positive advantage (their
 failed call would otherwise be reinforced) and hurts when they mostly carry negative advantage (the
 failed call would otherwise be pushed down). The catalog's `raw_kinds` view classifies in SQL by the

@@ -1,5 +1,5 @@
 """Decoded text of raw and purified shards, written beside their parts at commit, so SQL users read
-trajectories as text (issue 32 §2) without knowing which tokenizer a run used.
+trajectories as text without knowing which tokenizer a run used.
 
 One Parquet file per part (`text-NNNNN.parquet`), like the row summaries (storage/summaries.py): decoded
 column-wise from the part's Arrow table with the run's own tokenizer, written before the manifest and listed in
