@@ -5,6 +5,7 @@ and as ATIF, and the ATIF imported back as a new run. Each step runs in a proces
 resident set is its own. Export and import hold a batch of rows at a time, so memory is bounded by a batch, not
 by the run: the peak of three iterations is compared with that of one. Rows/s against reading the shards alone
 (validated, every row decoded to Arrow), and the bytes written against the source shards'."""
+
 from __future__ import annotations
 
 import json
@@ -57,21 +58,27 @@ def _step(kind: str, root: Path, out: Path, iterations: list[int] | None) -> dic
         rows = sum(b.num_rows for s in select(root, "big", iterations, None).raw for b in s.batches())
         written = 0
     elif kind == "import":
-        files = sorted(out.glob("raw/*.jsonl"))[:len(iterations) if iterations else None]
+        files = sorted(out.glob("raw/*.jsonl"))[: len(iterations) if iterations else None]
         rows = run_import(cfg, files, "atif", "imported").rows
         layout = RunLayout(root, "imported")
         written = sum(p.bytes for i in layout.iterations() for p in read_manifest(layout.raw_dir(i)).parts)
     else:
         done = run_export(cfg, "big", iterations, "mode=saar/gamma=0.50" if kind == "trl-sft" else None, kind, out)
         rows, written = done.rows, done.bytes
-    return {"seconds": time.perf_counter() - t0, "rows": rows, "bytes": written, "peak_rss": peak_rss_bytes(),
-            "rss_before": before}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "rows": rows,
+        "bytes": written,
+        "peak_rss": peak_rss_bytes(),
+        "rss_before": before,
+    }
 
 
 def _in_process(kind: str, root: Path, out: Path, iterations: list[int] | None = None) -> dict:
     argv = [kind, str(root), str(out), ",".join(map(str, iterations or []))]
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_interop", *argv], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_interop", *argv], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -95,25 +102,50 @@ def run() -> BenchResult:
         read_rate = read["rows"] / read["seconds"]
         size = f"{ITERATIONS} × {ROWS} × {TOKENS:,} tokens"
         for name, step in (("export trl-sft", sft), ("export atif", atif), ("import atif", back)):
-            rows.append(Row(f"{name}, {size} (vs reading the raw shards)", step["rows"] / step["seconds"], read_rate,
-                            "rows/s"))
+            rows.append(
+                Row(f"{name}, {size} (vs reading the raw shards)", step["rows"] / step["seconds"], read_rate, "rows/s")
+            )
         for name, step in (("trl-sft export", sft), ("ATIF export", atif), ("imported raw shards", back)):
-            rows.append(Row(f"{name} bytes (vs the source raw shards)", step["bytes"] / 2**20, source_bytes / 2**20,
-                            "MiB", higher_is_better=False))
+            rows.append(
+                Row(
+                    f"{name} bytes (vs the source raw shards)",
+                    step["bytes"] / 2**20,
+                    source_bytes / 2**20,
+                    "MiB",
+                    higher_is_better=False,
+                )
+            )
         for name, many, one in (("export atif", atif, atif_one), ("import atif", back, back_one)):
-            rows.append(Row(f"{name}: peak RSS growth over {ITERATIONS} iterations (vs over 1)", _grown(many),
-                            _grown(one), "MiB", higher_is_better=False, target="<= 1.2× (bounded by a batch)",
-                            passed=_grown(many) <= 1.2 * _grown(one)))
-        notes.append(f"source: {ITERATIONS} iterations × {ROWS} rows × {TOKENS:,} lived tokens (random Qwen3 ids), "
-                     f"{source_bytes / 2**20:.1f} MiB of raw parts; read + validate alone {read['seconds']:.2f} s "
-                     f"(peak RSS growth {_grown(read):.0f} MiB); trl-sft export peak growth {_grown(sft):.0f} MiB")
-        notes.append("the ATIF export holds each token id and log-prob as JSON text (one trajectory a line), so it "
-                     "is several times the zstd Parquet shards; the import rebuilds the rows exactly "
-                     "(tests/test_import.py) and commits them with their decoded text")
+            rows.append(
+                Row(
+                    f"{name}: peak RSS growth over {ITERATIONS} iterations (vs over 1)",
+                    _grown(many),
+                    _grown(one),
+                    "MiB",
+                    higher_is_better=False,
+                    target="<= 1.2× (bounded by a batch)",
+                    passed=_grown(many) <= 1.2 * _grown(one),
+                )
+            )
+        notes.append(
+            f"source: {ITERATIONS} iterations × {ROWS} rows × {TOKENS:,} lived tokens (random Qwen3 ids), "
+            f"{source_bytes / 2**20:.1f} MiB of raw parts; read + validate alone {read['seconds']:.2f} s "
+            f"(peak RSS growth {_grown(read):.0f} MiB); trl-sft export peak growth {_grown(sft):.0f} MiB"
+        )
+        notes.append(
+            "the ATIF export holds each token id and log-prob as JSON text (one trajectory a line), so it "
+            "is several times the zstd Parquet shards; the import rebuilds the rows exactly "
+            "(tests/test_import.py) and commits them with their decoded text"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return BenchResult("interop", "cleaner export / import at real size: 64 × 8,192-token rows an iteration with "
-                       "the Qwen3 tokenizer, each step in its own process (rows/s, bytes, peak memory).", rows, notes)
+    return BenchResult(
+        "interop",
+        "cleaner export / import at real size: 64 × 8,192-token rows an iteration with "
+        "the Qwen3 tokenizer, each step in its own process (rows/s, bytes, peak memory).",
+        rows,
+        notes,
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ the rollout lived is compared under each measure and target, at γ = 0.3/0.5/0.7
 `python -m benchmarks.bench_measures` rolls out (nothing cached), then refreshes its own section of
 RESULTS.md.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -34,8 +35,15 @@ SEEDS = (11, 12)
 def rollouts(root: Path) -> list:
     raws = []
     for seed in SEEDS:
-        cfg = load_config(None, [f"storage.root={root}", "rollout.tasks_per_iteration=64",
-                                 "rollout.samples_per_prompt=4", f"rollout.seed={seed}"])
+        cfg = load_config(
+            None,
+            [
+                f"storage.root={root}",
+                "rollout.tasks_per_iteration=64",
+                "rollout.samples_per_prompt=4",
+                f"rollout.seed={seed}",
+            ],
+        )
         run_rollout_stage(cfg, f"m{seed}", 0, DEFAULT_POLICY, show_progress=False)
         raws += [trajectory_from_row(r) for r in read_shard(RunLayout(root, f"m{seed}").raw_dir(0), RAW).to_pylist()]
     return raws, cfg
@@ -59,8 +67,11 @@ def run() -> BenchResult:
             theirs = [REFERENCE_MEASURE.ratio(p.old_call, p.new_call).at_least(g) for p in pairs]
             agree = sum(a == b for a, b in zip(mine, theirs)) / n
             rows.append(Row(f"{m.key} agrees with difflib-segment at γ={g}", agree, None, "fraction"))
-    spread = "; ".join(f"{m.key}: min {min(s):.2f} / median {statistics.median(s):.2f} / max {max(s):.2f}"
-                       for m, s in sims.items() if s)
+    spread = "; ".join(
+        f"{m.key}: min {min(s):.2f} / median {statistics.median(s):.2f} / max {max(s):.2f}"
+        for m, s in sims.items()
+        if s
+    )
     differ = sum(abs(a - b) > 1e-12 for a, b in zip(sims[Measure()], ref))
     notes = [
         f"{len(pairs)} failed-call/retry pairs lived in {len(raws)} trajectories of the committed tiny policy "
@@ -69,9 +80,13 @@ def run() -> BenchResult:
         f"rapidfuzz-segment and difflib-segment values differ on {differ} of {len(pairs)} pairs; rows above are "
         "decision agreement (shallow/deep) with the reference measure on the same pairs.",
     ]
-    return BenchResult("measures", "SAAR shallow/deep decisions of each similarity measure and target vs the "
-                       "reference's (difflib SequenceMatcher ratio on the whole call segment), on real rollouts.",
-                       rows, notes)
+    return BenchResult(
+        "measures",
+        "SAAR shallow/deep decisions of each similarity measure and target vs the "
+        "reference's (difflib SequenceMatcher ratio on the whole call segment), on real rollouts.",
+        rows,
+        notes,
+    )
 
 
 if __name__ == "__main__":

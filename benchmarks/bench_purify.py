@@ -1,5 +1,6 @@
 """Purification: Beam (FnApiRunner) vs a plain Python loop doing the same work; recompute with
 prefix-KV reuse vs a full-sequence forward; rapidfuzz vs difflib on real call segments."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,15 @@ SAAR = Variant.of("saar", 0.5)
 
 
 def _real_rollouts(root: Path, tasks: int = 32):
-    cfg = load_config(None, [f"storage.root={root}", f"rollout.tasks_per_iteration={tasks}",
-                             "rollout.samples_per_prompt=4", "rollout.seed=11"])
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={root}",
+            f"rollout.tasks_per_iteration={tasks}",
+            "rollout.samples_per_prompt=4",
+            "rollout.seed=11",
+        ],
+    )
     run_rollout_stage(cfg, "bench", 0, DEFAULT_POLICY, show_progress=False)
     rows = read_shard(RunLayout(root, "bench").raw_dir(0), RAW).to_pylist()
     return [trajectory_from_row(r) for r in rows]
@@ -86,14 +94,23 @@ def run(n: int = 50_000) -> BenchResult:
         t_beam, t_plain = interleaved_best(beam, plain, repeat=5)
         small = _committed(tmp / "small-shard", table.slice(0, len(trajs)))
         t_start = best_of(lambda: beam(small), 2)
-        rows_out.append(Row("purification throughput on Beam FnApiRunner (splice + advantages, no recompute)",
-                            n / t_beam, n / t_plain, "traj/s", target=">= 5,000 traj/s and plain/Beam ratio <= 1.5",
-                            passed=n / t_beam >= 5000 and t_beam / t_plain <= 1.5 and same))
-        notes.append(f"{n:,} raw rows replicated from {len(trajs)} real rollouts of the tiny policy; "
-                     f"Beam/plain time ratio {t_beam / t_plain:.2f} (interleaved runs); {mask_share:.0%} of rows have "
-                     f"nothing to splice and are purified column-wise (purifier/unspliced.py), the rest through purify(); "
-                     f"Beam output {'equals' if same else 'DIFFERS FROM'} the plain loop's; Beam's fixed cost (the same "
-                     f"pipeline on {len(trajs)} rows) is {t_start:.2f} s")
+        rows_out.append(
+            Row(
+                "purification throughput on Beam FnApiRunner (splice + advantages, no recompute)",
+                n / t_beam,
+                n / t_plain,
+                "traj/s",
+                target=">= 5,000 traj/s and plain/Beam ratio <= 1.5",
+                passed=n / t_beam >= 5000 and t_beam / t_plain <= 1.5 and same,
+            )
+        )
+        notes.append(
+            f"{n:,} raw rows replicated from {len(trajs)} real rollouts of the tiny policy; "
+            f"Beam/plain time ratio {t_beam / t_plain:.2f} (interleaved runs); {mask_share:.0%} of rows have "
+            f"nothing to splice and are purified column-wise (purifier/unspliced.py), the rest through purify(); "
+            f"Beam output {'equals' if same else 'DIFFERS FROM'} the plain loop's; Beam's fixed cost (the same "
+            f"pipeline on {len(trajs)} rows) is {t_start:.2f} s"
+        )
 
         # recompute: prefix-KV reuse vs a full forward of every purified sequence
         purified_rows = [purify(t, 0.5, "saar", chat.decode) for t in trajs]
@@ -128,19 +145,38 @@ def run(n: int = 50_000) -> BenchResult:
 
         def worst_of(recomputed: bool) -> float:
             """max |Δ| vs the full forward on trained tokens the recompute filled in (or kept as sampled)."""
-            return max((abs(a - b) for q in outs["ours"] for a, b, m, v in
-                        zip(q.old_logprobs, by_key[(q.mode, q.raw_key)], q.loss_mask, before[(q.mode, q.raw_key)])
-                        if m and (v == 0) == recomputed), default=0.0)
+            return max(
+                (
+                    abs(a - b)
+                    for q in outs["ours"]
+                    for a, b, m, v in zip(
+                        q.old_logprobs, by_key[(q.mode, q.raw_key)], q.loss_mask, before[(q.mode, q.raw_key)]
+                    )
+                    if m and (v == 0) == recomputed
+                ),
+                default=0.0,
+            )
 
         worst, sampled = worst_of(True), worst_of(False)
-        rows_out.append(Row("log-prob recompute with prefix-KV reuse (wall-time speedup)", t_full / t_ours, 1.0, "×",
-                            target="equal outputs", passed=worst <= 1e-4))
-        rows_out.append(Row("tokens forwarded vs full-sequence forward", forwarded / total, 1.0, "fraction",
-                            higher_is_better=False))
-        notes.append(f"recompute: {len(purified_rows)} purified sequences (saar γ=0.5 and raw); max |Δ logprob| vs full "
-                     f"forward on the recomputed tokens = {worst:.2e} (on tokens kept with the log-prob the rollout engine sampled "
-                     f"them with: {sampled:.2e}, batched vs unbatched float32); sequences without a splice are not "
-                     "forwarded at all")
+        rows_out.append(
+            Row(
+                "log-prob recompute with prefix-KV reuse (wall-time speedup)",
+                t_full / t_ours,
+                1.0,
+                "×",
+                target="equal outputs",
+                passed=worst <= 1e-4,
+            )
+        )
+        rows_out.append(
+            Row("tokens forwarded vs full-sequence forward", forwarded / total, 1.0, "fraction", higher_is_better=False)
+        )
+        notes.append(
+            f"recompute: {len(purified_rows)} purified sequences (saar γ=0.5 and raw); max |Δ logprob| vs full "
+            f"forward on the recomputed tokens = {worst:.2e} (on tokens kept with the log-prob the rollout engine sampled "
+            f"them with: {sampled:.2e}, batched vs unbatched float32); sequences without a splice are not "
+            "forwarded at all"
+        )
 
         # rapidfuzz vs difflib on the call segments of real retries
         pairs = []
@@ -148,13 +184,15 @@ def run(n: int = 50_000) -> BenchResult:
             for pos in t.positions:
                 for a, b in zip(pos.attempts, pos.attempts[1:]):
                     if a.call_start >= 0 and b.call_start >= 0:
-                        pairs.append((chat.decode(a.turn_ids[a.call_start:]), chat.decode(b.turn_ids[b.call_start:])))
+                        pairs.append((chat.decode(a.turn_ids[a.call_start :]), chat.decode(b.turn_ids[b.call_start :])))
         reps = max(1, 20_000 // max(1, len(pairs)))
         t_rf = best_of(lambda: [DEFAULT_MEASURE(a, b) for _ in range(reps) for a, b in pairs])
         t_dl = best_of(lambda: [REFERENCE_MEASURE(a, b) for _ in range(reps) for a, b in pairs])
         rows_out.append(Row("rapidfuzz vs difflib similarity speed", t_dl / t_rf, 1.0, "×"))
-        notes.append(f"similarity: {len(pairs)} real (failed, retry) call-segment pairs; decision agreement per "
-                     "measure and γ is in the `measures` section")
+        notes.append(
+            f"similarity: {len(pairs)} real (failed, retry) call-segment pairs; decision agreement per "
+            "measure and γ is in the `measures` section"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return BenchResult("purify", "Purification stage on real rollouts of the committed tiny policy.", rows_out, notes)

@@ -5,6 +5,7 @@ The earlier rule hashed only the count of kept turns, which a retry does not adv
 turn after them shared one seed, so a failed retry tended to be sampled again. The baseline reproduces that rule by
 swapping the loop's seed function; everything else (engine, sandbox, tasks, policy) is the same real rollout.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,15 +38,17 @@ def _seeding(fn):
 
 
 def _rollout(seed: int) -> tuple[list, float]:
-    cfg = load_config(None, [f"rollout.tasks_per_iteration={TASKS}", f"rollout.samples_per_prompt={SAMPLES}",
-                             f"rollout.seed={seed}"])
+    cfg = load_config(
+        None, [f"rollout.tasks_per_iteration={TASKS}", f"rollout.samples_per_prompt={SAMPLES}", f"rollout.seed={seed}"]
+    )
     chat = load_chat(DEFAULT_POLICY)
     engine = make_engine(cfg, DEFAULT_POLICY, chat)
     try:
         with SandboxPool(cfg.rollout.sandbox) as sandbox:
             t0 = time.perf_counter()
-            out = AgentLoop(engine, sandbox, chat, cfg.rollout).run(iteration_tasks(cfg, 0),
-                                                                    RolloutIdentity("bench", 0, "v", seed))
+            out = AgentLoop(engine, sandbox, chat, cfg.rollout).run(
+                iteration_tasks(cfg, 0), RolloutIdentity("bench", 0, "v", seed)
+            )
             return out, time.perf_counter() - t0
     finally:
         engine.close()
@@ -81,21 +84,51 @@ def run() -> BenchResult:
         return sum(same[k] for k in keys) / max(1, sum(n[k] for k in keys))
 
     rows = [
-        Row("first retries repeating the failed call's code", share(new, True), share(old, True), "fraction",
-            higher_is_better=False),
-        Row("second and later retries repeating the attempt before them", share(new, False), share(old, False),
-            "fraction", higher_is_better=False, target="as rare as among first retries (≤ 2× their share + 0.02)",
-            passed=share(new, False) <= 2 * share(new, True) + 0.02),
-        Row("exhausted positions per trajectory", new[2] / new[4], old[2] / old[4], "per trajectory",
-            higher_is_better=False),
-        Row("rollout wall time", new[3], old[3], "s", higher_is_better=False, target="≤ 1.10× (the seed is free)",
-            passed=new[3] <= 1.10 * old[3]),
+        Row(
+            "first retries repeating the failed call's code",
+            share(new, True),
+            share(old, True),
+            "fraction",
+            higher_is_better=False,
+        ),
+        Row(
+            "second and later retries repeating the attempt before them",
+            share(new, False),
+            share(old, False),
+            "fraction",
+            higher_is_better=False,
+            target="as rare as among first retries (≤ 2× their share + 0.02)",
+            passed=share(new, False) <= 2 * share(new, True) + 0.02,
+        ),
+        Row(
+            "exhausted positions per trajectory",
+            new[2] / new[4],
+            old[2] / old[4],
+            "per trajectory",
+            higher_is_better=False,
+        ),
+        Row(
+            "rollout wall time",
+            new[3],
+            old[3],
+            "s",
+            higher_is_better=False,
+            target="≤ 1.10× (the seed is free)",
+            passed=new[3] <= 1.10 * old[3],
+        ),
     ]
     detail = {name: {k: f"{m[1][k]}/{m[0][k]}" for k in sorted(m[0])} for name, m in measured.items()}
-    notes = [f"the committed tiny policy on the world, {TASKS} tasks × {SAMPLES} samples at rollout.seed "
-             f"{', '.join(map(str, SEEDS))}; baseline: the same rollouts seeded by turn alone (the rule before "
-             "2026-11-27). Retries repeating the attempt before them, by retry index: " + str(detail),
-             "one seed hash is about 2 µs of a generation's milliseconds; the wall-time row is one run each on a "
-             "shared 2-core machine, so it carries the machine's noise"]
-    return BenchResult("retry_seeds", "Every retry sampled on its own: repeats and exhausted positions with per-attempt "
-                       "seeds vs turn-only seeds (same run).", rows, notes)
+    notes = [
+        f"the committed tiny policy on the world, {TASKS} tasks × {SAMPLES} samples at rollout.seed "
+        f"{', '.join(map(str, SEEDS))}; baseline: the same rollouts seeded by turn alone (the rule before "
+        "2026-11-27). Retries repeating the attempt before them, by retry index: " + str(detail),
+        "one seed hash is about 2 µs of a generation's milliseconds; the wall-time row is one run each on a "
+        "shared 2-core machine, so it carries the machine's noise",
+    ]
+    return BenchResult(
+        "retry_seeds",
+        "Every retry sampled on its own: repeats and exhausted positions with per-attempt "
+        "seeds vs turn-only seeds (same run).",
+        rows,
+        notes,
+    )

@@ -7,6 +7,7 @@ with full-vocabulary float32 logits, then log_softmax) is measured on one row at
 beside other work on this 24 GiB machine, and extrapolated (marked) elsewhere.
 `python -m benchmarks.bench_scale` or `python -m benchmarks.run scale`.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,28 @@ def _rows(length: int, vocab: int = 151_643):
     out = []
     for i in range(ROWS):
         resp = [rng.randrange(vocab) for _ in range(length - PROMPT)]
-        out.append(PurifiedTrajectory(run_id="b", iteration=0, prompt_id="p", sample_idx=i, mode="saar", gamma=0.5,
-                                      raw_key=f"k{i}", prompt_ids=prompt, response_ids=resp, loss_mask=[1] * len(resp),
-                                      old_logprobs=[-1.0] * len(resp), logprob_valid=[0] * len(resp), reward=1.0,
-                                      advantage=(-1) ** i * 0.7, splices=[], recompute_from=0, tokens_forwarded=0,
-                                      gate=True))
+        out.append(
+            PurifiedTrajectory(
+                run_id="b",
+                iteration=0,
+                prompt_id="p",
+                sample_idx=i,
+                mode="saar",
+                gamma=0.5,
+                raw_key=f"k{i}",
+                prompt_ids=prompt,
+                response_ids=resp,
+                loss_mask=[1] * len(resp),
+                old_logprobs=[-1.0] * len(resp),
+                logprob_valid=[0] * len(resp),
+                reward=1.0,
+                advantage=(-1) ** i * 0.7,
+                splices=[],
+                recompute_from=0,
+                tokens_forwarded=0,
+                gate=True,
+            )
+        )
     return out
 
 
@@ -72,8 +90,12 @@ def child(kind: str, length: int, policy: str) -> dict:
 
 
 def _measure(kind: str, length: int, policy: Path) -> dict:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_scale", "--child", kind, str(length), str(policy)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_scale", "--child", kind, str(length), str(policy)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -88,22 +110,45 @@ def run(lengths: tuple[int, ...] = LENGTHS) -> BenchResult:
         for kind in ("recompute", "update"):
             for n in lengths:
                 m = _measure(kind, n, policy)
-                rows.append(Row(f"{kind} {n} tokens peak RSS", m["peak_rss_gib"], unit="GiB", higher_is_better=False,
-                                target="<= 4 GiB" if n == 8192 else "", passed=m["peak_rss_gib"] <= 4 if n == 8192 else None))
+                rows.append(
+                    Row(
+                        f"{kind} {n} tokens peak RSS",
+                        m["peak_rss_gib"],
+                        unit="GiB",
+                        higher_is_better=False,
+                        target="<= 4 GiB" if n == 8192 else "",
+                        passed=m["peak_rss_gib"] <= 4 if n == 8192 else None,
+                    )
+                )
                 rows.append(Row(f"{kind} {n} tokens wall", m["wall_s"], unit="s", higher_is_better=False))
         logits_gib = 151_936 * 4 / GIB  # one position's float32 logits
         for n in lengths:
             est = ROWS * n * logits_gib * 2  # logits + log_softmax output, 8 rows (attention not counted)
             rows.append(Row(f"unchunked recompute {n} tokens (extrapolated)", est, unit="GiB", higher_is_better=False))
-        rows.append(Row("unchunked recompute 1 row × 1024 tokens (measured)", base["peak_rss_gib"], unit="GiB",
-                        higher_is_better=False))
-    notes.append("Policy: cleaner init-policy (Qwen3ForCausalLM, hidden 64, 2 layers, vocabulary 151,936); prompt 200 "
-                 "tokens + random response ids; every response token recomputed / trained; 2 torch threads.")
-    notes.append("Unchunked figures marked (extrapolated) are 8 rows × length × 151,936 × 4 B × 2 (logits and "
-                 "log_softmax), a lower bound that leaves out eager attention's length² scores; the 1-row 1k "
-                 "figure is measured.")
-    return BenchResult("scale", "Bounded memory at real lengths (issue 16): recompute and update on the "
-                       "Qwen3-shaped policy, peak RSS per child process.", rows, notes)
+        rows.append(
+            Row(
+                "unchunked recompute 1 row × 1024 tokens (measured)",
+                base["peak_rss_gib"],
+                unit="GiB",
+                higher_is_better=False,
+            )
+        )
+    notes.append(
+        "Policy: cleaner init-policy (Qwen3ForCausalLM, hidden 64, 2 layers, vocabulary 151,936); prompt 200 "
+        "tokens + random response ids; every response token recomputed / trained; 2 torch threads."
+    )
+    notes.append(
+        "Unchunked figures marked (extrapolated) are 8 rows × length × 151,936 × 4 B × 2 (logits and "
+        "log_softmax), a lower bound that leaves out eager attention's length² scores; the 1-row 1k "
+        "figure is measured."
+    )
+    return BenchResult(
+        "scale",
+        "Bounded memory at real lengths (issue 16): recompute and update on the "
+        "Qwen3-shaped policy, peak RSS per child process.",
+        rows,
+        notes,
+    )
 
 
 if __name__ == "__main__":

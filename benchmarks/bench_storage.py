@@ -1,4 +1,5 @@
 """storage/ write + read of 100k synthetic raw trajectories vs plain pyarrow.parquet on the same table."""
+
 from __future__ import annotations
 
 import shutil
@@ -42,9 +43,22 @@ def run(n: int = 100_000) -> BenchResult:
     finally:
         shutil.rmtree(tmp)
     rows_out = [
-        Row("write throughput", n / w_ours, n / w_plain, "traj/s", target=">= 0.8× baseline", passed=w_plain / w_ours >= 0.8),
-        Row("read throughput (validated, checksummed)", n / r_ours, n / r_plain, "traj/s",
-            target=">= 0.8× baseline", passed=r_plain / r_ours >= 0.8),
+        Row(
+            "write throughput",
+            n / w_ours,
+            n / w_plain,
+            "traj/s",
+            target=">= 0.8× baseline",
+            passed=w_plain / w_ours >= 0.8,
+        ),
+        Row(
+            "read throughput (validated, checksummed)",
+            n / r_ours,
+            n / r_plain,
+            "traj/s",
+            target=">= 0.8× baseline",
+            passed=r_plain / r_ours >= 0.8,
+        ),
     ]
     return BenchResult(
         name="storage",

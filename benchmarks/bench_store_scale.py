@@ -16,6 +16,7 @@ part kept as one row group (what packing parts together, as storage/packs.py doe
 give) costs what 2,000 files cost, since DuckDB decodes every row group's column chunks; only rows of many
 iterations merged into shared row groups (re-encoding the raw shards across iterations) makes it small.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _cli(root: Path, *args: str) -> float:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", *args, f"storage.root={root}"], cwd=ROOT,
-                         capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
-                                                              "TOKENIZERS_PARALLELISM": "false"})
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "inspect", *args, f"storage.root={root}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"},
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return time.perf_counter() - t0
@@ -85,8 +90,10 @@ def _one_file(root: Path, folder: Path) -> dict[str, float]:
     files = sorted(root.glob("runs/*/iteration=*/raw/part-*.parquet"))
     schema = pq.read_schema(files[0])
     kept, merged = folder / "row-group-per-part.parquet", folder / "merged-row-groups.parquet"
-    with pq.ParquetWriter(kept, schema, compression="zstd") as one, \
-            pq.ParquetWriter(merged, schema, compression="zstd") as other:
+    with (
+        pq.ParquetWriter(kept, schema, compression="zstd") as one,
+        pq.ParquetWriter(merged, schema, compression="zstd") as other,
+    ):
         pending: list[pa.Table] = []
         for f in files:
             table = pq.read_table(f)
@@ -135,8 +142,10 @@ def run() -> BenchResult:
             built = time.perf_counter() - t0
             size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
             first = _cli(root, "--sql", "SELECT 1")  # first process: every part checked once, the index built
-            notes.append(f"{n} iterations × 64 rows × {tokens:,} tokens: {size / 2**30:.2f} GiB, built in {built:.0f} s; "
-                         f"the first inspect after it (index and packs built) {first:.1f} s")
+            notes.append(
+                f"{n} iterations × 64 rows × {tokens:,} tokens: {size / 2**30:.2f} GiB, built in {built:.0f} s; "
+                f"the first inspect after it (index and packs built) {first:.1f} s"
+            )
         # A store's history is older than the index's settle time (identities younger are not indexed):
         # measured once the last shards written have settled too, as any store a moment after its last commit.
         time.sleep(SETTLE_NS / 1e9 + 0.5)
@@ -146,7 +155,10 @@ def run() -> BenchResult:
         # measurements alike, instead of one store's (the ratios compare stores measured at the same time).
         measures: dict[str, Callable[[Path], float]] = {
             "sql": lambda root: _cli(root, "--sql", "SELECT count(*) FROM raw_trajectories"),
-            "summary": lambda root: _cli(root), "scan": _scan, "duck": _duckdb_count}
+            "summary": lambda root: _cli(root),
+            "scan": _scan,
+            "duck": _duckdb_count,
+        }
         best: dict[tuple[str, int], float] = {}
         for _ in range(REPEAT):
             for n, root in roots.items():
@@ -154,33 +166,90 @@ def run() -> BenchResult:
                     best[name, n] = min(best.get((name, n), float("inf")), measure(root))
         for k in range(3):
             for n, tokens in SIZES:
-                best["republish", n] = min(best.get(("republish", n), float("inf")), _republish(roots[n], n + k, tokens))
+                best["republish", n] = min(
+                    best.get(("republish", n), float("inf")), _republish(roots[n], n + k, tokens)
+                )
         for n in (200, 2000):
             sql, summary, republish = best["sql", n], best["summary", n], best["republish", n]
-            rows.append(Row(f"cleaner inspect --sql 'count(*)' at {n} iterations (vs 20)", sql, best["sql", 20], "s",
-                            higher_is_better=False, target="<= 1.5× and <= 2 s",
-                            passed=n < 2000 or (sql <= 1.5 * best["sql", 20] and sql <= 2.0)))
-            rows.append(Row(f"cleaner inspect (summary tables) at {n} iterations (vs 20)", summary, best["summary", 20],
-                            "s", higher_is_better=False, target="<= 1.5× and <= 2 s",
-                            passed=n < 2000 or (summary <= 1.5 * best["summary", 20] and summary <= 2.0)))
-            rows.append(Row(f"republish the catalog after one more commit at {n} iterations (vs 20)", republish,
-                            best["republish", 20], "s", higher_is_better=False, target="<= 0.5 s" if n == 2000 else "",
-                            passed=republish <= 0.5 if n == 2000 else None))
-            rows.append(Row(f"of which: the scan (index, identities) at {n} iterations (vs 20)", best["scan", n],
-                            best["scan", 20], "s", higher_is_better=False))
-            rows.append(Row(f"DuckDB alone, no cleaner: count(*) over the raw parts at {n} iterations (vs 20)",
-                            best["duck", n], best["duck", 20], "s", higher_is_better=False))
+            rows.append(
+                Row(
+                    f"cleaner inspect --sql 'count(*)' at {n} iterations (vs 20)",
+                    sql,
+                    best["sql", 20],
+                    "s",
+                    higher_is_better=False,
+                    target="<= 1.5× and <= 2 s",
+                    passed=n < 2000 or (sql <= 1.5 * best["sql", 20] and sql <= 2.0),
+                )
+            )
+            rows.append(
+                Row(
+                    f"cleaner inspect (summary tables) at {n} iterations (vs 20)",
+                    summary,
+                    best["summary", 20],
+                    "s",
+                    higher_is_better=False,
+                    target="<= 1.5× and <= 2 s",
+                    passed=n < 2000 or (summary <= 1.5 * best["summary", 20] and summary <= 2.0),
+                )
+            )
+            rows.append(
+                Row(
+                    f"republish the catalog after one more commit at {n} iterations (vs 20)",
+                    republish,
+                    best["republish", 20],
+                    "s",
+                    higher_is_better=False,
+                    target="<= 0.5 s" if n == 2000 else "",
+                    passed=republish <= 0.5 if n == 2000 else None,
+                )
+            )
+            rows.append(
+                Row(
+                    f"of which: the scan (index, identities) at {n} iterations (vs 20)",
+                    best["scan", n],
+                    best["scan", 20],
+                    "s",
+                    higher_is_better=False,
+                )
+            )
+            rows.append(
+                Row(
+                    f"DuckDB alone, no cleaner: count(*) over the raw parts at {n} iterations (vs 20)",
+                    best["duck", n],
+                    best["duck", 20],
+                    "s",
+                    higher_is_better=False,
+                )
+            )
         one_file = _one_file(roots[2000], tmp)
-        rows.append(Row("DuckDB alone: the same 2,000 parts' rows in one file, one row group per part (vs the "
-                        "2,000 files)", one_file["kept"], best["duck", 2000], "s", higher_is_better=False))
-        rows.append(Row("DuckDB alone: the same rows in one file, merged into row groups of 2,048 (vs the 2,000 "
-                        "files)", one_file["merged"], best["duck", 2000], "s", higher_is_better=False))
-        notes.append(f"inspect times are whole `cleaner inspect` processes (Python start-up and imports included, "
-                     f"about 0.5 s here), best of {REPEAT} taken round-robin over the three stores, after a first "
-                     "process has checked every part once and built the scan index and the packs; republish is "
-                     "storage.catalog.publish in-process right after an iteration was committed, best of 3; load "
-                     f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        rows.append(
+            Row(
+                "DuckDB alone: the same 2,000 parts' rows in one file, one row group per part (vs the 2,000 files)",
+                one_file["kept"],
+                best["duck", 2000],
+                "s",
+                higher_is_better=False,
+            )
+        )
+        rows.append(
+            Row(
+                "DuckDB alone: the same rows in one file, merged into row groups of 2,048 (vs the 2,000 files)",
+                one_file["merged"],
+                best["duck", 2000],
+                "s",
+                higher_is_better=False,
+            )
+        )
+        notes.append(
+            f"inspect times are whole `cleaner inspect` processes (Python start-up and imports included, "
+            f"about 0.5 s here), best of {REPEAT} taken round-robin over the three stores, after a first "
+            "process has checked every part once and built the scan index and the packs; republish is "
+            "storage.catalog.publish in-process right after an iteration was committed, best of 3; load "
+            f"average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return BenchResult("store_scale", "A store at real size: inspect and republication at 20, 200 and 2,000 "
-                       "iterations.", rows, notes)
+    return BenchResult(
+        "store_scale", "A store at real size: inspect and republication at 20, 200 and 2,000 iterations.", rows, notes
+    )

@@ -5,6 +5,7 @@ before issue 29 (`before`: whole groups per micro-batch, lm_head at every positi
 by up to 2x between hours. And vs the same update before each stage had a device of its own (`pre_devices`:
 the code at commit PRE_DEVICES, extracted with `git archive` into a temporary folder and run there by its own
 worker), the cost of the device plumbing on the CPU."""
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,7 @@ def _before_action_log_probs(actor, sequences, action_mask, attention_mask, retu
     hidden = body(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
     rolled = torch.roll(sequences, shifts=-1, dims=1)
     log_probs = token_logprobs(hidden, rolled, head, actor.temperature, DEFAULT_CHUNK)[:, :-1]
-    return log_probs[:, -action_mask.shape[1]:] * action_mask.float(), None
+    return log_probs[:, -action_mask.shape[1] :] * action_mask.float(), None
 
 
 def _rows(root: Path):
@@ -109,11 +110,28 @@ def worker(side: str, root: Path) -> dict:
         from trl import GRPOConfig, GRPOTrainer
 
         tok = AutoTokenizer.from_pretrained(DEFAULT_POLICY)
-        args = GRPOConfig(output_dir=str(root / "trl"), loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28,
-                          per_device_train_batch_size=len(rows), num_generations=4, report_to=[], use_cpu=True,
-                          bf16=False, save_strategy="no", learning_rate=cfg.lr, max_completion_length=512)
-        trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                              train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}), processing_class=tok)
+        args = GRPOConfig(
+            output_dir=str(root / "trl"),
+            loss_type="dapo",
+            beta=0.0,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            per_device_train_batch_size=len(rows),
+            num_generations=4,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            save_strategy="no",
+            learning_rate=cfg.lr,
+            max_completion_length=512,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["x"] * 8}),
+            processing_class=tok,
+        )
         P = max(len(r.prompt_ids) for r in rows)
         C = max(len(r.response_ids) for r in rows)
         pad = tok.pad_token_id
@@ -136,14 +154,20 @@ def worker(side: str, root: Path) -> dict:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+
     step()  # warm-up
     t0 = time.perf_counter()
     for _ in range(STEPS):
         step()
     dt = (time.perf_counter() - t0) / STEPS
     peak = peak_rss_bytes()
-    return {"tokens_per_s": tokens / dt, "peak_rss_mib": peak / 2**20, "step_rss_mib": (peak - base) / 2**20,
-            "tokens": tokens, "rows": len(rows)}
+    return {
+        "tokens_per_s": tokens / dt,
+        "peak_rss_mib": peak / 2**20,
+        "step_rss_mib": (peak - base) / 2**20,
+        "tokens": tokens,
+        "rows": len(rows),
+    }
 
 
 def _pre_devices_tree(tmp: Path) -> Path:
@@ -164,8 +188,16 @@ def run() -> BenchResult:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:
-        cfg = load_config(None, [f"storage.root={tmp}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                                 "purify.modes=[saar]", "purify.gammas=[0.5]"])
+        cfg = load_config(
+            None,
+            [
+                f"storage.root={tmp}",
+                "rollout.tasks_per_iteration=16",
+                "rollout.samples_per_prompt=4",
+                "purify.modes=[saar]",
+                "purify.gammas=[0.5]",
+            ],
+        )
         run_rollout_stage(cfg, "bench", 0, DEFAULT_POLICY, show_progress=False)
         run_purify_stage(cfg, "bench", 0)
         res: dict[str, dict] = {}
@@ -173,40 +205,73 @@ def run() -> BenchResult:
         for side in ["ours", "before", "pre_devices"] * ROUNDS + ["trl"]:
             # pre_devices: the same worker's `ours`, in the tree of PRE_DEVICES (its own code on PYTHONPATH)
             tree, arg = (pre, "ours") if side == "pre_devices" else (here, side)
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_trainer", arg, str(tmp)], capture_output=True,
-                                 text=True, check=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+            out = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_trainer", arg, str(tmp)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=tree,
+                env={**os.environ, "PYTHONPATH": str(tree)},
+            )
             got = json.loads(out.stdout.strip().splitlines()[-1])
             if side not in res or got["tokens_per_s"] > res[side]["tokens_per_s"]:
                 res[side] = got
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     o, t, b, p = res["ours"], res["trl"], res["before"], res["pre_devices"]
-    return BenchResult("trainer", "One GRPO/DAPO optimizer step (clip 0.2/0.28, token-mean) on a purified batch of the "
-                       "tiny policy: cleaner (OpenRLHF Actor + PolicyLoss) vs TRL GRPOTrainer.compute_loss + AdamW step.",
-                       [Row("update throughput", o["tokens_per_s"], t["tokens_per_s"], "trained tokens/s",
-                            target=">= 1.0× TRL", passed=o["tokens_per_s"] >= t["tokens_per_s"]),
-                        Row("peak RSS of the process", o["peak_rss_mib"], t["peak_rss_mib"], "MiB",
-                            higher_is_better=False),
-                        Row("update throughput vs cleaner before issue 29 (same run)", o["tokens_per_s"],
-                            b["tokens_per_s"], "trained tokens/s", target=">= 2,000 trained tokens/s",
-                            passed=o["tokens_per_s"] >= 2000),
-                        Row("peak RSS vs cleaner before issue 29", o["peak_rss_mib"], b["peak_rss_mib"], "MiB",
-                            higher_is_better=False),
-                        Row(f"update throughput on the CPU vs cleaner before a device per stage ({PRE_DEVICES}, same "
-                            "run)", o["tokens_per_s"], p["tokens_per_s"], "trained tokens/s", target=">= 0.95×",
-                            passed=o["tokens_per_s"] >= 0.95 * p["tokens_per_s"])],
-                       [f"batch: {o['rows']} purified trajectories, {o['tokens']} trained tokens; mean of {STEPS} steps "
-                        "after one warm-up, one torch thread. cleaner packs the mini-batch's rows by length into micro-batches "
-                        f"(train.micro_batch_tokens, default 8192) with exact token-mean accumulation; TRL's step is "
-                        "one padded batch. Before issue 29 (baseline of the last two rows): whole groups per micro-batch, "
-                        "so the batch's one 650-token and one 428-token row padded their micro-batch-mates to that width "
-                        "(15,320 padded tokens for 7,911 real; packed as rows by length: 8,344), and lm_head at every position in "
-                        f"checkpointed 512-position chunks. ours and before alternate {ROUNDS} times; each reports its "
-                        "faster run",
-                        f"the last row: the same worker in the tree of commit {PRE_DEVICES} (git archive), before the "
-                        "stages had rollout/purify/train.device: micro-batches built row by row on the CPU; now "
-                        "built from host lists in one copy per tensor on train.device (the CPU here), with the "
-                        "update's model and optimizer at the fp32 default; alternated with ours"])
+    return BenchResult(
+        "trainer",
+        "One GRPO/DAPO optimizer step (clip 0.2/0.28, token-mean) on a purified batch of the "
+        "tiny policy: cleaner (OpenRLHF Actor + PolicyLoss) vs TRL GRPOTrainer.compute_loss + AdamW step.",
+        [
+            Row(
+                "update throughput",
+                o["tokens_per_s"],
+                t["tokens_per_s"],
+                "trained tokens/s",
+                target=">= 1.0× TRL",
+                passed=o["tokens_per_s"] >= t["tokens_per_s"],
+            ),
+            Row("peak RSS of the process", o["peak_rss_mib"], t["peak_rss_mib"], "MiB", higher_is_better=False),
+            Row(
+                "update throughput vs cleaner before issue 29 (same run)",
+                o["tokens_per_s"],
+                b["tokens_per_s"],
+                "trained tokens/s",
+                target=">= 2,000 trained tokens/s",
+                passed=o["tokens_per_s"] >= 2000,
+            ),
+            Row(
+                "peak RSS vs cleaner before issue 29",
+                o["peak_rss_mib"],
+                b["peak_rss_mib"],
+                "MiB",
+                higher_is_better=False,
+            ),
+            Row(
+                f"update throughput on the CPU vs cleaner before a device per stage ({PRE_DEVICES}, same run)",
+                o["tokens_per_s"],
+                p["tokens_per_s"],
+                "trained tokens/s",
+                target=">= 0.95×",
+                passed=o["tokens_per_s"] >= 0.95 * p["tokens_per_s"],
+            ),
+        ],
+        [
+            f"batch: {o['rows']} purified trajectories, {o['tokens']} trained tokens; mean of {STEPS} steps "
+            "after one warm-up, one torch thread. cleaner packs the mini-batch's rows by length into micro-batches "
+            f"(train.micro_batch_tokens, default 8192) with exact token-mean accumulation; TRL's step is "
+            "one padded batch. Before issue 29 (baseline of the last two rows): whole groups per micro-batch, "
+            "so the batch's one 650-token and one 428-token row padded their micro-batch-mates to that width "
+            "(15,320 padded tokens for 7,911 real; packed as rows by length: 8,344), and lm_head at every position in "
+            f"checkpointed 512-position chunks. ours and before alternate {ROUNDS} times; each reports its "
+            "faster run",
+            f"the last row: the same worker in the tree of commit {PRE_DEVICES} (git archive), before the "
+            "stages had rollout/purify/train.device: micro-batches built row by row on the CPU; now "
+            "built from host lists in one copy per tensor on train.device (the CPU here), with the "
+            "update's model and optimizer at the fp32 default; alternated with ours",
+        ],
+    )
 
 
 if __name__ == "__main__":

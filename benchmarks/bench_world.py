@@ -1,4 +1,5 @@
 """The tool-use world: bootstrap cost (from the committed policy's provenance) and batched generation."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,27 @@ def run() -> BenchResult:
     prov = json.loads((DEFAULT_POLICY / "PROVENANCE.json").read_text())
     metrics = evaluate_world(load_config(None), DEFAULT_POLICY, show_progress=False)
     rows = [
-        Row("bootstrap wall time (corpus + tokenizer + SFT)", prov["wall_s"]["total"], None, "s",
-            higher_is_better=False, target="<= 1800 s", passed=prov["wall_s"]["total"] <= 1800),
+        Row(
+            "bootstrap wall time (corpus + tokenizer + SFT)",
+            prov["wall_s"]["total"],
+            None,
+            "s",
+            higher_is_better=False,
+            target="<= 1800 s",
+            passed=prov["wall_s"]["total"] <= 1800,
+        ),
         Row("bootstrap SFT throughput", prov["train_tokens_per_s"], None, "tokens/s"),
-        Row("batched generation, 200 held-out episodes with tools", metrics["generated_tokens_per_s"], None,
-            "tokens/s"),
-        Row("held-out accuracy (T=1.0)", metrics["accuracy"], None, "fraction", target="0.30–0.95",
-            passed=0.30 <= metrics["accuracy"] <= 0.95),
+        Row(
+            "batched generation, 200 held-out episodes with tools", metrics["generated_tokens_per_s"], None, "tokens/s"
+        ),
+        Row(
+            "held-out accuracy (T=1.0)",
+            metrics["accuracy"],
+            None,
+            "fraction",
+            target="0.30–0.95",
+            passed=0.30 <= metrics["accuracy"] <= 0.95,
+        ),
     ]
     notes = [
         f"bootstrap figures are those recorded in policies/tiny-tool-policy/PROVENANCE.json by `{prov['command'].strip()}` "

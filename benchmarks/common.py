@@ -3,6 +3,7 @@
 Every benchmark measures its baseline in the same run and reports the ratio; results are kept per
 benchmark in results.json so running one benchmark refreshes its own section of RESULTS.md only.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,12 @@ def machine_info() -> dict[str, str]:
     except OSError:
         pass
     return {
-        "cpu": cpu, "cores": str(os.cpu_count()), "memory": mem, "python": platform.python_version(),
-        "torch": torch.__version__, "torch_threads": str(torch.get_num_threads()),
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": str(torch.get_num_threads()),
     }
 
 
@@ -115,20 +120,33 @@ def _fmt(v: float | None) -> str:
 
 
 def render(data: dict) -> str:
-    out = ["# Benchmark results", "",
-           "Written by `make bench` (`python -m benchmarks.run`). Each baseline is measured in the same run "
-           "as the figure it is compared with; ratio = measured / baseline.", ""]
+    out = [
+        "# Benchmark results",
+        "",
+        "Written by `make bench` (`python -m benchmarks.run`). Each baseline is measured in the same run "
+        "as the figure it is compared with; ratio = measured / baseline.",
+        "",
+    ]
     for name in sorted(data):
         r = data[name]
         m = r["machine"]
-        out += [f"## {name}", "", r["description"], "",
-                f"Machine: {m.get('cpu')} · {m.get('cores')} cores · {m.get('memory')} · Python {m.get('python')} · "
-                f"torch {m.get('torch')} ({m.get('torch_threads')} threads) · measured {r['when']}", "",
-                "| metric | measured | baseline | ratio | target | met |", "|---|---|---|---|---|---|"]
+        out += [
+            f"## {name}",
+            "",
+            r["description"],
+            "",
+            f"Machine: {m.get('cpu')} · {m.get('cores')} cores · {m.get('memory')} · Python {m.get('python')} · "
+            f"torch {m.get('torch')} ({m.get('torch_threads')} threads) · measured {r['when']}",
+            "",
+            "| metric | measured | baseline | ratio | target | met |",
+            "|---|---|---|---|---|---|",
+        ]
         for row in r["rows"]:
             ratio = None if row["baseline"] in (None, 0) else row["value"] / row["baseline"]
             met = {True: "yes", False: "**no**", None: ""}[row["passed"]]
-            out.append(f"| {row['metric']} ({row['unit']}) | {_fmt(row['value'])} | {_fmt(row['baseline'])} | "
-                       f"{'' if ratio is None else f'{ratio:.2f}×'} | {row['target']} | {met} |")
+            out.append(
+                f"| {row['metric']} ({row['unit']}) | {_fmt(row['value'])} | {_fmt(row['baseline'])} | "
+                f"{'' if ratio is None else f'{ratio:.2f}×'} | {row['target']} | {met} |"
+            )
         out += [""] + [f"- {n}" for n in r["notes"]] + [""]
     return "\n".join(out)

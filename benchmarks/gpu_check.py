@@ -22,6 +22,7 @@ with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) so that freed tensors
 MFU: trainer.memory.model_flops_per_token (6 × parameters + causal attention; a checkpointed layer's recompute not
 counted) × trained tokens/s over the card's dense bf16 peak.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,19 +43,59 @@ MMAP_THRESHOLD = "65536"
 
 # Qwen3's published config.json values (the sizes; weights are random)
 SHAPES: dict[str, dict] = {
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
     # the CPU test's: `cleaner init-policy`'s default width with the real vocabulary
-    "tiny": dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "tiny": dict(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
 }
-QWEN3_COMMON = dict(model_type="qwen3", max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                    bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+QWEN3_COMMON = dict(
+    model_type="qwen3",
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    pad_token_id=151643,
+)
 # dense bf16 tensor-core peak, FLOP/s, by the name torch reports (datasheets; sparsity not counted)
-PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12), ("A100", 312e12),
-             ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12), ("B200", 2250e12)]
+PEAK_BF16 = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+    ("B200", 2250e12),
+]
 
 
 def log(msg: str) -> None:
@@ -70,6 +111,7 @@ def peak_bf16(card: str) -> float | None:
 
 
 # ---- memory, measured the same way in every section ------------------------------------------------
+
 
 class PeakMemory:
     """Peak bytes from `start()`: torch.cuda.max_memory_allocated on CUDA, the resident set's peak on the CPU."""
@@ -104,11 +146,15 @@ class PeakMemory:
 
     @property
     def how(self) -> str:
-        return ("torch.cuda.max_memory_allocated" if self.device.type == "cuda"
-                else "peak resident set (VmHWM) above the section's start, MALLOC_MMAP_THRESHOLD_=" + MMAP_THRESHOLD)
+        return (
+            "torch.cuda.max_memory_allocated"
+            if self.device.type == "cuda"
+            else "peak resident set (VmHWM) above the section's start, MALLOC_MMAP_THRESHOLD_=" + MMAP_THRESHOLD
+        )
 
 
 # ---- models and rows ------------------------------------------------------------------------------
+
 
 def build_model(shape: str, device, attn: str = "sdpa", dtype=None):
     """A Qwen3ForCausalLM of the shape with random weights (seeded), made on `device`."""
@@ -155,7 +201,7 @@ def prompt_ids(tokens: int, seed: int) -> list[int]:
     ids: list[int] = []
     while len(ids) < tokens:
         start = rng.randrange(len(words))
-        ids += tok.encode(" ".join(words[start: start + 400]), add_special_tokens=False)
+        ids += tok.encode(" ".join(words[start : start + 400]), add_special_tokens=False)
     return ids[:tokens]
 
 
@@ -171,14 +217,23 @@ def training_rows(groups: int, samples: int, tokens: int, prompt: int, vocab: in
         p = [rng.randrange(vocab) for _ in range(prompt)]
         for s in range(samples):
             n = tokens - prompt
-            rows.append(TrainingRow(raw_key=f"r{g}-{s}", prompt_id=f"p{g}", sample_idx=s, prompt_ids=p,
-                                    response_ids=[rng.randrange(vocab) for _ in range(n)], loss_mask=[1] * n,
-                                    old_logprobs=[-rng.random() * 3 for _ in range(n)],
-                                    advantage=1.0 if s % 2 else -1.0))
+            rows.append(
+                TrainingRow(
+                    raw_key=f"r{g}-{s}",
+                    prompt_id=f"p{g}",
+                    sample_idx=s,
+                    prompt_ids=p,
+                    response_ids=[rng.randrange(vocab) for _ in range(n)],
+                    loss_mask=[1] * n,
+                    old_logprobs=[-rng.random() * 3 for _ in range(n)],
+                    advantage=1.0 if s % 2 else -1.0,
+                )
+            )
     return rows
 
 
 # ---- sections --------------------------------------------------------------------------------------
+
 
 def _stats(values: list[float]) -> dict:
     import numpy as np
@@ -200,15 +255,27 @@ def section_rollout(args, device, work: Path) -> dict:
     mem.start()  # the stage's whole footprint: its model too
     engine = CPUEngine(ckpt, device=device)
     t0 = time.perf_counter()
-    gens = engine.generate(contexts, SamplingParams(max_new_tokens=args.generate, temperature=1.0),
-                           seeds=list(range(args.rows)), shared_prefix=[len(prompt)] * args.rows)
+    gens = engine.generate(
+        contexts,
+        SamplingParams(max_new_tokens=args.generate, temperature=1.0),
+        seeds=list(range(args.rows)),
+        shared_prefix=[len(prompt)] * args.rows,
+    )
     wall = time.perf_counter() - t0
     generated = sum(len(g.output_ids) for g in gens)
-    (work / f"rollout-{args.shape}.json").write_text(json.dumps(
-        {"prompt": prompt, "rows": [{"ids": g.output_ids, "logprobs": g.logprobs} for g in gens]}))
-    return {"rows": args.rows, "prompt_tokens": len(prompt), "generated_tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall, "engine_dtype": str(next(engine.model.parameters()).dtype),
-            "peak_bytes": mem.peak(), "peak_how": mem.how}
+    (work / f"rollout-{args.shape}.json").write_text(
+        json.dumps({"prompt": prompt, "rows": [{"ids": g.output_ids, "logprobs": g.logprobs} for g in gens]})
+    )
+    return {
+        "rows": args.rows,
+        "prompt_tokens": len(prompt),
+        "generated_tokens": generated,
+        "wall_s": wall,
+        "tokens_per_s": generated / wall,
+        "engine_dtype": str(next(engine.model.parameters()).dtype),
+        "peak_bytes": mem.peak(),
+        "peak_how": mem.how,
+    }
 
 
 def _rollout_rows(args, work: Path) -> tuple[list[int], list[dict]]:
@@ -227,19 +294,42 @@ def section_recompute(args, device, work: Path) -> dict:
     mem = PeakMemory(device)
     mem.start()
     rec = CPURecompute(work / f"ckpt-{args.shape}", device=device, threads=None)
-    group = [PurifiedTrajectory(run_id="gpu-check", iteration=0, prompt_id="p0", sample_idx=i, mode="saar", gamma=0.5,
-                                raw_key=f"k{i}", prompt_ids=prompt, response_ids=r["ids"],
-                                loss_mask=[1] * len(r["ids"]), old_logprobs=[0.0] * len(r["ids"]),
-                                logprob_valid=[0] * len(r["ids"]), reward=0.0,
-                                advantage=0.0, splices=[], recompute_from=0, tokens_forwarded=0, gate=True)
-             for i, r in enumerate(rows)]
+    group = [
+        PurifiedTrajectory(
+            run_id="gpu-check",
+            iteration=0,
+            prompt_id="p0",
+            sample_idx=i,
+            mode="saar",
+            gamma=0.5,
+            raw_key=f"k{i}",
+            prompt_ids=prompt,
+            response_ids=r["ids"],
+            loss_mask=[1] * len(r["ids"]),
+            old_logprobs=[0.0] * len(r["ids"]),
+            logprob_valid=[0] * len(r["ids"]),
+            reward=0.0,
+            advantage=0.0,
+            splices=[],
+            recompute_from=0,
+            tokens_forwarded=0,
+            gate=True,
+        )
+        for i, r in enumerate(rows)
+    ]
     t0 = time.perf_counter()
     out = rec.group(group)
     wall = time.perf_counter() - t0
     gap = [abs(a - b) for r, o in zip(rows, out) for a, b in zip(r["logprobs"], o.old_logprobs)]
     tokens = sum(len(r["ids"]) for r in rows)
-    return {"scored_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "gap_vs_sampled": _stats(gap),
-            "peak_bytes": mem.peak(), "peak_how": mem.how}
+    return {
+        "scored_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "gap_vs_sampled": _stats(gap),
+        "peak_bytes": mem.peak(),
+        "peak_how": mem.how,
+    }
 
 
 def section_gap(args, device, work: Path) -> dict:
@@ -262,17 +352,34 @@ def section_gap(args, device, work: Path) -> dict:
         gap = []
         for i, r in enumerate(rows):
             n = len(r["ids"])
-            m = collate([TrainingRow(raw_key=f"k{i}", prompt_id="p0", sample_idx=i, prompt_ids=prompt,
-                                     response_ids=r["ids"], loss_mask=[1] * n, old_logprobs=[0.0] * n, advantage=0.0)],
-                        0, device)
+            m = collate(
+                [
+                    TrainingRow(
+                        raw_key=f"k{i}",
+                        prompt_id="p0",
+                        sample_idx=i,
+                        prompt_ids=prompt,
+                        response_ids=r["ids"],
+                        loss_mask=[1] * n,
+                        old_logprobs=[0.0] * n,
+                        advantage=0.0,
+                    )
+                ],
+                0,
+                device,
+            )
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 logp, _ = action_log_probs(actor, m.sequences, m.action_mask, m.attention_mask)
-            got = logp[0, len(prompt) - 1: len(prompt) - 1 + n].float().tolist()
+            got = logp[0, len(prompt) - 1 : len(prompt) - 1 + n].float().tolist()
             gap += [abs(a - b) for a, b in zip(r["logprobs"], got)]
         out[dtype] = _stats(gap)
-    return {"trainer_vs_sampled": out, "peak_bytes": mem.peak(), "peak_how": mem.how,
-            "what": "|log-prob the engine sampled with − the update's forward| per generated token, nats; the engine "
-                    "computes in the checkpoint's weights upcast to fp32"}
+    return {
+        "trainer_vs_sampled": out,
+        "peak_bytes": mem.peak(),
+        "peak_how": mem.how,
+        "what": "|log-prob the engine sampled with − the update's forward| per generated token, nats; the engine "
+        "computes in the checkpoint's weights upcast to fp32",
+    }
 
 
 def _free_port() -> int:
@@ -284,8 +391,13 @@ def _free_port() -> int:
 def section_update(args, device, work: Path) -> dict:
     """One update of 2 mini-batches (the second with AdamW's state present, each of 2 micro-batches) on rows of
     --tokens tokens: trained tokens/s of the second, the peak, and trainer.memory's estimate beside it."""
-    settings = dict(strategy=args.strategy, zero_stage=args.zero_stage, param_dtype=args.dtype,
-                    gradient_checkpointing=args.checkpointing, offload_optimizer=args.offload)
+    settings = dict(
+        strategy=args.strategy,
+        zero_stage=args.zero_stage,
+        param_dtype=args.dtype,
+        gradient_checkpointing=args.checkpointing,
+        offload_optimizer=args.offload,
+    )
     return measure_update(config_of(args.shape), args.shape, settings, args.tokens, device)
 
 
@@ -301,8 +413,19 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
     from trainer.memory import ModelShape, Plan, estimate, model_flops_per_token
 
     fields = TrainConfig.model_fields
-    cfg = TrainConfig(**{k: v for k, v in {**settings, "micro_batch_tokens": tokens, "mini_batches": 2,
-                                            "device": str(device), "lr": 1e-5}.items() if k in fields})
+    cfg = TrainConfig(
+        **{
+            k: v
+            for k, v in {
+                **settings,
+                "micro_batch_tokens": tokens,
+                "mini_batches": 2,
+                "device": str(device),
+                "lr": 1e-5,
+            }.items()
+            if k in fields
+        }
+    )
     check_device(CleanerConfig(train=cfg))  # the update stage's own preflight: its refusals are findings too
     shape = ModelShape.from_config(config, name)
     plan = Plan.from_train(cfg, tokens, ranks=1, device=device.type)
@@ -315,14 +438,21 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
     def model_on(where):
         torch.manual_seed(0)
         with torch.device(where):
-            return Qwen3ForCausalLM._from_config(Qwen3Config(**full),
-                                                 attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+            return Qwen3ForCausalLM._from_config(
+                Qwen3Config(**full), attn_implementation=cfg.attn_implementation, dtype=torch.float32
+            )
 
     if cfg.strategy == "deepspeed":
         from trainer.deepspeed_update import DeepSpeedGRPOUpdate, make_strategy
 
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
         strategy = make_strategy(cfg, device)
         mem.start()
         update = DeepSpeedGRPOUpdate(model_on("cpu"), cfg, strategy, 1.0)  # DeepSpeed moves it to the rank's device
@@ -337,14 +467,26 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
     del update
     est = estimate(shape, plan)
     tokens_per_s = last.tokens / last.seconds
-    out = {"strategy": cfg.strategy, "zero_stage": cfg.zero_stage if cfg.strategy == "deepspeed" else None,
-           "param_dtype": cfg.param_dtype, "gradient_checkpointing": plan.gradient_checkpointing,
-           "offload_optimizer": plan.offload_optimizer, "row_tokens": tokens, "parameters": shape.parameters,
-           "steps": len(progress.metrics), "trained_tokens": last.tokens, "step_s": last.seconds,
-           "tokens_per_s": tokens_per_s, "loss_finite": all(m.loss == m.loss for m in progress.metrics),
-           "peak_bytes": peak, "peak_how": mem.how, "estimate_bytes": est.peak,
-           "estimate_ratio": est.peak / peak if peak > 0 else None,
-           "estimate_terms": dict(est.terms), "offloaded_bytes": est.cpu_bytes}
+    out = {
+        "strategy": cfg.strategy,
+        "zero_stage": cfg.zero_stage if cfg.strategy == "deepspeed" else None,
+        "param_dtype": cfg.param_dtype,
+        "gradient_checkpointing": plan.gradient_checkpointing,
+        "offload_optimizer": plan.offload_optimizer,
+        "row_tokens": tokens,
+        "parameters": shape.parameters,
+        "steps": len(progress.metrics),
+        "trained_tokens": last.tokens,
+        "step_s": last.seconds,
+        "tokens_per_s": tokens_per_s,
+        "loss_finite": all(m.loss == m.loss for m in progress.metrics),
+        "peak_bytes": peak,
+        "peak_how": mem.how,
+        "estimate_bytes": est.peak,
+        "estimate_ratio": est.peak / peak if peak > 0 else None,
+        "estimate_terms": dict(est.terms),
+        "offloaded_bytes": est.cpu_bytes,
+    }
     flops = model_flops_per_token(shape, tokens) * tokens_per_s
     rate = peak_bf16(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     out["model_flops_per_s"] = flops
@@ -361,8 +503,11 @@ def measure_cpu(specs_path: Path, result_path: Path) -> int:
 
     out = []
     for spec in json.loads(specs_path.read_text()):
-        out.append(measure_update(spec["config"], spec.get("name", "custom"), spec["settings"], spec["tokens"],
-                                  torch.device("cpu")))
+        out.append(
+            measure_update(
+                spec["config"], spec.get("name", "custom"), spec["settings"], spec["tokens"], torch.device("cpu")
+            )
+        )
         gc.collect()
     result_path.write_text(json.dumps(out))
     return 0
@@ -396,16 +541,23 @@ def run_section(argv: list[str]) -> int:
     try:
         result = {"ok": True, **SECTIONS[args.section](args, device, args.work)}
     except torch.cuda.OutOfMemoryError as e:
-        result = {"ok": False, "error": f"out of memory: {str(e).splitlines()[0][:300]}",
-                  "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+        result = {
+            "ok": False,
+            "error": f"out of memory: {str(e).splitlines()[0][:300]}",
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        }
     except Exception as e:  # noqa: BLE001 - a section's failure is a finding, recorded, and the run goes on
-        result = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-                  "traceback": traceback.format_exc()[-3000:]}
+        result = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+            "traceback": traceback.format_exc()[-3000:],
+        }
     args.result.write_text(json.dumps(result))
     return 0
 
 
 # ---- the plan and the driver ---------------------------------------------------------------------
+
 
 def plan_sections(shapes: list[str], strategies: list[str], ds_dtype: str) -> list[dict]:
     """In order of what matters most (a spent budget skips the tail): the smaller shape's rollout, recompute,
@@ -414,14 +566,26 @@ def plan_sections(shapes: list[str], strategies: list[str], ds_dtype: str) -> li
     for shape in shapes:
         big = shape == "qwen3-4b"
         if not big:
-            out += [dict(section="rollout", shape=shape), dict(section="recompute", shape=shape),
-                    dict(section="gap", shape=shape)]
+            out += [
+                dict(section="rollout", shape=shape),
+                dict(section="recompute", shape=shape),
+                dict(section="gap", shape=shape),
+            ]
         if "local" in strategies:
             out.append(dict(section="update", shape=shape, strategy="local", dtype="bf16", checkpointing=big))
         if "deepspeed" in strategies:
             for stage in (2, 3):
-                out.append(dict(section="update", shape=shape, strategy="deepspeed", zero_stage=stage, dtype=ds_dtype,
-                                checkpointing=big, offload=big and stage == 3))
+                out.append(
+                    dict(
+                        section="update",
+                        shape=shape,
+                        strategy="deepspeed",
+                        zero_stage=stage,
+                        dtype=ds_dtype,
+                        checkpointing=big,
+                        offload=big and stage == 3,
+                    )
+                )
     return out
 
 
@@ -437,8 +601,22 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "tokenizers", "numpy", "pyarrow", "protobuf", "typing_extensions",
-                 "pydantic", "rapidfuzz", "deepspeed", "openrlhf", "flash_attn", "peft", "accelerate"):
+    for name in (
+        "torch",
+        "transformers",
+        "tokenizers",
+        "numpy",
+        "pyarrow",
+        "protobuf",
+        "typing_extensions",
+        "pydantic",
+        "rapidfuzz",
+        "deepspeed",
+        "openrlhf",
+        "flash_attn",
+        "peft",
+        "accelerate",
+    ):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -452,8 +630,12 @@ def card(device: str) -> dict:
     if not device.startswith("cuda"):
         return {"name": "cpu", "memory_bytes": None, "cuda": None}
     props = torch.cuda.get_device_properties(torch.device(device))
-    return {"name": props.name, "memory_bytes": props.total_memory, "cuda": torch.version.cuda,
-            "peak_bf16_flops": peak_bf16(props.name)}
+    return {
+        "name": props.name,
+        "memory_bytes": props.total_memory,
+        "cuda": torch.version.cuda,
+        "peak_bf16_flops": peak_bf16(props.name),
+    }
 
 
 def drive(args) -> dict:
@@ -463,11 +645,22 @@ def drive(args) -> dict:
     for stale in [*work.glob("result-*.json"), *work.glob("rollout-*.json")]:  # a previous run's (checkpoints stay)
         stale.unlink()
     t_start = time.monotonic()
-    report = {"schema": SCHEMA, "when": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
-              "card": card(args.device), "versions": versions(), "tokens": args.tokens, "budget_s": args.budget,
-              "sections": []}
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "PYTHONUNBUFFERED": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    report = {
+        "schema": SCHEMA,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": args.device,
+        "card": card(args.device),
+        "versions": versions(),
+        "tokens": args.tokens,
+        "budget_s": args.budget,
+        "sections": [],
+    }
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     for s in plan_sections(args.shapes, args.strategies, args.ds_dtype):
         name = section_name(s)
         if args.only and not any(word in name for word in args.only):
@@ -479,9 +672,27 @@ def drive(args) -> dict:
             report["sections"].append(entry)
             continue
         result = work / f"result-{len(report['sections'])}.json"
-        cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--section", s["section"], "--shape", s["shape"],
-               "--device", args.device, "--work", str(work), "--result", str(result), "--tokens", str(args.tokens),
-               "--generate", str(args.generate), "--rows", str(args.rows)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--section",
+            s["section"],
+            "--shape",
+            s["shape"],
+            "--device",
+            args.device,
+            "--work",
+            str(work),
+            "--result",
+            str(result),
+            "--tokens",
+            str(args.tokens),
+            "--generate",
+            str(args.generate),
+            "--rows",
+            str(args.rows),
+        ]
         if s["section"] == "update":
             cmd += ["--strategy", s["strategy"], "--zero-stage", str(s.get("zero_stage", 2)), "--dtype", s["dtype"]]
             cmd += ["--checkpointing"] * bool(s.get("checkpointing")) + ["--offload"] * bool(s.get("offload"))
@@ -506,18 +717,21 @@ def drive(args) -> dict:
 
 
 def _gib(x) -> str:
-    return "—" if x is None else f"{x / 2 ** 30:.2f}"
+    return "—" if x is None else f"{x / 2**30:.2f}"
 
 
 def render_markdown(r: dict) -> str:
     """The gpu section of benchmarks/RESULTS.md from a report."""
     c = r["card"]
-    lines = [f"GPU check (`scripts/gpu_check.sh`), {r['when']}, on {c['name']}"
-             + (f" ({_gib(c['memory_bytes'])} GiB, CUDA {c['cuda']})" if c.get("memory_bytes") else ""),
-             f"{r['tokens']}-token trajectories, random weights at Qwen3 shapes with the real tokenizer; versions: "
-             + ", ".join(f"{k} {v}" for k, v in r["versions"].items() if v), "",
-             "| section | result | tokens/s | MFU | peak GiB | estimate GiB | estimate / peak |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU check (`scripts/gpu_check.sh`), {r['when']}, on {c['name']}"
+        + (f" ({_gib(c['memory_bytes'])} GiB, CUDA {c['cuda']})" if c.get("memory_bytes") else ""),
+        f"{r['tokens']}-token trajectories, random weights at Qwen3 shapes with the real tokenizer; versions: "
+        + ", ".join(f"{k} {v}" for k, v in r["versions"].items() if v),
+        "",
+        "| section | result | tokens/s | MFU | peak GiB | estimate GiB | estimate / peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in r["sections"]:
         if not s.get("ok"):
             lines.append(f"| {s['name']} | {s.get('error', '?')} | | | {_gib(s.get('peak_bytes'))} | | |")
@@ -525,20 +739,29 @@ def render_markdown(r: dict) -> str:
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") else "—"
         ratio = f"{s['estimate_ratio']:.2f}" if s.get("estimate_ratio") else "—"
         rate = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "—"
-        lines.append(f"| {s['name']} | ok | {rate} | {mfu} | {_gib(s.get('peak_bytes'))} | "
-                     f"{_gib(s.get('estimate_bytes'))} | {ratio} |")
+        lines.append(
+            f"| {s['name']} | ok | {rate} | {mfu} | {_gib(s.get('peak_bytes'))} | "
+            f"{_gib(s.get('estimate_bytes'))} | {ratio} |"
+        )
     gaps = [s for s in r["sections"] if s.get("ok") and ("trainer_vs_sampled" in s or "gap_vs_sampled" in s)]
     if gaps:
         lines += ["", "| log-prob gap vs sampled (nats/token) | mean | p99 | max |", "|---|---|---|---|"]
         for s in gaps:
-            pairs = ([(f"recompute ({s['shape']})", s["gap_vs_sampled"])] if "gap_vs_sampled" in s else
-                     [(f"update forward {k} ({s['shape']})", v) for k, v in s["trainer_vs_sampled"].items()])
+            pairs = (
+                [(f"recompute ({s['shape']})", s["gap_vs_sampled"])]
+                if "gap_vs_sampled" in s
+                else [(f"update forward {k} ({s['shape']})", v) for k, v in s["trainer_vs_sampled"].items()]
+            )
             for label, st in pairs:
                 if st.get("count"):
                     lines.append(f"| {label} | {st['mean']:.2e} | {st['p99']:.2e} | {st['max']:.2e} |")
-    lines += ["", "Peak: " + next((s["peak_how"] for s in r["sections"] if s.get("peak_how")), "—") + "; estimate: "
-              "trainer/memory.py (`cleaner fit`). MFU: (6 × parameters + causal attention) FLOPs per trained token × "
-              "tokens/s over the card's dense bf16 peak; recomputed (checkpointed) forwards not counted.", ""]
+    lines += [
+        "",
+        "Peak: " + next((s["peak_how"] for s in r["sections"] if s.get("peak_how")), "—") + "; estimate: "
+        "trainer/memory.py (`cleaner fit`). MFU: (6 × parameters + causal attention) FLOPs per trained token × "
+        "tokens/s over the card's dense bf16 peak; recomputed (checkpointed) forwards not counted.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -562,35 +785,68 @@ def record_results(r: dict) -> None:
         if s.get("mfu"):
             rows.append(Row(f"{s['name']} MFU", s["mfu"], target=">= 0.35" if "0.6b" in s["name"] else ""))
         if s.get("peak_bytes"):
-            rows.append(Row(f"{s['name']} peak", s["peak_bytes"] / 2 ** 30, baseline=(s.get("estimate_bytes") or 0)
-                            / 2 ** 30 or None, unit="GiB; baseline: estimate", higher_is_better=False))
+            rows.append(
+                Row(
+                    f"{s['name']} peak",
+                    s["peak_bytes"] / 2**30,
+                    baseline=(s.get("estimate_bytes") or 0) / 2**30 or None,
+                    unit="GiB; baseline: estimate",
+                    higher_is_better=False,
+                )
+            )
         gaps = s.get("trainer_vs_sampled") or ({"recompute": s["gap_vs_sampled"]} if "gap_vs_sampled" in s else {})
         for kind, st in gaps.items():
             if st.get("count"):
-                rows.append(Row(f"{s['name']} gap sampled vs {kind}, mean", st["mean"], unit="nats/token",
-                                higher_is_better=False))
+                rows.append(
+                    Row(
+                        f"{s['name']} gap sampled vs {kind}, mean",
+                        st["mean"],
+                        unit="nats/token",
+                        higher_is_better=False,
+                    )
+                )
     failed = [f"{s['name']}: {s.get('error')}" for s in r["sections"] if not s.get("ok")]
     c = r["card"]
-    record(BenchResult("gpu", f"`scripts/gpu_check.sh` on {c['name']} (CUDA {c.get('cuda')}), {r['tokens']}-token "
-                       "trajectories at Qwen3-0.6B and Qwen3-4B shapes (random weights, the real tokenizer)", rows,
-                       notes=[ln for ln in render_markdown(r).splitlines() if ln.startswith("Peak:")] + failed))
+    record(
+        BenchResult(
+            "gpu",
+            f"`scripts/gpu_check.sh` on {c['name']} (CUDA {c.get('cuda')}), {r['tokens']}-token "
+            "trajectories at Qwen3-0.6B and Qwen3-4B shapes (random weights, the real tokenizer)",
+            rows,
+            notes=[ln for ln in render_markdown(r).splitlines() if ln.startswith("Peak:")] + failed,
+        )
+    )
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = _Parser(prog="scripts/gpu_check.sh", description=(
-        "The GPU check for an air-gapped CUDA machine: rollout, recompute, log-prob gap, local and DeepSpeed "
-        "updates at Qwen3-0.6B and Qwen3-4B shapes; report.json + report.md (RESULTS.md's gpu section) under --out. "
-        "`scripts/gpu_check.sh --sglang --help`: the SGLang path for connected machines."))
+    ap = _Parser(
+        prog="scripts/gpu_check.sh",
+        description=(
+            "The GPU check for an air-gapped CUDA machine: rollout, recompute, log-prob gap, local and DeepSpeed "
+            "updates at Qwen3-0.6B and Qwen3-4B shapes; report.json + report.md (RESULTS.md's gpu section) under --out. "
+            "`scripts/gpu_check.sh --sglang --help`: the SGLang path for connected machines."
+        ),
+    )
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the same logic on the CPU, tiny shapes)")
-    ap.add_argument("--shapes", nargs="+", default=None, choices=sorted(SHAPES),
-                    help="default: qwen3-0.6b qwen3-4b on a GPU, tiny on the CPU")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        choices=sorted(SHAPES),
+        help="default: qwen3-0.6b qwen3-4b on a GPU, tiny on the CPU",
+    )
     ap.add_argument("--strategies", nargs="+", default=["local", "deepspeed"], choices=["local", "deepspeed"])
     ap.add_argument("--tokens", type=int, default=8192, help="trajectory tokens (default 8192)")
     ap.add_argument("--generate", type=int, default=256, help="tokens the rollout generates per row")
     ap.add_argument("--rows", type=int, default=4, help="rows the rollout generates")
     ap.add_argument("--ds-dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--only", nargs="+", metavar="WORD", help="only the sections whose name holds one of these words "
-                    "(e.g. --only update 'rollout qwen3-0.6b'); a rerun of what failed")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        metavar="WORD",
+        help="only the sections whose name holds one of these words "
+        "(e.g. --only update 'rollout qwen3-0.6b'); a rerun of what failed",
+    )
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; sections after it are skipped (default 330)")
     ap.add_argument("--out", type=Path, default=ROOT / "workspace" / "gpu-check")
     ap.add_argument("--record", action="store_true", help="write the report into benchmarks/RESULTS.md (gpu section)")
@@ -613,16 +869,21 @@ def main(argv: list[str]) -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"gpu_check: --device {args.device}: no CUDA device here (torch {torch.__version__}); "
-              "--device cpu runs the same logic on the CPU", file=sys.stderr)
+        print(
+            f"gpu_check: --device {args.device}: no CUDA device here (torch {torch.__version__}); "
+            "--device cpu runs the same logic on the CPU",
+            file=sys.stderr,
+        )
         return 2
     report = drive(args)
     if args.record:
         record_results(report)
         log("wrote the gpu section of benchmarks/RESULTS.md")
     failed = [s["name"] for s in report["sections"] if not s.get("ok")]
-    log(f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; "
-        + (f"{len(failed)} section(s) did not finish: {', '.join(failed)}" if failed else "every section ok"))
+    log(
+        f"report: {args.out / 'report.json'}, {args.out / 'report.md'}; "
+        + (f"{len(failed)} section(s) did not finish: {', '.join(failed)}" if failed else "every section ok")
+    )
     return 0
 
 

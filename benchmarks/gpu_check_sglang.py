@@ -28,6 +28,7 @@ an update (rollout_gen/stage.py builds an SGLangEngine per rollout without `upda
 run's frozen config would refuse the change of train.strategy between the iterations. The driver runs the
 flow's three stages in the flow's order instead, and reloads the server itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,15 @@ PR_SET_PDEATHSIG = 1
 # world policy's 256 prompt tokens). A real checkpoint takes its own through KEY=VALUE overrides.
 DEFAULT_OVERRIDES = ["rollout.max_prompt_tokens=512"]
 # Keys the check sets itself: the point of the run is the SGLang path and these two update strategies.
-FIXED_KEYS = ("storage.root", "rollout.policy", "rollout.engine", "rollout.sglang_url", "purify.recompute",
-              "train.strategy", "train.nproc")
+FIXED_KEYS = (
+    "storage.root",
+    "rollout.policy",
+    "rollout.engine",
+    "rollout.sglang_url",
+    "purify.recompute",
+    "train.strategy",
+    "train.nproc",
+)
 
 
 class CheckError(Exception):
@@ -81,12 +89,15 @@ def log(msg: str) -> None:
 
 # ---- processes ----------------------------------------------------------------------------------
 
+
 def _die_with(parent: int) -> Callable[[], None]:
     """preexec_fn: the kernel kills the child when the driver dies, however it dies (kill -9 included)."""
+
     def set_pdeathsig() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the driver died before prctl took effect
             os._exit(1)
+
     return set_pdeathsig
 
 
@@ -134,14 +145,18 @@ def _wait_healthy(server: Server, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc is not None and server.proc.poll() is not None:
-            raise CheckError(f"the {server.kind} server exited with code {server.proc.returncode} before it answered; "
-                             f"its log: {server.log_path}")
+            raise CheckError(
+                f"the {server.kind} server exited with code {server.proc.returncode} before it answered; "
+                f"its log: {server.log_path}"
+            )
         if server.url and _healthy(server.url):
             server.started_s = time.perf_counter() - t0
             return
         time.sleep(0.5)
-    raise CheckError(f"the {server.kind} server did not answer {server.url}/health within {timeout_s:.0f} s "
-                     f"(--server-timeout); its log: {server.log_path}")
+    raise CheckError(
+        f"the {server.kind} server did not answer {server.url}/health within {timeout_s:.0f} s "
+        f"(--server-timeout); its log: {server.log_path}"
+    )
 
 
 def _free_port() -> int:
@@ -159,10 +174,23 @@ def launch_double(checkpoint: Path, out: Path) -> Server:
     url_file.unlink(missing_ok=True)
     log_path = out / "server.log"
     with open(log_path, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu_check_sglang", "--serve-double", str(checkpoint),
-                                 "--url-file", str(url_file)], stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True,
-                                preexec_fn=_die_with(os.getpid()))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.gpu_check_sglang",
+                "--serve-double",
+                str(checkpoint),
+                "--url-file",
+                str(url_file),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=ROOT,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
     server = Server("contract double", "", proc, log_path)
     server.url_file = url_file
     return server
@@ -171,14 +199,34 @@ def launch_double(checkpoint: Path, out: Path) -> Server:
 def launch_sglang(python: Path, checkpoint: Path, out: Path, mem_fraction: float, extra: list[str]) -> Server:
     port = _free_port()
     log_path = out / "server.log"
-    cmd = [str(python), "-m", "sglang.launch_server", "--model-path", str(checkpoint), "--host", "127.0.0.1",
-           "--port", str(port),
-           # the trainer shares the GPU: SGLang would otherwise reserve most of its memory for the KV cache
-           "--mem-fraction-static", str(mem_fraction), "--log-level", "warning", *extra]
+    cmd = [
+        str(python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # the trainer shares the GPU: SGLang would otherwise reserve most of its memory for the KV cache
+        "--mem-fraction-static",
+        str(mem_fraction),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     log(f"starting SGLang: {' '.join(cmd)} (log {log_path})")
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=out,
-                                start_new_session=True, preexec_fn=_die_with(os.getpid()))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=out,
+            start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
+        )
     return Server("SGLang", f"http://127.0.0.1:{port}", proc, log_path)
 
 
@@ -225,22 +273,39 @@ def build_sglang_venv(venv: Path, version: str, base_python: str, wheelhouse: Pa
             last = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()][-1:] or ["no output"]
             raise CheckError(f"pip could not install sglang=={version} into {venv}: {last[0]}")
         stamp.touch()
-    out = subprocess.run([str(venv / "bin" / "python"), "-c",
-                          "import sglang, torch, transformers; print(sglang.__version__, torch.__version__, "
-                          "torch.version.cuda, transformers.__version__)"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import sglang, torch, transformers; print(sglang.__version__, torch.__version__, "
+            "torch.version.cuda, transformers.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
-        raise CheckError(f"{venv}: sglang does not import ({(out.stderr.strip().splitlines() or ['?'])[-1]}); "
-                         f"remove {venv} and rerun")
+        raise CheckError(
+            f"{venv}: sglang does not import ({(out.stderr.strip().splitlines() or ['?'])[-1]}); "
+            f"remove {venv} and rerun"
+        )
     sgl, torch_v, cuda, tf = out.stdout.split()
-    return {"path": str(venv), "sglang": sgl, "torch": torch_v, "cuda": cuda, "transformers": tf,
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "path": str(venv),
+        "sglang": sgl,
+        "torch": torch_v,
+        "cuda": cuda,
+        "transformers": tf,
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 # ---- the GPU: card, and which processes used it during a stage ---------------------------------
 
+
 def nvidia_smi(*query: str) -> list[list[str]]:
-    out = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        ["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30
+    )
     if out.returncode != 0:
         return []
     return [[c.strip() for c in ln.split(",")] for ln in out.stdout.splitlines() if ln.strip()]
@@ -283,7 +348,9 @@ class GPUWatch:
             apps = nvidia_smi("--query-compute-apps=pid,used_memory")
             self.pids_seen |= bool(apps)
             ours = self._ours()
-            for pid, mib in ((int(a[0]), float(a[1])) for a in apps if a[0].isdigit() and a[1].replace(".", "").isdigit()):
+            for pid, mib in (
+                (int(a[0]), float(a[1])) for a in apps if a[0].isdigit() and a[1].replace(".", "").isdigit()
+            ):
                 if pid in ours:
                     self.ours_mib = max(self.ours_mib, mib)
 
@@ -299,12 +366,16 @@ class GPUWatch:
         rise = self.peak_used - self.base_used
         # per process where nvidia-smi can see pids; in a container it often cannot, then the card's rise
         used = self.ours_mib > 0 if self.pids_seen else rise > 256
-        return {"used_gpu": used, "process_peak_mib": self.ours_mib if self.pids_seen else None,
-                "card_memory_rise_mib": rise,
-                "how": "nvidia-smi per-process memory" if self.pids_seen else "nvidia-smi card memory (no pids visible)"}
+        return {
+            "used_gpu": used,
+            "process_peak_mib": self.ours_mib if self.pids_seen else None,
+            "card_memory_rise_mib": rise,
+            "how": "nvidia-smi per-process memory" if self.pids_seen else "nvidia-smi card memory (no pids visible)",
+        }
 
 
 # ---- the trainer's forward -----------------------------------------------------------------------
+
 
 class TrainerForward:
     """Log-probs as the update computes them before its first step: the checkpoint loaded as trainer/inputs.py
@@ -321,8 +392,11 @@ class TrainerForward:
         self.torch = torch
         self.device, self.pad_id = device, pad_id
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype,
-                                                          attn_implementation=UPDATE_ATTENTION).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, attn_implementation=UPDATE_ATTENTION)
+            .to(device)
+            .eval()
+        )
         self.actor = make_actor(self.model, TrainConfig(), temperature)
 
     def logprobs(self, rows: list, batch: int = 8) -> list[list[float]]:
@@ -334,17 +408,30 @@ class TrainerForward:
         with self.torch.no_grad():
             for a in range(0, len(rows), batch):
                 # every response token in the action mask: its log-prob is wanted whatever the row trains on
-                chunk = [TrainingRow(raw_key=str(k), prompt_id=r.prompt_id, sample_idx=r.sample_idx,
-                                     prompt_ids=list(r.prompt_ids), response_ids=list(r.response_ids),
-                                     loss_mask=[1] * len(r.response_ids), old_logprobs=[0.0] * len(r.response_ids),
-                                     advantage=0.0) for k, r in enumerate(rows[a: a + batch])]
+                chunk = [
+                    TrainingRow(
+                        raw_key=str(k),
+                        prompt_id=r.prompt_id,
+                        sample_idx=r.sample_idx,
+                        prompt_ids=list(r.prompt_ids),
+                        response_ids=list(r.response_ids),
+                        loss_mask=[1] * len(r.response_ids),
+                        old_logprobs=[0.0] * len(r.response_ids),
+                        advantage=0.0,
+                    )
+                    for k, r in enumerate(rows[a : a + batch])
+                ]
                 m = collate(chunk, self.pad_id)
-                logp, _ = action_log_probs(self.actor, m.sequences.to(self.device), m.action_mask.to(self.device),
-                                           m.attention_mask.to(self.device))
+                logp, _ = action_log_probs(
+                    self.actor,
+                    m.sequences.to(self.device),
+                    m.action_mask.to(self.device),
+                    m.attention_mask.to(self.device),
+                )
                 logp = logp.float().cpu()
                 for i, r in enumerate(chunk):
                     p, n = len(r.prompt_ids), len(r.response_ids)
-                    out.append(logp[i, p - 1: p - 1 + n].tolist())
+                    out.append(logp[i, p - 1 : p - 1 + n].tolist())
         return out
 
     def close(self) -> None:
@@ -366,8 +453,13 @@ def stats(values: list[float]) -> dict:
     a = np.asarray(values, dtype=np.float64)
     if a.size == 0:
         return {"count": 0, "mean": None, "p50": None, "p99": None, "max": None}
-    return {"count": int(a.size), "mean": float(a.mean()), "p50": float(np.median(a)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+    return {
+        "count": int(a.size),
+        "mean": float(a.mean()),
+        "p50": float(np.median(a)),
+        "p99": float(np.percentile(a, 99)),
+        "max": float(a.max()),
+    }
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -395,8 +487,11 @@ def measure_mismatch(cfg, run_id: str, iteration: int, fwd: TrainerForward) -> d
     from trainer.inputs import load_rows
 
     layout = RunLayout(cfg.storage.root, run_id)
-    raw = read_shard(layout.raw_dir(iteration), RAW, columns=["run_id", "iteration", "prompt_id", "sample_idx",
-                                                              "lived_ids", "lived_logprobs"]).to_pylist()
+    raw = read_shard(
+        layout.raw_dir(iteration),
+        RAW,
+        columns=["run_id", "iteration", "prompt_id", "sample_idx", "lived_ids", "lived_logprobs"],
+    ).to_pylist()
     lived = {row_key(r["run_id"], r["iteration"], r["prompt_id"], r["sample_idx"]): r for r in raw}
     trained = load_rows(cfg, run_id, iteration)[0]
     partitions = []
@@ -414,9 +509,16 @@ def measure_mismatch(cfg, run_id: str, iteration: int, fwd: TrainerForward) -> d
                 (unspliced if v == 1 else recomputed).append(abs(row.old_logprobs[j] - lps[j]))
                 if part == trained and v == 1 and j < prefix:
                     vs_raw.append(abs(row.old_logprobs[j] - src["lived_logprobs"][j]))
-        partitions.append({"partition": str(part.relative_to(layout.iteration_dir(iteration))), "rows": len(rows),
-                           "trained": part == trained, "unspliced": stats(unspliced), "recomputed": stats(recomputed),
-                           "_values": (unspliced, recomputed, vs_raw)})
+        partitions.append(
+            {
+                "partition": str(part.relative_to(layout.iteration_dir(iteration))),
+                "rows": len(rows),
+                "trained": part == trained,
+                "unspliced": stats(unspliced),
+                "recomputed": stats(recomputed),
+                "_values": (unspliced, recomputed, vs_raw),
+            }
+        )
     return {"partitions": partitions}
 
 
@@ -435,10 +537,14 @@ def verify_reload(url: str, probe: list, before: list[list[float]], after: list[
     num = sum((s - o) * (n - o) for s, o, n in triples)
     den = sum((n - o) ** 2 for _, o, n in triples)
     moved = None if den == 0.0 else num / den
-    return {"probe_tokens": len(triples), "server_vs_new": stats([abs(s - n) for s, _, n in triples]),
-            "server_vs_old": stats([abs(s - o) for s, o, _ in triples]),
-            "new_vs_old_max": max((abs(n - o) for _, o, n in triples), default=0.0),
-            "moved_fraction": moved, "verified": None if moved is None else 0.5 < moved < 1.5}
+    return {
+        "probe_tokens": len(triples),
+        "server_vs_new": stats([abs(s - n) for s, _, n in triples]),
+        "server_vs_old": stats([abs(s - o) for s, o, _ in triples]),
+        "new_vs_old_max": max((abs(n - o) for _, o, n in triples), default=0.0),
+        "moved_fraction": moved,
+        "verified": None if moved is None else 0.5 < moved < 1.5,
+    }
 
 
 def model_info(url: str) -> dict:
@@ -448,8 +554,10 @@ def model_info(url: str) -> dict:
     except (urllib.error.URLError, OSError) as e:
         return not_run(f"/model_info unreachable ({e})")
     if code != 200:
-        return not_run(f"/model_info answered HTTP {code} (the contract double implements /generate, /health and "
-                       "/update_weights_from_disk only)")
+        return not_run(
+            f"/model_info answered HTTP {code} (the contract double implements /generate, /health and "
+            "/update_weights_from_disk only)"
+        )
     info = json.loads(body)
     return {"model_path": info.get("model_path"), "weight_version": info.get("weight_version")}
 
@@ -462,10 +570,15 @@ def server_version(url: str) -> dict | str:
     if code != 200:
         return not_run(f"/server_info answered HTTP {code}")
     info = json.loads(body)
-    return {"version": info.get("version"), "dtype": info.get("dtype"), "attention_backend": info.get("attention_backend")}
+    return {
+        "version": info.get("version"),
+        "dtype": info.get("dtype"),
+        "attention_backend": info.get("attention_backend"),
+    }
 
 
 # ---- the run -------------------------------------------------------------------------------------
+
 
 def versions() -> dict:
     import importlib.metadata as md
@@ -477,9 +590,12 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[name] = None
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True)
-    out["cleaner_commit"] = (git.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) if git.returncode == 0 else None
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    out["cleaner_commit"] = (
+        (git.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")) if git.returncode == 0 else None
+    )
     return out
 
 
@@ -499,8 +615,10 @@ def check_url(url: str) -> str:
         raise CheckError(f"--url {url!r}: the server must run on this machine (127.0.0.1); tokens/s per GPU assume it")
     url = url.rstrip("/")
     if not _healthy(url):
-        raise CheckError(f"SGLang URL {url} does not answer (GET {url}/health failed); start a server there "
-                         "or leave --url out to have the check start one")
+        raise CheckError(
+            f"SGLang URL {url} does not answer (GET {url}/health failed); start a server there "
+            "or leave --url out to have the check start one"
+        )
     return url
 
 
@@ -508,15 +626,24 @@ def cuda_card() -> dict:
     """The GPU this check runs on, or CheckError: no GPU, or a .venv whose torch cannot use it."""
     rows = nvidia_smi("--query-gpu=name,memory.total,driver_version") if shutil.which("nvidia-smi") else []
     if not rows:
-        raise CheckError("no CUDA GPU on this machine (nvidia-smi lists none); on a CPU machine run "
-                         "scripts/gpu_check.sh --sglang --double")
+        raise CheckError(
+            "no CUDA GPU on this machine (nvidia-smi lists none); on a CPU machine run "
+            "scripts/gpu_check.sh --sglang --double"
+        )
     import torch
 
     if not torch.cuda.is_available():
-        raise CheckError(f".venv's torch {torch.__version__} cannot use the GPU ({rows[0][0]}): install torch's CUDA "
-                         f"build of the same version into .venv (setup.sh takes a CPU wheel where one lies on disk)")
-    return {"card": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "memory_mib": float(rows[0][1]),
-            "driver": rows[0][2], "cuda": torch.version.cuda}
+        raise CheckError(
+            f".venv's torch {torch.__version__} cannot use the GPU ({rows[0][0]}): install torch's CUDA "
+            f"build of the same version into .venv (setup.sh takes a CPU wheel where one lies on disk)"
+        )
+    return {
+        "card": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(),
+        "memory_mib": float(rows[0][1]),
+        "driver": rows[0][2],
+        "cuda": torch.version.cuda,
+    }
 
 
 class Check:
@@ -528,9 +655,15 @@ class Check:
         self.stages: list[dict] = []
         self.server: Server | None = None
         self.report: dict[str, Any] = {
-            "schema": REPORT_SCHEMA, "mode": "double" if self.double else "gpu", "ok": False, "error": None,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"), "command": sys.argv[1:], "run_id": self.run_id,
-            "workspace": str(self.out / "ws"), "report": str(self.out / "report.md"),
+            "schema": REPORT_SCHEMA,
+            "mode": "double" if self.double else "gpu",
+            "ok": False,
+            "error": None,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": sys.argv[1:],
+            "run_id": self.run_id,
+            "workspace": str(self.out / "ws"),
+            "report": str(self.out / "report.md"),
         }
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -554,9 +687,15 @@ class Check:
         clash = [o for o in user if o.split("=", 1)[0] in FIXED_KEYS]
         if clash:
             raise CheckError(f"{clash[0]}: set by the check itself ({', '.join(FIXED_KEYS)})")
-        fixed = [f"storage.root={self.out / 'ws'}", f"rollout.policy={checkpoint}", "rollout.engine=sglang",
-                 f"rollout.sglang_url={url}", "purify.recompute=sglang",
-                 f"train.strategy={'local' if iteration == 0 else 'deepspeed'}", "train.nproc=1"]
+        fixed = [
+            f"storage.root={self.out / 'ws'}",
+            f"rollout.policy={checkpoint}",
+            "rollout.engine=sglang",
+            f"rollout.sglang_url={url}",
+            "purify.recompute=sglang",
+            f"train.strategy={'local' if iteration == 0 else 'deepspeed'}",
+            "train.nproc=1",
+        ]
         if iteration == 1:
             fixed.append(f"train.param_dtype={self.args.ds_dtype}")
         return load_config(None, DEFAULT_OVERRIDES + [f"rollout.tasks_per_iteration={self.args.tasks}"] + user + fixed)
@@ -583,13 +722,24 @@ class Check:
         card = None if self.double else cuda_card()
         self.out.mkdir(parents=True, exist_ok=True)
         if self.double:
-            report["device"] = {"card": not_run("--double: no GPU used"), "gpus": 0, "memory_mib": not_run("--double"),
-                                "driver": not_run("--double"), "cuda": not_run("--double"), "trainer_device": "cpu"}
+            report["device"] = {
+                "card": not_run("--double: no GPU used"),
+                "gpus": 0,
+                "memory_mib": not_run("--double"),
+                "driver": not_run("--double"),
+                "cuda": not_run("--double"),
+                "trainer_device": "cpu",
+            }
         else:
             report["device"] = {**card, "trainer_device": "cuda"}
         report["versions"] = versions()
-        report["sglang_venv"] = not_run("--double: the contract double runs in .venv") if self.double else \
-            not_run("--url: an existing server was used") if url else None
+        report["sglang_venv"] = (
+            not_run("--double: the contract double runs in .venv")
+            if self.double
+            else not_run("--url: an existing server was used")
+            if url
+            else None
+        )
         try:
             checkpoint = self._checkpoint()
             self._server(checkpoint, url)
@@ -605,8 +755,11 @@ class Check:
             from storage.errors import CleanerError
 
             failed = next((s for s in reversed(self.stages) if s["status"] == "failed"), None)
-            where = "setup" if failed is None else failed["stage"] + (
-                "" if failed["iteration"] is None else f" (iteration {failed['iteration']})")
+            where = (
+                "setup"
+                if failed is None
+                else failed["stage"] + ("" if failed["iteration"] is None else f" (iteration {failed['iteration']})")
+            )
             msg = str(e).splitlines()[0] if isinstance(e, CleanerError) else f"{type(e).__name__}: {e}"
             report["error"] = f"{where}: {msg}"
             report["error_detail"] = str(e).splitlines()[-40:]  # e.g. a torchrun rank's traceback
@@ -615,8 +768,10 @@ class Check:
         finally:
             if self.server is not None:
                 self.server.stop()
-                report["server"] = {**self._server_fields(), "stopped": self.server.proc is None
-                                    or self.server.proc.poll() is not None}
+                report["server"] = {
+                    **self._server_fields(),
+                    "stopped": self.server.proc is None or self.server.proc.poll() is not None,
+                }
             report["stages"] = self.stages
             report["wall_s"] = {"total": time.perf_counter() - t_all, **self._stage_walls()}
             self._fill_not_run()
@@ -647,11 +802,17 @@ class Check:
                 wait_ready(self.server, args.server_timeout)
         else:
             with self.stage("sglang_venv"):
-                self.report["sglang_venv"] = build_sglang_venv(args.sglang_venv.resolve(), args.sglang_version,
-                                                               args.venv_python, args.wheelhouse)
+                self.report["sglang_venv"] = build_sglang_venv(
+                    args.sglang_venv.resolve(), args.sglang_version, args.venv_python, args.wheelhouse
+                )
             with self.stage("server_start"):
-                self.server = launch_sglang(args.sglang_venv.resolve() / "bin" / "python", checkpoint, self.out,
-                                            args.mem_fraction, args.sglang_arg)
+                self.server = launch_sglang(
+                    args.sglang_venv.resolve() / "bin" / "python",
+                    checkpoint,
+                    self.out,
+                    args.mem_fraction,
+                    args.sglang_arg,
+                )
                 wait_ready(self.server, args.server_timeout)
         self.report["server"] = self._server_fields()
         if url:  # a server we did not start: make it serve the checkpoint this run starts from
@@ -663,10 +824,21 @@ class Check:
     def _server_fields(self) -> dict:
         server, fields = self.server, self.report.get("server") or {}
         if "sglang" not in fields:  # asked once, while the server runs
-            fields["sglang"] = not_run("--double: the contract double is not SGLang") if self.double else \
-                server_version(server.url) if server.url and _healthy(server.url) else not_run("the server never answered")
-        return {**fields, "kind": server.kind, "url": server.url, "pid": server.pid, "start_s": server.started_s,
-                "log": None if server.log_path is None else str(server.log_path)}
+            fields["sglang"] = (
+                not_run("--double: the contract double is not SGLang")
+                if self.double
+                else server_version(server.url)
+                if server.url and _healthy(server.url)
+                else not_run("the server never answered")
+            )
+        return {
+            **fields,
+            "kind": server.kind,
+            "url": server.url,
+            "pid": server.pid,
+            "start_s": server.started_s,
+            "log": None if server.log_path is None else str(server.log_path),
+        }
 
     def _iterations(self, server: Server, checkpoint: Path) -> None:
         from pipeline.chat import load_chat
@@ -692,17 +864,27 @@ class Check:
             with self.stage("rollout", i):
                 manifest = run_rollout_stage(cfg, self.run_id, i, src, show_progress=False)
             gen, wall = manifest.extra["generated_tokens"], manifest.extra["wall_s"]
-            it["rollout"] = {"trajectories": manifest.rows, "generated_tokens": gen, "loop_s": wall,
-                             "tokens_per_s": gen / wall if wall else None}
+            it["rollout"] = {
+                "trajectories": manifest.rows,
+                "generated_tokens": gen,
+                "loop_s": wall,
+                "tokens_per_s": gen / wall if wall else None,
+            }
             with self.stage("purify", i):
                 results = run_purify_stage(cfg, self.run_id, i)
-            it["purify"] = {"partitions": {f"{r.mode} γ={r.gamma:g}": {"rows": r.rows, "dead": r.dead} for r in results}}
+            it["purify"] = {
+                "partitions": {f"{r.mode} γ={r.gamma:g}": {"rows": r.rows, "dead": r.dead} for r in results}
+            }
             # the update's dtype: fp32 for the local strategy, train.param_dtype under DeepSpeed
             dtype = "fp32" if cfg.train.strategy == "local" else cfg.train.param_dtype
             with self.stage("mismatch", i):
                 with trainer_forward(src, device, dtype, cfg.rollout.temperature, pad) as fwd:
-                    it["mismatch"] = {"checkpoint": str(src), "device": device, "dtype": dtype,
-                                      **measure_mismatch(cfg, self.run_id, i, fwd)}
+                    it["mismatch"] = {
+                        "checkpoint": str(src),
+                        "device": device,
+                        "dtype": dtype,
+                        **measure_mismatch(cfg, self.run_id, i, fwd),
+                    }
                     part = load_rows(cfg, self.run_id, i)[0]
                     probe = self._probe(part)
                     before = fwd.logprobs(probe)
@@ -714,26 +896,45 @@ class Check:
             steps = read_shard(layout.metrics_dir(i, "update"), METRICS).to_pylist()
             tokens = int(sum(r["value"] for r in steps if r["name"] == "tokens"))
             loop = record.get("wall_s")
-            it["update"] = {"strategy": cfg.train.strategy, "ranks": record.get("ranks", 1),
-                            # trainer/deepspeed_update.py: gloo where torch has no CUDA, else OpenRLHF's NCCL set-up
-                            "backend": None if cfg.train.strategy == "local" else ("gloo" if self.double else "nccl"),
-                            "param_dtype": dtype, "steps": len({r["step"] for r in steps}), "trained_tokens": tokens,
-                            "loop_s": loop, "tokens_per_s": tokens / loop if loop else None,
-                            "gpu": not_run("--double: no GPU") if watch is None else watch.result()}
+            it["update"] = {
+                "strategy": cfg.train.strategy,
+                "ranks": record.get("ranks", 1),
+                # trainer/deepspeed_update.py: gloo where torch has no CUDA, else OpenRLHF's NCCL set-up
+                "backend": None if cfg.train.strategy == "local" else ("gloo" if self.double else "nccl"),
+                "param_dtype": dtype,
+                "steps": len({r["step"] for r in steps}),
+                "trained_tokens": tokens,
+                "loop_s": loop,
+                "tokens_per_s": tokens / loop if loop else None,
+                "gpu": not_run("--double: no GPU") if watch is None else watch.result(),
+            }
             if cfg.train.strategy == "deepspeed" and i > 0:
-                it["update"]["note"] = ("optimizer state starts fresh: the checkpoint it continues from was written by the "
-                                        "local strategy (trainer_state.pt, not deepspeed/)")
+                it["update"]["note"] = (
+                    "optimizer state starts fresh: the checkpoint it continues from was written by the "
+                    "local strategy (trainer_state.pt, not deepspeed/)"
+                )
             with self.stage("reload", i):
                 SGLangEngine(server.url).update_weights(target)
             with self.stage("reload_check", i):
                 with trainer_forward(target, device, dtype, cfg.rollout.temperature, pad) as fwd:
                     after = fwd.logprobs(probe)
-                it["reload"] = {"checkpoint": str(target), "model_info": model_info(server.url),
-                                **verify_reload(server.url, probe, before, after)}
-                it["reload"]["wall_s"] = next(s["wall_s"] for s in self.stages if s["stage"] == "reload" and s["iteration"] == i)
-            it["committed"] = {"raw": is_committed(layout.raw_dir(i)), "purified": all(
-                is_committed(p.parent) for p in (layout.iteration_dir(i) / "purified").glob("mode=*/*/_MANIFEST.json")),
-                "checkpoint": (target / DONE_MARKER).is_file(), "raw_manifest_rows": read_manifest(layout.raw_dir(i)).rows}
+                it["reload"] = {
+                    "checkpoint": str(target),
+                    "model_info": model_info(server.url),
+                    **verify_reload(server.url, probe, before, after),
+                }
+                it["reload"]["wall_s"] = next(
+                    s["wall_s"] for s in self.stages if s["stage"] == "reload" and s["iteration"] == i
+                )
+            it["committed"] = {
+                "raw": is_committed(layout.raw_dir(i)),
+                "purified": all(
+                    is_committed(p.parent)
+                    for p in (layout.iteration_dir(i) / "purified").glob("mode=*/*/_MANIFEST.json")
+                ),
+                "checkpoint": (target / DONE_MARKER).is_file(),
+                "raw_manifest_rows": read_manifest(layout.raw_dir(i)).rows,
+            }
 
     def _probe(self, part: Path) -> list:
         """A few trained rows, cut to 64 response tokens: what the reload check scores on the server."""
@@ -771,19 +972,26 @@ class Check:
                     vs_raw += raw
                 recomputed += c
         r["mismatch"] = {
-            "unspliced": stats(unspliced), "recomputed": stats(recomputed),
+            "unspliced": stats(unspliced),
+            "recomputed": stats(recomputed),
             "raw_check": {"tokens": len(vs_raw), "max_abs_diff": max(vs_raw, default=None)},
-            "what": ("|log-prob from SGLang − log-prob of the trainer's forward| per loss-masked token, in nats, both "
-                     "iterations; unspliced: tokens of the trained partition whose context is the one SGLang sampled "
-                     "them in (its sampling log-prob, equal to the raw shard's: raw_check); recomputed: tokens whose "
-                     "context a splice changed, scored by SGLang's prefill (logprob_start_len), every partition"),
+            "what": (
+                "|log-prob from SGLang − log-prob of the trainer's forward| per loss-masked token, in nats, both "
+                "iterations; unspliced: tokens of the trained partition whose context is the one SGLang sampled "
+                "them in (its sampling log-prob, equal to the raw shard's: raw_check); recomputed: tokens whose "
+                "context a splice changed, scored by SGLang's prefill (logprob_start_len), every partition"
+            ),
         }
         per_gpu_why = "--double: measured on the CPU (tokens_per_s), no GPU"
         roll = [it["rollout"] for it in its if "rollout" in it]
         gen, loop = sum(x["generated_tokens"] for x in roll), sum(x["loop_s"] for x in roll)
-        r["rollout"] = {"generated_tokens": gen, "loop_s": loop, "tokens_per_s": gen / loop if loop else None,
-                        # one server on one GPU generates: per GPU is the server's rate
-                        "tokens_per_s_per_gpu": not_run(per_gpu_why) if self.double else (gen / loop if loop else None)}
+        r["rollout"] = {
+            "generated_tokens": gen,
+            "loop_s": loop,
+            "tokens_per_s": gen / loop if loop else None,
+            # one server on one GPU generates: per GPU is the server's rate
+            "tokens_per_s_per_gpu": not_run(per_gpu_why) if self.double else (gen / loop if loop else None),
+        }
         r["update"] = {}
         for it in its:
             u = it.get("update")
@@ -792,13 +1000,17 @@ class Check:
             per_gpu: Any = not_run(per_gpu_why)
             if not self.double:
                 on_gpu = u["gpu"].get("used_gpu")
-                per_gpu = (u["tokens_per_s"] / u["ranks"]) if on_gpu and u["tokens_per_s"] else \
-                    not_run("the update did not use the GPU (see gpu): trainer/ ran it on the CPU")
+                per_gpu = (
+                    (u["tokens_per_s"] / u["ranks"])
+                    if on_gpu and u["tokens_per_s"]
+                    else not_run("the update did not use the GPU (see gpu): trainer/ ran it on the CPU")
+                )
             r["update"][u["strategy"]] = {**u, "tokens_per_s_per_gpu": per_gpu}
         for strategy in ("local", "deepspeed"):
             r["update"].setdefault(strategy, not_run(why_failed or "not reached"))
-        r["committed_iterations"] = sum(1 for it in its if all(v for k, v in it.get("committed", {"x": False}).items()
-                                                               if k != "raw_manifest_rows"))
+        r["committed_iterations"] = sum(
+            1 for it in its if all(v for k, v in it.get("committed", {"x": False}).items() if k != "raw_manifest_rows")
+        )
         r["reload_verified"] = [it.get("reload", {}).get("verified") for it in its]
 
     def write(self) -> None:
@@ -822,6 +1034,7 @@ def run_update_stage_logged(cfg, run_id: str, iteration: int) -> Path:
 
 # ---- markdown ------------------------------------------------------------------------------------
 
+
 def _v(x: Any, fmt: str = "{:.4g}") -> str:
     if isinstance(x, dict) and "not_run" in x:
         return f"not run ({x['not_run']})"
@@ -835,59 +1048,97 @@ def _v(x: Any, fmt: str = "{:.4g}") -> str:
 def render_markdown(r: dict) -> str:
     dev, srv = r.get("device", {}), r.get("server") or {}
     sgl = srv.get("sglang") or not_run("not reached")
-    lines = [f"# GPU check ({r['mode']}) — {r['when']}", "",
-             f"Result: **{'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}** · run `{r['run_id']}` in `{r['workspace']}`", "",
-             f"Card: {_v(dev.get('card'))} · driver {_v(dev.get('driver'))} · CUDA {_v(dev.get('cuda'))}", ""]
+    lines = [
+        f"# GPU check ({r['mode']}) — {r['when']}",
+        "",
+        f"Result: **{'ok' if r['ok'] else 'FAILED: ' + str(r['error'])}** · run `{r['run_id']}` in `{r['workspace']}`",
+        "",
+        f"Card: {_v(dev.get('card'))} · driver {_v(dev.get('driver'))} · CUDA {_v(dev.get('cuda'))}",
+        "",
+    ]
     v = r.get("versions", {})
     if "not_run" not in v:
         lines += ["Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()), ""]
-    lines += [f"SGLang environment: {_v(r.get('sglang_venv'))}", "",
-              f"Server: {_v(srv.get('kind'))} at {_v(srv.get('url'))}, SGLang " + (
-                  _v(sgl) if "not_run" in sgl else ", ".join(f"{k} {v}" for k, v in sgl.items())), "",
-              "## Train/inference mismatch (nats per token)", "",
-              "| tokens | count | mean | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"SGLang environment: {_v(r.get('sglang_venv'))}",
+        "",
+        f"Server: {_v(srv.get('kind'))} at {_v(srv.get('url'))}, SGLang "
+        + (_v(sgl) if "not_run" in sgl else ", ".join(f"{k} {v}" for k, v in sgl.items())),
+        "",
+        "## Train/inference mismatch (nats per token)",
+        "",
+        "| tokens | count | mean | p50 | p99 | max |",
+        "|---|---|---|---|---|---|",
+    ]
     m = r["mismatch"]
     for name in ("unspliced", "recomputed"):
         s = m[name]
         lines.append(f"| {name} | {s['count']} | {_v(s['mean'])} | {_v(s['p50'])} | {_v(s['p99'])} | {_v(s['max'])} |")
-    lines += ["", m["what"] + f". Sampled log-probs in the purified vs the raw shard, {m['raw_check']['tokens']} "
-              f"tokens: max |Δ| {_v(m['raw_check']['max_abs_diff'])}.", "", "## Throughput", "",
-              "| stage | tokens | loop s | tokens/s | tokens/s per GPU |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        m["what"] + f". Sampled log-probs in the purified vs the raw shard, {m['raw_check']['tokens']} "
+        f"tokens: max |Δ| {_v(m['raw_check']['max_abs_diff'])}.",
+        "",
+        "## Throughput",
+        "",
+        "| stage | tokens | loop s | tokens/s | tokens/s per GPU |",
+        "|---|---|---|---|---|",
+    ]
     ro = r["rollout"]
-    lines.append(f"| rollout (generated) | {ro['generated_tokens']} | {_v(ro['loop_s'])} | {_v(ro['tokens_per_s'])} | "
-                 f"{_v(ro['tokens_per_s_per_gpu'])} |")
+    lines.append(
+        f"| rollout (generated) | {ro['generated_tokens']} | {_v(ro['loop_s'])} | {_v(ro['tokens_per_s'])} | "
+        f"{_v(ro['tokens_per_s_per_gpu'])} |"
+    )
     for strategy, u in r["update"].items():
         if "not_run" in u:
             lines.append(f"| update {strategy} | {_v(u)} | | | |")
             continue
-        lines.append(f"| update {strategy} ({u['param_dtype']}{', ' + u['backend'] if u['backend'] else ''}; trained) | "
-                     f"{u['trained_tokens']} | {_v(u['loop_s'])} | {_v(u['tokens_per_s'])} | {_v(u['tokens_per_s_per_gpu'])} |")
-    lines += ["", "## Weight reloads", "", "Scored on the server after each reload against the trainer's forward of the "
-              "checkpoint before and after the update; moved fraction 1 = the server serves the new weights, 0 = the old.",
-              "", "| iteration | checkpoint | wall s | server vs new (mean) | server vs old (mean) | moved fraction | "
-              "verified | server's model_path |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| update {strategy} ({u['param_dtype']}{', ' + u['backend'] if u['backend'] else ''}; trained) | "
+            f"{u['trained_tokens']} | {_v(u['loop_s'])} | {_v(u['tokens_per_s'])} | {_v(u['tokens_per_s_per_gpu'])} |"
+        )
+    lines += [
+        "",
+        "## Weight reloads",
+        "",
+        "Scored on the server after each reload against the trainer's forward of the "
+        "checkpoint before and after the update; moved fraction 1 = the server serves the new weights, 0 = the old.",
+        "",
+        "| iteration | checkpoint | wall s | server vs new (mean) | server vs old (mean) | moved fraction | "
+        "verified | server's model_path |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for it in r.get("iterations", []):
         rl = it.get("reload")
         if rl:
-            lines.append(f"| {it['iteration']} | `{Path(rl['checkpoint']).name}` | {_v(rl['wall_s'])} | "
-                         f"{_v(rl['server_vs_new']['mean'])} | {_v(rl['server_vs_old']['mean'])} | "
-                         f"{_v(rl['moved_fraction'])} | {_v(rl['verified'])} | {_v(rl['model_info'].get('model_path', rl['model_info']))} |")
+            lines.append(
+                f"| {it['iteration']} | `{Path(rl['checkpoint']).name}` | {_v(rl['wall_s'])} | "
+                f"{_v(rl['server_vs_new']['mean'])} | {_v(rl['server_vs_old']['mean'])} | "
+                f"{_v(rl['moved_fraction'])} | {_v(rl['verified'])} | {_v(rl['model_info'].get('model_path', rl['model_info']))} |"
+            )
     lines += ["", "## Wall time per stage (s)", "", "| stage | iteration | status | wall s |", "|---|---|---|---|"]
     for s in r.get("stages", []):
-        lines.append(f"| {s['stage']} | {'' if s['iteration'] is None else s['iteration']} | {s['status']} | {s['wall_s']:.2f} |")
+        lines.append(
+            f"| {s['stage']} | {'' if s['iteration'] is None else s['iteration']} | {s['status']} | {s['wall_s']:.2f} |"
+        )
     lines += ["", f"Total: {r['wall_s']['total']:.1f} s. Committed iterations: {r['committed_iterations']}.", ""]
     return "\n".join(lines)
 
 
 # ---- RESULTS.md --------------------------------------------------------------------------------
 
+
 def record_results(r: dict) -> None:
     """The `gpu` section of benchmarks/RESULTS.md from a GPU run's report (benchmarks.common.record)."""
     from benchmarks.common import BenchResult, Row, record
 
     m, ro = r["mismatch"], r["rollout"]
-    rows = [Row(f"mismatch {kind} tokens {k}", m[kind][k], unit="nats", higher_is_better=False)
-            for kind in ("unspliced", "recomputed") for k in ("mean", "p99", "max") if m[kind][k] is not None]
+    rows = [
+        Row(f"mismatch {kind} tokens {k}", m[kind][k], unit="nats", higher_is_better=False)
+        for kind in ("unspliced", "recomputed")
+        for k in ("mean", "p99", "max")
+        if m[kind][k] is not None
+    ]
     if isinstance(ro["tokens_per_s_per_gpu"], float):
         rows.append(Row("rollout tokens/s per GPU", ro["tokens_per_s_per_gpu"], unit="tokens/s"))
     for strategy, u in r["update"].items():
@@ -896,21 +1147,33 @@ def record_results(r: dict) -> None:
     for stage, wall in r["wall_s"].items():
         rows.append(Row(f"wall {stage}", wall, unit="s", higher_is_better=False))
     dev, sv = r["device"], r["server"].get("sglang", {})
-    record(BenchResult("gpu", f"`scripts/gpu_check.sh --sglang` on {dev['card']} (driver {dev['driver']}, CUDA {dev['cuda']}), "
-                       f"SGLang {sv.get('version') if isinstance(sv, dict) else '?'}: two iterations with "
-                       "rollout.engine=sglang purify.recompute=sglang, update local then DeepSpeed (one rank, NCCL).",
-                       rows, notes=[f"checkpoint: {r['checkpoint']['path']} ({r['checkpoint']['made_by']}); overrides "
-                                    f"{' '.join(a for a in r['command'] if '=' in a and not a.startswith('-')) or 'none'}; "
-                                    f"report {r['report']}",
-                                    f"mismatch tokens: {m['unspliced']['count']} unspliced, {m['recomputed']['count']} "
-                                    f"recomputed; {m['what']}",
-                                    f"reloads verified by scoring (moved fraction ≈ 1): {r['reload_verified']}"]
-                       + [f"update {s}: {'on the GPU' if u['gpu'].get('used_gpu') else '**not on the GPU**'} "
-                          f"({u['gpu'].get('how')}), {u['trained_tokens']} trained tokens in {u['loop_s']:.1f} s"
-                          for s, u in r["update"].items() if "gpu" in u]))
+    record(
+        BenchResult(
+            "gpu",
+            f"`scripts/gpu_check.sh --sglang` on {dev['card']} (driver {dev['driver']}, CUDA {dev['cuda']}), "
+            f"SGLang {sv.get('version') if isinstance(sv, dict) else '?'}: two iterations with "
+            "rollout.engine=sglang purify.recompute=sglang, update local then DeepSpeed (one rank, NCCL).",
+            rows,
+            notes=[
+                f"checkpoint: {r['checkpoint']['path']} ({r['checkpoint']['made_by']}); overrides "
+                f"{' '.join(a for a in r['command'] if '=' in a and not a.startswith('-')) or 'none'}; "
+                f"report {r['report']}",
+                f"mismatch tokens: {m['unspliced']['count']} unspliced, {m['recomputed']['count']} "
+                f"recomputed; {m['what']}",
+                f"reloads verified by scoring (moved fraction ≈ 1): {r['reload_verified']}",
+            ]
+            + [
+                f"update {s}: {'on the GPU' if u['gpu'].get('used_gpu') else '**not on the GPU**'} "
+                f"({u['gpu'].get('how')}), {u['trained_tokens']} trained tokens in {u['loop_s']:.1f} s"
+                for s, u in r["update"].items()
+                if "gpu" in u
+            ],
+        )
+    )
 
 
 # ---- entry point ---------------------------------------------------------------------------------
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, like every other refusal of the check
@@ -922,28 +1185,52 @@ def parse(argv: list[str]) -> argparse.Namespace:
         prog="scripts/gpu_check.sh --sglang",
         description="Run the GPU path (SGLang rollouts and recompute, weight reloads, local and DeepSpeed updates) "
         "for two iterations and write report.json + report.md. --double: the same on a CPU machine against the "
-        "project's SGLang contract double.")
-    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (pipeline/config.py), e.g. "
-                    "rollout.max_turn_tokens=2048 for a real checkpoint")
+        "project's SGLang contract double.",
+    )
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides (pipeline/config.py), e.g. rollout.max_turn_tokens=2048 for a real checkpoint",
+    )
     ap.add_argument("--double", action="store_true", help="no GPU: serve the contract double instead of SGLang")
-    ap.add_argument("--checkpoint", type=Path, help="HF checkpoint directory (default: one `cleaner init-policy` makes)")
-    ap.add_argument("--url", help="an SGLang server already running on this machine (http://127.0.0.1:PORT); "
-                    "its weights are replaced by the checkpoint's")
+    ap.add_argument(
+        "--checkpoint", type=Path, help="HF checkpoint directory (default: one `cleaner init-policy` makes)"
+    )
+    ap.add_argument(
+        "--url",
+        help="an SGLang server already running on this machine (http://127.0.0.1:PORT); "
+        "its weights are replaced by the checkpoint's",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "workspace" / "gpu-check", help="report and workspace folder")
     ap.add_argument("--tasks", type=int, default=8, help="rollout.tasks_per_iteration (default 8)")
-    ap.add_argument("--ds-dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                    help="train.param_dtype of the DeepSpeed update (default: bf16 on a GPU, fp32 with --double)")
+    ap.add_argument(
+        "--ds-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="train.param_dtype of the DeepSpeed update (default: bf16 on a GPU, fp32 with --double)",
+    )
     ap.add_argument("--sglang-version", default=os.environ.get("SGLANG_VERSION", ""), help=argparse.SUPPRESS)
     ap.add_argument("--sglang-venv", type=Path, default=ROOT / ".venv-sglang", help="where the SGLang venv is built")
     ap.add_argument("--venv-python", default=os.environ.get("PYTHON", "python3"), help=argparse.SUPPRESS)
     ap.add_argument("--wheelhouse", type=Path, help="install SGLang from this folder of wheels (no package index)")
-    ap.add_argument("--mem-fraction", type=float, default=0.35,
-                    help="SGLang --mem-fraction-static (default 0.35: the trainer shares the GPU)")
-    ap.add_argument("--sglang-arg", action="append", default=[], help="one more argument for sglang.launch_server, "
-                    "written --sglang-arg=--attention-backend --sglang-arg=torch_native (e.g. where SGLang's default "
-                    "kernels refuse the init-policy model's head_dim of 16)")
-    ap.add_argument("--server-timeout", type=float, default=None, help="seconds to wait for the server (default 900, "
-                    "--double 120)")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.35,
+        help="SGLang --mem-fraction-static (default 0.35: the trainer shares the GPU)",
+    )
+    ap.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        help="one more argument for sglang.launch_server, "
+        "written --sglang-arg=--attention-backend --sglang-arg=torch_native (e.g. where SGLang's default "
+        "kernels refuse the init-policy model's head_dim of 16)",
+    )
+    ap.add_argument(
+        "--server-timeout", type=float, default=None, help="seconds to wait for the server (default 900, --double 120)"
+    )
     ap.add_argument("--record", action="store_true", help="write the report into benchmarks/RESULTS.md (`gpu`)")
     ap.add_argument("--serve-double", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--url-file", type=Path, help=argparse.SUPPRESS)
@@ -984,8 +1271,10 @@ def main(argv: list[str]) -> int:
         record_results(report)
         log("wrote the gpu section of benchmarks/RESULTS.md")
     m = report["mismatch"]["unspliced"]
-    log(f"ok: mismatch on {m['count']} unspliced tokens mean {_v(m['mean'])} p99 {_v(m['p99'])} max {_v(m['max'])}; "
-        f"{report['committed_iterations']} iterations committed")
+    log(
+        f"ok: mismatch on {m['count']} unspliced tokens mean {_v(m['mean'])} p99 {_v(m['p99'])} max {_v(m['max'])}; "
+        f"{report['committed_iterations']} iterations committed"
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ row's log-probs equal those of an unpadded forward of that row alone. Prefills g
 cache in chunks of positions and keep only the last position's logits, so a long context costs
 neither full-vocabulary logits per position nor a context × context attention matrix.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,7 +24,9 @@ from pipeline.trajectory import Attempt, ToolResult
 from rollout_gen.agent import AgentLoop, RolloutIdentity, _Live
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row and its log-prob under softmax(logits / T)."""
     temperature = params.temperature if params.temperature > 0 else 1.0
     z = logits.float() / temperature
@@ -43,8 +46,9 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch
 
 
 class LockstepCPUEngine:
-    def __init__(self, checkpoint: Path, threads: int | None = None, pad_id: int | None = None,
-                 chunk_tokens: int = 1024) -> None:
+    def __init__(
+        self, checkpoint: Path, threads: int | None = None, pad_id: int | None = None, chunk_tokens: int = 1024
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.checkpoint = Path(checkpoint)
@@ -67,8 +71,9 @@ class LockstepCPUEngine:
     def close(self) -> None:
         self.model = None
 
-    def _forward_chunked(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past_mask: torch.Tensor,
-                         cache: DynamicCache) -> torch.Tensor:
+    def _forward_chunked(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, past_mask: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
         """Forward `ids` through the cache in chunks of positions; logits of the last position only.
 
         Only the last position's logits are needed to start sampling (`logits_to_keep=1`), and the
@@ -77,13 +82,21 @@ class LockstepCPUEngine:
         logits = None
         for a in range(0, ids.shape[1], step):
             b = min(ids.shape[1], a + step)
-            out = self.model(input_ids=ids[:, a:b], attention_mask=torch.cat([past_mask, mask[:, :b]], dim=-1),
-                             position_ids=pos[:, a:b], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=ids[:, a:b],
+                attention_mask=torch.cat([past_mask, mask[:, :b]], dim=-1),
+                position_ids=pos[:, a:b],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             logits = out.logits[:, -1, :]
         return logits
 
     @torch.inference_mode()
-    def _prefill(self, contexts: list[list[int]], shared: list[int]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefill(
+        self, contexts: list[list[int]], shared: list[int]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """KV cache, attention mask, next position and last logits for every row."""
         # Leave at least one token per row outside the shared part: its logits start sampling.
         shared = [max(0, min(s, len(c) - 1)) for s, c in zip(shared, contexts)]
@@ -111,8 +124,13 @@ class LockstepCPUEngine:
         return cache, torch.cat([prefix_mask, mask], dim=-1), next_pos, logits
 
     @torch.inference_mode()
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        shared_prefix: list[int] | None = None,
+    ) -> list[Generation]:
         if not contexts:
             return []
         if any(len(c) == 0 for c in contexts):
@@ -135,13 +153,20 @@ class LockstepCPUEngine:
             if bool(finished.all()) or step == params.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], dim=-1)
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos[:, None],
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             pos = pos + 1
             logits = out.logits[:, -1, :]
         stops = set(params.stop_ids)
-        return [Generation(ids, lps, "stop" if ids and ids[-1] in stops else "length")
-                for ids, lps in zip(out_ids, out_lp)]
+        return [
+            Generation(ids, lps, "stop" if ids and ids[-1] in stops else "length") for ids, lps in zip(out_ids, out_lp)
+        ]
 
 
 class LockstepLoop(AgentLoop):
@@ -159,9 +184,12 @@ class LockstepLoop(AgentLoop):
                 progress(len(lives) - len(active), len(lives), f"{len(active)} active")
             if not active:
                 break
-            gens = self.engine.generate([lv.prompt + lv.ids for lv in active], params,
-                                        [self._seed(lv, identity) for lv in active],
-                                        shared_prefix=[len(lv.prompt) for lv in active])
+            gens = self.engine.generate(
+                [lv.prompt + lv.ids for lv in active],
+                params,
+                [self._seed(lv, identity) for lv in active],
+                shared_prefix=[len(lv.prompt) for lv in active],
+            )
             pending = [(lv, att) for lv, gen in zip(active, gens) if (att := self._turn(lv, gen)) is not None]
             for lv, _ in pending:
                 if lv.unscored is not None:  # live importance rollbacks: scored one by one

@@ -1,4 +1,5 @@
 """Run every benchmark (or those named) and rewrite benchmarks/RESULTS.md: `python -m benchmarks.run [name ...]`."""
+
 from __future__ import annotations
 
 import importlib
@@ -6,9 +7,27 @@ import sys
 
 from benchmarks.common import RESULTS_MD, record
 
-BENCHMARKS = ["storage", "world", "rollout", "async_rollout", "purify", "off_policy", "dask", "measures", "trainer", "e2e",
-              "scale", "eval", "store_scale", "bytes", "viewer", "vllm", "purify_memory",
-              "interop", "retry_seeds"]
+BENCHMARKS = [
+    "storage",
+    "world",
+    "rollout",
+    "async_rollout",
+    "purify",
+    "off_policy",
+    "dask",
+    "measures",
+    "trainer",
+    "e2e",
+    "scale",
+    "eval",
+    "store_scale",
+    "bytes",
+    "viewer",
+    "vllm",
+    "purify_memory",
+    "interop",
+    "retry_seeds",
+]
 
 
 def main(argv: list[str]) -> int:

@@ -19,6 +19,7 @@ The experiment file's `analysis` section:
         - {arm: saar, baseline: raw, metric: very_first_call_failure_rate, saar_at_test: false}
         - {arm: saar, baseline: raw, metric: accuracy, saar_at_test: [false, true]}
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ class AnalysisError(CleanerError, ValueError):
 
 # -- Student's t, without scipy (not a project dependency) ------------------------------------------------------
 
+
 def _betacf(a: float, b: float, x: float) -> float:
     """Continued fraction of the regularised incomplete beta function (modified Lentz)."""
     tiny = 1e-300
@@ -53,7 +55,10 @@ def _betacf(a: float, b: float, x: float) -> float:
     h = d
     for m in range(1, 400):
         m2 = 2 * m
-        for num in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)), -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
+        for num in (
+            m * (b - m) * x / ((a + m2 - 1) * (a + m2)),
+            -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -109,6 +114,7 @@ def t_quantile(q: float, df: int) -> float:
 
 
 # -- one paired contrast ---------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PairedT:
@@ -178,6 +184,7 @@ def holm(pvalues: list[float]) -> list[float]:
 
 # -- the experiment file's declared contrasts ------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Contrast:
     arm: str
@@ -203,8 +210,10 @@ def analysis_of(exp: dict, where: str) -> Analysis:
     """The experiment file's `analysis` section, checked against its arms; every refusal names the field."""
     a = exp.get("analysis")
     if not isinstance(a, dict):
-        raise AnalysisError(f"{where}: no `analysis` section: declare the contrasts, alpha and equivalence margins "
-                            "(experiments/contrasts.py shows the layout)")
+        raise AnalysisError(
+            f"{where}: no `analysis` section: declare the contrasts, alpha and equivalence margins "
+            "(experiments/contrasts.py shows the layout)"
+        )
     unknown = set(a) - {"pre_registered", "declared", "alpha", "margins", "contrasts"}
     if unknown:
         raise AnalysisError(f"{where}: analysis.{sorted(unknown)[0]}: unknown field")
@@ -263,7 +272,11 @@ class ContrastResult:
         if self.stats.n < 2:
             return "not estimable (one seed)"
         if self.stats.sd == 0.0:
-            return "identical in every seed" if self.stats.mean == 0.0 else "not estimable (the same difference in every seed)"
+            return (
+                "identical in every seed"
+                if self.stats.mean == 0.0
+                else "not estimable (the same difference in every seed)"
+            )
         differs = self.p_holm < alpha
         equivalent = self.p_equivalence_holm < alpha
         direction = "higher" if self.stats.mean > 0 else "lower"
@@ -288,8 +301,10 @@ def evaluate(results: list[dict], analysis: Analysis) -> list[ContrastResult]:
     nan = float("nan")
     p = holm([s.p if s else nan for s in stats])
     p_eq = holm([s.p_equivalence if s else nan for s in stats])
-    return [ContrastResult(c, analysis.margins[c.metric], s, p[i], p_eq[i])
-            for i, (c, s) in enumerate(zip(analysis.contrasts, stats))]
+    return [
+        ContrastResult(c, analysis.margins[c.metric], s, p[i], p_eq[i])
+        for i, (c, s) in enumerate(zip(analysis.contrasts, stats))
+    ]
 
 
 def _num(v: float, fmt: str = "+.3f") -> str:
@@ -304,8 +319,11 @@ def contrast_table(rows: list[ContrastResult], alpha: float) -> list[str]:
     """One row per declared contrast: per-seed differences, mean ± s.e., the t-interval, Holm-adjusted p of a
     difference and of equivalence within the margin, and the verdict."""
     level = f"{100 * (1 - alpha):g}%"
-    lines = [f"| contrast | metric | SAAR at test | n | per seed (arm − baseline) | mean ± s.e. | {level} t-interval | "
-             "p (Holm) | margin | p equivalent (TOST, Holm) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| contrast | metric | SAAR at test | n | per seed (arm − baseline) | mean ± s.e. | {level} t-interval | "
+        "p (Holm) | margin | p equivalent (TOST, Holm) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         c, s = r.contrast, r.stats
         head = f"| {c.name} | {METRICS[c.metric]} | {'on' if c.saar_at_test else 'off'} |"
@@ -313,13 +331,16 @@ def contrast_table(rows: list[ContrastResult], alpha: float) -> list[str]:
             lines.append(f"{head} 0 | — | — | — | — | ±{r.margin:g} | — | not run |")
             continue
         per_seed = ", ".join(f"s{seed} {d:+.3f}" for seed, d in s.diffs.items())
-        lines.append(f"{head} {s.n} | {per_seed} | {_num(s.mean)} ± {_num(s.se, '.3f')} | "
-                     f"[{_num(s.low)}, {_num(s.high)}] | {_p(r.p_holm)} | ±{r.margin:g} | {_p(r.p_equivalence_holm)} | "
-                     f"{r.verdict(alpha)} |")
+        lines.append(
+            f"{head} {s.n} | {per_seed} | {_num(s.mean)} ± {_num(s.se, '.3f')} | "
+            f"[{_num(s.low)}, {_num(s.high)}] | {_p(r.p_holm)} | ±{r.margin:g} | {_p(r.p_equivalence_holm)} | "
+            f"{r.verdict(alpha)} |"
+        )
     return lines
 
 
 # -- the record that the analysis was declared before the results ------------------------------------------------
+
 
 def record_registration(exp: dict, record: Path, have_results: bool) -> str:
     """Before the runs: keep the experiment file's `analysis` section, with the time, beside the results
@@ -333,10 +354,18 @@ def record_registration(exp: dict, record: Path, have_results: bool) -> str:
         if kept["analysis"] == analysis:
             return f"analysis as registered at {kept['declared_at']} ({record.name})"
         if have_results:
-            return (f"the analysis section differs from the one registered at {kept['declared_at']} before the first "
-                    f"result ({record.name}): the page will say so")
-    atomic_write_json(record, {"declared_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                               "before_any_result": not have_results, "analysis": analysis})
+            return (
+                f"the analysis section differs from the one registered at {kept['declared_at']} before the first "
+                f"result ({record.name}): the page will say so"
+            )
+    atomic_write_json(
+        record,
+        {
+            "declared_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "before_any_result": not have_results,
+            "analysis": analysis,
+        },
+    )
     return f"analysis registered in {record.name}" + ("" if not have_results else " (after results existed)")
 
 
@@ -347,12 +376,16 @@ def registration_note(exp: dict, record: Path) -> str:
     if not analysis.get("pre_registered"):
         return ""
     if not record.exists():
-        return (f" No record of the declaration from before the runs ({record.name}) is kept beside the results, "
-                "so the page cannot show it.")
+        return (
+            f" No record of the declaration from before the runs ({record.name}) is kept beside the results, "
+            "so the page cannot show it."
+        )
     kept = json.loads(record.read_text())
     if kept["analysis"] != analysis:
-        return (f" The experiment file's analysis section differs from the one registered at {kept['declared_at']} "
-                f"({record.name}): the contrasts below are the file's current ones, not the registered ones.")
+        return (
+            f" The experiment file's analysis section differs from the one registered at {kept['declared_at']} "
+            f"({record.name}): the contrasts below are the file's current ones, not the registered ones."
+        )
     if not kept.get("before_any_result"):
         return f" It was recorded at {kept['declared_at']}, after results existed ({record.name})."
     return f" Registered at {kept['declared_at']}, before any result ({record.name})."

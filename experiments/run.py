@@ -9,6 +9,7 @@ and write a table, plots and the raw numbers under docs/results/.
 An arm marked `pending: REASON` in the file is reported and skipped (its contrasts show as not run) until the
 reason is removed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,24 +28,58 @@ OUT = REPO / "docs" / "results"
 
 
 def _env(root: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(root / ".prefect"),
-            "PREFECT_LOGGING_LEVEL": "WARNING"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PREFECT_HOME": str(root / ".prefect"),
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
 
 
 def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
     run_id = f"{name}-s{seed}"
-    overrides = [*exp["base"], *spec["overrides"], f"flow.run_id={run_id}", f"rollout.seed={seed}", f"train.seed={seed}"]
+    overrides = [
+        *exp["base"],
+        *spec["overrides"],
+        f"flow.run_id={run_id}",
+        f"rollout.seed={seed}",
+        f"train.seed={seed}",
+    ]
     root = REPO / next(o.split("=", 1)[1] for o in exp["base"] if o.startswith("storage.root="))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    train = subprocess.run([sys.executable, "-m", "flows.cli", "train", *overrides], cwd=REPO, env=_env(root),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    train = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", *overrides],
+        cwd=REPO,
+        env=_env(root),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if train.returncode:  # the run's own one-line error, not a bare exit status
-        raise RuntimeError(f"{run_id}: cleaner train exited {train.returncode}: {train.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(
+            f"{run_id}: cleaner train exited {train.returncode}: {train.stderr.strip().splitlines()[-1:]}"
+        )
     train_s = time.perf_counter() - t0
-    evals = json.loads(subprocess.run(
-        [sys.executable, "-m", "experiments.run", "--eval-run", run_id, str(exp["eval_tasks"]),
-         str(exp.get("eval_every", 1)), *overrides], cwd=REPO, env=_env(root), check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    evals = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "experiments.run",
+                "--eval-run",
+                run_id,
+                str(exp["eval_tasks"]),
+                str(exp.get("eval_every", 1)),
+                *overrides,
+            ],
+            cwd=REPO,
+            env=_env(root),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.splitlines()[-1]
+    )
     return {"arm": name, "seed": seed, "run_id": run_id, "train_s": train_s, "evals": evals}
 
 
@@ -59,12 +94,16 @@ def headline_metrics(metrics: dict) -> dict:
     with the number of trajectories that made one; the retry success rate beside it (None when nothing was retried,
     as with SAAR off at test); accuracy. The per-position rate `first_call_failure_rate` is kept for comparison
     with older results: with SAAR off at test a failed call closes its position and the next call opens another."""
-    return {"very_first_call_failure_rate": metrics["very_first_call_failure_rate"] if metrics["very_first_calls"]
-            else None,
-            "very_first_calls": metrics["very_first_calls"],
-            "retry_success_rate": metrics["retry_success_rate"] if metrics["retries"] else None,
-            "retries": metrics["retries"], "accuracy": metrics["accuracy"],
-            "first_call_failure_rate": metrics["first_call_failure_rate"]}
+    return {
+        "very_first_call_failure_rate": metrics["very_first_call_failure_rate"]
+        if metrics["very_first_calls"]
+        else None,
+        "very_first_calls": metrics["very_first_calls"],
+        "retry_success_rate": metrics["retry_success_rate"] if metrics["retries"] else None,
+        "retries": metrics["retries"],
+        "accuracy": metrics["accuracy"],
+        "first_call_failure_rate": metrics["first_call_failure_rate"],
+    }
 
 
 def eval_checkpoint(cfg, checkpoint: Path, saar: bool) -> dict:
@@ -78,9 +117,13 @@ def eval_checkpoint(cfg, checkpoint: Path, saar: bool) -> dict:
     c.rollout.saar.live_mode = "purified"
     run = evaluate_tasks(c, Path(checkpoint), eval_tasks(c.world), show_progress=False)
     m = run.metrics
-    return {"saar_at_test": saar, **headline_metrics(m),
-            "tool_calls_per_traj": m["tool_calls"] / m["trajectories"],
-            "response_tokens": m["mean_response_tokens"], "wall_s": m["wall_s"]}
+    return {
+        "saar_at_test": saar,
+        **headline_metrics(m),
+        "tool_calls_per_traj": m["tool_calls"] / m["trajectories"],
+        "response_tokens": m["mean_response_tokens"],
+        "wall_s": m["wall_s"],
+    }
 
 
 def eval_run(run_id: str, n_tasks: int, every: int, overrides: list[str]) -> list[dict]:
@@ -130,11 +173,15 @@ def check(exp: dict, where: str) -> list[str]:
             cfg = load_config(None, [*exp["base"], *spec["overrides"], f"flow.run_id={name}-s{seeds[0]}"])
         except Exception as e:  # the config tree's own one-line error, prefixed with the arm that caused it
             raise AnalysisError(f"{where}: arms.{name}: {e}") from e
-        lines.append(f"{name}: seeds {spec['seeds']}, train.mode={cfg.train.mode}, "
-                     f"live_mode={cfg.rollout.saar.live_mode}, {cfg.flow.iterations} iterations")
-    lines.append(f"{len(analysis.contrasts)} contrasts ("
-                 + ("pre-registered" if analysis.pre_registered else "declared after the run")
-                 + f"), Holm at alpha {analysis.alpha:g}; margins {analysis.margins}")
+        lines.append(
+            f"{name}: seeds {spec['seeds']}, train.mode={cfg.train.mode}, "
+            f"live_mode={cfg.rollout.saar.live_mode}, {cfg.flow.iterations} iterations"
+        )
+    lines.append(
+        f"{len(analysis.contrasts)} contrasts ("
+        + ("pre-registered" if analysis.pre_registered else "declared after the run")
+        + f"), Holm at alpha {analysis.alpha:g}; margins {analysis.margins}"
+    )
     return lines
 
 
@@ -145,8 +192,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", nargs="?", type=Path)
     ap.add_argument("--only", nargs="+", help="run only these arms")
-    ap.add_argument("--report", type=float, metavar="WALL_MIN",
-                    help="only rewrite the table and plots from the stored results (stating this wall time)")
+    ap.add_argument(
+        "--report",
+        type=float,
+        metavar="WALL_MIN",
+        help="only rewrite the table and plots from the stored results (stating this wall time)",
+    )
     ap.add_argument("--check", action="store_true", help="validate the experiment file (arms, contrasts) and exit")
     args = ap.parse_args(argv)
     if args.experiment is None:
@@ -169,8 +220,13 @@ def main(argv: list[str]) -> int:
         results = json.loads((OUT / f"{args.experiment.stem}.json").read_text())
         print(f"[experiment] wrote {write(results, exp, args.experiment.stem, args.report * 60, where)}")
         return 0
-    jobs = [(name, seed, spec) for name, spec in exp["arms"].items() if not args.only or name in args.only
-            if not spec.get("pending") for seed in spec["seeds"]]
+    jobs = [
+        (name, seed, spec)
+        for name, spec in exp["arms"].items()
+        if not args.only or name in args.only
+        if not spec.get("pending")
+        for seed in spec["seeds"]
+    ]
     OUT.mkdir(parents=True, exist_ok=True)
     results_file = OUT / f"{args.experiment.stem}.json"
     done = json.loads(results_file.read_text()) if results_file.exists() else []

@@ -3,6 +3,7 @@
 ../shared/docs/EXPERIMENTS.md asks for the standard error *between training seeds* (not a binomial error over
 tasks). The contrasts between arms, paired across seeds and corrected across a result, are experiments/contrasts.py.
 """
+
 from __future__ import annotations
 
 from math import sqrt
@@ -31,8 +32,10 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 def seeds_table(results: list[dict], arms: list[str], metrics: dict[str, str]) -> list[str]:
     """Per arm and metric (name → label), both test modes: the final checkpoint's mean ± between-seed s.e."""
     cols = [(m, saar) for m in metrics for saar in (False, True)]
-    lines = ["| arm | seeds | " + " | ".join(f"{metrics[m]}, SAAR {'on' if saar else 'off'}" for m, saar in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    lines = [
+        "| arm | seeds | " + " | ".join(f"{metrics[m]}, SAAR {'on' if saar else 'off'}" for m, saar in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
     for arm in arms:
         cells = []
         for metric, saar in cols:

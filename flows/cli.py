@@ -4,6 +4,7 @@ Each command module below exposes `add_parser(subparsers)`, its parsers beside t
 engines (torch, Beam, Prefect, OpenRLHF) are imported inside the commands so that `cleaner --help` and
 `cleaner inspect` stay fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,19 @@ from flows.command import EPILOG_OVERRIDES, Parser, command_parser, config_of, s
 from pipeline.config import ConfigError, describe_config, dump_config
 from storage.errors import CleanerError, describe_os_error
 
-COMMAND_MODULES = ("flows.inspect", "flows.flow_commands", "flows.policy_cmds", "flows.eval_cmd", "flows.view_cmd",
-                   "flows.stage_cmds", "flows.replay_cmd", "flows.gc_cmd", "flows.filter_cmd",
-                   "flows.export_cmd", "flows.import_cmd")
+COMMAND_MODULES = (
+    "flows.inspect",
+    "flows.flow_commands",
+    "flows.policy_cmds",
+    "flows.eval_cmd",
+    "flows.view_cmd",
+    "flows.stage_cmds",
+    "flows.replay_cmd",
+    "flows.gc_cmd",
+    "flows.filter_cmd",
+    "flows.export_cmd",
+    "flows.import_cmd",
+)
 COMMAND_MODULES += ("flows.fit_cmd",)  # before a run: does the update fit the GPUs (trainer/memory.py)
 
 
@@ -29,29 +40,43 @@ def run_config(args: argparse.Namespace) -> int:
         return 0
     lines = [line for line in describe_config(cfg) if line.startswith(args.describe)]
     if not lines:
-        raise ConfigError(f"--describe {args.describe}: no setting starts so (sections: "
-                          f"{', '.join(type(cfg).model_fields)})")
+        raise ConfigError(
+            f"--describe {args.describe}: no setting starts so (sections: {', '.join(type(cfg).model_fields)})"
+        )
     print("\n".join(lines))
     return 0
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="cleaner", description="CLEANER: offline two-phase agentic RL with self-purified "
-                    "trajectories (SAAR).", epilog=EPILOG_OVERRIDES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(
+        prog="cleaner",
+        description="CLEANER: offline two-phase agentic RL with self-purified trajectories (SAAR).",
+        epilog=EPILOG_OVERRIDES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = command_parser(sub, "config", "print the resolved config tree, or each setting with what it does",
-                       "Examples:\n  cleaner config -c configs/demo.yaml\n  cleaner config --describe rollout.saar\n"
-                       "  cleaner config --describe   # every setting", func=run_config)
-    p.add_argument("--describe", nargs="?", const="", metavar="PREFIX", help=(
-        "print every setting (or those whose key starts with PREFIX) as key: value  # what it does"))
+    p = command_parser(
+        sub,
+        "config",
+        "print the resolved config tree, or each setting with what it does",
+        "Examples:\n  cleaner config -c configs/demo.yaml\n  cleaner config --describe rollout.saar\n"
+        "  cleaner config --describe   # every setting",
+        func=run_config,
+    )
+    p.add_argument(
+        "--describe",
+        nargs="?",
+        const="",
+        metavar="PREFIX",
+        help=("print every setting (or those whose key starts with PREFIX) as key: value  # what it does"),
+    )
     for module in COMMAND_MODULES:
         importlib.import_module(module).add_parser(sub)
     return parser
 
 
 # Commands that commit nothing a rerun would resume (eval writes its files at its end, whole, or not at all)
-COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster",
-                             "export"})
+COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster", "export"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: committed stages are kept, an update resumes from its last mini-batch
         if os.environ.get("CLEANER_TRACEBACK"):
             raise
-        print(f"cleaner {args.command}: interrupted" + ("" if args.command in COMMITS_NOTHING else "; run the same "
-              "command again to resume (what was committed is kept)"), file=sys.stderr)
+        print(
+            f"cleaner {args.command}: interrupted"
+            + (
+                ""
+                if args.command in COMMITS_NOTHING
+                else "; run the same command again to resume (what was committed is kept)"
+            ),
+            file=sys.stderr,
+        )
         # the interrupt is handled: one delivered again while the command's threads and servers wind down (a
         # terminal's Ctrl-C reaches the whole process group) must not end it by the signal instead of exit 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,6 +1,7 @@
 """What every `cleaner` command's parser shares: one-line refusals, the config arguments (YAML + dotted
 KEY=VALUE overrides) and the splitting of those overrides out of the line, wherever they stand. Each
 command module's `add_parser(subparsers)` sets `func` to the command's run function (flows/cli.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,15 +55,28 @@ def split_overrides(parser: Parser, argv: list[str]) -> tuple[list[str], list[st
     return rest, overrides
 
 
-def command_parser(subparsers, name: str, help: str, example: str, description: str | None = None,
-                   config: bool = True, actions: tuple[str, ...] = (), *, func: Callable,
-                   config_default: str = "embedded defaults") -> Parser:
+def command_parser(
+    subparsers,
+    name: str,
+    help: str,
+    example: str,
+    description: str | None = None,
+    config: bool = True,
+    actions: tuple[str, ...] = (),
+    *,
+    func: Callable,
+    config_default: str = "embedded defaults",
+) -> Parser:
     """A command's parser: its help, description and examples, the function it runs (`func`), its first
     positional ACTION if it has `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional
     with their epilog."""
-    p = subparsers.add_parser(name, help=help, description=description,
-                              epilog="\n\n".join(filter(None, [example, config and EPILOG_OVERRIDES])),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog="\n\n".join(filter(None, [example, config and EPILOG_OVERRIDES])),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.set_defaults(func=func)
     if actions:
         p.add_argument("action", choices=actions)

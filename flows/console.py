@@ -4,6 +4,7 @@ Each entry names one message of one library, so a real warning (from our code, o
 warning about a real problem) still shows. Settings go into the environment as well as into this
 process, because flows served by Prefect and torchrun ranks are child processes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -113,10 +114,12 @@ class _UserErrors(logging.Filter):
         found = re.search(r"\b(%s)(: |\()" % "|".join(sorted(_user_error_names())), message)
         if found is None:
             return True
-        quote, text, close = re.fullmatch(r"(['\"]?)(.*?)(['\"]?\)*)", message[found.end():], re.S).groups()
+        quote, text, close = re.fullmatch(r"(['\"]?)(.*?)(['\"]?\)*)", message[found.end() :], re.S).groups()
         key = re.sub(r"\W+", "", text)  # the same message, whether a state's str or the exception's repr
         if _COMMAND_PRINTS_ERRORS or key in self.shown:
-            record.msg = message[:found.end()] + quote + ("see below" if _COMMAND_PRINTS_ERRORS else "as above") + close
+            record.msg = (
+                message[: found.end()] + quote + ("see below" if _COMMAND_PRINTS_ERRORS else "as above") + close
+            )
             record.args = ()
         self.shown.add(key)
         return True
@@ -155,8 +158,13 @@ def print_metrics(title: str, metrics: dict, as_json: bool = False) -> None:
 
     table = Table(title=title, title_justify="left")
     table.add_column("metric")
-    columns = [k for k, v in metrics.items() if isinstance(v, dict) and all(not isinstance(x, dict) for x in v.values())
-               and k not in ("finish_reasons", "first_call_failures_by_label")]
+    columns = [
+        k
+        for k, v in metrics.items()
+        if isinstance(v, dict)
+        and all(not isinstance(x, dict) for x in v.values())
+        and k not in ("finish_reasons", "first_call_failures_by_label")
+    ]
     if columns and len(columns) == sum(isinstance(v, dict) for v in metrics.values()):
         for c in columns:
             table.add_column(c, justify="right")

@@ -1,4 +1,5 @@
 """Prefect settings that must be in place before `prefect` is imported (docs/install.md)."""
+
 from __future__ import annotations
 
 import os

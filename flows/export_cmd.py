@@ -4,6 +4,7 @@ Parquet. Rows are read and written a row group at a time (memory bounded by a ba
 folder renamed to --out at the end: --out is whole or absent. The formats: docs/formats.md; the pure core per
 format: flows/interop/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,8 +74,9 @@ def _questions(shard) -> dict[str, str]:
     out = {}
     for part in shard.manifest.parts:
         check_part(shard.directory, part, shard.schema)
-        t = pq.read_table(shard.directory / part.name, columns=["run_id", "iteration", "prompt_id", "sample_idx",
-                                                                  "question"])
+        t = pq.read_table(
+            shard.directory / part.name, columns=["run_id", "iteration", "prompt_id", "sample_idx", "question"]
+        )
         for r in t.to_pylist():
             out[row_key(r["run_id"], r["iteration"], r["prompt_id"], r["sample_idx"])] = r["question"]
     return out
@@ -129,8 +131,11 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
         checkpoint = sampling_checkpoint(root, shard.manifest)
         decode = decoder_of(checkpoint)
         # where the checkpoint is on this machine (an import elsewhere names its own with --tokenizer)
-        where = str(checkpoint.resolve()) if checkpoint is not None and checkpoint.is_dir() else (
-            shard.manifest.inputs[0] if shard.manifest.inputs else None)
+        where = (
+            str(checkpoint.resolve())
+            if checkpoint is not None and checkpoint.is_dir()
+            else (shard.manifest.inputs[0] if shard.manifest.inputs else None)
+        )
         agent = atif_format.agent_of(str(shard.manifest.extra.get("policy_version", "unknown")), where, _version())
         raw_file = Path("raw") / f"iteration-{shard.iteration:04d}.jsonl"
         measure = _live_measure(root, sel.run_id, shard.manifest)
@@ -140,11 +145,13 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
                 for row in batch.to_pylist():
                     splices = None
                     if decode is not None and any(len(p["attempts"]) > 1 for p in row["positions"]):
-                        lived = purify(trajectory_from_row(row), row["gamma_live"], "saar",
-                                       lambda ids: decode([ids])[0], measure)
-                        splices = {(s.position_idx, s.attempt_idx): {"splice_kind": s.kind,
-                                                                      "similarity": s.similarity}
-                                   for s in lived.splices}
+                        lived = purify(
+                            trajectory_from_row(row), row["gamma_live"], "saar", lambda ids: decode([ids])[0], measure
+                        )
+                        splices = {
+                            (s.position_idx, s.attempt_idx): {"splice_kind": s.kind, "similarity": s.similarity}
+                            for s in lived.splices
+                        }
                     yield atif_format.raw_trajectory(row, decode, agent, splices)
 
         write(staging / raw_file, raw_docs())
@@ -155,20 +162,38 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
             def purified_docs(part=part, decode=decode, agent=agent, questions=questions, raw_file=raw_file):
                 for batch in part.batches(batch_rows):
                     for row in batch.to_pylist():
-                        yield atif_format.purified_trajectory(row, questions[row["raw_key"]], decode, agent,
-                                                              sel.partition.path, raw_file.as_posix())
+                        yield atif_format.purified_trajectory(
+                            row, questions[row["raw_key"]], decode, agent, sel.partition.path, raw_file.as_posix()
+                        )
 
-            write(staging / "purified" / sel.partition.path / f"iteration-{shard.iteration:04d}.jsonl",
-                  purified_docs())
+            write(staging / "purified" / sel.partition.path / f"iteration-{shard.iteration:04d}.jsonl", purified_docs())
     return done
 
 
-def run_export(cfg, run_id: str | None, iterations: list[int] | None, partition: str | None, fmt: str, out: Path,
-               *, tasks: Path | None = None, batch_rows: int | None = None) -> Exported:
+def run_export(
+    cfg,
+    run_id: str | None,
+    iterations: list[int] | None,
+    partition: str | None,
+    fmt: str,
+    out: Path,
+    *,
+    tasks: Path | None = None,
+    batch_rows: int | None = None,
+) -> Exported:
     """Write the export into --out (staged, renamed at the end); returns what was written."""
     from flows.interop import dataset_card, trl
-    from flows.interop.source import (BATCH_ROWS, ROWWISE_BATCH_ROWS, InteropError, check_out_dir, decoder_of,
-                                      parse_partition, sampling_checkpoint, select, staged_output)
+    from flows.interop.source import (
+        BATCH_ROWS,
+        ROWWISE_BATCH_ROWS,
+        InteropError,
+        check_out_dir,
+        decoder_of,
+        parse_partition,
+        sampling_checkpoint,
+        select,
+        staged_output,
+    )
 
     root = Path(cfg.storage.root)
     batch_rows = batch_rows or (BATCH_ROWS if fmt == "trl-sft" else ROWWISE_BATCH_ROWS)
@@ -187,23 +212,34 @@ def run_export(cfg, run_id: str | None, iterations: list[int] | None, partition:
         if fmt == "atif":
             done = _atif_export(root, sel, staging, batch_rows)
             card = dataset_card.Card(
-                title=f"cleaner run {sel.run_id}: ATIF trajectories", format="ATIF v1.8 (JSON Lines, one trajectory "
-                "a line)", summary="One ATIF trajectory per raw row (raw/), each attempt and retry a step with its "
-                "sampled token ids and log-probs" + (", and one per purified row (purified/), pointing at its raw "
-                "trajectory" if sel.partition else "") + ". `cleaner import --format atif` reads them back exactly.",
-                data_files={}, columns={}, provenance=provenance,
-                notes=["`datasets` cannot load ATIF documents as a table (their steps differ in shape): read each "
-                       "line with `atif.Trajectory.model_validate_json`."])
+                title=f"cleaner run {sel.run_id}: ATIF trajectories",
+                format="ATIF v1.8 (JSON Lines, one trajectory a line)",
+                summary="One ATIF trajectory per raw row (raw/), each attempt and retry a step with its "
+                "sampled token ids and log-probs"
+                + (", and one per purified row (purified/), pointing at its raw trajectory" if sel.partition else "")
+                + ". `cleaner import --format atif` reads them back exactly.",
+                data_files={},
+                columns={},
+                provenance=provenance,
+                notes=[
+                    "`datasets` cannot load ATIF documents as a table (their steps differ in shape): read each "
+                    "line with `atif.Trajectory.model_validate_json`."
+                ],
+            )
         elif fmt == "trl-sft":
             done = _parquet_export(sel, staging, lambda raw, batch: trl.sft_table(batch), trl.SFT_SCHEMA, batch_rows)
             card = dataset_card.Card(
                 title=f"cleaner run {sel.run_id}: purified trajectories for TRL SFT (pre-tokenized)",
-                format="TRL SFT, pre-tokenized (input_ids + completion_mask)", summary=(
+                format="TRL SFT, pre-tokenized (input_ids + completion_mask)",
+                summary=(
                     "Each row is one purified trajectory: its prompt and response token ids as the policy sampled "
                     "and the partition trains them. TRL's SFTTrainer (completion_only_loss, its default) trains "
-                    "exactly the tokens whose completion_mask is 1."),
+                    "exactly the tokens whose completion_mask is 1."
+                ),
                 data_files={"default": "data/*.parquet"},
-                columns={c: trl.COLUMN_DOCS[c] for c in trl.SFT_SCHEMA.names}, provenance=provenance)
+                columns={c: trl.COLUMN_DOCS[c] for c in trl.SFT_SCHEMA.names},
+                provenance=provenance,
+            )
         else:
             questions: dict[int, dict[str, str]] = {}  # the current iteration's only
 
@@ -217,18 +253,27 @@ def run_export(cfg, run_id: str | None, iterations: list[int] | None, partition:
             for raw in sel.raw:
                 decoders[raw.iteration] = decoder_of(sampling_checkpoint(root, raw.manifest))
                 if decoders[raw.iteration] is None:
-                    raise InteropError(f"{raw.directory}: the checkpoint that sampled it has no tokenizer.json, and "
-                                       "trl-messages is text; export trl-sft (token ids) instead")
+                    raise InteropError(
+                        f"{raw.directory}: the checkpoint that sampled it has no tokenizer.json, and "
+                        "trl-messages is text; export trl-sft (token ids) instead"
+                    )
             done = _parquet_export(sel, staging, build, trl.MESSAGES_SCHEMA, batch_rows)
             card = dataset_card.Card(
                 title=f"cleaner run {sel.run_id}: purified trajectories for TRL SFT (conversational)",
-                format="TRL SFT, conversational (messages + tools)", summary=(
+                format="TRL SFT, conversational (messages + tools)",
+                summary=(
                     "Each row is one purified trajectory as a conversation: the question, each assistant turn with "
-                    "its tool call, each tool response. A trainer renders and tokenizes it with its own template."),
-                data_files={"default": "data/*.parquet"}, token_exact=False,
-                columns={c: trl.COLUMN_DOCS[c] for c in trl.MESSAGES_SCHEMA.names}, provenance=provenance,
-                notes=["A turn the partition masks (mask_failed) is an assistant message like any other: the "
-                       "per-token loss mask is kept only by trl-sft."])
+                    "its tool call, each tool response. A trainer renders and tokenizes it with its own template."
+                ),
+                data_files={"default": "data/*.parquet"},
+                token_exact=False,
+                columns={c: trl.COLUMN_DOCS[c] for c in trl.MESSAGES_SCHEMA.names},
+                provenance=provenance,
+                notes=[
+                    "A turn the partition masks (mask_failed) is an assistant message like any other: the "
+                    "per-token loss mask is kept only by trl-sft."
+                ],
+            )
         (staging / "README.md").write_text(card.render())
     done.files = [out / f.relative_to(staging) for f in done.files] + [out / "README.md"]
     done.bytes = sum(f.stat().st_size for f in done.files)
@@ -247,34 +292,58 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
         extra = {}
         names = pq.read_schema(tasks).names
         if "pass_rate" in names:  # `cleaner filter`'s task file: keep what the filter saw
-            for r in pq.read_table(tasks, columns=[c for c in ("prompt", "pass_rate", "rollouts") if c in names]
-                                   ).to_pylist():
+            for r in pq.read_table(
+                tasks, columns=[c for c in ("prompt", "pass_rate", "rollouts") if c in names]
+            ).to_pylist():
                 users = [m["content"] for m in r["prompt"] or [] if m.get("role") == "user"]
                 if users:
                     extra[users[-1]] = {"pass_rate": r.get("pass_rate"), "rollouts": r.get("rollouts")}
-        rows = [verl.PromptRow(prompt_id=t.prompt_id, data_source=t.source, question=t.question,
-                               ground_truth=t.ground_truth, ability=t.kind, **extra.get(t.question, {}))
-                for t in load_task_parquet(tasks)]
+        rows = [
+            verl.PromptRow(
+                prompt_id=t.prompt_id,
+                data_source=t.source,
+                question=t.question,
+                ground_truth=t.ground_truth,
+                ability=t.kind,
+                **extra.get(t.question, {}),
+            )
+            for t in load_task_parquet(tasks)
+        ]
         provenance = {"task file": str(tasks)}
     else:
         from flows.filter_cmd import pass_rates
         from rollout_gen.tasks import code_tests_problem
 
-        rows = [verl.PromptRow(prompt_id=r["prompt_id"], data_source=r["data_source"], question=r["question"],
-                               ground_truth=r["ground_truth"],
-                               ability="code" if code_tests_problem(r["ground_truth"]) == "" else "math",
-                               pass_rate=r["pass_rate"], rollouts=r["rollouts"])
-                for r in pass_rates(Path(cfg.storage.root), run_id, iterations)]
-        provenance = {"run": run_id, "iterations": "all committed" if iterations is None else
-                      ", ".join(map(str, iterations))}
+        rows = [
+            verl.PromptRow(
+                prompt_id=r["prompt_id"],
+                data_source=r["data_source"],
+                question=r["question"],
+                ground_truth=r["ground_truth"],
+                ability="code" if code_tests_problem(r["ground_truth"]) == "" else "math",
+                pass_rate=r["pass_rate"],
+                rollouts=r["rollouts"],
+            )
+            for r in pass_rates(Path(cfg.storage.root), run_id, iterations)
+        ]
+        provenance = {
+            "run": run_id,
+            "iterations": "all committed" if iterations is None else ", ".join(map(str, iterations)),
+        }
     with staged_output(out) as staging:
         (staging / "data").mkdir()
         pq.write_table(verl.table(rows), staging / "data" / "train.parquet", compression="zstd")
         card = dataset_card.Card(
             title="RL prompts for verl" + (f" from cleaner run {run_id}" if tasks is None else ""),
-            format="verl RL prompt Parquet", summary=("One row per task, as verl's data preprocessing writes them: "
-                                                       "point `data.train_files` at data/train.parquet."),
-            data_files={"default": "data/*.parquet"}, columns=verl.COLUMN_DOCS, provenance=provenance)
+            format="verl RL prompt Parquet",
+            summary=(
+                "One row per task, as verl's data preprocessing writes them: "
+                "point `data.train_files` at data/train.parquet."
+            ),
+            data_files={"default": "data/*.parquet"},
+            columns=verl.COLUMN_DOCS,
+            provenance=provenance,
+        )
         (staging / "README.md").write_text(card.render())
     files = [out / "data" / "train.parquet", out / "README.md"]
     return Exported(len(rows), files, sum(f.stat().st_size for f in files))
@@ -283,16 +352,28 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     run_id = args.run or cfg.flow.run_id
-    done = run_export(cfg, run_id, iterations=args.iteration, partition=args.partition, fmt=args.format, out=args.out,
-                      tasks=args.tasks)
-    print(f"exported {done.rows} rows" + ("" if args.format == "verl" and args.tasks else f" of run {run_id}")
-          + f" as {args.format} to {args.out} ({len(done.files)} files, {done.bytes / 2**20:.1f} MiB)")
+    done = run_export(
+        cfg,
+        run_id,
+        iterations=args.iteration,
+        partition=args.partition,
+        fmt=args.format,
+        out=args.out,
+        tasks=args.tasks,
+    )
+    print(
+        f"exported {done.rows} rows"
+        + ("" if args.format == "verl" and args.tasks else f" of run {run_id}")
+        + f" as {args.format} to {args.out} ({len(done.files)} files, {done.bytes / 2**20:.1f} MiB)"
+    )
     return 0
 
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "export", "a run's purified data (or raw trajectories) as TRL SFT, ATIF or verl data with a dataset card",
+        sub,
+        "export",
+        "a run's purified data (or raw trajectories) as TRL SFT, ATIF or verl data with a dataset card",
         "Examples:\n  cleaner export --run demo --partition mode=saar/gamma=0.50 --format trl-sft --out sft/\n"
         "  cleaner export --run demo --iteration 3 --format atif --out atif/\n"
         "  cleaner filter --run demo --out tasks.parquet && cleaner export --format verl --tasks tasks.parquet "
@@ -304,12 +385,19 @@ def add_parser(sub) -> None:
         "`cleaner filter`'s, or from the run's tasks with their pass rates). Beside the data, README.md: a dataset "
         "card whose configs let datasets.load_dataset(OUT) read the Parquet formats offline. --out must be new or "
         "empty; it is written whole or not at all. docs/formats.md says what each format keeps and loses.",
-        func=run)
+        func=run,
+    )
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iteration", type=int, nargs="+", help="only these iterations (default: every committed one)")
-    p.add_argument("--partition", help="purified partition, e.g. mode=saar/gamma=0.50 (trl formats: default the "
-                   "partition train.mode/train.gamma trains on; atif: also export the purified trajectories)")
+    p.add_argument(
+        "--partition",
+        help="purified partition, e.g. mode=saar/gamma=0.50 (trl formats: default the "
+        "partition train.mode/train.gamma trains on; atif: also export the purified trajectories)",
+    )
     p.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     p.add_argument("--out", type=Path, required=True, help="folder to write (new or empty)")
-    p.add_argument("--tasks", type=Path, help="--format verl: a task file (cleaner filter's, or any rollout.tasks "
-                   "layout) instead of the run's tasks")
+    p.add_argument(
+        "--tasks",
+        type=Path,
+        help="--format verl: a task file (cleaner filter's, or any rollout.tasks layout) instead of the run's tasks",
+    )

@@ -13,6 +13,7 @@ committed manifest and validated against it: a shard still being written, or one
 its manifest, is never read (named on stderr), and a corrupt committed shard of the run refuses the
 command, since pass rates without it would be wrong.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,9 @@ def pass_rates(root: Path, run_id: str, iterations: list[int] | None = None) -> 
             raise ShardError(f"{corrupt[0]} (pass rates without this shard would be wrong; restore or remove it)")
         for p in mine:
             print(f"cleaner filter: skipped {p}", file=sys.stderr)
-        rows = cat.con.sql(PASS_RATES_SQL, params={"run": run_id, "iterations": iterations}).to_arrow_table().to_pylist()
+        rows = (
+            cat.con.sql(PASS_RATES_SQL, params={"run": run_id, "iterations": iterations}).to_arrow_table().to_pylist()
+        )
     if not rows:
         which = "" if iterations is None else f" in iterations {', '.join(map(str, iterations))}"
         raise ShardMissing(f"run {run_id!r} has no committed raw shard{which} under {root}")
@@ -74,35 +77,61 @@ def write_task_file(rows: list[dict], out: Path) -> None:
 
     from storage.shards import atomic_write_parquet
 
-    schema = pa.schema([
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("data_source", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("prompt_id", pa.string()),
-        ("pass_rate", pa.float64()),
-        ("rollouts", pa.int64()),
-    ])
-    atomic_write_parquet(Path(out), pa.Table.from_pylist([{
-        "prompt": [{"role": "user", "content": r["question"]}], "data_source": r["data_source"],
-        "reward_model": {"ground_truth": r["ground_truth"], "style": "rule"}, "prompt_id": r["prompt_id"],
-        "pass_rate": r["pass_rate"], "rollouts": r["rollouts"]} for r in rows], schema=schema))
+    schema = pa.schema(
+        [
+            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+            ("data_source", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("prompt_id", pa.string()),
+            ("pass_rate", pa.float64()),
+            ("rollouts", pa.int64()),
+        ]
+    )
+    atomic_write_parquet(
+        Path(out),
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": [{"role": "user", "content": r["question"]}],
+                    "data_source": r["data_source"],
+                    "reward_model": {"ground_truth": r["ground_truth"], "style": "rule"},
+                    "prompt_id": r["prompt_id"],
+                    "pass_rate": r["pass_rate"],
+                    "rollouts": r["rollouts"],
+                }
+                for r in rows
+            ],
+            schema=schema,
+        ),
+    )
 
 
-def run_filter(root: Path, run_id: str, iterations: list[int] | None, min_pass: float, max_pass: float,
-               out: Path) -> tuple[int, int]:
+def run_filter(
+    root: Path, run_id: str, iterations: list[int] | None, min_pass: float, max_pass: float, out: Path
+) -> tuple[int, int]:
     """Write the task file; returns (tasks kept, tasks seen)."""
     if not (0.0 <= min_pass < max_pass <= 1.0):
-        raise FilterError(f"pass-rate bounds must satisfy 0 <= --min-pass < --max-pass <= 1 (got {min_pass:g} and "
-                          f"{max_pass:g}); tasks strictly between them are kept")
+        raise FilterError(
+            f"pass-rate bounds must satisfy 0 <= --min-pass < --max-pass <= 1 (got {min_pass:g} and "
+            f"{max_pass:g}); tasks strictly between them are kept"
+        )
     rows = pass_rates(root, run_id, iterations)
     keep = kept(rows, min_pass, max_pass)
     if not keep:
-        raise FilterError(f"no task of run {run_id!r} has a pass rate strictly between {min_pass:g} and {max_pass:g} "
-                          f"({len(rows)} tasks seen); nothing was written to {out}")
+        raise FilterError(
+            f"no task of run {run_id!r} has a pass rate strictly between {min_pass:g} and {max_pass:g} "
+            f"({len(rows)} tasks seen); nothing was written to {out}"
+        )
     out = Path(out)
     if out.is_dir() or not out.parent.is_dir():
-        raise FilterError(f"--out {out}: " + ("is a folder; give a file name such as tasks.parquet" if out.is_dir()
-                                              else f"folder {out.parent} does not exist"))
+        raise FilterError(
+            f"--out {out}: "
+            + (
+                "is a folder; give a file name such as tasks.parquet"
+                if out.is_dir()
+                else f"folder {out.parent} does not exist"
+            )
+        )
     write_task_file(keep, out)
     return len(keep), len(rows)
 
@@ -112,26 +141,31 @@ def run(args: argparse.Namespace) -> int:
     run_id = args.run or cfg.flow.run_id
     n, seen = run_filter(cfg.storage.root, run_id, args.iterations, args.min_pass, args.max_pass, args.out)
     # the same config and overrides (pasted alone, the hint trained into ./workspace on the embedded defaults)
-    again = "".join(f" {shlex.quote(str(a))}" for a in [*(["-c", args.config] if args.config else []),
-                                                         *args.overrides])
+    again = "".join(f" {shlex.quote(str(a))}" for a in [*(["-c", args.config] if args.config else []), *args.overrides])
     # a run of its own (the filtered run's config differs: resuming it would be refused), at most n tasks an
     # iteration (more would roll a task out twice in one iteration, which train refuses)
     per_iteration = f" rollout.tasks_per_iteration={n}" if n < cfg.rollout.tasks_per_iteration else ""
-    print(f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
-          f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train{again} rollout.tasks={shlex.quote(str(args.out))}"
-          f"{per_iteration} flow.run_id={shlex.quote(run_id + '-filtered')}")
+    print(
+        f"kept {n} of {seen} tasks of run {run_id} (pass rate strictly between {args.min_pass:g} and "
+        f"{args.max_pass:g}); wrote {args.out}\nnext: cleaner train{again} rollout.tasks={shlex.quote(str(args.out))}"
+        f"{per_iteration} flow.run_id={shlex.quote(run_id + '-filtered')}"
+    )
     return 0
 
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "filter", "a task file of the tasks whose logged pass rate is strictly between two bounds",
+        sub,
+        "filter",
+        "a task file of the tasks whose logged pass rate is strictly between two bounds",
         "Example:\n  cleaner filter --run demo --min-pass 0.1 --max-pass 0.9 --out tasks.parquet\n"
         "  cleaner train rollout.tasks=tasks.parquet flow.run_id=filtered",
         "Per task of a run, the share of its committed rollouts with a positive reward (from the raw shards, "
         "through the DuckDB catalog: uncommitted shards are never read); tasks with min-pass < pass rate < "
         "max-pass are written as a task file that rollout.tasks accepts. The defaults keep tasks neither always "
-        "nor never solved.", func=run)
+        "nor never solved.",
+        func=run,
+    )
     p.add_argument("--run", help="run id (default: flow.run_id)")
     p.add_argument("--iterations", type=int, nargs="+", help="only these iterations (default: all committed)")
     p.add_argument("--min-pass", type=float, default=0.0, help="keep tasks whose pass rate is above this [0]")

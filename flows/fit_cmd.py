@@ -3,6 +3,7 @@ the config's train.* settings, term by term, and if not, which settings would (t
 
 Exit 0 when it fits, 1 when it does not (so a job script can stop before it starts), 2 on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,24 +60,33 @@ def run_fit(args: argparse.Namespace) -> int:
         raise FitError(f"train.nproc={plan.ranks} ranks for {gpus} GPU(s) (--gpus): one rank per GPU")
     est = estimate(shape, plan)
     usable = gpu_bytes * (1 - HEADROOM)
-    print(f"model {shape.name}: {shape.parameters / 1e9:.2f}B parameters ({shape.layers} layers, hidden "
-          f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}")
+    print(
+        f"model {shape.name}: {shape.parameters / 1e9:.2f}B parameters ({shape.layers} layers, hidden "
+        f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}"
+    )
     print(f"settings: {describe(plan)} train.micro_batch_tokens={plan.micro_batch_tokens}")
     print("\n".join("  " + line for line in est.lines()))
     fits = est.fits(gpu_bytes)
-    print(f"{'fits' if fits else 'does not fit'}: {est.peak / GiB:.1f} GiB of {usable / GiB:.1f} GiB usable per GPU "
-          f"({HEADROOM:.0%} of {gpu_bytes / GiB:.0f} GiB left for the CUDA context and fragmentation)")
+    print(
+        f"{'fits' if fits else 'does not fit'}: {est.peak / GiB:.1f} GiB of {usable / GiB:.1f} GiB usable per GPU "
+        f"({HEADROOM:.0%} of {gpu_bytes / GiB:.0f} GiB left for the CUDA context and fragmentation)"
+    )
     if fits:
         return 0
     found = suggestions(shape, plan, gpus, gpu_bytes)
     if found:
         print(f"would fit on {gpus} GPU(s), fastest first:")
         for e in found:
-            print(f"  {describe(e.plan)}   ({e.peak / GiB:.1f} GiB per GPU"
-                  + (f", {e.cpu_bytes / GiB:.0f} GiB host memory per rank" if e.cpu_bytes else "") + ")")
+            print(
+                f"  {describe(e.plan)}   ({e.peak / GiB:.1f} GiB per GPU"
+                + (f", {e.cpu_bytes / GiB:.0f} GiB host memory per rank" if e.cpu_bytes else "")
+                + ")"
+            )
     else:
-        print(f"no settings fit {gpus} GPU(s) of {gpu_bytes / GiB:.0f} GiB at {tokens} tokens; more GPUs (--gpus) or "
-              "shorter trajectories")
+        print(
+            f"no settings fit {gpus} GPU(s) of {gpu_bytes / GiB:.0f} GiB at {tokens} tokens; more GPUs (--gpus) or "
+            "shorter trajectories"
+        )
         best = min((estimate(shape, c) for c in _all(plan, gpus)), key=lambda e: e.peak)
         longest = longest_fitting_tokens(shape, best.plan, gpu_bytes)
         if longest:
@@ -91,11 +101,21 @@ def _all(plan, gpus):
 
 
 def add_parser(sub) -> None:
-    p = command_parser(sub, "fit", "whether the update fits the GPUs' memory, and which settings would",
-                       EXAMPLE, description=__doc__, func=run_fit)
+    p = command_parser(
+        sub,
+        "fit",
+        "whether the update fits the GPUs' memory, and which settings would",
+        EXAMPLE,
+        description=__doc__,
+        func=run_fit,
+    )
     p.add_argument("--model", type=Path, help="checkpoint folder (or config.json) to size (default: rollout.policy)")
-    p.add_argument("--tokens", type=int, help="trajectory tokens (default: rollout.max_prompt_tokens + "
-                   "rollout.max_response_tokens)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        help="trajectory tokens (default: rollout.max_prompt_tokens + rollout.max_response_tokens)",
+    )
     p.add_argument("--gpus", type=int, help="GPUs the update may use (default: train.nproc under deepspeed, else 1)")
-    p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB (default: this machine's "
-                   "smallest GPU)")
+    p.add_argument(
+        "--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB (default: this machine's smallest GPU)"
+    )

@@ -1,4 +1,5 @@
 """`cleaner demo`, `train`, `report` and `schedule` (Prefect flows), and `server` and `cluster` (local services)."""
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from flows.training import training_flow
     from flows.report import iteration_table, markdown_table, write_report
 
-    print(f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
-          f"update (Prefect, temporary local server; a rerun resumes)")
+    print(
+        f"[demo] training flow: run {cfg.flow.run_id!r}, {cfg.flow.iterations} iterations of rollout -> purify -> "
+        f"update (Prefect, temporary local server; a rerun resumes)"
+    )
     training_flow(str(config), list(args.overrides))
     print(f"[demo] replaying iteration 0 under γ = {cfg.flow.replay_gammas}")
     replay_flow(str(config), list(args.overrides), iterations=[0], gammas=cfg.flow.replay_gammas)
@@ -89,7 +92,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
   shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
   checkpoints {run_dir}/checkpoints/
   viewer      cleaner view{again}   (then open the URL it prints: trajectories beside their purified variants)
-  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {' '.join(map(str, cfg.flow.replay_gammas))}
+  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {" ".join(map(str, cfg.flow.replay_gammas))}
 Try these queries:
 {QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}""")
     return 0
@@ -105,8 +108,11 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         # Prefect's temporary server cannot schedule (it dies with the command): run a real one.
         from flows.server import start_server
 
-        print(f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
-              f"{cfg.storage.root / '.prefect' / 'server.log'}) ...", flush=True)
+        print(
+            f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
+            f"{cfg.storage.root / '.prefect' / 'server.log'}) ...",
+            flush=True,
+        )
         # bound: even a killed command (kill -9, a CI timeout) takes its server down with it
         server, started = start_server(cfg.storage.root, port=args.port, ui=not args.no_ui, bound=True)
         os.environ["PREFECT_API_URL"] = server.url
@@ -118,13 +124,18 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     # the venv's own prefect: a shell without the venv activated has none on its PATH
     prefect = Path(sys.executable).parent / "prefect"
     prefect_cmd = shlex.quote(str(prefect)) if prefect.is_file() else "prefect"
-    each = (f"a new run named {args.new_run!r}" if args.new_run else
-            f"{cfg.flow.iterations} more iteration(s) of run {cfg.flow.run_id!r} from its last checkpoint")
-    print(f"[schedule] every firing trains {each}\n"
-          f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
-          f"  PREFECT_API_URL={url} {prefect_cmd} deployment run 'cleaner-training/{args.name}'\n"
-          + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
-          flush=True)
+    each = (
+        f"a new run named {args.new_run!r}"
+        if args.new_run
+        else f"{cfg.flow.iterations} more iteration(s) of run {cfg.flow.run_id!r} from its last checkpoint"
+    )
+    print(
+        f"[schedule] every firing trains {each}\n"
+        f"[schedule] Prefect API {url}; trigger a run now from any shell with:\n"
+        f"  PREFECT_API_URL={url} {prefect_cmd} deployment run 'cleaner-training/{args.name}'\n"
+        + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
+        flush=True,
+    )
     import warnings
 
     from flows.training import training_flow
@@ -147,11 +158,17 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
         training_flow.serve(
-            name=args.name, interval=args.interval, cron=args.cron,
+            name=args.name,
+            interval=args.interval,
+            cron=args.cron,
             # one firing at a time: a firing while one trains is cancelled (two would train the same iteration)
             global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
-            parameters={"config_file": str(args.config) if args.config else None, "overrides": list(args.overrides),
-                        "more": not args.new_run, "run_id_template": args.new_run},
+            parameters={
+                "config_file": str(args.config) if args.config else None,
+                "overrides": list(args.overrides),
+                "more": not args.new_run,
+                "run_id_template": args.new_run,
+            },
             print_starting_message=False,  # its banner's trigger command lacks PREFECT_API_URL; ours above works
         )
     finally:
@@ -187,12 +204,17 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     root = config_of(args).storage.root
     if args.action == "start":
-        starting = None if running_server(root) else working(
-            f"starting a Prefect server for {root} (log: {prefect_home(root) / 'server.log'})")
+        starting = (
+            None
+            if running_server(root)
+            else working(f"starting a Prefect server for {root} (log: {prefect_home(root) / 'server.log'})")
+        )
         with starting or nullcontext():  # its first start creates its database: tens of seconds
             state, started = start_server(root, port=args.port, ui=not args.no_ui)
-        print(f"{'started' if started else 'already running'}: pid {state.pid}, UI/API "
-              f"http://127.0.0.1:{state.port} (log: {state.log})\n  export PREFECT_API_URL={state.url}")
+        print(
+            f"{'started' if started else 'already running'}: pid {state.pid}, UI/API "
+            f"http://127.0.0.1:{state.port} (log: {state.log})\n  export PREFECT_API_URL={state.url}"
+        )
     elif args.action == "stop":
         state = stop_server(root)
         print(f"stopped pid {state.pid}" if state else "no project server was running")
@@ -208,11 +230,19 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
     directory = dask_cluster.cluster_dir(config_of(args).storage.root)
     if args.action == "start":
-        c = dask_cluster.start(directory, workers=args.workers, threads=args.threads, port=args.port,
-                               timeout=args.timeout, resources=args.resources or "")
-        print(f"started: scheduler pid {c.scheduler_pid} at {c.address}, worker pids "
-              f"{', '.join(map(str, c.worker_pids))} (logs in {c.directory})\n"
-              f"  purify with: purify.runner=dask   (or purify.dask_address={c.address})")
+        c = dask_cluster.start(
+            directory,
+            workers=args.workers,
+            threads=args.threads,
+            port=args.port,
+            timeout=args.timeout,
+            resources=args.resources or "",
+        )
+        print(
+            f"started: scheduler pid {c.scheduler_pid} at {c.address}, worker pids "
+            f"{', '.join(map(str, c.worker_pids))} (logs in {c.directory})\n"
+            f"  purify with: purify.runner=dask   (or purify.dask_address={c.address})"
+        )
     elif args.action == "stop":
         c = dask_cluster.stop(directory)
         print(f"stopped pids {', '.join(map(str, c.pids))}" if c else "no local Dask cluster was running")
@@ -224,53 +254,88 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    command_parser(sub, "demo", "the main job: a multi-iteration training flow on the embedded defaults",
-                   "Example:\n  cleaner demo flow.iterations=2",
-                   "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
-                   "iteration 0 under three γ, write the report and print where to look.", func=cmd_demo,
-                   config_default="configs/demo.yaml")
-    command_parser(sub, "train", "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
-                   "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
-                   "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "
-                   "server start`). Stages whose output is committed are skipped: rerun to resume.", func=cmd_train)
+    command_parser(
+        sub,
+        "demo",
+        "the main job: a multi-iteration training flow on the embedded defaults",
+        "Example:\n  cleaner demo flow.iterations=2",
+        "Build the tiny policy if absent, run the training flow of configs/demo.yaml, replay "
+        "iteration 0 under three γ, write the report and print where to look.",
+        func=cmd_demo,
+        config_default="configs/demo.yaml",
+    )
+    command_parser(
+        sub,
+        "train",
+        "run the training flow: N iterations of rollout -> purify -> update (Prefect)",
+        "Example:\n  cleaner train -c configs/demo.yaml flow.run_id=exp1 flow.iterations=10",
+        "Runs as a Prefect flow (temporary local server unless PREFECT_API_URL points at `prefect "
+        "server start`). Stages whose output is committed are skipped: rerun to resume.",
+        func=cmd_train,
+    )
 
-    p = command_parser(sub, "report", "write PNG plots and an HTML page for a run",
-                       "Example:\n  cleaner report --run demo -c configs/demo.yaml", func=cmd_report)
+    p = command_parser(
+        sub,
+        "report",
+        "write PNG plots and an HTML page for a run",
+        "Example:\n  cleaner report --run demo -c configs/demo.yaml",
+        func=cmd_report,
+    )
     p.add_argument("--run", help="run id (default: flow.run_id)")
 
-    p = command_parser(sub, "schedule", "serve the training flow as a Prefect deployment (interval or cron)",
-                       "Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml",
-                       "Blocks and serves the deployment. Without PREFECT_API_URL it first starts a local Prefect "
-                       "server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command ends), since "
-                       "Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers the deployment "
-                       "there. Each firing does new work: by default it trains flow.iterations more iterations of "
-                       "flow.run_id from its last checkpoint (--new-run: a new run per firing).", func=cmd_schedule)
+    p = command_parser(
+        sub,
+        "schedule",
+        "serve the training flow as a Prefect deployment (interval or cron)",
+        "Example:\n  cleaner schedule --cron '0 2 * * *' -c configs/demo.yaml",
+        "Blocks and serves the deployment. Without PREFECT_API_URL it first starts a local Prefect "
+        "server on 127.0.0.1 (home <storage.root>/.prefect, stopped when this command ends), since "
+        "Prefect's temporary server cannot schedule; with PREFECT_API_URL it registers the deployment "
+        "there. Each firing does new work: by default it trains flow.iterations more iterations of "
+        "flow.run_id from its last checkpoint (--new-run: a new run per firing).",
+        func=cmd_schedule,
+    )
     p.add_argument("--name", default="cleaner-training")
     p.add_argument("--interval", type=float, help="seconds between runs")
     p.add_argument("--cron", help="cron expression")
     p.add_argument("--port", type=int, help="port of the local Prefect server it starts (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="start the local server without its web UI")
-    p.add_argument("--new-run", metavar="TEMPLATE", help=(
-        "each firing starts a new run named from TEMPLATE ({run_id}, {date}, {time}; e.g. 'nightly-{date}') "
-        "and trains flow.iterations on it; default: each firing continues flow.run_id for flow.iterations more "
-        "iterations from its last checkpoint"))
+    p.add_argument(
+        "--new-run",
+        metavar="TEMPLATE",
+        help=(
+            "each firing starts a new run named from TEMPLATE ({run_id}, {date}, {time}; e.g. 'nightly-{date}') "
+            "and trains flow.iterations on it; default: each firing continues flow.run_id for flow.iterations more "
+            "iterations from its last checkpoint"
+        ),
+    )
 
-    p = command_parser(sub, "server", "start/stop/status of the project's local Prefect server (127.0.0.1)",
-                       "Example:\n  cleaner server start\n  cleaner server stop",
-                       "A real Prefect server with the project's Prefect home (<storage.root>/.prefect), started in "
-                       "the background and stopped by its recorded pid. Runs, deployments and schedules then show "
-                       "in its UI; commands use it when PREFECT_API_URL is exported as printed. `status` exits 1 when none runs.",
-                       actions=("start", "stop", "status"), func=cmd_server)
+    p = command_parser(
+        sub,
+        "server",
+        "start/stop/status of the project's local Prefect server (127.0.0.1)",
+        "Example:\n  cleaner server start\n  cleaner server stop",
+        "A real Prefect server with the project's Prefect home (<storage.root>/.prefect), started in "
+        "the background and stopped by its recorded pid. Runs, deployments and schedules then show "
+        "in its UI; commands use it when PREFECT_API_URL is exported as printed. `status` exits 1 when none runs.",
+        actions=("start", "stop", "status"),
+        func=cmd_server,
+    )
     p.add_argument("--port", type=int, help="port (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="without the web UI")
 
-    p = command_parser(sub, "cluster", "start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
-                       "Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo --iteration 0 "
-                       "purify.runner=dask\n  cleaner cluster stop",
-                       "A Dask scheduler and N worker processes on 127.0.0.1, pids in <storage.root>/.dask/"
-                       "cluster.json, each stopped by its own pid. With purify.runner=dask and no "
-                       "purify.dask_address, purify uses this cluster. Many nodes: docs/scale_out.md.",
-                       actions=("start", "stop", "status"), func=cmd_cluster)
+    p = command_parser(
+        sub,
+        "cluster",
+        "start/stop/status of a local Dask cluster for purify.runner=dask (127.0.0.1)",
+        "Example:\n  cleaner cluster start --workers 2\n  cleaner purify --run demo --iteration 0 "
+        "purify.runner=dask\n  cleaner cluster stop",
+        "A Dask scheduler and N worker processes on 127.0.0.1, pids in <storage.root>/.dask/"
+        "cluster.json, each stopped by its own pid. With purify.runner=dask and no "
+        "purify.dask_address, purify uses this cluster. Many nodes: docs/scale_out.md.",
+        actions=("start", "stop", "status"),
+        func=cmd_cluster,
+    )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
     p.add_argument("--port", type=int, default=0, help="scheduler port (default: a free one)")

@@ -4,6 +4,7 @@ shards of a run of their own, written by the project's own shard writer, so `ins
 checked; a rerun with the same files and settings finds it committed and says so (idempotent), one with others is
 refused. The formats and what is exact: docs/formats.md; the readers: flows/interop/importers.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ class Imported:
     token_exact: bool = True
 
 
-def _digest(files: list[Path], fmt: str, run_id: str, tokenizer: Path | None, iteration: int | None,
-            allow_purify: bool) -> str:
+def _digest(
+    files: list[Path], fmt: str, run_id: str, tokenizer: Path | None, iteration: int | None, allow_purify: bool
+) -> str:
     """What an import was made of: the files' bytes in order, the format, the tokenizer's, the settings."""
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps([fmt, run_id, iteration, allow_purify]).encode())
@@ -52,19 +54,31 @@ def _check_row(row: dict[str, Any], where: str, arrow: bool = False) -> None:
     for p in row["positions"]:
         for a in p["attempts"] + ([row["final_turn"]] if row["final_turn"] else []):
             if len(a["turn_ids"]) != len(a["logprobs"]):
-                raise InteropError(f"{where}: position {p['position_idx']} attempt {a['attempt_idx']}: "
-                                   f"{len(a['turn_ids'])} token ids but {len(a['logprobs'])} log-probs")
+                raise InteropError(
+                    f"{where}: position {p['position_idx']} attempt {a['attempt_idx']}: "
+                    f"{len(a['turn_ids'])} token ids but {len(a['logprobs'])} log-probs"
+                )
     try:
         trajectory_from_row(row)
         if arrow:
             pa.Table.from_pylist([row], schema=RAW)
     except (TypeError, KeyError, ValueError, pa.ArrowException) as e:
-        raise InteropError(f"{where}: not a valid raw row ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
-            from None
+        raise InteropError(
+            f"{where}: not a valid raw row ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        ) from None
 
 
-def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | None, iteration: int | None,
-          root: Path, state: dict[str, Any]):
+def _rows(
+    files: list[Path],
+    fmt: str,
+    run_id: str,
+    *,
+    chat,
+    tokenizer: Path | None,
+    iteration: int | None,
+    root: Path,
+    state: dict[str, Any],
+):
     """(iteration, raw row, token-exact, where) per source line, in file order."""
     from flows.interop import atif as atif_format
     from flows.interop import importers
@@ -81,8 +95,10 @@ def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | N
 
     def need_chat(where: str):
         if chat is None:
-            raise InteropError(f"{where}: {fmt} is text: name the tokenizer to re-tokenize it with (--tokenizer "
-                               "CHECKPOINT, e.g. the policy that sampled it)")
+            raise InteropError(
+                f"{where}: {fmt} is text: name the tokenizer to re-tokenize it with (--tokenizer "
+                "CHECKPOINT, e.g. the policy that sampled it)"
+            )
         return chat
 
     for path in files:
@@ -102,8 +118,10 @@ def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | N
                     yield row["iteration"], row, True, where
                     continue
                 if (traj.extra or {}).get(atif_format.KEY, {}).get("format") == atif_format.PURIFIED_FORMAT:
-                    raise InteropError(f"{where}: a purified trajectory (export's purified/); import the raw ones "
-                                       "(raw/*.jsonl): purified rows are rebuilt from them by `cleaner replay`")
+                    raise InteropError(
+                        f"{where}: a purified trajectory (export's purified/); import the raw ones "
+                        "(raw/*.jsonl): purified rows are rebuilt from them by `cleaner replay`"
+                    )
                 if version < atif_format.TOKEN_IDS_SINCE and chat is None:
                     need_chat(f"{where} (ATIF v{version[0]}.{version[1]}, before token ids)")
                 if chat is not None:
@@ -118,10 +136,20 @@ def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | N
                 prompt_id = stable_id(source, question)
                 it = 0 if iteration is None else iteration
                 row = importers.raw_row(
-                    run_id=run_id, iteration=it, prompt_id=prompt_id, sample_idx=next_sample(it, prompt_id),
-                    policy_version=traj.agent.model_name or traj.agent.name, source=source, question=question,
-                    ground_truth=str(extra.get("ground_truth") or ""), reward=float(extra.get("reward") or 0.0),
-                    prompt_ids=list(prompt_ids), turns=turns, chat=chat, final_text=last)
+                    run_id=run_id,
+                    iteration=it,
+                    prompt_id=prompt_id,
+                    sample_idx=next_sample(it, prompt_id),
+                    policy_version=traj.agent.model_name or traj.agent.name,
+                    source=source,
+                    question=question,
+                    ground_truth=str(extra.get("ground_truth") or ""),
+                    reward=float(extra.get("reward") or 0.0),
+                    prompt_ids=list(prompt_ids),
+                    turns=turns,
+                    chat=chat,
+                    final_text=last,
+                )
                 yield it, row, exact, where
                 continue
             chat_ = need_chat(where)
@@ -134,21 +162,28 @@ def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | N
                 if isinstance(completion, str):
                     completion = [{"role": "assistant", "content": completion}]
                 if not isinstance(completion, list):
-                    raise InteropError(f"{where}: field 'completion' is a {type(completion).__name__}, expected text "
-                                       "or messages")
+                    raise InteropError(
+                        f"{where}: field 'completion' is a {type(completion).__name__}, expected text or messages"
+                    )
                 prompt_ids = importers.prompt_ids_of(chat_, prompt_messages)
                 reward, truth = doc.get("reward", 0.0), doc.get("ground_truth", doc.get("answer", ""))
                 source = str(doc.get("data_source") or "trl")
             else:
                 for name in ("input", "output"):
                     if not isinstance(doc.get(name), str):
-                        raise InteropError(f"{where}: field {name!r} " + ("is missing" if name not in doc else
-                                           f"is a {type(doc[name]).__name__}, expected text") + " (verl's rollout "
-                                           "dump has input, output, gts, score, step)")
+                        raise InteropError(
+                            f"{where}: field {name!r} "
+                            + ("is missing" if name not in doc else f"is a {type(doc[name]).__name__}, expected text")
+                            + " (verl's rollout "
+                            "dump has input, output, gts, score, step)"
+                        )
                 question = importers.rendered_question(doc["input"])
                 completion = importers.split_rendered(doc["output"])
-                prompt_ids = (chat_.encode(doc["input"]) if importers.renders_special_tokens(doc["input"]) else
-                              importers.prompt_ids_of(chat_, [{"role": "user", "content": question}]))
+                prompt_ids = (
+                    chat_.encode(doc["input"])
+                    if importers.renders_special_tokens(doc["input"])
+                    else importers.prompt_ids_of(chat_, [{"role": "user", "content": question}])
+                )
                 reward, truth = doc.get("score", doc.get("reward", 0.0)), doc.get("gts", doc.get("ground_truth", ""))
                 source = str(doc.get("data_source") or "verl")
             if not isinstance(reward, (int, float)) or isinstance(reward, bool):
@@ -157,15 +192,34 @@ def _rows(files: list[Path], fmt: str, run_id: str, *, chat, tokenizer: Path | N
             prompt_id = stable_id(source, question)
             it = 0 if iteration is None else iteration
             row = importers.raw_row(
-                run_id=run_id, iteration=it, prompt_id=prompt_id, sample_idx=next_sample(it, prompt_id),
-                policy_version="imported", source=source, question=question,
-                ground_truth=truth if isinstance(truth, str) else json.dumps(truth), reward=float(reward),
-                prompt_ids=prompt_ids, turns=turns, chat=chat_, final_text=last)
+                run_id=run_id,
+                iteration=it,
+                prompt_id=prompt_id,
+                sample_idx=next_sample(it, prompt_id),
+                policy_version="imported",
+                source=source,
+                question=question,
+                ground_truth=truth if isinstance(truth, str) else json.dumps(truth),
+                reward=float(reward),
+                prompt_ids=prompt_ids,
+                turns=turns,
+                chat=chat_,
+                final_text=last,
+            )
             yield it, row, False, where
 
 
-def run_import(cfg, files: list[Path], fmt: str, run_id: str, *, tokenizer: Path | None = None,
-               iteration: int | None = None, allow_purify: bool = False, batch_rows: int = 16) -> Imported:
+def run_import(
+    cfg,
+    files: list[Path],
+    fmt: str,
+    run_id: str,
+    *,
+    tokenizer: Path | None = None,
+    iteration: int | None = None,
+    allow_purify: bool = False,
+    batch_rows: int = 16,
+) -> Imported:
     """Write the raw shards; returns what was imported (or found already imported). Rows are held `batch_rows` per
     iteration at a time (as Python objects: ~3 MiB a row at 8,192 tokens), then written to the open part."""
     import pyarrow as pa
@@ -203,13 +257,24 @@ def run_import(cfg, files: list[Path], fmt: str, run_id: str, *, tokenizer: Path
             committed = read_manifest(out)
             if committed is not None and committed.config_hash != config_hash:
                 made = committed.extra.get("source_format") or "a rollout"
-                raise InteropError(f"{out}: already holds a raw shard ({made}, config {committed.config_hash}) that "
-                                   "other files or settings made; import into a new --run (raw shards are never "
-                                   "overwritten)")
+                raise InteropError(
+                    f"{out}: already holds a raw shard ({made}, config {committed.config_hash}) that "
+                    "other files or settings made; import into a new --run (raw shards are never "
+                    "overwritten)"
+                )
             checkpoint = state.get("checkpoint")
-            writers[it] = None if committed is not None else ShardWriter(
-                out, RAW, config_hash, inputs=[record_path(root, checkpoint)] if checkpoint else [],
-                rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression)
+            writers[it] = (
+                None
+                if committed is not None
+                else ShardWriter(
+                    out,
+                    RAW,
+                    config_hash,
+                    inputs=[record_path(root, checkpoint)] if checkpoint else [],
+                    rows_per_part=cfg.storage.rows_per_part,
+                    compression=cfg.storage.compression,
+                )
+            )
         return writers[it]
 
     def flush(it: int) -> None:
@@ -225,13 +290,16 @@ def run_import(cfg, files: list[Path], fmt: str, run_id: str, *, tokenizer: Path
         pending[it] = []
 
     try:
-        for it, row, row_exact, where in _rows(files, fmt, run_id, chat=chat, tokenizer=tokenizer, iteration=iteration,
-                                               root=root, state=state):
+        for it, row, row_exact, where in _rows(
+            files, fmt, run_id, chat=chat, tokenizer=tokenizer, iteration=iteration, root=root, state=state
+        ):
             _check_row(row, where)
             key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
             if key in seen:
-                raise InteropError(f"{where}: trajectory {key} is already imported from {seen[key]} (a file named "
-                                   "twice, or two trajectories with one id)")
+                raise InteropError(
+                    f"{where}: trajectory {key} is already imported from {seen[key]} (a file named "
+                    "twice, or two trajectories with one id)"
+                )
             seen[key] = where
             exact[it] = exact.get(it, True) and row_exact
             versions.setdefault(it, set()).add(row["policy_version"])
@@ -247,8 +315,15 @@ def run_import(cfg, files: list[Path], fmt: str, run_id: str, *, tokenizer: Path
             if w is None:
                 done.iterations[it] = "already imported"
                 continue
-            w.commit({"source_format": fmt, "token_exact": exact[it], "imported_from": [str(f) for f in files],
-                      "purify_allowed": bool(allow_purify), "policy_version": ", ".join(sorted(versions[it]))})
+            w.commit(
+                {
+                    "source_format": fmt,
+                    "token_exact": exact[it],
+                    "imported_from": [str(f) for f in files],
+                    "purify_allowed": bool(allow_purify),
+                    "policy_version": ", ".join(sorted(versions[it])),
+                }
+            )
             done.iterations[it] = "written"
         done.token_exact = all(exact.values())
     except BaseException:
@@ -263,12 +338,25 @@ def run(args: argparse.Namespace) -> int:
     from flows.stage_cmds import published
 
     cfg = config_of(args)
-    done = run_import(cfg, args.files, args.format, args.run, tokenizer=args.tokenizer, iteration=args.iteration,
-                      allow_purify=args.allow_purify)
+    done = run_import(
+        cfg,
+        args.files,
+        args.format,
+        args.run,
+        tokenizer=args.tokenizer,
+        iteration=args.iteration,
+        allow_purify=args.allow_purify,
+    )
     what = ", ".join(f"iteration {i} {state}" for i, state in sorted(done.iterations.items()))
-    exact = "token-exact" if done.token_exact else (
-        "re-tokenized (token_exact: false; purifying it is " + ("allowed" if args.allow_purify else
-                                                                "refused unless imported with --allow-purify") + ")")
+    exact = (
+        "token-exact"
+        if done.token_exact
+        else (
+            "re-tokenized (token_exact: false; purifying it is "
+            + ("allowed" if args.allow_purify else "refused unless imported with --allow-purify")
+            + ")"
+        )
+    )
     print(f"imported {done.rows} trajectories into run {args.run} ({what}); {exact}")
     if any(state == "written" for state in done.iterations.values()):
         published(cfg)
@@ -277,7 +365,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "import", "another framework's rollouts (ATIF, TRL completions, verl dumps) as raw shards of a new run",
+        sub,
+        "import",
+        "another framework's rollouts (ATIF, TRL completions, verl dumps) as raw shards of a new run",
         "Examples:\n  cleaner import --format atif out/raw/*.jsonl --run atif-copy\n"
         "  cleaner import --format verl-jsonl rollouts/0.jsonl --run from-verl --tokenizer policies/tiny-tool-policy",
         "Each trajectory becomes a raw row (a failed tool call followed by the model's next call is an in-context "
@@ -285,13 +375,24 @@ def add_parser(sub) -> None:
         "with token ids and log-probs (v1.3+; cleaner's own export exactly) keeps them; text sources (trl-completions,"
         " verl-jsonl) are re-tokenized with --tokenizer and marked token_exact: false in the manifest, and "
         "purifying them is refused unless --allow-purify (their token boundaries are not the sampled ones). A "
-        "rerun with the same files is a no-op; docs/formats.md.", func=run)
+        "rerun with the same files is a no-op; docs/formats.md.",
+        func=run,
+    )
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl (one object a line) or .json files")
     p.add_argument("--format", required=True, choices=FORMATS, help="what the files are")
     p.add_argument("--run", required=True, help="the run to import into (its own: raw shards are never overwritten)")
-    p.add_argument("--tokenizer", type=Path, help="checkpoint folder whose tokenizer re-tokenizes text (required for "
-                   "text sources) or checks ATIF ids; recorded as the policy that sampled the rows")
-    p.add_argument("--iteration", type=int, help="iteration to import into (default: cleaner ATIF keeps its own, "
-                   "other sources 0)")
-    p.add_argument("--allow-purify", action="store_true", help="let `cleaner purify`/`replay` purify a re-tokenized "
-                   "import (its token boundaries and log-probs are not the sampled ones)")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="checkpoint folder whose tokenizer re-tokenizes text (required for "
+        "text sources) or checks ATIF ids; recorded as the policy that sampled the rows",
+    )
+    p.add_argument(
+        "--iteration", type=int, help="iteration to import into (default: cleaner ATIF keeps its own, other sources 0)"
+    )
+    p.add_argument(
+        "--allow-purify",
+        action="store_true",
+        help="let `cleaner purify`/`replay` purify a re-tokenized "
+        "import (its token boundaries and log-probs are not the sampled ones)",
+    )

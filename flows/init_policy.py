@@ -15,6 +15,7 @@ logits are exactly 0 and the full softmax's normaliser is Σ_used exp(z) + (V �
 loss is the true 151,936-way cross-entropy computed over a few hundred columns. Those rows stay
 zero (never an input, never a target).
 """
+
 from __future__ import annotations
 
 import json
@@ -60,10 +61,20 @@ class InitPolicyConfig:
 
 def qwen3_config(cfg: InitPolicyConfig) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=MODEL_VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643,
+        vocab_size=MODEL_VOCAB,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
     )
 
 
@@ -93,8 +104,9 @@ def corpus(cfg: InitPolicyConfig, chat: ChatFormat) -> list[tuple[list[int], lis
     return [tokenize_transcript(t, chat) for t in transcripts]
 
 
-def train_compact(data: list[tuple[list[int], list[int]]], cfg: InitPolicyConfig, pad_id: int,
-                  vocab: int = MODEL_VOCAB) -> tuple[Qwen3ForCausalLM, list[int], list[float]]:
+def train_compact(
+    data: list[tuple[list[int], list[int]]], cfg: InitPolicyConfig, pad_id: int, vocab: int = MODEL_VOCAB
+) -> tuple[Qwen3ForCausalLM, list[int], list[float]]:
     """SFT with the exact full-vocabulary loss, on a compact copy whose vocabulary is the used tokens
     (plus one constant logit standing for the V − |used| zero logits; module docstring)."""
     used = sorted({i for ids, _ in data for i in ids} | {pad_id})
@@ -141,14 +153,25 @@ def expand(small: Qwen3ForCausalLM, used: list[int], cfg: InitPolicyConfig) -> Q
     return model.eval()
 
 
-def save_compact(small: Qwen3ForCausalLM, used: list[int], losses: list[float], cfg: InitPolicyConfig,
-                 directory: Path) -> None:
+def save_compact(
+    small: Qwen3ForCausalLM, used: list[int], losses: list[float], cfg: InitPolicyConfig, directory: Path
+) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in small.state_dict().items() if k != "lm_head.weight"},
-              directory / "compact.safetensors")
-    (directory / "compact.json").write_text(json.dumps(
-        {"used_token_ids": used, "settings": asdict(cfg), "sft_loss_first_last": [losses[0], losses[-1]],
-         "recipe": "python -m flows.init_policy --retrain (flows/init_policy.py)"}) + "\n")
+    save_file(
+        {k: v.contiguous() for k, v in small.state_dict().items() if k != "lm_head.weight"},
+        directory / "compact.safetensors",
+    )
+    (directory / "compact.json").write_text(
+        json.dumps(
+            {
+                "used_token_ids": used,
+                "settings": asdict(cfg),
+                "sft_loss_first_last": [losses[0], losses[-1]],
+                "recipe": "python -m flows.init_policy --retrain (flows/init_policy.py)",
+            }
+        )
+        + "\n"
+    )
 
 
 def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausalLM, list[int], list[float]]:
@@ -164,8 +187,9 @@ def load_compact(directory: Path, cfg: InitPolicyConfig) -> tuple[Qwen3ForCausal
     return small.eval(), meta["used_token_ids"], meta["sft_loss_first_last"]
 
 
-def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = False, log=print,
-                template: str = "qwen3") -> dict:
+def init_policy(
+    out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = False, log=print, template: str = "qwen3"
+) -> dict:
     """Write the policy to `out` (an HF directory: config, safetensors, tokenizer, chat template).
 
     The briefly trained weights are committed in compact form (the used vocabulary rows only,
@@ -178,8 +202,10 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     template_text = chat_template(template)  # an unknown family fails before anything is written
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):  # never over a model (policies/tiny-tool-policy)
-        raise CheckpointError(f"--out {out} already exists{' and holds files' if out.is_dir() else ''}: init-policy "
-                              "writes a new folder; choose another, or remove it first")
+        raise CheckpointError(
+            f"--out {out} already exists{' and holds files' if out.is_dir() else ''}: init-policy "
+            "writes a new folder; choose another, or remove it first"
+        )
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -203,16 +229,22 @@ def init_policy(out: Path, cfg: InitPolicyConfig | None = None, retrain: bool = 
     shutil.rmtree(staging, ignore_errors=True)
     try:
         model.save_pretrained(staging, safe_serialization=True)
-        GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(staging)
+        GenerationConfig(bos_token_id=151643, eos_token_id=[151645, 151643], pad_token_id=151643).save_pretrained(
+            staging
+        )
         for name in TOKENIZER_FILES:
             shutil.copyfile(TOKENIZER_DIR / name, staging / name)
         (staging / "chat_template.jinja").write_text(template_text, encoding="utf-8")
-        provenance = {"recipe": "cleaner init-policy (flows/init_policy.py)", "settings": asdict(cfg),
-                      "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
-                      "parameters": sum(p.numel() for p in model.parameters()),
-                      "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,
-                      "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)", "chat_template": template,
-                      "wall_s": round(time.perf_counter() - t0, 1)}
+        provenance = {
+            "recipe": "cleaner init-policy (flows/init_policy.py)",
+            "settings": asdict(cfg),
+            "weights": "random" if cfg.steps == 0 else f"SFT, compact weights from {COMPACT_DIR.name}/",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "sft_loss_first_last": [losses[0], losses[-1]] if losses else None,
+            "tokenizer": "policies/qwen3-tokenizer (see its PROVENANCE.md)",
+            "chat_template": template,
+            "wall_s": round(time.perf_counter() - t0, 1),
+        }
         (staging / "PROVENANCE.json").write_text(json.dumps(provenance, indent=1) + "\n")
         files_as_umask_says(staging)
         if out.is_dir():

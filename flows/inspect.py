@@ -1,4 +1,5 @@
 """`cleaner inspect`: the catalog's numbers as tables, or the user's own SQL."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,9 +15,25 @@ if TYPE_CHECKING:  # `cleaner --help` reads COLUMNS: DuckDB, Arrow and rich load
     from pipeline.config import CleanerConfig
 
 # what the catalog holds (storage/catalog.py), named in --help and under the summary
-VIEWS = ("raw_trajectories", "raw_attempts", "raw_summary", "purified", "purified_summary", "splices", "purify_compare",
-         "dead_letters", "metrics", "raw_kinds", "trajectory_kinds", "failed_call_advantage", "off_policy", "raw_texts",
-         "raw_attempt_texts", "purified_texts", "catalog_problems")
+VIEWS = (
+    "raw_trajectories",
+    "raw_attempts",
+    "raw_summary",
+    "purified",
+    "purified_summary",
+    "splices",
+    "purify_compare",
+    "dead_letters",
+    "metrics",
+    "raw_kinds",
+    "trajectory_kinds",
+    "failed_call_advantage",
+    "off_policy",
+    "raw_texts",
+    "raw_attempt_texts",
+    "purified_texts",
+    "catalog_problems",
+)
 
 EXAMPLE_QUERIES = {
     "tool-error rate per iteration": (
@@ -51,7 +68,7 @@ SUMMARY_SQL = {
 }
 RECENT = 10  # iterations per run the default tables show: their length does not grow with the run's history
 # the rows of a run's last RECENT iterations (the tables' {where}); --all drops it
-RECENT_SQL = ("iteration > (SELECT max(iteration) FROM raw_summary r WHERE r.run_id = {table}.run_id) - {n}")
+RECENT_SQL = "iteration > (SELECT max(iteration) FROM raw_summary r WHERE r.run_id = {table}.run_id) - {n}"
 
 
 @dataclass(frozen=True)
@@ -70,55 +87,89 @@ _RUN = Column("run_id", "run", "the run (flow.run_id)")
 _ITERATION = Column("iteration", "iteration", "the iteration: its raw shard, sampled by checkpoint ITERATION")
 _TRAJECTORIES = Column("trajectories", "trajectories", "trajectories sampled (tasks × rollout.samples_per_prompt)")
 _MEAN_REWARD = Column("mean_reward", "mean reward", "mean reward of those trajectories")
-_RESPONSE = ("mean response length as lived, in tokens: what the model's context held at the end; under "
-             "rollout.saar.live_mode=purified a retry took its failed turn's place there, while the attempt tree "
-             "(raw_attempts) keeps every attempt")
+_RESPONSE = (
+    "mean response length as lived, in tokens: what the model's context held at the end; under "
+    "rollout.saar.live_mode=purified a retry took its failed turn's place there, while the attempt tree "
+    "(raw_attempts) keeps every attempt"
+)
 # each summary table's columns, in the order shown; the default ones fit a terminal 100 columns wide
 COLUMNS: dict[str, tuple[Column, ...]] = {
     "raw trajectories": (
-        _RUN, _ITERATION, _TRAJECTORIES, _MEAN_REWARD,
+        _RUN,
+        _ITERATION,
+        _TRAJECTORIES,
+        _MEAN_REWARD,
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included"),
-        Column("first_failures", "first-call failures",
-               "positions per trajectory whose first call failed (the tool-error rate SAAR retries after)"),
+        Column(
+            "first_failures",
+            "first-call failures",
+            "positions per trajectory whose first call failed (the tool-error rate SAAR retries after)",
+        ),
         Column("recovered", "recovered", "positions, summed, whose failed call a retry fixed"),
         Column("response_tokens", "response tokens", _RESPONSE),
     ),
     "purified shards": (  # one table per run (PER_RUN): without a run column its columns fit 100 characters
         _ITERATION,
-        Column("partition", "partition", "the purified partition: mode, its γ (τ for saar_is) and the similarity "
-               "measure when not the default; --wide shows them as mode, gamma, is_threshold, measure", narrow=True),
+        Column(
+            "partition",
+            "partition",
+            "the purified partition: mode, its γ (τ for saar_is) and the similarity "
+            "measure when not the default; --wide shows them as mode, gamma, is_threshold, measure",
+            narrow=True,
+        ),
         Column("mode", "mode", "purification mode (docs/saar.md#purification-modes)", wide=True),
         Column("gamma", "gamma", "SAAR's shallow/deep threshold γ of a splicing mode (0 for the others)", wide=True),
-        Column("is_threshold", "tau", "the importance-ratio threshold τ of mode saar_is (None for the others)",
-               wide=True),
-        Column("measure", "measure", "similarity measure of a splicing mode's partition (None for the others)",
-               wide=True),
+        Column(
+            "is_threshold", "tau", "the importance-ratio threshold τ of mode saar_is (None for the others)", wide=True
+        ),
+        Column(
+            "measure", "measure", "similarity measure of a splicing mode's partition (None for the others)", wide=True
+        ),
         Column("trajectories", "rows", "purified rows (one per raw trajectory, fewer for roc)"),
         Column("raw_response_tokens", "raw tokens", "the raw trajectories' " + _RESPONSE),
-        Column("purified_response_tokens", "purified tokens",
-               "mean response length of the purified rows; the raw mode keeps every attempt and every error "
-               "where they were sampled, so it exceeds the raw tokens (the response as lived) when calls failed"),
-        Column("trained_tokens", "trained tokens", "mean tokens per row with loss mask 1 (tool outputs are not trained)"),
-        Column("splices", "splices", "retries spliced over a failed turn, summed (several per position when "
-               "several retries were needed)"),
+        Column(
+            "purified_response_tokens",
+            "purified tokens",
+            "mean response length of the purified rows; the raw mode keeps every attempt and every error "
+            "where they were sampled, so it exceeds the raw tokens (the response as lived) when calls failed",
+        ),
+        Column(
+            "trained_tokens", "trained tokens", "mean tokens per row with loss mask 1 (tool outputs are not trained)"
+        ),
+        Column(
+            "splices",
+            "splices",
+            "retries spliced over a failed turn, summed (several per position when several retries were needed)",
+        ),
         Column("shallow", "shallow", "splices that kept the failed turn's reasoning (similarity ≥ γ)", wide=True),
         Column("deep", "deep", "splices that replaced the whole failed turn (similarity < γ)", wide=True),
         Column("tokens_removed", "tokens removed", "tokens the splices removed, summed"),
-        Column("tokens_forwarded", "tokens forwarded", "mean tokens per row the log-prob recompute ran through "
-               "the model (CPU: the response up to its last recomputed token, the prompt's KV shared; SGLang: from "
-               "the first token whose context changed)", wide=True),
+        Column(
+            "tokens_forwarded",
+            "tokens forwarded",
+            "mean tokens per row the log-prob recompute ran through "
+            "the model (CPU: the response up to its last recomputed token, the prompt's KV shared; SGLang: from "
+            "the first token whose context changed)",
+            wide=True,
+        ),
         Column("mean_reward", "mean reward", "mean reward of the rows"),
     ),
     "per iteration": (
-        _ITERATION, _TRAJECTORIES, _MEAN_REWARD,
+        _ITERATION,
+        _TRAJECTORIES,
+        _MEAN_REWARD,
         Column("accuracy", "accuracy", "share of trajectories with a positive reward"),
         Column("tool_errors_per_traj", "first-call failures", "positions per trajectory whose first call failed"),
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included", wide=True),
         Column("response_tokens", "response tokens", _RESPONSE),
         Column("generated_tokens", "generated tokens", "tokens sampled, summed, failed attempts included", wide=True),
-        Column("failed_tokens_per_generated", "failed tokens per generated", "failed attempts' tokens (their call "
-               "and its error message) per sampled token, summed over the iteration: a ratio, above 1 when error "
-               "messages are longer than what the model wrote (under live SAAR the lived sequence holds neither)"),
+        Column(
+            "failed_tokens_per_generated",
+            "failed tokens per generated",
+            "failed attempts' tokens (their call "
+            "and its error message) per sampled token, summed over the iteration: a ratio, above 1 when error "
+            "messages are longer than what the model wrote (under live SAAR the lived sequence holds neither)",
+        ),
         Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
         Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),
     ),
@@ -126,7 +177,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 PER_RUN = {"purified shards"}  # summary tables printed once per run ("per iteration" is per run anyway)
 FOOTNOTES = {
     "purified shards": "raw tokens: the response as lived; raw mode keeps every attempt and error, so its purified "
-                       "tokens exceed them. Columns: `cleaner inspect --help`; all of them: --wide",
+    "tokens exceed them. Columns: `cleaner inspect --help`; all of them: --wide",
 }
 
 
@@ -137,8 +188,15 @@ def columns_help() -> str:
     lines = []
     for title, columns in COLUMNS.items():
         lines.append(f"Columns of '{title}' (heading (query column): meaning; * only with --wide):")
-        lines += [textwrap.fill(f"{c.header} ({c.name}){' *' if c.wide else ''}: {c.note}", 100,
-                                initial_indent="  ", subsequent_indent="      ") for c in columns]
+        lines += [
+            textwrap.fill(
+                f"{c.header} ({c.name}){' *' if c.wide else ''}: {c.note}",
+                100,
+                initial_indent="  ",
+                subsequent_indent="      ",
+            )
+            for c in columns
+        ]
     return "\n".join(lines)
 
 
@@ -175,8 +233,14 @@ def _widths(texts: list[list[str]], budget: int) -> list[int] | None:
     return widths
 
 
-def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Column, ...] | None = None,
-                wide: bool = False, footnote: str | None = None) -> None:
+def print_table(
+    console: Console,
+    title: str,
+    table: pa.Table,
+    columns: tuple[Column, ...] | None = None,
+    wide: bool = False,
+    footnote: str | None = None,
+) -> None:
     """A query's result as a table; a summary table's `columns` (the default ones unless `wide`) with their
     headings. A table that cannot fit the terminal without cutting a word is printed at its own width (the
     terminal wraps it, `less -S` scrolls it): a cut value would read as another number."""
@@ -185,20 +249,35 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
 
     # its own line: a table's title is wrapped to the table's width, a query to a column of 5 characters
     console.print(title, style="italic", markup=False, highlight=False)
-    shown = ([c for c in columns if not (c.narrow if wide else c.wide)] if columns
-             else [Column(n, n, "") for n in table.column_names])
-    rows = [[_cell(_partition(row) if c.name == "partition" and "partition" not in row else row[c.name])
-             for c in shown] for row in table.to_pylist()]
-    widths = _widths([[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1)
+    shown = (
+        [c for c in columns if not (c.narrow if wide else c.wide)]
+        if columns
+        else [Column(n, n, "") for n in table.column_names]
+    )
+    rows = [
+        [_cell(_partition(row) if c.name == "partition" and "partition" not in row else row[c.name]) for c in shown]
+        for row in table.to_pylist()
+    ]
+    widths = _widths(
+        [[c.header, *(r[j] for r in rows)] for j, c in enumerate(shown)], console.width - 3 * len(shown) - 1
+    )
     import pyarrow as pa
 
     # numbers to the right, text to the left (a summary table's text columns by name, a query's by type)
-    text = {"run_id", "partition", "mode", "measure"} if columns else {
-        f.name for f in table.schema if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
-                                             or pa.types.is_decimal(f.type))}
+    text = (
+        {"run_id", "partition", "mode", "measure"}
+        if columns
+        else {
+            f.name
+            for f in table.schema
+            if not (pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type))
+        }
+    )
     out = Table()
     for j, c in enumerate(shown):
-        out.add_column(Text(c.header), width=widths[j] if widths else None, justify="left" if c.name in text else "right")
+        out.add_column(
+            Text(c.header), width=widths[j] if widths else None, justify="left" if c.name in text else "right"
+        )
     for r in rows:  # as Text: a cell holds model code and tool output (`lst[i]`, `[/]`), never rich markup
         out.add_row(*map(Text, r))
     width = console.width
@@ -212,26 +291,34 @@ def print_table(console: Console, title: str, table: pa.Table, columns: tuple[Co
         console.print(footnote, style="italic", highlight=False)
 
 
-def run_inspect(cfg: CleanerConfig, sql: str | None = None, run_id: str | None = None, print_queries: bool = False,
-                verify: bool = False, show_all: bool = False, wide: bool = False) -> int:
+def run_inspect(
+    cfg: CleanerConfig,
+    sql: str | None = None,
+    run_id: str | None = None,
+    print_queries: bool = False,
+    verify: bool = False,
+    show_all: bool = False,
+    wide: bool = False,
+) -> int:
     import duckdb
 
     if sum((sql is not None, print_queries, verify)) > 1:  # (an argparse group would hide --sql's value from the
         # override split: flows/command.py records the options that take a value as they are added to a parser)
         raise InspectError("--sql, --queries and --verify are one at a time")
     if sql is not None and not sql.strip():
-        raise InspectError("--sql needs a query (e.g. --sql \"SELECT * FROM purify_compare\")")
+        raise InspectError('--sql needs a query (e.g. --sql "SELECT * FROM purify_compare")')
     if not print_queries and not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
-        raise WorkspaceError(f"storage.root {cfg.storage.root} does not exist (no run has written there; check "
-                             "storage.root or --config)")
+        raise WorkspaceError(
+            f"storage.root {cfg.storage.root} does not exist (no run has written there; check storage.root or --config)"
+        )
     try:
         return _verify(cfg) if verify else _inspect(cfg, sql, run_id, print_queries, show_all, wide)
     except duckdb.Error as e:
         if isinstance(e, duckdb.IOException):
-            raise InspectError(f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({first_line(e)})"
-                               ) from None
+            raise InspectError(
+                f"{cfg.storage.root / cfg.storage.catalog}: cannot open the catalog ({first_line(e)})"
+            ) from None
         raise InspectError(f"SQL error: {first_line(e)}") from None
-
 
 
 def _verify(cfg: CleanerConfig) -> int:
@@ -245,13 +332,21 @@ def _verify(cfg: CleanerConfig) -> int:
     with Catalog(cfg.storage.root, verify=True) as cat:
         bad = [p for p in cat.problems if p.committed]
         for problem in cat.problems:
-            print(f"cleaner inspect --verify: {'BAD' if problem.committed else 'uncommitted'} {problem}", file=sys.stderr)
+            print(
+                f"cleaner inspect --verify: {'BAD' if problem.committed else 'uncommitted'} {problem}", file=sys.stderr
+            )
     print(f"verified {cfg.storage.root}: {shards.FULL_READS - before} parts read in full, {len(bad)} bad shard(s)")
     return 1 if bad else 0
 
 
-def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_queries: bool,
-             show_all: bool = False, wide: bool = False) -> int:
+def _inspect(
+    cfg: CleanerConfig,
+    sql: str | None,
+    run_id: str | None,
+    print_queries: bool,
+    show_all: bool = False,
+    wide: bool = False,
+) -> int:
     import sys
 
     import duckdb
@@ -273,8 +368,11 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
     except Exception as e:  # noqa: BLE001 - the tables below are built in memory and do not need the file
         # e.g. a read-only root: the reason, and nobody sent to rerun inspect (what it prints does not need the file)
         reason = (e.strerror or str(e)).lower() if isinstance(e, OSError) else (str(e).strip().splitlines() or [""])[0]
-        print(f"cleaner inspect: catalog {db} not republished ({reason or type(e).__name__}); the tables below are "
-              "read from the shards directly", file=sys.stderr)
+        print(
+            f"cleaner inspect: catalog {db} not republished ({reason or type(e).__name__}); the tables below are "
+            "read from the shards directly",
+            file=sys.stderr,
+        )
     with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)
@@ -289,8 +387,10 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
         if run_id is not None and run_id not in known:
             raise InspectError(f"no run {run_id!r} in {cfg.storage.root} (runs: {', '.join(known) or 'none yet'})")
         conditions = ["run_id = '{}'".format(run_id.replace("'", "''"))] if run_id else []
-        longest = cat.query("SELECT coalesce(max(n), 0) AS n FROM (SELECT count(DISTINCT iteration) AS n "
-                            "FROM raw_summary GROUP BY run_id)").to_pylist()[0]["n"]
+        longest = cat.query(
+            "SELECT coalesce(max(n), 0) AS n FROM (SELECT count(DISTINCT iteration) AS n "
+            "FROM raw_summary GROUP BY run_id)"
+        ).to_pylist()[0]["n"]
         cut = not show_all and longest > RECENT
         for title, q in SUMMARY_SQL.items():
             table = "raw_summary" if "raw_summary" in q else "purify_compare"
@@ -302,42 +402,77 @@ def _inspect(cfg: CleanerConfig, sql: str | None, run_id: str | None, print_quer
                 # a run's rows are contiguous (ORDER BY ALL, run_id first): a slice, where a compute filter would
                 # import pandas (pyarrow converts the scalar through it), 0.3-0.6 s of every inspect
                 part = result.slice(ids.index(run), ids.count(run))
-                print_table(console, f"{title}: {run}", part, COLUMNS[title],
-                            wide, FOOTNOTES.get(title) if i == len(runs) - 1 else None)
+                print_table(
+                    console,
+                    f"{title}: {run}",
+                    part,
+                    COLUMNS[title],
+                    wide,
+                    FOOTNOTES.get(title) if i == len(runs) - 1 else None,
+                )
             if not runs:
                 print_table(console, title, result, COLUMNS[title], wide, FOOTNOTES.get(title))
         from flows.report import ITERATIONS_SQL
 
         for run in [run_id] if run_id else known:  # the numbers `cleaner report` plots
             its = cat.con.sql(ITERATIONS_SQL, params={"run": run}).to_arrow_table()
-            print_table(console, f"per iteration: {run}", its.slice(max(0, its.num_rows - RECENT)) if cut else its,
-                        COLUMNS["per iteration"], wide)
+            print_table(
+                console,
+                f"per iteration: {run}",
+                its.slice(max(0, its.num_rows - RECENT)) if cut else its,
+                COLUMNS["per iteration"],
+                wide,
+            )
         if cut:
-            console.print(f"(the last {RECENT} iterations of each run; `cleaner inspect --all` shows every one)",
-                          style="italic", highlight=False)
+            console.print(
+                f"(the last {RECENT} iterations of each run; `cleaner inspect --all` shows every one)",
+                style="italic",
+                highlight=False,
+            )
     console.print(f"catalog: duckdb -readonly {db}  (views: {', '.join(VIEWS)})")
     return 0
 
 
 def run(args) -> int:
-    return run_inspect(config_of(args), sql=args.sql, run_id=args.run, print_queries=args.queries,
-                       verify=args.verify, show_all=args.all, wide=args.wide)
+    return run_inspect(
+        config_of(args),
+        sql=args.sql,
+        run_id=args.run,
+        print_queries=args.queries,
+        verify=args.verify,
+        show_all=args.all,
+        wide=args.wide,
+    )
 
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "inspect", "summarise runs from the DuckDB catalog, or run SQL on its views",
-        "Examples:\n  cleaner inspect\n  cleaner inspect --sql \"SELECT error_label, count(*) FROM raw_attempts "
-        "GROUP BY 1\"\n  cleaner inspect --queries   # print example queries for duckdb\n\n" + columns_help(),
+        sub,
+        "inspect",
+        "summarise runs from the DuckDB catalog, or run SQL on its views",
+        'Examples:\n  cleaner inspect\n  cleaner inspect --sql "SELECT error_label, count(*) FROM raw_attempts '
+        'GROUP BY 1"\n  cleaner inspect --queries   # print example queries for duckdb\n\n' + columns_help(),
         f"Views: {', '.join(VIEWS)}. Every part is checked in full once "
-        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.", func=run)
+        "(checksum, schema, rows) and then trusted while the file is unchanged; --verify checks all again.",
+        func=run,
+    )
     p.add_argument("--sql", help="run this SQL against the catalog and print the result")
     p.add_argument("--run", help="restrict the summary to one run id")
     p.add_argument("--queries", action="store_true", help="print example queries to try")
     p.add_argument("--all", action="store_true", help="summary tables of every iteration (default: each run's last 10)")
-    p.add_argument("--wide", action="store_true", help=(
-        "every column of the summary tables (default: those that fit 100 columns; a table wider than the terminal "
-        "is printed whole, for `less -S`)"))
-    p.add_argument("--verify", action="store_true", help=(
-        "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
-        "name each bad file, and exit 1 if any is bad"))
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help=(
+            "every column of the summary tables (default: those that fit 100 columns; a table wider than the terminal "
+            "is printed whole, for `less -S`)"
+        ),
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help=(
+            "check every committed part in full (checksum, schema, rows) whatever the verification records say, "
+            "name each bad file, and exit 1 if any is bad"
+        ),
+    )

@@ -1,4 +1,5 @@
 """`cleaner bootstrap` and `cleaner init-policy`: a policy to start from (torch loads inside the commands)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ def run_bootstrap(args: argparse.Namespace) -> int:
     if (out / "model.safetensors").exists() and not args.force:
         print(f"cleaner bootstrap: {out} already holds a policy; pass --force to rebuild it", file=sys.stderr)
         return 2
-    boot = BootstrapConfig(corpus_size=args.corpus_size, seed=args.seed, world=cfg.world,
-                           sft=SFTConfig(steps=args.steps, seed=args.seed, threads=args.threads))
+    boot = BootstrapConfig(
+        corpus_size=args.corpus_size,
+        seed=args.seed,
+        world=cfg.world,
+        sft=SFTConfig(steps=args.steps, seed=args.seed, threads=args.threads),
+    )
     bootstrap(out, boot)
     print(f"next: cleaner eval --world rollout.policy={out}")
     return 0
@@ -28,18 +33,26 @@ def run_bootstrap(args: argparse.Namespace) -> int:
 def run_init_policy(args: argparse.Namespace) -> int:
     from flows.init_policy import InitPolicyConfig, init_policy
 
-    init_policy(args.out, InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(), retrain=args.retrain,
-                template=args.template)
+    init_policy(
+        args.out,
+        InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(),
+        retrain=args.retrain,
+        template=args.template,
+    )
     print(f"next: cleaner rollout rollout.policy={args.out} rollout.max_prompt_tokens=512")
     return 0
 
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "bootstrap", "build the tool-use world's tokenizer, SFT corpus and tiny policy",
+        sub,
+        "bootstrap",
+        "build the tool-use world's tokenizer, SFT corpus and tiny policy",
         "Example:\n  cleaner bootstrap --out /tmp/policy --steps 200 --corpus-size 500   # a quick one",
         "Generate the SFT corpus (tool outputs from the real sandbox), train the byte-level BPE tokenizer and a "
-        "tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.", func=run_bootstrap)
+        "tiny Qwen3 policy from scratch on CPU, and save it in HF format with PROVENANCE.json.",
+        func=run_bootstrap,
+    )
     p.add_argument("--out", type=Path, help="output folder (default: rollout.policy)")
     p.add_argument("--steps", type=int, default=3500, help="SFT optimizer steps (batch 8)")
     p.add_argument("--corpus-size", type=int, default=12_000, help="number of transcripts")
@@ -48,14 +61,23 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing policy")
 
     p = command_parser(
-        sub, "init-policy", "write a small Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151,936)",
+        sub,
+        "init-policy",
+        "write a small Qwen3ForCausalLM with the real Qwen3 tokenizer (vocab 151,936)",
         "Example:\n  cleaner init-policy --out /tmp/qwen3-tiny && cleaner rollout rollout.policy=/tmp/qwen3-tiny",
         "A Qwen3-layout checkpoint (real tokenizer, <tool_call>=151657, <think> blocks, Qwen3's chat template) of "
         "small width, briefly SFT'd to emit tool calls; it runs through exactly the code a real Qwen3 checkpoint "
-        "does (flows/init_policy.py).", config=False, func=run_init_policy)
+        "does (flows/init_policy.py).",
+        config=False,
+        func=run_init_policy,
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (an HF checkpoint directory)")
     p.add_argument("--random", action="store_true", help="random weights (never emits a tool call)")
     p.add_argument("--retrain", action="store_true", help="rerun the SFT (minutes) instead of the committed weights")
-    p.add_argument("--template", choices=TEMPLATE_FAMILIES, default="qwen3",
-                   help="chat template family: qwen3 (Qwen3-4B, Instruct-2507's generation prompt) or thinking-2507 "
-                   "(opens every assistant turn with <think>, as Qwen3-4B-Thinking-2507)")
+    p.add_argument(
+        "--template",
+        choices=TEMPLATE_FAMILIES,
+        default="qwen3",
+        help="chat template family: qwen3 (Qwen3-4B, Instruct-2507's generation prompt) or thinking-2507 "
+        "(opens every assistant turn with <think>, as Qwen3-4B-Thinking-2507)",
+    )

@@ -10,6 +10,7 @@ purification helps — did not predict (docs/results/when_purification_helps_wri
 only as disproved. `cleaner replay` prints both for the iteration it replays, `cleaner report` states the
 token-level rule per mode on the run's page.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -20,14 +21,20 @@ from rich.table import Table
 from storage.catalog import Catalog
 
 WRITEUP = "docs/results/when_purification_helps_writeup.md"
-RULE = ("coarse rule, disproved (it did not predict in the project's own experiment, " + WRITEUP + " point 5; "
-        "shown for comparison only, use the token-level rule): purification helps when recovered trajectories' "
-        "mean advantage is positive, hurts when it is negative")
-KINDS_SQL = ("SELECT iteration, kind, trajectories, mean_reward, correct, mean_advantage FROM trajectory_kinds "
-             "WHERE run_id = $run AND ($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, kind")
-FAILED_SQL = ("SELECT iteration, mode, gamma, is_threshold, measure, failed_call_tokens, trained, on_negative, "
-              "on_positive, share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run AND "
-              "($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, mode, gamma, is_threshold, measure")
+RULE = (
+    "coarse rule, disproved (it did not predict in the project's own experiment, " + WRITEUP + " point 5; "
+    "shown for comparison only, use the token-level rule): purification helps when recovered trajectories' "
+    "mean advantage is positive, hurts when it is negative"
+)
+KINDS_SQL = (
+    "SELECT iteration, kind, trajectories, mean_reward, correct, mean_advantage FROM trajectory_kinds "
+    "WHERE run_id = $run AND ($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, kind"
+)
+FAILED_SQL = (
+    "SELECT iteration, mode, gamma, is_threshold, measure, failed_call_tokens, trained, on_negative, "
+    "on_positive, share_negative, share_positive FROM failed_call_advantage WHERE run_id = $run AND "
+    "($iteration IS NULL OR iteration = $iteration) ORDER BY iteration, mode, gamma, is_threshold, measure"
+)
 
 
 def premise_rows(cat: Catalog, run_id: str, iteration: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -45,24 +52,30 @@ def prediction(kinds: list[dict], iteration: int) -> str:
         return f"iteration {iteration}: no recovered trajectory, no prediction"
     advantage = recovered[0]["mean_advantage"]
     says = "help" if advantage > 0 else "hurt" if advantage < 0 else "nothing"
-    return (f"iteration {iteration}: recovered trajectories' mean advantage {advantage:+.3f} over "
-            f"{recovered[0]['trajectories']}: the disproved coarse rule would say {says}")
+    return (
+        f"iteration {iteration}: recovered trajectories' mean advantage {advantage:+.3f} over "
+        f"{recovered[0]['trajectories']}: the disproved coarse rule would say {says}"
+    )
 
 
-TOKEN_RULE = ("token-level rule, a hypothesis the project's data does not establish (" + WRITEUP + " point 2: the "
-              "agreements counted for it are four correlated signs in two synthetic worlds (saar and saar_correct; "
-              "saar_p0.7 repeats saar's prediction, and every gap shares the raw arm), each under 1.3 standard errors, "
-              "none significant once paired over seeds and corrected across the contrasts, all in the one pattern "
-              "saar slower, saar_correct not; it was never tested where it predicts that saar is not slower; sampled "
-              "with coupled retries, before the seed fix of 2026-11-27): "
-              "compared with raw, a purification mode stops training some failed-call tokens (the code of failed "
-              "tool calls); if it stops training more of them under negative advantage (where raw pushes the failed "
-              "call down) than under positive advantage (where raw reinforces it), training on it is predicted to "
-              "reduce first-call tool errors more slowly than training on raw; if it stops training only "
-              "positive-advantage ones, it is predicted not to be slower. It predicts nothing about accuracy, which "
-              "no mode moved beyond noise")
-NOT_A_REMOVAL = {"raw": "the baseline", "roc": "drops whole rows (resampled groups), not failed calls: the rule does "
-                 "not apply"}
+TOKEN_RULE = (
+    "token-level rule, a hypothesis the project's data does not establish (" + WRITEUP + " point 2: the "
+    "agreements counted for it are four correlated signs in two synthetic worlds (saar and saar_correct; "
+    "saar_p0.7 repeats saar's prediction, and every gap shares the raw arm), each under 1.3 standard errors, "
+    "none significant once paired over seeds and corrected across the contrasts, all in the one pattern "
+    "saar slower, saar_correct not; it was never tested where it predicts that saar is not slower; sampled "
+    "with coupled retries, before the seed fix of 2026-11-27): "
+    "compared with raw, a purification mode stops training some failed-call tokens (the code of failed "
+    "tool calls); if it stops training more of them under negative advantage (where raw pushes the failed "
+    "call down) than under positive advantage (where raw reinforces it), training on it is predicted to "
+    "reduce first-call tool errors more slowly than training on raw; if it stops training only "
+    "positive-advantage ones, it is predicted not to be slower. It predicts nothing about accuracy, which "
+    "no mode moved beyond noise"
+)
+NOT_A_REMOVAL = {
+    "raw": "the baseline",
+    "roc": "drops whole rows (resampled groups), not failed calls: the rule does not apply",
+}
 
 
 def removed_by_sign(raw: dict, mode: dict) -> tuple[int, int]:
@@ -94,8 +107,10 @@ def verdict(negative: int, positive: int) -> str:
     if negative == 0 and positive == 0:  # it may still stop training tokens under advantage 0: no gradient either way
         return "none under a nonzero advantage: no difference predicted"
     if negative > 0:  # some negative signal removed, as much or more positive: untested (write-up, last section)
-        return ("not predicted to be slower than raw (it also removes negative-advantage tokens, a case the "
-                "experiment did not test)")
+        return (
+            "not predicted to be slower than raw (it also removes negative-advantage tokens, a case the "
+            "experiment did not test)"
+        )
     return "not predicted to be slower than raw"
 
 
@@ -114,14 +129,18 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
     rows = [r for r in failed if r["iteration"] == iteration]
     if not any(r["mode"] == "raw" for r in rows):
         return [f"iteration {iteration}: no raw partition to compare with (purify.modes needs raw), no prediction"]
-    return [f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} positive-advantage failed-call "
-            f"tokens{_zero(raw, r)}: {verdict(neg, pos)}" for r, raw, neg, pos in removals(rows)]
+    return [
+        f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} positive-advantage failed-call "
+        f"tokens{_zero(raw, r)}: {verdict(neg, pos)}"
+        for r, raw, neg, pos in removals(rows)
+    ]
 
 
 def _zero(raw: dict, mode: dict) -> str:
     """The failed-call tokens under advantage 0 that raw trains and `mode` does not, when there are any."""
     zero = (raw["trained"] - raw["on_negative"] - raw["on_positive"]) - (
-        mode["trained"] - mode["on_negative"] - mode["on_positive"])
+        mode["trained"] - mode["on_negative"] - mode["on_positive"]
+    )
     return f" (and {zero} failed-call tokens under advantage 0)" if zero else ""
 
 
@@ -131,10 +150,20 @@ def token_rule_by_mode(failed: list[dict]) -> list[dict]:
     positive advantage there, the tokens the partition stops training under each sign, and the verdict."""
     out: dict[tuple, dict] = {}
     for r, raw, neg, pos in removals(failed):
-        m = out.setdefault((r["mode"], r["gamma"], r.get("is_threshold"), r.get("measure")), {
-            "mode": r["mode"], "gamma": r["gamma"], "is_threshold": r.get("is_threshold"), "measure": r.get("measure"),
-            "iterations": [],
-            "raw_negative": 0, "raw_positive": 0, "removed_negative": 0, "removed_positive": 0})
+        m = out.setdefault(
+            (r["mode"], r["gamma"], r.get("is_threshold"), r.get("measure")),
+            {
+                "mode": r["mode"],
+                "gamma": r["gamma"],
+                "is_threshold": r.get("is_threshold"),
+                "measure": r.get("measure"),
+                "iterations": [],
+                "raw_negative": 0,
+                "raw_positive": 0,
+                "removed_negative": 0,
+                "removed_positive": 0,
+            },
+        )
         m["iterations"].append(r["iteration"])
         m["raw_negative"] += raw["on_negative"]
         m["raw_positive"] += raw["on_positive"]
@@ -152,22 +181,50 @@ def cell(v: object) -> str:
 
 def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -> None:
     kinds, failed = premise_rows(cat, run_id, iteration)
-    table = Table(title=f"premise of {run_id} iteration {iteration}: trajectories by kind (raw shard; GRPO "
-                        "group_norm advantage in the prompt group)")
+    table = Table(
+        title=f"premise of {run_id} iteration {iteration}: trajectories by kind (raw shard; GRPO "
+        "group_norm advantage in the prompt group)"
+    )
     for col in ("kind", "trajectories", "mean reward", "correct", "mean advantage"):
         table.add_column(col, justify="left" if col == "kind" else "right")
     for r in kinds:
         table.add_row(r["kind"], *map(cell, (r["trajectories"], r["mean_reward"], r["correct"], r["mean_advantage"])))
     console.print(table)
-    table = Table(title="failed-call tokens (call segments of failed attempts) each purified partition trains, by "
-                        "the sign of their advantage; shares of all the iteration's failed-call tokens")
-    for col in ("mode", "gamma", "tau", "measure", "failed-call tokens", "trained", "on negative", "on positive",
-                "share negative", "share positive"):
+    table = Table(
+        title="failed-call tokens (call segments of failed attempts) each purified partition trains, by "
+        "the sign of their advantage; shares of all the iteration's failed-call tokens"
+    )
+    for col in (
+        "mode",
+        "gamma",
+        "tau",
+        "measure",
+        "failed-call tokens",
+        "trained",
+        "on negative",
+        "on positive",
+        "share negative",
+        "share positive",
+    ):
         table.add_column(col, justify="left" if col in ("mode", "measure") else "right")
     for r in failed:
-        table.add_row(r["mode"], *map(cell, (r["gamma"], r["is_threshold"], r["measure"], r["failed_call_tokens"],
-                                             r["trained"], r["on_negative"], r["on_positive"], r["share_negative"],
-                                             r["share_positive"])))
+        table.add_row(
+            r["mode"],
+            *map(
+                cell,
+                (
+                    r["gamma"],
+                    r["is_threshold"],
+                    r["measure"],
+                    r["failed_call_tokens"],
+                    r["trained"],
+                    r["on_negative"],
+                    r["on_positive"],
+                    r["share_negative"],
+                    r["share_positive"],
+                ),
+            ),
+        )
     console.print(table)
     console.print(TOKEN_RULE, highlight=False)
     for line in token_predictions(failed, iteration):

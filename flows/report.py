@@ -2,6 +2,7 @@
 the token-level hypothesis (flows/premise.py TOKEN_RULE) per purification mode of the run, with the coarse rule marked
 as disproved, the tables the rules read, and links to `cleaner view`'s pages (HTML pieces:
 flows/report_tables.py)."""
+
 from __future__ import annotations
 
 import html
@@ -12,8 +13,16 @@ from typing import Iterator
 from urllib.parse import quote
 
 from flows.premise import cell, premise_rows
-from flows.report_tables import (STYLE, by_partition, iteration_href, link, partition_label, rule_section, table,
-                                 viewer_note)
+from flows.report_tables import (
+    STYLE,
+    by_partition,
+    iteration_href,
+    link,
+    partition_label,
+    rule_section,
+    table,
+    viewer_note,
+)
 from pipeline.config import upgrade_frozen
 from pipeline.modes import IS_MODES, SPLICING_MODES
 from storage.catalog import Catalog
@@ -89,30 +98,34 @@ def markdown_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     cols = list(rows[0])
-    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-                     + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows])
+    return "\n".join(
+        ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        + ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+    )
 
 
 CAPTIONS = {
     "reward_accuracy": "Mean reward and accuracy (reward > 0) of the iteration's rollouts, sampled from the "
-                       "policy the previous update produced.",
+    "policy the previous update produced.",
     "tool_error_rate": "Failed first attempts per trajectory (tool calls whose code raised or timed out).",
     "similarity_hist": "Similarity of failed and retried call segments at every splice, per similarity measure; "
-                       "the dashed line is the trained γ (splices at or above it are shallow).",
+    "the dashed line is the trained γ (splices at or above it are shallow).",
     "shallow_deep": "Shallow and deep splices per purified iteration, for every γ and measure purified "
-                    "(counts averaged over the iterations purified at that γ, so replays of one iteration "
-                    "compare with training at every iteration).",
+    "(counts averaged over the iterations purified at that γ, so replays of one iteration "
+    "compare with training at every iteration).",
     "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
-               "each purification variant.",
-    "failed_tokens": ("Failed attempts' tokens (their call and its error feedback) per generated token; above 1 "
-                      "when error messages are longer than what the model wrote."),
+    "each purification variant.",
+    "failed_tokens": (
+        "Failed attempts' tokens (their call and its error feedback) per generated token; above 1 "
+        "when error messages are longer than what the model wrote."
+    ),
     "eval_pass1": "Held-out avg@k pass@1 of checkpoint i (the policy iteration i rolls out from; flow.eval_every), "
-                  "SAAR at test time on and off; bars: ± one standard error over tasks.",
+    "SAAR at test time on and off; bars: ± one standard error over tasks.",
     "eval_tool_errors": "Failed tool executions (retries included) per held-out trajectory of checkpoint i, SAAR at "
-                        "test time on and off.",
+    "test time on and off.",
     "is_ratio": "Importance ratio of every splice: π(moved retry | purified context) / π_b(retry | as sampled), "
-                "log10; left of the dashed line a splice trains its retry at less than half the probability it "
-                "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5; the dashed line is the run's τ).",
+    "log10; left of the dashed line a splice trains its retry at less than half the probability it "
+    "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5; the dashed line is the run's τ).",
 }
 
 
@@ -149,16 +162,30 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         if corrupt:  # plots without a damaged shard would misreport the run
             raise ShardError(f"{corrupt[0]} (the report would leave this shard out; restore or remove it)")
         its = _q(cat, ITERATIONS_SQL, run_id)
-        sims = _q(cat, "SELECT iteration, gamma, measure, kind, similarity FROM splices "
-                       "WHERE run_id = $run AND mode = 'saar'", run_id)
-        compare = _q(cat, "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, "
-                          "is_threshold, measure", run_id)
+        sims = _q(
+            cat,
+            "SELECT iteration, gamma, measure, kind, similarity FROM splices WHERE run_id = $run AND mode = 'saar'",
+            run_id,
+        )
+        compare = _q(
+            cat,
+            "SELECT * FROM purify_compare WHERE run_id = $run ORDER BY iteration, mode, gamma, is_threshold, measure",
+            run_id,
+        )
         kinds, failed_calls = premise_rows(cat, run_id)
         examples = _q(cat, EXAMPLES_SQL, run_id)
-        off_policy = _q(cat, "SELECT iteration, mode, gamma, is_threshold, measure, origin, tokens, mean_abs_delta, "
-                             "kl_k3, beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL", run_id)
-        ratios = _q(cat, "SELECT mode, gamma, is_threshold, log_is_ratio FROM splices WHERE run_id = $run "
-                         "AND log_is_ratio IS NOT NULL AND NOT isnan(log_is_ratio)", run_id)
+        off_policy = _q(
+            cat,
+            "SELECT iteration, mode, gamma, is_threshold, measure, origin, tokens, mean_abs_delta, "
+            "kl_k3, beyond_bounds FROM off_policy WHERE run_id = $run ORDER BY ALL",
+            run_id,
+        )
+        ratios = _q(
+            cat,
+            "SELECT mode, gamma, is_threshold, log_is_ratio FROM splices WHERE run_id = $run "
+            "AND log_is_ratio IS NOT NULL AND NOT isnan(log_is_ratio)",
+            run_id,
+        )
         curves = eval_curves(_q(cat, EVAL_SQL, run_id))
         for r in compare:  # DuckDB sums come back as decimals
             r.update({k: float(v or 0) for k, v in r.items() if k in ("splices", "shallow", "deep", "tokens_removed")})
@@ -190,48 +217,73 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         ax.set_ylim(0, max(1.0, max(r["tool_errors_per_traj"] or 0 for r in its) * 1.1))
     with plot("similarity_hist", "splice similarity", "splices", xlabel="similarity of failed and retried calls") as ax:
         for measure in sorted({s["measure"] for s in sims}):
-            ax.hist([s["similarity"] for s in sims if s["measure"] == measure and abs(s["gamma"] - gamma) < 1e-9]
-                    or [s["similarity"] for s in sims if s["measure"] == measure], bins=20, range=(0, 1), alpha=0.6,
-                    label=measure)
+            ax.hist(
+                [s["similarity"] for s in sims if s["measure"] == measure and abs(s["gamma"] - gamma) < 1e-9]
+                or [s["similarity"] for s in sims if s["measure"] == measure],
+                bins=20,
+                range=(0, 1),
+                alpha=0.6,
+                label=measure,
+            )
         ax.axvline(gamma, color="k", linestyle="--", label=f"γ = {gamma:g}")
         ax.set_xlim(0, 1), ax.legend(fontsize=8)
     variants = sorted({(s["gamma"], s["measure"]) for s in sims})
-    with plot("shallow_deep", "shallow / deep splices per purified iteration", "splices per iteration",
-              xlabel="γ (measure)") as ax:
+    with plot(
+        "shallow_deep", "shallow / deep splices per purified iteration", "splices per iteration", xlabel="γ (measure)"
+    ) as ax:
         for offset, kind in ((-0.2, "shallow"), (0.2, "deep")):
             means = []
             for g, m in variants:
-                iterations = {r["iteration"] for r in compare if r["mode"] == "saar" and r["gamma"] == g
-                              and r["measure"] == m} or {0}
-                means.append(sum(s["kind"] == kind and s["gamma"] == g and s["measure"] == m for s in sims)
-                             / len(iterations))
+                iterations = {
+                    r["iteration"] for r in compare if r["mode"] == "saar" and r["gamma"] == g and r["measure"] == m
+                } or {0}
+                means.append(
+                    sum(s["kind"] == kind and s["gamma"] == g and s["measure"] == m for s in sims) / len(iterations)
+                )
             ax.bar([i + offset for i in range(len(variants))], means, width=0.4, label=kind)
-        ax.set_xticks(range(len(variants)),
-                      [f"{g:g}" + ("" if m == DEFAULT_MEASURE_KEY else f"\n{m}") for g, m in variants], fontsize=8)
+        ax.set_xticks(
+            range(len(variants)),
+            [f"{g:g}" + ("" if m == DEFAULT_MEASURE_KEY else f"\n{m}") for g, m in variants],
+            fontsize=8,
+        )
         ax.legend()
     with plot("lengths", "raw vs purified length", "mean response tokens") as ax:
         for name in sorted({_variant(r) for r in compare}):
             rows = [r for r in compare if _variant(r) == name]
-            ax.plot([r["iteration"] for r in rows], [r["purified_response_tokens"] for r in rows], "o-", label=name,
-                    alpha=0.8)
+            ax.plot(
+                [r["iteration"] for r in rows],
+                [r["purified_response_tokens"] for r in rows],
+                "o-",
+                label=name,
+                alpha=0.8,
+            )
         ax.plot(x, [r["response_tokens"] for r in its], "k--", label="raw (lived)")  # on top: mode=raw equals it
         ax.set_ylim(bottom=0), ax.legend(fontsize=7)
     if ratios:
         import math
 
-        with plot("is_ratio", "importance ratio of each splice", "splices",
-                  xlabel="log10 IS (moved retry, as trained vs as sampled)") as ax:
+        with plot(
+            "is_ratio",
+            "importance ratio of each splice",
+            "splices",
+            xlabel="log10 IS (moved retry, as trained vs as sampled)",
+        ) as ax:
             for name in sorted({_variant(r) for r in ratios}):
-                ax.hist([r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name], bins=30, alpha=0.6,
-                        label=name)
+                ax.hist(
+                    [r["log_is_ratio"] / math.log(10) for r in ratios if _variant(r) == name],
+                    bins=30,
+                    alpha=0.6,
+                    label=name,
+                )
             ax.axvline(math.log10(tau), color="k", linestyle="--", label=f"τ = {tau:g}")
             ax.legend(fontsize=7)
     with plot("failed_tokens", "tokens spent on failed attempts", "per generated token") as ax:
         ax.plot(x, [r["failed_tokens_per_generated"] for r in its], "o-", color="tab:purple")
         ax.set_ylim(0, max(0.1, max(r["failed_tokens_per_generated"] or 0 for r in its) * 1.1))
-    for name, title, ylabel, key in (("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
-                                     ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory",
-                                      "tool failures/traj")):
+    for name, title, ylabel, key in (
+        ("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
+        ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory", "tool failures/traj"),
+    ):
         if not curves:
             break
         with plot(name, title, ylabel, xlabel="checkpoint (iteration it rolls out)") as ax:
@@ -239,15 +291,23 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
                 pts = [r for r in curves if r[f"{setting} {key}"] is not None]
                 err = [r[f"{setting} pass@1 se"] or 0.0 for r in pts] if key == "pass@1" else None
                 if pts:
-                    ax.errorbar([r["iteration"] for r in pts], [r[f"{setting} {key}"] for r in pts], yerr=err,
-                                fmt=style, capsize=3, label=f"SAAR {setting.split('_')[1]} at test")
+                    ax.errorbar(
+                        [r["iteration"] for r in pts],
+                        [r[f"{setting} {key}"] for r in pts],
+                        yerr=err,
+                        fmt=style,
+                        capsize=3,
+                        label=f"SAAR {setting.split('_')[1]} at test",
+                    )
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylim(0, 1.05) if key == "pass@1" else ax.set_ylim(bottom=0)  # pass@1: the whole range
             ax.legend(fontsize=8)
 
     config = layout.run_json.read_text() if layout.run_json.is_file() else "(no run.json)"
-    plots = "".join(f'<figure><img src="{n}.png" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
-                    for n in figs)
+    plots = "".join(
+        f'<figure><img src="{n}.png" alt="{n}"><figcaption>{html.escape(CAPTIONS[n])}</figcaption></figure>'
+        for n in figs
+    )
     it_links = {"iteration": lambda r: iteration_href(r["iteration"])}
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>cleaner report: {html.escape(run_id)}</title>

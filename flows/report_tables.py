@@ -6,6 +6,7 @@ numbers alike; model output never reaches the page unescaped. Links to the viewe
 viewer serves this page, /runs/RUN/report/: `../I` is iteration I's trajectory table, `../I/trajectory?…` one
 trajectory, `../../RUN` the run. Opened as a file they do not resolve; the page says how to open the viewer.
 """
+
 from __future__ import annotations
 
 import html
@@ -110,17 +111,25 @@ def table(rows: list[dict], links: dict | None = None, table_id: str = "") -> st
 def by_partition(rows: list[dict]) -> list[dict]:
     """Rows keyed by iteration and partition (PARTITION_COLUMNS) with the partition folded into one label, key
     columns first: fewer, narrower columns."""
-    return [{"iteration": r["iteration"], "partition": partition_label(r),
-             **{k: v for k, v in r.items() if k not in ("run_id", "iteration", *PARTITION_COLUMNS)}} for r in rows]
+    return [
+        {
+            "iteration": r["iteration"],
+            "partition": partition_label(r),
+            **{k: v for k, v in r.items() if k not in ("run_id", "iteration", *PARTITION_COLUMNS)},
+        }
+        for r in rows
+    ]
 
 
 def viewer_note(root: Path, run_id: str) -> str:
     url = f"http://127.0.0.1:{VIEWER_PORT}/runs/{quote(run_id, safe='')}/report/"
     command = f"cleaner view storage.root={shlex.quote(str(Path(root).resolve()))}"
-    return (f'<p class="note" id="viewer-note">Iteration numbers, kinds and the example trajectories link to pages of '
-            f"<code>cleaner view</code>, the local trajectory viewer. They work when this page is opened through it: "
-            f"run <code>{esc(command)}</code> and open {link(url, url)} (this report, served by the viewer; "
-            f"<code>--port</code> changes the port). Opened as a file, those links do not resolve.</p>")
+    return (
+        f'<p class="note" id="viewer-note">Iteration numbers, kinds and the example trajectories link to pages of '
+        f"<code>cleaner view</code>, the local trajectory viewer. They work when this page is opened through it: "
+        f"run <code>{esc(command)}</code> and open {link(url, url)} (this report, served by the viewer; "
+        f"<code>--port</code> changes the port). Opened as a file, those links do not resolve.</p>"
+    )
 
 
 def _span(iterations: list[int]) -> str:
@@ -136,8 +145,14 @@ def _examples(m: dict, examples: list[dict]) -> str:
     mine = [e for e in examples if all(e.get(c) == m.get(c) for c in PARTITION_COLUMNS)]
     parts = []
     for sign, pick in (("negative", lambda e: e["advantage"] < 0), ("positive", lambda e: e["advantage"] > 0)):
-        found = [link(trajectory_href(e["iteration"], e["prompt_id"], e["sample_idx"]),
-                      f"iteration {e['iteration']} · {e['prompt_id']} #{e['sample_idx']}") for e in mine if pick(e)]
+        found = [
+            link(
+                trajectory_href(e["iteration"], e["prompt_id"], e["sample_idx"]),
+                f"iteration {e['iteration']} · {e['prompt_id']} #{e['sample_idx']}",
+            )
+            for e in mine
+            if pick(e)
+        ]
         if found:
             parts.append(f"{sign} advantage: " + ", ".join(found))
     return (" Trajectories whose failed calls it stops training: " + "; ".join(parts) + ".") if parts else ""
@@ -145,27 +160,37 @@ def _examples(m: dict, examples: list[dict]) -> str:
 
 def mode_sentence(m: dict, examples: list[dict]) -> str:
     name = partition_label(m)
-    return (f'<li class="mode-rule" data-mode="{esc(m["mode"])}"><strong>{esc(name)}</strong>: over '
-            f"{esc(_span(m['iterations']))}, raw trains {m['raw_negative']} failed-call tokens under negative "
-            f"advantage and {m['raw_positive']} under positive; {esc(name)} stops training {m['removed_negative']} "
-            f"negative- and {m['removed_positive']} positive-advantage ones. <strong>Token-level rule: "
-            f"{esc(m['verdict'])}.</strong>{_examples(m, examples)}</li>")
+    return (
+        f'<li class="mode-rule" data-mode="{esc(m["mode"])}"><strong>{esc(name)}</strong>: over '
+        f"{esc(_span(m['iterations']))}, raw trains {m['raw_negative']} failed-call tokens under negative "
+        f"advantage and {m['raw_positive']} under positive; {esc(name)} stops training {m['removed_negative']} "
+        f"negative- and {m['removed_positive']} positive-advantage ones. <strong>Token-level rule: "
+        f"{esc(m['verdict'])}.</strong>{_examples(m, examples)}</li>"
+    )
 
 
 def per_iteration(failed: list[dict]) -> list[dict]:
     """One row per purified partition and iteration that has a raw partition beside it: the token-level counts
     and verdict (the report's detail table)."""
-    return [{"iteration": r["iteration"], "partition": partition_label(r),
-             "raw trains on negative": raw["on_negative"], "raw trains on positive": raw["on_positive"],
-             "stops training on negative": neg, "stops training on positive": pos,
-             "prediction": verdict(neg, pos), "_key": partition_key(r)}
-            for r, raw, neg, pos in removals(failed)]
+    return [
+        {
+            "iteration": r["iteration"],
+            "partition": partition_label(r),
+            "raw trains on negative": raw["on_negative"],
+            "raw trains on positive": raw["on_positive"],
+            "stops training on negative": neg,
+            "stops training on positive": pos,
+            "prediction": verdict(neg, pos),
+            "_key": partition_key(r),
+        }
+        for r, raw, neg, pos in removals(failed)
+    ]
 
 
 def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: list[dict]) -> str:
     """The token-level hypothesis, per purification mode present in the run, then the coarse rule marked as disproved,
     then the two tables the rules read."""
-    writeup = (link(WRITEUP_FILE.as_uri(), WRITEUP) if WRITEUP_FILE.is_file() else f"<code>{esc(WRITEUP)}</code>")
+    writeup = link(WRITEUP_FILE.as_uri(), WRITEUP) if WRITEUP_FILE.is_file() else f"<code>{esc(WRITEUP)}</code>"
     modes = token_rule_by_mode(failed)
     present = sorted({r["mode"] for r in failed})
     if modes:
@@ -173,9 +198,11 @@ def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: l
     elif not failed:
         stated = '<p id="token-rule">No purified partition in this run: nothing to predict.</p>'
     elif "raw" not in present:
-        stated = (f'<p id="token-rule">No prediction: the run has no raw partition to compare its modes with. Add one '
-                  f"from the stored raw shards with <code>cleaner replay --run {esc(shlex.quote(run_id))} --iteration 0 "
-                  f"--mode raw {esc(' '.join(present))}</code> (or list raw in <code>purify.modes</code>).</p>")
+        stated = (
+            f'<p id="token-rule">No prediction: the run has no raw partition to compare its modes with. Add one '
+            f"from the stored raw shards with <code>cleaner replay --run {esc(shlex.quote(run_id))} --iteration 0 "
+            f"--mode raw {esc(' '.join(present))}</code> (or list raw in <code>purify.modes</code>).</p>"
+        )
     else:
         stated = '<p id="token-rule">No mode the rule applies to: only raw and roc were purified.</p>'
     skipped = [m for m in present if m in NOT_A_REMOVAL and m != "raw"]
@@ -184,8 +211,10 @@ def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: l
     rule = esc(TOKEN_RULE[0].upper() + TOKEN_RULE[1:]).replace(esc(WRITEUP), writeup)
     coarse = esc(RULE[0].upper() + RULE[1:]).replace(esc(WRITEUP), writeup)
     links = {"iteration": lambda r: iteration_href(r["iteration"], partition=r["_key"], kind="recovered")}
-    kind_links = {"iteration": lambda r: iteration_href(r["iteration"]),
-                  "kind": lambda r: iteration_href(r["iteration"], kind=r["kind"])}
+    kind_links = {
+        "iteration": lambda r: iteration_href(r["iteration"]),
+        "kind": lambda r: iteration_href(r["iteration"], kind=r["kind"]),
+    }
     return f"""<h2 id="rule">Does purification help? A hypothesis to check</h2>
 <p class="rule">{rule}.</p>
 {stated}

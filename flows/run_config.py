@@ -1,6 +1,7 @@
 """What the training flow keeps about a run besides its stages' shards: its id (from a template for a
 schedule's firings), its config frozen in run.json when it starts (a rerun must agree with it), how many
 iterations it has trained, and the DuckDB catalog republished after each commit."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import (MOVED_TO_ENGINE_TUNING, PLACEMENT_SETTINGS, PURIFY_REPLAY_SETTINGS, CleanerConfig,
-                             upgrade_frozen)
+from pipeline.config import (
+    MOVED_TO_ENGINE_TUNING,
+    PLACEMENT_SETTINGS,
+    PURIFY_REPLAY_SETTINGS,
+    CleanerConfig,
+    upgrade_frozen,
+)
 from storage.errors import CleanerError
 from storage.identity import file_digest, without_speed_only
 from storage.layout import RunLayout
@@ -66,18 +72,26 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
         before = json.loads(layout.run_json.read_text())
         started = json.loads(recorded.read_text()).get("blake2b") if recorded.is_file() else None
         if digest and started not in (None, digest):  # a run started before the record: not compared
-            raise RunConfigMismatch(f"{cfg.rollout.tasks}: not the task file run {run_id!r} started with (its content "
-                                    f"differs from what {recorded} records): a run trains on the tasks it started "
-                                    "with; give that file, or use a new flow.run_id")
+            raise RunConfigMismatch(
+                f"{cfg.rollout.tasks}: not the task file run {run_id!r} started with (its content "
+                f"differs from what {recorded} records): a run trains on the tasks it started "
+                "with; give that file, or use a new flow.run_id"
+            )
         a, b = _frozen(before), _frozen(now)
         for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
             b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
         if a != b:
-            diffs = [f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}" for s in FROZEN_SECTIONS
-                     for k in sorted(set(a[s]) | set(b[s])) if a[s].get(k) != b[s].get(k)]
-            raise RunConfigMismatch(f"{layout.run_json}: run {run_id!r} was started with another config "
-                                    f"({'; '.join(diffs[:5])}); rerun with the run's settings, or use a new "
-                                    "flow.run_id")
+            diffs = [
+                f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}"
+                for s in FROZEN_SECTIONS
+                for k in sorted(set(a[s]) | set(b[s]))
+                if a[s].get(k) != b[s].get(k)
+            ]
+            raise RunConfigMismatch(
+                f"{layout.run_json}: run {run_id!r} was started with another config "
+                f"({'; '.join(diffs[:5])}); rerun with the run's settings, or use a new "
+                "flow.run_id"
+            )
         return
     if digest:  # before run.json: a run.json without it is a run of the world, or of before the record
         atomic_write_json(recorded, {"path": str(Path(cfg.rollout.tasks).resolve()), "blake2b": digest})

@@ -7,6 +7,7 @@ therefore run `prefect server start` with the project's Prefect home (`<root>/.p
 pid, port and URL in `<root>/.prefect/server.json`, and reuse it while it answers. Only that pid (and
 its process group) is ever signalled.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -88,9 +89,11 @@ def check_api(url: str) -> None:
         return  # a server answered (Prefect Cloud may want a key for /health): the flow's own calls say the rest
     except (OSError, ValueError) as e:
         reason = str(getattr(e, "reason", "") or e)
-        raise ServerError(f"PREFECT_API_URL={url}: no Prefect server answers there ({reason}); start one (`cleaner "
-                          "server start`, then export the URL it prints) or unset PREFECT_API_URL to use a temporary "
-                          "one") from None
+        raise ServerError(
+            f"PREFECT_API_URL={url}: no Prefect server answers there ({reason}); start one (`cleaner "
+            "server start`, then export the URL it prints) or unset PREFECT_API_URL to use a temporary "
+            "one"
+        ) from None
 
 
 def _wait_started(proc: subprocess.Popen, url: str, timeout: float, what: str, log_path: Path) -> None:
@@ -109,23 +112,43 @@ def _wait_started(proc: subprocess.Popen, url: str, timeout: float, what: str, l
     raise ServerError(f"{what} {problem}: {tail[0]} (log: {log_path})")
 
 
-def _launch(port: int, env: dict[str, str], log_path: Path, flags: list[str], bound: bool
-            ) -> tuple[subprocess.Popen, str]:
+def _launch(
+    port: int, env: dict[str, str], log_path: Path, flags: list[str], bound: bool
+) -> tuple[subprocess.Popen, str]:
     """`prefect server start` in the foreground of a child of ours (Prefect's own command; its web server runs
     in that one process), output to log_path, in its own group: stopped as a whole, by our pid; with its API
     URL. bound: the child dies with this process, however it dies (kill -9 included)."""
     env = {**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the server itself must not try to talk to another one
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port), "--analytics-off",
-           *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "server",
+        "start",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--analytics-off",
+        *flags,
+    ]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=dies_with(os.getpid(), signal.SIGKILL) if bound else None)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=dies_with(os.getpid(), signal.SIGKILL) if bound else None,
+        )
     return proc, f"http://{HOST}:{port}/api"
 
 
-def start_server(root: Path, port: int | None = None, timeout: float = 180.0,
-                 ui: bool = True, bound: bool = False) -> tuple[ServerState, bool]:
+def start_server(
+    root: Path, port: int | None = None, timeout: float = 180.0, ui: bool = True, bound: bool = False
+) -> tuple[ServerState, bool]:
     """Start (or reuse) the project's Prefect server once /health answers: (state, started by this call).
     bound: the server dies with this process, however it dies (kill -9 included): for a command that
     owns its server (`cleaner schedule`), not for `cleaner server start`."""
@@ -158,6 +181,7 @@ def stop_server(root: Path) -> ServerState | None:
 
 # ---- the temporary server of one command --------------------------------------------------------
 
+
 def start_temporary_server(root: Path) -> str | None:
     """Start a temporary Prefect server for this command, bound to its life; returns its API URL (also
     exported as PREFECT_API_URL), or None when the user set one.
@@ -176,8 +200,12 @@ def start_temporary_server(root: Path) -> str | None:
     proc, url = _launch(port, dict(os.environ), log_path, ["--no-ui", "--no-scheduler", "--no-late-runs"], bound=True)
     atexit.register(lambda: proc.poll() is None and terminate(proc.pid))  # a normal exit; kill -9: PDEATHSIG
     with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
-        _wait_started(proc, url, float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
-                      "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",
-                      log_path)
+        _wait_started(
+            proc,
+            url,
+            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
+            "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",
+            log_path,
+        )
     os.environ["PREFECT_API_URL"] = url
     return url

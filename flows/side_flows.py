@@ -1,5 +1,6 @@
 """The Prefect flows beside training: γ replay of stored raw shards (`cleaner demo`'s last step) and the
 evaluation of a checkpoint with SAAR at test time on and off (`cleaner eval --flow`)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,9 +16,13 @@ from pipeline.variants import plan_variants
 
 
 @flow(name="cleaner-replay")
-def replay_flow(config_file: str | None = None, overrides: list[str] | None = None,
-                iterations: list[int] | None = None, gammas: list[float] | None = None,
-                modes: list[str] | None = None) -> list:
+def replay_flow(
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    iterations: list[int] | None = None,
+    gammas: list[float] | None = None,
+    modes: list[str] | None = None,
+) -> list:
     """Purify stored raw shards under several (mode, γ) without regenerating anything."""
     cfg = load_config(config_file, overrides or [])
     out = []
@@ -29,8 +34,14 @@ def replay_flow(config_file: str | None = None, overrides: list[str] | None = No
 
 
 @task(name="evaluate", cache_policy=NONE)
-def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool, tasks_file: str | None = None, samples: int = 1,
-              limit: int | None = None) -> dict:
+def eval_task(
+    cfg: CleanerConfig,
+    checkpoint: str,
+    saar: bool,
+    tasks_file: str | None = None,
+    samples: int = 1,
+    limit: int | None = None,
+) -> dict:
     from rollout_gen.eval_run import evaluate_tasks
     from rollout_gen.tasks import load_task_parquet
     from rollout_gen.world.tasks import eval_tasks
@@ -42,8 +53,14 @@ def eval_task(cfg: CleanerConfig, checkpoint: str, saar: bool, tasks_file: str |
 
 
 @flow(name="cleaner-eval")
-def eval_flow(config_file: str | None = None, overrides: list[str] | None = None, checkpoint: str | None = None,
-              tasks_file: str | None = None, samples: int = 1, limit: int | None = None) -> dict:
+def eval_flow(
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    checkpoint: str | None = None,
+    tasks_file: str | None = None,
+    samples: int = 1,
+    limit: int | None = None,
+) -> dict:
     """avg@k pass@1, pass@k, tool errors and latency of a checkpoint, with SAAR at test time on and off."""
     cfg = load_config(config_file, overrides or [])
     ckpt = checkpoint or str(cfg.rollout.policy)
@@ -52,19 +69,29 @@ def eval_flow(config_file: str | None = None, overrides: list[str] | None = None
         m = eval_task(cfg, ckpt, saar, tasks_file, samples, limit)
         overall = m["benchmarks"]["all"]
         result["saar_on" if saar else "saar_off"] = {
-            "pass@1": m["accuracy"], **{k: v for k, v in overall.items() if k.startswith("pass@") and k != "pass@1"},
+            "pass@1": m["accuracy"],
+            **{k: v for k, v in overall.items() if k.startswith("pass@") and k != "pass@1"},
             "tool_failures_per_trajectory": overall["tool_failures_per_trajectory"],
             "very_first_call_failure_rate": m["very_first_call_failure_rate"],
-            "first_call_failure_rate": m["first_call_failure_rate"], "generated_tokens": m["generated_tokens"],
-            "generated_tokens_per_s": m["generated_tokens_per_s"], "latency_p50_s": m["latency_s"]["p50"],
-            "wall_s": m["wall_s"]}
+            "first_call_failure_rate": m["first_call_failure_rate"],
+            "generated_tokens": m["generated_tokens"],
+            "generated_tokens_per_s": m["generated_tokens_per_s"],
+            "latency_p50_s": m["latency_s"]["p50"],
+            "wall_s": m["wall_s"],
+        }
     on, off = result["saar_on"], result["saar_off"]
     result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
-    create_markdown_artifact(key="cleaner-eval", markdown="| setting | pass@1 | tool failures / trajectory | "
-                             "very first call failed | first-call failure rate (per position) | wall s |\n"
-                             "|---|---|---|---|---|---|\n" + "\n".join(
-                                 f"| {k} | {v['pass@1']:.3f} | {v['tool_failures_per_trajectory']:.3f} | "
-                                 f"{v['very_first_call_failure_rate']:.3f} | "
-                                 f"{v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
-                                 for k, v in result.items() if isinstance(v, dict)))
+    create_markdown_artifact(
+        key="cleaner-eval",
+        markdown="| setting | pass@1 | tool failures / trajectory | "
+        "very first call failed | first-call failure rate (per position) | wall s |\n"
+        "|---|---|---|---|---|---|\n"
+        + "\n".join(
+            f"| {k} | {v['pass@1']:.3f} | {v['tool_failures_per_trajectory']:.3f} | "
+            f"{v['very_first_call_failure_rate']:.3f} | "
+            f"{v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
+            for k, v in result.items()
+            if isinstance(v, dict)
+        ),
+    )
     return result

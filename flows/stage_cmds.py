@@ -1,6 +1,7 @@
 """`cleaner rollout`, `cleaner purify` and `cleaner update`: one stage of an iteration alone, as the
 training flow (flows/training.py) runs it; a stage whose output is committed is kept. Each republishes the
 catalog after it committed."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,11 +20,13 @@ if TYPE_CHECKING:  # Beam loads with the purify stage, inside the command
 
 def checked(check: Callable[[float], float], symbol: str) -> Callable[[str], float]:
     """An argparse type: the number checked as the config checks it (γ, τ), refused in its own words."""
+
     def value(text: str) -> float:
         try:
             return check(float(text))
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"invalid {symbol} {text!r}: {e}") from None
+
     return value
 
 
@@ -42,15 +45,36 @@ def _iteration(text: str) -> int:
 
 def purify_parser(sub, name: str, help: str, example: str, func: Callable) -> argparse.ArgumentParser:
     """purify's and replay's: an iteration, γ values, modes and τ values."""
-    p = stage_parser(sub, name, help, example, help + ". One partition per (mode, γ) is written beside the "
-                     "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.",
-                     func)
-    p.add_argument("--gamma", type=checked(check_gamma, "γ"), nargs="+", help=(
-        f"γ values (default: {'purify.gammas' if name == 'purify' else 'flow.replay_gammas'})"))
+    p = stage_parser(
+        sub,
+        name,
+        help,
+        example,
+        help + ". One partition per (mode, γ) is written beside the "
+        "others; committed partitions are kept. Beam runner: purify.runner and purify.beam_options.",
+        func,
+    )
+    p.add_argument(
+        "--gamma",
+        type=checked(check_gamma, "γ"),
+        nargs="+",
+        help=(f"γ values (default: {'purify.gammas' if name == 'purify' else 'flow.replay_gammas'})"),
+    )
     p.add_argument("--mode", nargs="+", choices=MODES, help="modes (default: config)")
-    p.add_argument("--is-threshold", type=checked(check_is_threshold, "τ"), nargs="+", metavar="TAU", help=(
-        "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds)"
-        + ("; with --sweep, also the importance-ratio histogram and the decisions per τ" if name == "replay" else "")))
+    p.add_argument(
+        "--is-threshold",
+        type=checked(check_is_threshold, "τ"),
+        nargs="+",
+        metavar="TAU",
+        help=(
+            "mode saar_is (Plan B): τ values, one partition each (default: purify.is_thresholds)"
+            + (
+                "; with --sweep, also the importance-ratio histogram and the decisions per τ"
+                if name == "replay"
+                else ""
+            )
+        ),
+    )
     return p
 
 
@@ -63,11 +87,15 @@ def check_thresholds(modes: list[str] | None, gammas: list[float] | None, taus: 
     for would silently not be written)."""
     if not modes:
         return
-    for values, option, kinds, what in ((gammas, "--gamma", SPLICING_MODES, "γ"), (taus, "--is-threshold", IS_MODES,
-                                                                                    "τ")):
+    for values, option, kinds, what in (
+        (gammas, "--gamma", SPLICING_MODES, "γ"),
+        (taus, "--is-threshold", IS_MODES, "τ"),
+    ):
         if values and not any(m in kinds for m in modes):
-            raise ThresholdError(f"{option} sets the {what} of mode {' / '.join(kinds)}, and --mode {' '.join(modes)} "
-                                 f"has none: add {kinds[0]} to --mode, or leave {option} out")
+            raise ThresholdError(
+                f"{option} sets the {what} of mode {' / '.join(kinds)}, and --mode {' '.join(modes)} "
+                f"has none: add {kinds[0]} to --mode, or leave {option} out"
+            )
 
 
 def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
@@ -85,14 +113,24 @@ def run_rollout(args: argparse.Namespace) -> int:
     plan = plan_rollout(cfg, args.run or cfg.flow.run_id, args.iteration, args.checkpoint)
     done = plan.kept is not None
     if not done:  # the tokenizer, the weights and the sandbox take seconds before the first trajectory
-        print(f"[rollout it {args.iteration}] loading {plan.checkpoint} and starting the sandbox …", file=sys.stderr,
-              flush=True)
+        print(
+            f"[rollout it {args.iteration}] loading {plan.checkpoint} and starting the sandbox …",
+            file=sys.stderr,
+            flush=True,
+        )
     manifest = run_rollout_plan(cfg, plan)
     published(cfg)
     too_long = manifest.extra.get("prompt_too_long", 0)
-    print(f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
-          + (f"; {too_long} prompts longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}) were not "
-             "rolled out" if too_long else "") + (" — kept (already committed)" if done else ""))
+    print(
+        f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
+        + (
+            f"; {too_long} prompts longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}) were not "
+            "rolled out"
+            if too_long
+            else ""
+        )
+        + (" — kept (already committed)" if done else "")
+    )
     return 0
 
 
@@ -103,8 +141,11 @@ def run_purify(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     check_thresholds(args.mode, args.gamma, args.is_threshold)
     variants = plan_variants(cfg, args.mode, args.gamma, args.is_threshold)  # nothing asked: as the flow
-    print(f"[purify it {args.iteration}] {describe(variants)} on Beam ({cfg.purify.runner}) …",
-          file=sys.stderr, flush=True)
+    print(
+        f"[purify it {args.iteration}] {describe(variants)} on Beam ({cfg.purify.runner}) …",
+        file=sys.stderr,
+        flush=True,
+    )
     results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, variants)
     published(cfg)
     print_partitions(results)
@@ -132,18 +173,35 @@ def run_update(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = stage_parser(sub, "rollout", "phase 1 alone: sample trajectories with retries and write a raw shard",
-                     "cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8",
-                     "Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
-                     "checkpoint and commit them as the iteration's raw shard (skipped if already committed).",
-                     run_rollout)
-    p.add_argument("--checkpoint", type=Path, help=(
-        "policy checkpoint (default: the run's checkpoint of that iteration; rollout.policy for iteration 0)"))
-    purify_parser(sub, "purify", "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
-                  "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5", run_purify)
-    stage_parser(sub, "update", "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
-                 "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
-                 "Train checkpoint I on iteration I's purified partition (train.mode at train.gamma, or at "
-                 "train.tau for saar_is) with "
-                 "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
-                 "An interrupted update resumes from its last finished mini-batch.", run_update)
+    p = stage_parser(
+        sub,
+        "rollout",
+        "phase 1 alone: sample trajectories with retries and write a raw shard",
+        "cleaner rollout --run demo --iteration 0 rollout.samples_per_prompt=8",
+        "Roll out rollout.tasks_per_iteration tasks x rollout.samples_per_prompt samples from a "
+        "checkpoint and commit them as the iteration's raw shard (skipped if already committed).",
+        run_rollout,
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        help=("policy checkpoint (default: the run's checkpoint of that iteration; rollout.policy for iteration 0)"),
+    )
+    purify_parser(
+        sub,
+        "purify",
+        "phase 2 alone: purify an iteration's raw shard into purified shards (Beam)",
+        "cleaner purify --run demo --iteration 0 --mode saar raw --gamma 0.5",
+        run_purify,
+    )
+    stage_parser(
+        sub,
+        "update",
+        "phase 3 alone: one GRPO update over an iteration's purified shard (OpenRLHF)",
+        "cleaner update --run demo --iteration 0 train.lr=5e-5 train.mini_batches=4",
+        "Train checkpoint I on iteration I's purified partition (train.mode at train.gamma, or at "
+        "train.tau for saar_is) with "
+        "OpenRLHF's Actor and PolicyLoss and write checkpoint I+1 (never overwriting one that exists). "
+        "An interrupted update resumes from its last finished mini-batch.",
+        run_update,
+    )

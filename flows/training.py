@@ -12,6 +12,7 @@ does for `cleaner rollout/purify/update`, that an output committed from the same
 flow resumes it. After every commit the catalog is republished; after every iteration its metrics go to the flow's
 page (flows/trackers.py).
 """
+
 from __future__ import annotations
 
 from prefect import flow, get_run_logger, task
@@ -93,8 +94,12 @@ def eval_stage_task(cfg: CleanerConfig, run_id: str, iteration: int) -> dict:
 
 
 @flow(name="cleaner-training")
-def training_flow(config_file: str | None = None, overrides: list[str] | None = None, more: bool = False,
-                  run_id_template: str | None = None) -> str:
+def training_flow(
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    more: bool = False,
+    run_id_template: str | None = None,
+) -> str:
     """N iterations of rollout → purify → update; resumes where a previous attempt stopped. `more` (what a
     schedule's firings use): N more iterations after the run's last trained one. `run_id_template`: a new
     run per firing, named from the template (`run_id_for`)."""
@@ -104,13 +109,16 @@ def training_flow(config_file: str | None = None, overrides: list[str] | None = 
     freeze_run_config(cfg, run_id)
     log = get_run_logger()
     again = {"retries": cfg.flow.task_retries, "retry_condition_fn": retry_unless_user_error}
-    rollout, purify, update, evaluate = (t.with_options(**again) for t in (rollout_task, purify_task, update_task,
-                                                                            eval_stage_task))
+    rollout, purify, update, evaluate = (
+        t.with_options(**again) for t in (rollout_task, purify_task, update_task, eval_stage_task)
+    )
     checkpoint = ""
     start = trained_iterations(cfg, run_id) if more else 0
     if start:
-        log.info(f"run {run_id}: {start} iterations trained; training iterations {start} to "
-                 f"{start + cfg.flow.iterations - 1}")
+        log.info(
+            f"run {run_id}: {start} iterations trained; training iterations {start} to "
+            f"{start + cfg.flow.iterations - 1}"
+        )
     for i in range(start, start + cfg.flow.iterations):
         if cfg.flow.eval_every and i % cfg.flow.eval_every == 0:  # the policy this iteration rolls out from
             value(evaluate(cfg, run_id, i))

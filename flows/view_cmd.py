@@ -1,6 +1,7 @@
 """`cleaner view`: a local web app over the storage root's committed shards (flows/viewer/): runs → iterations →
 trajectory table → one trajectory with its purified variants aligned, the run's report, and a read-only SQL box.
 The web stack is imported inside the command, so building the command line stays fast."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,9 @@ def _port(text: str) -> int:
 
 def add_parser(sub) -> None:
     p = command_parser(
-        sub, "view", "browse runs, trajectories and their purified variants in a local web app",
+        sub,
+        "view",
+        "browse runs, trajectories and their purified variants in a local web app",
         "Examples:\n  cleaner view\n  cleaner view --port 8800 -c configs/demo.yaml\n"
         "  cleaner view storage.root=workspace/experiments",
         "Serve a web app on 127.0.0.1 (prints the URL) over the storage root, reading only committed "
@@ -33,8 +36,12 @@ def add_parser(sub) -> None:
         "purified variant aligned at token level (kept, removed and inserted spans, loss mask, advantage, behaviour "
         "vs recomputed log-probs as colour), the run's report (`cleaner report`), and a SQL box on a read-only "
         "connection that cannot read files outside the storage root. Text is decoded with the run's own tokenizer.",
-        func=run)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
-                   "the network (a warning says so)")
+        func=run,
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
+        "the network (a warning says so)",
+    )
     p.add_argument("--port", type=_port, default=8765, help="port [8765]; 0 picks a free one")

@@ -1,5 +1,6 @@
 """Where a response's answer is: the last `\\boxed{...}` near its end (docs/saar.md). Read by the
 rewards (rollout_gen/rewards.py) and by purification's void-turn check (purifier/saar.py)."""
+
 from __future__ import annotations
 
 BOXED = "\\boxed{"
@@ -21,5 +22,5 @@ def last_boxed(text: str, window: int = WINDOW) -> str | None:
     while (start := tail.rfind(BOXED, 0, start)) >= 0:
         brace = start + len(BOXED) - 1
         if brace in close:
-            return tail[brace + 1: close[brace]].strip()
+            return tail[brace + 1 : close[brace]].strip()
     return None

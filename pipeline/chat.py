@@ -4,6 +4,7 @@ Text-level helpers parse and render tool calls and tool responses; `ChatFormat` 
 tokenizer and works on token ids: the running sequence is never re-rendered and re-tokenized,
 because BPE is not a bijection and chat templates drop text.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -175,9 +176,7 @@ def middle_truncate(text: str, limit: int) -> str:
     return text[:half] + TRUNCATION_MARK + text[len(text) - half :]
 
 
-def format_tool_response(
-    success: bool, stdout: str = "", stderr: str = "", reason: str = "", limit: int = 256
-) -> str:
+def format_tool_response(success: bool, stdout: str = "", stderr: str = "", reason: str = "", limit: int = 256) -> str:
     """The reference response text: success/failure header, then the non-empty fields."""
     fields = (("reason", "" if success else reason), ("stdout", stdout), ("stderr", stderr))
     lines = ["Tool call success" if success else "Tool call failure"] + [f"{k}: {v}" for k, v in fields if v]
@@ -216,7 +215,9 @@ class TemplateError(CheckpointError):
     """The checkpoint's chat template is missing or does not say how a turn opens."""
 
 
-def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "the checkpoint") -> TurnFrame:
+def derive_frame(
+    tokenizer: Any, template_kwargs: dict[str, Any] | None = None, where: str = "the checkpoint"
+) -> TurnFrame:
     """The turn frame the tokenizer's chat template renders, found once by rendering probe conversations.
 
     The generation prompt is what `add_generation_prompt=True` adds to a render without it; the tool turn
@@ -224,38 +225,52 @@ def derive_frame(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, 
     as text, and the frame is applied on token ids afterwards, so the running sequence is never re-rendered.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise TemplateError(f"{where} has no chat template (chat_template.jinja or tokenizer_config.json's "
-                            "chat_template): cleaner renders the prompt and every tool turn with it")
+        raise TemplateError(
+            f"{where} has no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template): cleaner renders the prompt and every tool turn with it"
+        )
     kwargs = dict(template_kwargs or {})
     sentinel_a, sentinel_t = "CLEANER-PROBE-ASSISTANT", "CLEANER-PROBE-TOOL"
 
     def render(messages: list[dict[str, str]], generation_prompt: bool, **tools: Any) -> str:
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                 **kwargs, **tools)
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=False, **kwargs, **tools
+            )
         except Exception as e:  # jinja2 raises its own errors (and templates raise on unsupported roles)
-            raise TemplateError(f"the chat template of {where} failed to render a probe conversation: "
-                                f"{type(e).__name__}: {e}") from None
+            raise TemplateError(
+                f"the chat template of {where} failed to render a probe conversation: {type(e).__name__}: {e}"
+            ) from None
 
     user = [{"role": "user", "content": "Q"}]
     plain, prompted = render(user, False), render(user, True)
     if not prompted.startswith(plain) or len(prompted) == len(plain):
-        raise TemplateError(f"cannot derive the generation prompt from the chat template of {where}: rendering "
-                            "with add_generation_prompt=True does not extend the render without it")
-    with_tool = render(user + [{"role": "assistant", "content": sentinel_a}, {"role": "tool", "content": sentinel_t}],
-                       False)
+        raise TemplateError(
+            f"cannot derive the generation prompt from the chat template of {where}: rendering "
+            "with add_generation_prompt=True does not extend the render without it"
+        )
+    with_tool = render(
+        user + [{"role": "assistant", "content": sentinel_a}, {"role": "tool", "content": sentinel_t}], False
+    )
     a_end = with_tool.find(sentinel_a) + len(sentinel_a)
     t_at = with_tool.find(sentinel_t)
     if a_end < len(sentinel_a) or t_at < a_end or not with_tool[a_end:].startswith(IM_END):
-        raise TemplateError(f"cannot derive the tool turn from the chat template of {where}: an assistant turn "
-                            f"must end with {IM_END} and be followed by the tool result")
+        raise TemplateError(
+            f"cannot derive the tool turn from the chat template of {where}: an assistant turn "
+            f"must end with {IM_END} and be followed by the tool result"
+        )
     system = [{"role": "system", "content": "S"}, *user]
     if render(system, True) == render(system, True, tools=[CODE_TOOL_SCHEMA]):
-        raise TemplateError(f"the chat template of {where} ignores the tools it is given (apply_chat_template's "
-                            f"tools=): the prompt would never show the policy the {TOOL_NAME!r} tool; use a template "
-                            "that renders tools, as instruct and Qwen3 checkpoints' templates do")
-    return TurnFrame(before=with_tool[a_end + len(IM_END):t_at], after=with_tool[t_at + len(sentinel_t):],
-                     generation_prompt=prompted[len(plain):])
+        raise TemplateError(
+            f"the chat template of {where} ignores the tools it is given (apply_chat_template's "
+            f"tools=): the prompt would never show the policy the {TOOL_NAME!r} tool; use a template "
+            "that renders tools, as instruct and Qwen3 checkpoints' templates do"
+        )
+    return TurnFrame(
+        before=with_tool[a_end + len(IM_END) : t_at],
+        after=with_tool[t_at + len(sentinel_t) :],
+        generation_prompt=prompted[len(plain) :],
+    )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -309,8 +324,13 @@ def find_call_start(turn_ids: list[int], marker_ids: list[int], token_bytes: lis
 class ChatFormat:
     """The chat format bound to one tokenizer: everything the agent loop needs on token ids."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM,
-                 template_kwargs: dict[str, Any] | None = None, where: str = "the checkpoint") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str = DEFAULT_SYSTEM,
+        template_kwargs: dict[str, Any] | None = None,
+        where: str = "the checkpoint",
+    ) -> None:
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.template_kwargs = dict(template_kwargs or {})  # e.g. {"enable_thinking": False} for Qwen3
@@ -364,17 +384,23 @@ def load_chat(checkpoint: Path, template_kwargs: dict[str, Any] | None = None) -
 
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
-        raise CheckpointError(f"checkpoint {checkpoint} " + ("is a file, not a checkpoint folder" if checkpoint.exists()
-                                                             else "does not exist"))
+        raise CheckpointError(
+            f"checkpoint {checkpoint} "
+            + ("is a file, not a checkpoint folder" if checkpoint.exists() else "does not exist")
+        )
     if not (checkpoint / "tokenizer_config.json").is_file():
         raise CheckpointError(f"no tokenizer in checkpoint {checkpoint} (tokenizer_config.json missing)")
     if not any(all((checkpoint / name).is_file() for name in names) for names in VOCABULARY_FILES):
-        raise CheckpointError(f"checkpoint {checkpoint}: tokenizer_config.json without a vocabulary beside it "
-                              "(tokenizer.json, or vocab.json and merges.txt, or tokenizer.model)")
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: tokenizer_config.json without a vocabulary beside it "
+            "(tokenizer.json, or vocab.json and merges.txt, or tokenizer.model)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a checkpoint without config.json: no check
         vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size")
         if isinstance(vocab, int) and len(tokenizer) > vocab:  # ids the model has no embedding for
-            raise CheckpointError(f"checkpoint {checkpoint}: its tokenizer has {len(tokenizer):,} ids and config.json "
-                                  f"vocab_size is {vocab:,}: the tokenizer is another model's")
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: its tokenizer has {len(tokenizer):,} ids and config.json "
+                f"vocab_size is {vocab:,}: the tokenizer is another model's"
+            )
     return ChatFormat(tokenizer, template_kwargs=template_kwargs, where=f"checkpoint {checkpoint}")

@@ -3,6 +3,7 @@
 `cleaner train rollout.samples_per_prompt=8 purify.gammas=[0.3,0.7]` edits the tree before it is
 validated, so a misspelt key fails with the path that was wrong instead of being ignored.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -63,8 +64,9 @@ PLACEMENT_SETTINGS = frozenset({"device"})
 
 class Section(BaseModel):
     # a number that is inf or nan (`train.lr=inf`) is a mistake in every setting
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
-                              coerce_numbers_to_str=True)  # `flow.run_id=20240601` is a name, not a number
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, coerce_numbers_to_str=True
+    )  # `flow.run_id=20240601` is a name, not a number
 
     @field_validator("*", mode="before")
     @classmethod
@@ -82,8 +84,11 @@ class Section(BaseModel):
     def _empty_sections_are_defaults(cls, data: Any) -> Any:
         # a YAML section whose keys are all commented out reads as None: it means "the defaults"
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields
-                                                           and _is_section(cls.model_fields[k].annotation))}
+            return {
+                k: v
+                for k, v in data.items()
+                if not (v is None and k in cls.model_fields and _is_section(cls.model_fields[k].annotation))
+            }
         return data
 
 
@@ -111,11 +116,15 @@ def _holds_numbers(annotation: Any) -> bool:
 
 
 class StorageConfig(Section):
-    root: Path = Field(Path("workspace"), description="the workspace: runs, shards, checkpoints and the catalog (relative: to the directory a command runs in)")
+    root: Path = Field(
+        Path("workspace"),
+        description="the workspace: runs, shards, checkpoints and the catalog (relative: to the directory a command runs in)",
+    )
     catalog: str = Field("catalog.duckdb", description="the published DuckDB catalog file, under storage.root")
     rows_per_part: int = Field(50_000, gt=0, description="rows per Parquet part of a shard")
-    compression: Literal["zstd", "snappy", "gzip", "brotli", "lz4", "none"] = Field("zstd", description=(
-        "Parquet codec of the shards written (pyarrow's names)"))
+    compression: Literal["zstd", "snappy", "gzip", "brotli", "lz4", "none"] = Field(
+        "zstd", description=("Parquet codec of the shards written (pyarrow's names)")
+    )
 
 
 class WorldConfig(Section):
@@ -126,47 +135,86 @@ class WorldConfig(Section):
     operands_min: int = Field(2, ge=2, description="fewest operands of a task's expression")
     operands_max: int = Field(3, ge=2, description="most operands of a task's expression")
     ops: list[Literal["+", "-", "*", "//", "%"]] = Field(["+", "-", "*"], description="operators the expressions use")
-    two_step_fraction: float = Field(0.2, ge=0.0, le=1.0, description="share of tasks worded in two steps (the expression, then one more operation with another number)")
-    eval_size: int = Field(200, gt=0, description="held-out world tasks (`cleaner eval --world`, flow.eval_tasks=world)")
+    two_step_fraction: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="share of tasks worded in two steps (the expression, then one more operation with another number)",
+    )
+    eval_size: int = Field(
+        200, gt=0, description="held-out world tasks (`cleaner eval --world`, flow.eval_tasks=world)"
+    )
     eval_seed: int = Field(1234, description="seed of the held-out tasks (another seed: another held-out set)")
 
     @model_validator(mode="after")
     def _ranges_in_order(self) -> "WorldConfig":
         for low, high in (("digits_min", "digits_max"), ("operands_min", "operands_max")):
             if getattr(self, low) > getattr(self, high):
-                raise ValueError(f"world.{low} ({getattr(self, low)}) must be at most world.{high} "
-                                 f"({getattr(self, high)})")
+                raise ValueError(
+                    f"world.{low} ({getattr(self, low)}) must be at most world.{high} ({getattr(self, high)})"
+                )
         return self
 
 
 class SandboxConfig(Section):
     workers: int = Field(2, ge=1, description="sandbox worker processes: tool calls run at once")
-    timeout_s: float = Field(4.0, gt=0, description="wall time of one tool call before it is killed (a timeout is a model error)")
+    timeout_s: float = Field(
+        4.0, gt=0, description="wall time of one tool call before it is killed (a timeout is a model error)"
+    )
     memory_mb: int = Field(256, ge=32, description="address-space limit of one tool call")
     max_processes: int = Field(16, ge=1, description="processes one tool call may run")
     max_file_mb: int = Field(16, ge=1, description="largest file one tool call may write")
-    output_chars: int = Field(1000, ge=16, description="stdout/stderr characters a tool call's output is cut to in the sandbox")
-    response_chars: int = Field(256, ge=16, description="characters of a tool result the model is shown (middle-truncated)")
-    infra_retries: int = Field(2, ge=0, description="reruns of a call the sandbox itself failed (an infrastructure error, never the model's)")
+    output_chars: int = Field(
+        1000, ge=16, description="stdout/stderr characters a tool call's output is cut to in the sandbox"
+    )
+    response_chars: int = Field(
+        256, ge=16, description="characters of a tool result the model is shown (middle-truncated)"
+    )
+    infra_retries: int = Field(
+        2, ge=0, description="reruns of a call the sandbox itself failed (an infrastructure error, never the model's)"
+    )
 
 
 class SaarConfig(Section):
-    gate_p: float = Field(1.0, ge=0.0, le=1.0, description="share of trajectories SAAR retries in (a coin per trajectory); the others keep every error, no retry")
+    gate_p: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="share of trajectories SAAR retries in (a coin per trajectory); the others keep every error, no retry",
+    )
     max_retries: int = Field(3, ge=0, description="K: retries per position")
-    gamma_live: Gamma = Field(0.5, description="γ of the live splice (rollback=similarity): similarity ≥ γ is shallow, below deep")
-    live_mode: Literal["purified", "raw"] = Field("purified", description="what the model continues from after a retry: the spliced (purified) context, or everything as sampled (raw)")
-    safety_cap: int = Field(30, ge=1, description=(
-        "SAAR off once a trajectory has made more than this many tool executions (the reference's 30)"))
-    similarity: Literal["rapidfuzz", "difflib"] = Field("rapidfuzz", description=(
-        "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); docs/saar.md"))
-    similarity_on: Literal["segment", "code"] = Field("segment", description=(
-        "compare the whole call segment (the reference) or only the code arguments; docs/saar.md"))
-    rollback: Literal["similarity", "importance"] = Field("similarity", description=(
-        "live_mode=purified: how a retry joins the lived sequence. similarity: SAAR's shallow/deep splice at "
-        "gamma_live; importance: Open-CLEANER's Plan B, the retry replaces the failed turn when its importance "
-        "ratio π(retry | without the failed turn) / π_b(retry | as sampled) is ≥ is_threshold, else the failed "
-        "turn, its error and the retry all stay (a scoring forward per rollback, batched with the others pending; "
-        "purify mode saar_is at the same τ relives it)"))
+    gamma_live: Gamma = Field(
+        0.5, description="γ of the live splice (rollback=similarity): similarity ≥ γ is shallow, below deep"
+    )
+    live_mode: Literal["purified", "raw"] = Field(
+        "purified",
+        description="what the model continues from after a retry: the spliced (purified) context, or everything as sampled (raw)",
+    )
+    safety_cap: int = Field(
+        30,
+        ge=1,
+        description=("SAAR off once a trajectory has made more than this many tool executions (the reference's 30)"),
+    )
+    similarity: Literal["rapidfuzz", "difflib"] = Field(
+        "rapidfuzz",
+        description=(
+            "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); docs/saar.md"
+        ),
+    )
+    similarity_on: Literal["segment", "code"] = Field(
+        "segment",
+        description=("compare the whole call segment (the reference) or only the code arguments; docs/saar.md"),
+    )
+    rollback: Literal["similarity", "importance"] = Field(
+        "similarity",
+        description=(
+            "live_mode=purified: how a retry joins the lived sequence. similarity: SAAR's shallow/deep splice at "
+            "gamma_live; importance: Open-CLEANER's Plan B, the retry replaces the failed turn when its importance "
+            "ratio π(retry | without the failed turn) / π_b(retry | as sampled) is ≥ is_threshold, else the failed "
+            "turn, its error and the retry all stay (a scoring forward per rollback, batched with the others pending; "
+            "purify mode saar_is at the same τ relives it)"
+        ),
+    )
     is_threshold: IsThreshold = Field(0.5, description="τ of rollback=importance")
 
 
@@ -175,38 +223,80 @@ class EngineTuning(Section):
     schedule. The defaults are what every committed run used; a run changes them only to go faster on other
     hardware or with slower tools (benchmarks/RESULTS.md, async rollout)."""
 
-    threads: int = Field(1, ge=1, description=(
-        "torch threads of the CPU engine and the CPU trainer (fixed for reproducible sampling)"))
-    deterministic: bool = Field(True, description=(
-        "fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
-        "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"))
-    tool_delay_steps: int = Field(4, ge=1, description=(
-        "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
-        "engine, so with slow tools raise it (benchmarks/RESULTS.md, async rollout); 4 keeps the committed "
-        "experiments' schedule"))
-    tool_priority: Literal["most_calls", "fifo"] = Field("most_calls", description=(
-        "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
-        "trajectory that has made the most calls (a rollout ends with its longest chain; benchmarks/RESULTS.md, "
-        "async rollout); fifo: first made. The deterministic schedule always "
-        "starts calls in the order they fall due"))
-    kv_cache_tokens: int = Field(200_000, ge=0, description=(
-        "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"))
-    max_in_flight: int = Field(64, ge=1, description=(
-        "SGLang and vLLM: concurrent generation requests; every engine: the most samples per task "
-        "`cleaner eval --samples` batches"))
-    vllm_start_timeout_s: float = Field(600.0, gt=0, description="engine=vllm: how long a started server may take to answer")
+    threads: int = Field(
+        1, ge=1, description=("torch threads of the CPU engine and the CPU trainer (fixed for reproducible sampling)")
+    )
+    deterministic: bool = Field(
+        True,
+        description=(
+            "fixed batching schedule (a tool result rejoins tool_delay_steps engine steps after its call), "
+            "so reruns are bit-identical; false: results rejoin as they arrive (faster with slow tools)"
+        ),
+    )
+    tool_delay_steps: int = Field(
+        4,
+        ge=1,
+        description=(
+            "deterministic schedule: engine steps between a call and its result; a result not back by then stalls the "
+            "engine, so with slow tools raise it (benchmarks/RESULTS.md, async rollout); 4 keeps the committed "
+            "experiments' schedule"
+        ),
+    )
+    tool_priority: Literal["most_calls", "fifo"] = Field(
+        "most_calls",
+        description=(
+            "free schedule: which waiting tool call gets the next free sandbox worker. most_calls: the one from the "
+            "trajectory that has made the most calls (a rollout ends with its longest chain; benchmarks/RESULTS.md, "
+            "async rollout); fifo: first made. The deterministic schedule always "
+            "starts calls in the order they fall due"
+        ),
+    )
+    kv_cache_tokens: int = Field(
+        200_000,
+        ge=0,
+        description=(
+            "CPU engine: tokens of KV kept for trajectories between their turns (least recently used evicted first)"
+        ),
+    )
+    max_in_flight: int = Field(
+        64,
+        ge=1,
+        description=(
+            "SGLang and vLLM: concurrent generation requests; every engine: the most samples per task "
+            "`cleaner eval --samples` batches"
+        ),
+    )
+    vllm_start_timeout_s: float = Field(
+        600.0, gt=0, description="engine=vllm: how long a started server may take to answer"
+    )
 
 
 # rollout.* keys that rollout.engine_tuning holds (a config or frozen run that names them at the top of rollout is
 # read as if under engine_tuning, or refused with where they went)
-MOVED_TO_ENGINE_TUNING = ("threads", "deterministic", "tool_delay_steps", "tool_priority", "kv_cache_tokens",
-                          "max_in_flight", "vllm_start_timeout_s")
+MOVED_TO_ENGINE_TUNING = (
+    "threads",
+    "deterministic",
+    "tool_delay_steps",
+    "tool_priority",
+    "kv_cache_tokens",
+    "max_in_flight",
+    "vllm_start_timeout_s",
+)
 
 
 class RolloutConfig(Section):
-    policy: Path = Field(DEFAULT_POLICY, description="the checkpoint iteration 0 rolls out from (a folder with config.json, weights and tokenizer)")
-    engine: Literal["cpu", "sglang", "vllm"] = Field("cpu", description="what samples: cpu (transformers here), sglang (rollout.sglang_url) or vllm (rollout.vllm_urls, or servers cleaner starts)")
-    tasks: str = Field("world", description="what the rollout solves: 'world' (the arithmetic tool-use world) or a task Parquet file (docs/eval.md's layouts)")
+    policy: Path = Field(
+        DEFAULT_POLICY,
+        description="the checkpoint iteration 0 rolls out from (a folder with config.json, weights and tokenizer)",
+    )
+    engine: Literal["cpu", "sglang", "vllm"] = Field(
+        "cpu",
+        description="what samples: cpu (transformers here), sglang (rollout.sglang_url) or vllm (rollout.vllm_urls, or servers cleaner starts)",
+    )
+    tasks: str = Field(
+        "world",
+        description="what the rollout solves: 'world' (the arithmetic tool-use world) or a task Parquet file (docs/eval.md's layouts)",
+    )
     tasks_per_iteration: int = Field(16, gt=0, description="prompts rolled out per iteration")
     samples_per_prompt: int = Field(4, gt=0, description="trajectories per prompt: the GRPO group")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy)")
@@ -214,37 +304,68 @@ class RolloutConfig(Section):
     max_turns: int = Field(16, gt=0, description="assistant turns per trajectory")
     max_tool_turns: int = Field(16, gt=0, description="tool calls per trajectory")
     max_turn_tokens: int = Field(160, gt=0, description="tokens one assistant turn may generate")
-    max_response_tokens: int = Field(1024, gt=0, description="tokens of a whole response after the prompt (turns and tool results)")
-    max_prompt_tokens: int = Field(256, gt=0, description="longest prompt rolled out (a longer one is not; `cleaner eval` refuses it)")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
-        "extra variables for the checkpoint's chat template, as verl's apply_chat_template_kwargs "
-        "(e.g. {enable_thinking: false} for Qwen3): the prompt and the turn opened after every tool result are "
-        "rendered with them"))
-    malformed_call: Literal["no_call", "failure"] = Field("no_call", description=(
-        "an unclosed or unrepairable <tool_call>: no_call = the turn is final (the reference); failure = a failed "
-        "call, shown to the model and retried"))
+    max_response_tokens: int = Field(
+        1024, gt=0, description="tokens of a whole response after the prompt (turns and tool results)"
+    )
+    max_prompt_tokens: int = Field(
+        256, gt=0, description="longest prompt rolled out (a longer one is not; `cleaner eval` refuses it)"
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)"
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "extra variables for the checkpoint's chat template, as verl's apply_chat_template_kwargs "
+            "(e.g. {enable_thinking: false} for Qwen3): the prompt and the turn opened after every tool result are "
+            "rendered with them"
+        ),
+    )
+    malformed_call: Literal["no_call", "failure"] = Field(
+        "no_call",
+        description=(
+            "an unclosed or unrepairable <tool_call>: no_call = the turn is final (the reference); failure = a failed "
+            "call, shown to the model and retried"
+        ),
+    )
     seed: int = Field(0, description="sampling seed of the run")
     saar: SaarConfig = SaarConfig()
     sandbox: SandboxConfig = SandboxConfig()
     sglang_url: str = Field("http://127.0.0.1:30000", description="engine=sglang: the SGLang server")
-    vllm_urls: list[str] = Field(default_factory=list, description=(
-        "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
-        "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
-        "starts vllm_servers servers on 127.0.0.1 in vllm_venv, stopped with the command"))
+    vllm_urls: list[str] = Field(
+        default_factory=list,
+        description=(
+            "engine=vllm (and purify.recompute=vllm): OpenAI-compatible vLLM servers to use, each trajectory pinned to "
+            "one (started with VLLM_SERVER_DEV_MODE=1 so each iteration's checkpoint can be loaded); empty: cleaner "
+            "starts vllm_servers servers on 127.0.0.1 in vllm_venv, stopped with the command"
+        ),
+    )
     vllm_servers: int = Field(1, ge=1, description="engine=vllm without vllm_urls: servers cleaner starts")
-    vllm_venv: Path | None = Field(None, description=(
-        "engine=vllm without vllm_urls: the virtualenv holding vLLM (None: this checkout's .venv-vllm, which "
-        "scripts/setup_vllm.sh builds)"))
+    vllm_venv: Path | None = Field(
+        None,
+        description=(
+            "engine=vllm without vllm_urls: the virtualenv holding vLLM (None: this checkout's .venv-vllm, which "
+            "scripts/setup_vllm.sh builds)"
+        ),
+    )
     vllm_dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
-        "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in")
-    vllm_args: list[str] = Field(["--enforce-eager"], description=(
-        "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
-        "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"))
+        "float32", description="engine=vllm without vllm_urls: the dtype the started servers run the policy in"
+    )
+    vllm_args: list[str] = Field(
+        ["--enforce-eager"],
+        description=(
+            "engine=vllm without vllm_urls: extra server arguments (--enforce-eager skips vLLM's compile, for a faster "
+            "start; --block-size 32 raises prefix reuse; figures in benchmarks/RESULTS.md, vllm)"
+        ),
+    )
     engine_tuning: EngineTuning = EngineTuning()
-    device: Device = Field("auto", description=(
-        "engine=cpu: where the engine (its model, KV cache and per-row random generators) runs: auto (the GPU when "
-        "torch sees one, else the CPU), cpu, cuda or cuda:N"))
+    device: Device = Field(
+        "auto",
+        description=(
+            "engine=cpu: where the engine (its model, KV cache and per-row random generators) runs: auto (the GPU when "
+            "torch sees one, else the CPU), cpu, cuda or cuda:N"
+        ),
+    )
 
 
 # purify.* settings that choose where or which partitions are written, never what a partition holds:
@@ -252,8 +373,12 @@ class RolloutConfig(Section):
 # and they stay out of the partitions' config hash (purifier/stage.py) and the frozen run config
 # (flows/run_config.py).
 # ("similarity", "similarity_on": purify keys merged into rollout.saar, which a frozen run.json may hold)
-PURIFY_REPLAY_SETTINGS = frozenset({"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options",
-                                    "similarity", "similarity_on"}) | PLACEMENT_SETTINGS
+PURIFY_REPLAY_SETTINGS = (
+    frozenset(
+        {"modes", "gammas", "is_thresholds", "runner", "dask_address", "beam_options", "similarity", "similarity_on"}
+    )
+    | PLACEMENT_SETTINGS
+)
 # purify.* settings that change what one mode's partitions hold and nothing else: each is hashed into that
 # mode's partitions only (purifier/stage.py), so partitions of the other modes committed before the setting
 # existed keep their config hash and stay valid.
@@ -262,33 +387,79 @@ PURIFY_MODE_SETTINGS = frozenset({"roc_group_size"})
 
 class PurifyConfig(Section):
     # at least one each: an empty list purified nothing and said so nowhere
-    modes: list[Mode] = Field(["saar", "raw"], min_length=1, description=(
-        "purification modes written each iteration, one partition each (docs/saar.md); train.mode's is added"))
-    gammas: list[Gamma] = Field([0.5], min_length=1, description=(
-        "γ of the similarity modes (saar, saar_correct), one partition each; train.gamma's is added"))
-    is_thresholds: list[IsThreshold] = Field([0.5], min_length=1, description=(
-        "mode saar_is (Open-CLEANER's Plan B): a retry replaces the failed turn when its importance ratio "
-        "π(retry | context without the failed turn) / π_b(retry | as sampled) is ≥ τ, else both stay; one "
-        "partition per τ (tau=0.50)"))
-    advantage: Literal["group_norm", "dr_grpo"] = Field("group_norm", description="GRPO advantage: group_norm ((r − mean) / std in the prompt group) or dr_grpo (r − mean)")
-    dynamic_filter: bool = Field(False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no learning signal)")
-    recompute: Literal["cpu", "sglang", "vllm"] = Field("cpu", description=(
-        "old log-probs after a splice: cpu (transformers, prefix KV reuse), sglang (prefill at rollout.sglang_url) "
-        "or vllm (prefill with prompt_logprobs on the rollout's vLLM servers, rollout.vllm_*)"))
-    runner: str = Field("FnApiRunner", description=(
-        "Beam runner: FnApiRunner (in-process), dask (Beam's DaskRunner on the cluster at purify.dask_address; "
-        "docs/scale_out.md), or any runner Beam accepts, with its options in purify.beam_options"))
-    beam_options: list[str] = Field([], description="Beam pipeline options for purify.runner, e.g. --flink_master=HOST:8081")
-    dask_address: str | None = Field(None, description=(
-        "runner=dask: the Dask scheduler, e.g. tcp://10.0.0.5:8786 (None: the local cluster that "
-        "`cleaner cluster start` runs for this storage root)"))
-    max_dead_letter_fraction: float = Field(0.05, ge=0.0, le=1.0, description="share of rows purification may set aside as dead letters before the stage fails")
-    roc_group_size: int | None = Field(None, ge=1, description=(
-        "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
-        "rollout.samples_per_prompt"))
-    device: Device = Field("auto", description=(
-        "recompute=cpu: where the log-prob recompute (transformers) runs, in each process that runs it (a Dask "
-        "worker's own GPU under auto): auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N"))
+    modes: list[Mode] = Field(
+        ["saar", "raw"],
+        min_length=1,
+        description=(
+            "purification modes written each iteration, one partition each (docs/saar.md); train.mode's is added"
+        ),
+    )
+    gammas: list[Gamma] = Field(
+        [0.5],
+        min_length=1,
+        description=("γ of the similarity modes (saar, saar_correct), one partition each; train.gamma's is added"),
+    )
+    is_thresholds: list[IsThreshold] = Field(
+        [0.5],
+        min_length=1,
+        description=(
+            "mode saar_is (Open-CLEANER's Plan B): a retry replaces the failed turn when its importance ratio "
+            "π(retry | context without the failed turn) / π_b(retry | as sampled) is ≥ τ, else both stay; one "
+            "partition per τ (tau=0.50)"
+        ),
+    )
+    advantage: Literal["group_norm", "dr_grpo"] = Field(
+        "group_norm",
+        description="GRPO advantage: group_norm ((r − mean) / std in the prompt group) or dr_grpo (r − mean)",
+    )
+    dynamic_filter: bool = Field(
+        False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no learning signal)"
+    )
+    recompute: Literal["cpu", "sglang", "vllm"] = Field(
+        "cpu",
+        description=(
+            "old log-probs after a splice: cpu (transformers, prefix KV reuse), sglang (prefill at rollout.sglang_url) "
+            "or vllm (prefill with prompt_logprobs on the rollout's vLLM servers, rollout.vllm_*)"
+        ),
+    )
+    runner: str = Field(
+        "FnApiRunner",
+        description=(
+            "Beam runner: FnApiRunner (in-process), dask (Beam's DaskRunner on the cluster at purify.dask_address; "
+            "docs/scale_out.md), or any runner Beam accepts, with its options in purify.beam_options"
+        ),
+    )
+    beam_options: list[str] = Field(
+        [], description="Beam pipeline options for purify.runner, e.g. --flink_master=HOST:8081"
+    )
+    dask_address: str | None = Field(
+        None,
+        description=(
+            "runner=dask: the Dask scheduler, e.g. tcp://10.0.0.5:8786 (None: the local cluster that "
+            "`cleaner cluster start` runs for this storage root)"
+        ),
+    )
+    max_dead_letter_fraction: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="share of rows purification may set aside as dead letters before the stage fails",
+    )
+    roc_group_size: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "mode roc: rows kept per prompt group (None: half of rollout.samples_per_prompt, at least 1); at most "
+            "rollout.samples_per_prompt"
+        ),
+    )
+    device: Device = Field(
+        "auto",
+        description=(
+            "recompute=cpu: where the log-prob recompute (transformers) runs, in each process that runs it (a Dask "
+            "worker's own GPU under auto): auto (the GPU when torch sees one, else the CPU), cpu, cuda or cuda:N"
+        ),
+    )
 
     @field_validator("dask_address")
     @classmethod
@@ -300,72 +471,137 @@ class PurifyConfig(Section):
 
 class TrainConfig(Section):
     mode: Mode = Field("saar", description="the purification mode the update trains on")
-    gamma: Gamma = Field(0.5, description=(
-        "SAAR's similarity threshold γ of the partition the update trains on when train.mode is saar or "
-        "saar_correct (mode=saar/gamma=0.50); the flow purifies it"))
-    tau: IsThreshold = Field(0.5, description=(
-        "the importance-ratio threshold τ of the partition the update trains on when train.mode=saar_is "
-        "(train.tau=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"))
-    strategy: Literal["local", "deepspeed"] = Field("local", description=(
-        "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
-        "process under torchrun (gloo on CPU)"))
+    gamma: Gamma = Field(
+        0.5,
+        description=(
+            "SAAR's similarity threshold γ of the partition the update trains on when train.mode is saar or "
+            "saar_correct (mode=saar/gamma=0.50); the flow purifies it"
+        ),
+    )
+    tau: IsThreshold = Field(
+        0.5,
+        description=(
+            "the importance-ratio threshold τ of the partition the update trains on when train.mode=saar_is "
+            "(train.tau=0.3 trains on mode=saar_is/tau=0.30); the flow purifies it"
+        ),
+    )
+    strategy: Literal["local", "deepspeed"] = Field(
+        "local",
+        description=(
+            "local: one process (CPU or one GPU); deepspeed: OpenRLHF DeepspeedStrategy (ZeRO), one rank per "
+            "process under torchrun (gloo on CPU)"
+        ),
+    )
     zero_stage: Literal[2, 3] = Field(2, description="ZeRO stage for strategy=deepspeed")
     nproc: int = Field(1, ge=1, description="ranks torchrun starts for strategy=deepspeed (GPUs per node)")
-    param_dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
-        "training precision. fp32: everything in float32 (TF32 matmuls on a GPU). bf16: mixed precision; "
-        "strategy=local runs the forward and backward under torch.autocast(bfloat16) while the weights, their "
-        "gradients and AdamW's moments stay float32; strategy=deepspeed (DeepSpeed's bf16 mode through OpenRLHF) "
-        "holds the model's weights and each micro-batch's gradients in bfloat16 and keeps float32 master weights, "
-        "float32 gradient accumulation (OpenRLHF's grad_accum_dtype) and float32 AdamW moments in the ZeRO "
-        "partitions. fp16: strategy=deepspeed on a GPU only (DeepSpeed's fp16 mode with its dynamic loss scale). "
-        "Log-probs are float32 softmaxes over the logits in every mode; docs/scale_out.md"))
-    device: Device = Field("auto", description=(
-        "strategy=local: where the update runs: auto (the GPU when torch sees one, else the CPU), cpu, cuda or "
-        "cuda:N; strategy=deepspeed: auto or cuda puts each rank on its own GPU (LOCAL_RANK, NCCL), cpu trains on "
-        "the CPU over gloo"))
-    gradient_checkpointing: bool = Field(False, description=(
-        "activation checkpointing: each decoder layer's activations are recomputed in backward instead of kept "
-        "(transformers' gradient_checkpointing_enable, non-reentrant), for long trajectories on a GPU's memory"))
-    offload_optimizer: bool = Field(False, description=(
-        "strategy=deepspeed: keep the ZeRO optimizer's float32 master weights and AdamW moments in CPU memory "
-        "(OpenRLHF's adam_offload; the step runs torch's AdamW on the CPU, nothing compiled at run time)"))
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa", description=(
-        "the update's attention: sdpa (torch's scaled_dot_product_attention: flash/memory-efficient kernels where "
-        "torch has them), eager, or flash_attention_2 (the flash_attn package's CUDA kernels, on a GPU)"))
+    param_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description=(
+            "training precision. fp32: everything in float32 (TF32 matmuls on a GPU). bf16: mixed precision; "
+            "strategy=local runs the forward and backward under torch.autocast(bfloat16) while the weights, their "
+            "gradients and AdamW's moments stay float32; strategy=deepspeed (DeepSpeed's bf16 mode through OpenRLHF) "
+            "holds the model's weights and each micro-batch's gradients in bfloat16 and keeps float32 master weights, "
+            "float32 gradient accumulation (OpenRLHF's grad_accum_dtype) and float32 AdamW moments in the ZeRO "
+            "partitions. fp16: strategy=deepspeed on a GPU only (DeepSpeed's fp16 mode with its dynamic loss scale). "
+            "Log-probs are float32 softmaxes over the logits in every mode; docs/scale_out.md"
+        ),
+    )
+    device: Device = Field(
+        "auto",
+        description=(
+            "strategy=local: where the update runs: auto (the GPU when torch sees one, else the CPU), cpu, cuda or "
+            "cuda:N; strategy=deepspeed: auto or cuda puts each rank on its own GPU (LOCAL_RANK, NCCL), cpu trains on "
+            "the CPU over gloo"
+        ),
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description=(
+            "activation checkpointing: each decoder layer's activations are recomputed in backward instead of kept "
+            "(transformers' gradient_checkpointing_enable, non-reentrant), for long trajectories on a GPU's memory"
+        ),
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description=(
+            "strategy=deepspeed: keep the ZeRO optimizer's float32 master weights and AdamW moments in CPU memory "
+            "(OpenRLHF's adam_offload; the step runs torch's AdamW on the CPU, nothing compiled at run time)"
+        ),
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa",
+        description=(
+            "the update's attention: sdpa (torch's scaled_dot_product_attention: flash/memory-efficient kernels where "
+            "torch has them), eager, or flash_attention_2 (the flash_attn package's CUDA kernels, on a GPU)"
+        ),
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
     warmup_steps: int = Field(2, ge=0, description="optimizer steps of linear learning-rate warm-up")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
     clip_eps_low: float = Field(0.2, ge=0, description="PPO clip below: ratio ≥ 1 − this")
     clip_eps_high: float = Field(0.28, ge=0, description="PPO clip above: ratio ≤ 1 + this (DAPO clip-higher)")
-    dual_clip: float | None = Field(10.0, gt=1.0, description=(
-        "dual-clip PPO's bound on the ratio for negative advantages (OpenRLHF's dual_clip; > 1), None: off"))
-    policy_loss_type: Literal["ppo", "gspo"] = Field("ppo", description="OpenRLHF's policy loss: ppo (token ratios) or gspo (sequence ratios)")
-    loss_agg: Literal["token_mean", "seq_mean"] = Field("token_mean", description=(
-        "how policy_loss_type=ppo's per-token losses become the mini-batch loss (OpenRLHF's token_level_loss): "
-        "token_mean (every trained token of the mini-batch weighs the same; DAPO) or seq_mean (each row's mean over "
-        "its trained tokens, then the mean over rows: GRPO's original normalisation, which weighs a long row's "
-        "tokens less)"))
+    dual_clip: float | None = Field(
+        10.0,
+        gt=1.0,
+        description=(
+            "dual-clip PPO's bound on the ratio for negative advantages (OpenRLHF's dual_clip; > 1), None: off"
+        ),
+    )
+    policy_loss_type: Literal["ppo", "gspo"] = Field(
+        "ppo", description="OpenRLHF's policy loss: ppo (token ratios) or gspo (sequence ratios)"
+    )
+    loss_agg: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean",
+        description=(
+            "how policy_loss_type=ppo's per-token losses become the mini-batch loss (OpenRLHF's token_level_loss): "
+            "token_mean (every trained token of the mini-batch weighs the same; DAPO) or seq_mean (each row's mean over "
+            "its trained tokens, then the mean over rows: GRPO's original normalisation, which weighs a long row's "
+            "tokens less)"
+        ),
+    )
     epochs: int = Field(1, ge=1, description="passes over the purified shard per update")
-    mini_batches: int = Field(2, ge=1, description="optimizer steps per epoch: the shard's prompt groups split into this many")
-    micro_batch_tokens: int = Field(8192, gt=0, description="tokens per forward/backward (rows packed by length; gradients accumulated per mini-batch)")
+    mini_batches: int = Field(
+        2, ge=1, description="optimizer steps per epoch: the shard's prompt groups split into this many"
+    )
+    micro_batch_tokens: int = Field(
+        8192,
+        gt=0,
+        description="tokens per forward/backward (rows packed by length; gradients accumulated per mini-batch)",
+    )
     log_entropy: bool = Field(False, description="log the policy entropy per step (one more pass over the vocabulary)")
     seed: int = Field(0, description="seed of the update (dropout, ordering)")
-    rollout_correction: Literal["off", "token_tis", "token_mis", "seq_mis", "geo_rs"] = Field("off", description=(
-        "train-time correction for tokens trained in another context than they were sampled in: verl's presets on "
-        "OpenRLHF's PolicyLoss gate over pi_old/pi_behaviour (the purified rows' behaviour_logprobs). token_tis: "
-        "token weights truncated at 2 (verl decoupled_token_is); token_mis: tokens outside [0.5, 5] masked (IcePop, "
-        "verl decoupled_token_icepop); seq_mis: rows whose per-token geometric-mean ratio is outside [0.5, 2] "
-        "masked (verl's sequence MIS band, gated on OpenRLHF's geometric mean); geo_rs: the same gate at "
-        "[0.999, 1.001] (verl decoupled_geo_rs). trainer/correction.py; saar + token_tis is the reference's Plan C"))
-    rollout_correction_bounds: tuple[float, float] | None = Field(None, description=(
-        "[lower, upper] on the gated ratio, replacing the preset's (None: the preset's own)"))
-    use_dpo_on_tool_calls: bool = Field(False, description=(
-        "negative-sample DPO side loss (the reference's option; its paper reports it destabilised training): each "
-        "failed call and the working retry at its position, scored in the failed call's context, from the raw shard"))
-    dpo_beta: float = Field(15.0, gt=0, description="DPO beta on the length-normalised call log-prob gap (reference recipe: 15)")
-    dpo_max_adjustment_ratio: float = Field(0.1, gt=0, description=(
-        "cap on the DPO side loss's per-token weight, as the reference caps its per-token advantage adjustment"))
+    rollout_correction: Literal["off", "token_tis", "token_mis", "seq_mis", "geo_rs"] = Field(
+        "off",
+        description=(
+            "train-time correction for tokens trained in another context than they were sampled in: verl's presets on "
+            "OpenRLHF's PolicyLoss gate over pi_old/pi_behaviour (the purified rows' behaviour_logprobs). token_tis: "
+            "token weights truncated at 2 (verl decoupled_token_is); token_mis: tokens outside [0.5, 5] masked (IcePop, "
+            "verl decoupled_token_icepop); seq_mis: rows whose per-token geometric-mean ratio is outside [0.5, 2] "
+            "masked (verl's sequence MIS band, gated on OpenRLHF's geometric mean); geo_rs: the same gate at "
+            "[0.999, 1.001] (verl decoupled_geo_rs). trainer/correction.py; saar + token_tis is the reference's Plan C"
+        ),
+    )
+    rollout_correction_bounds: tuple[float, float] | None = Field(
+        None, description=("[lower, upper] on the gated ratio, replacing the preset's (None: the preset's own)")
+    )
+    use_dpo_on_tool_calls: bool = Field(
+        False,
+        description=(
+            "negative-sample DPO side loss (the reference's option; its paper reports it destabilised training): each "
+            "failed call and the working retry at its position, scored in the failed call's context, from the raw shard"
+        ),
+    )
+    dpo_beta: float = Field(
+        15.0, gt=0, description="DPO beta on the length-normalised call log-prob gap (reference recipe: 15)"
+    )
+    dpo_max_adjustment_ratio: float = Field(
+        0.1,
+        gt=0,
+        description=(
+            "cap on the DPO side loss's per-token weight, as the reference caps its per-token advantage adjustment"
+        ),
+    )
 
     @field_validator("rollout_correction_bounds")
     @classmethod
@@ -383,35 +619,48 @@ class TrainConfig(Section):
     def _tau_for_saar_is(self) -> "TrainConfig":
         # γ given where a τ is wanted, and no τ: the threshold meant for the partition would be silently ignored
         if self.mode in IS_MODES and "gamma" in self.model_fields_set and "tau" not in self.model_fields_set:
-            raise ValueError(f"train.gamma is SAAR's similarity threshold γ, which train.mode={self.mode} does not "
-                             f"use: give its importance-ratio threshold as train.tau (e.g. train.tau={self.gamma:g})")
+            raise ValueError(
+                f"train.gamma is SAAR's similarity threshold γ, which train.mode={self.mode} does not "
+                f"use: give its importance-ratio threshold as train.tau (e.g. train.tau={self.gamma:g})"
+            )
         return self
 
     @model_validator(mode="after")
     def _offload_needs_deepspeed(self) -> "TrainConfig":
         if self.offload_optimizer and self.strategy != "deepspeed":
-            raise ValueError("train.offload_optimizer=true is ZeRO's optimizer offload: it needs "
-                             "train.strategy=deepspeed")
+            raise ValueError(
+                "train.offload_optimizer=true is ZeRO's optimizer offload: it needs train.strategy=deepspeed"
+            )
         if self.param_dtype == "fp16" and self.strategy == "local":
-            raise ValueError("train.param_dtype=fp16 needs a loss scale, which strategy=local does not keep: use "
-                             "train.param_dtype=bf16, or train.strategy=deepspeed (DeepSpeed's dynamic loss scale)")
+            raise ValueError(
+                "train.param_dtype=fp16 needs a loss scale, which strategy=local does not keep: use "
+                "train.param_dtype=bf16, or train.strategy=deepspeed (DeepSpeed's dynamic loss scale)"
+            )
         return self
 
     @model_validator(mode="after")
     def _correction_needs_ppo(self) -> "TrainConfig":
         if self.loss_agg != "token_mean" and self.policy_loss_type != "ppo":
-            raise ValueError(f"train.loss_agg={self.loss_agg} applies to train.policy_loss_type=ppo (OpenRLHF's "
-                             f"{self.policy_loss_type} loss aggregates per sequence already)")
+            raise ValueError(
+                f"train.loss_agg={self.loss_agg} applies to train.policy_loss_type=ppo (OpenRLHF's "
+                f"{self.policy_loss_type} loss aggregates per sequence already)"
+            )
         if self.rollout_correction != "off" and self.policy_loss_type != "ppo":
-            raise ValueError(f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
-                             f"(OpenRLHF's {self.policy_loss_type} loss does not apply the correction gate)")
+            raise ValueError(
+                f"train.rollout_correction={self.rollout_correction} needs train.policy_loss_type=ppo "
+                f"(OpenRLHF's {self.policy_loss_type} loss does not apply the correction gate)"
+            )
         return self
 
 
 # train.* settings hashed into train_settings only when not at their default: a checkpoint recorded before they
 # existed was trained as their defaults train, and keeps its record.
-TRAIN_SETTINGS_IF_SET = {"gradient_checkpointing": False, "offload_optimizer": False, "attn_implementation": "sdpa",
-                         "loss_agg": "token_mean"}
+TRAIN_SETTINGS_IF_SET = {
+    "gradient_checkpointing": False,
+    "offload_optimizer": False,
+    "attn_implementation": "sdpa",
+    "loss_agg": "token_mean",
+}
 
 
 def hashed_train_settings(train: TrainConfig) -> dict[str, Any]:
@@ -437,21 +686,35 @@ def upgrade_frozen(data: dict[str, Any]) -> dict[str, Any]:
 
 def train_settings(train: TrainConfig) -> str:
     """What a checkpoint records of the update that trained it: a rerun with other settings is refused."""
-    return hashlib.blake2b(json.dumps(hashed_train_settings(train), sort_keys=True).encode(),
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(json.dumps(hashed_train_settings(train), sort_keys=True).encode(), digest_size=8).hexdigest()
 
 
 class FlowConfig(Section):
     run_id: str = Field("demo", description="the run: runs/<run_id> under storage.root")
-    iterations: int = Field(3, ge=1, description="iterations a training flow trains (a rerun resumes them; a schedule's firing trains this many more)")
-    task_retries: int = Field(1, ge=0, description="Prefect retries of a failed stage task (a user error is never retried)")
-    replay_gammas: list[Gamma] = Field([0.3, 0.5, 0.7], min_length=1, description="γ values `cleaner replay` (and the demo's replay) purifies by default")
+    iterations: int = Field(
+        3,
+        ge=1,
+        description="iterations a training flow trains (a rerun resumes them; a schedule's firing trains this many more)",
+    )
+    task_retries: int = Field(
+        1, ge=0, description="Prefect retries of a failed stage task (a user error is never retried)"
+    )
+    replay_gammas: list[Gamma] = Field(
+        [0.3, 0.5, 0.7],
+        min_length=1,
+        description="γ values `cleaner replay` (and the demo's replay) purifies by default",
+    )
     tensorboard: bool = Field(False, description="also write per-iteration metrics to runs/<run>/tensorboard")
     wandb_project: str | None = Field(None, description="also log per-iteration metrics to this W&B project")
-    eval_every: int = Field(0, ge=0, description=(
-        "evaluate checkpoint i (the policy iteration i rolls out from) when i is a multiple of this, and the "
-        "last one, as a Prefect task before iteration i's rollout; metrics in the run's metrics shard, stage=eval "
-        "(0 = off; docs/eval.md)"))
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description=(
+            "evaluate checkpoint i (the policy iteration i rolls out from) when i is a multiple of this, and the "
+            "last one, as a Prefect task before iteration i's rollout; metrics in the run's metrics shard, stage=eval "
+            "(0 = off; docs/eval.md)"
+        ),
+    )
     eval_tasks: str = Field("world", description="held-out tasks of that evaluation: 'world' or a task file")
     eval_samples: int = Field(1, ge=1, description="samples per task of that evaluation (avg@k, pass@k)")
     eval_limit: int | None = Field(None, ge=1, description="only the first N tasks of eval_tasks")
@@ -470,8 +733,10 @@ class CleanerConfig(Section):
     def _roc_group_fits(self) -> "CleanerConfig":
         size = self.purify.roc_group_size
         if size is not None and size > self.rollout.samples_per_prompt:
-            raise ValueError(f"purify.roc_group_size ({size}) must be at most rollout.samples_per_prompt "
-                             f"({self.rollout.samples_per_prompt}): RoC down-samples each prompt's group")
+            raise ValueError(
+                f"purify.roc_group_size ({size}) must be at most rollout.samples_per_prompt "
+                f"({self.rollout.samples_per_prompt}): RoC down-samples each prompt's group"
+            )
         return self
 
     @model_validator(mode="after")
@@ -481,14 +746,21 @@ class CleanerConfig(Section):
         t = self.rollout.temperature
         if t in (0.0, 1.0):
             return self
-        live_is = (self.rollout.engine == "vllm" and self.rollout.saar.rollback == "importance"
-                   and self.rollout.saar.live_mode == "purified")
+        live_is = (
+            self.rollout.engine == "vllm"
+            and self.rollout.saar.rollback == "importance"
+            and self.rollout.saar.live_mode == "purified"
+        )
         if self.purify.recompute == "vllm":
-            raise ValueError(f"purify.recompute=vllm scores with vLLM's prompt log-probs, which are of the raw logits: "
-                             f"it needs rollout.temperature=1.0 (got {t:g}); score on the CPU (purify.recompute=cpu)")
+            raise ValueError(
+                f"purify.recompute=vllm scores with vLLM's prompt log-probs, which are of the raw logits: "
+                f"it needs rollout.temperature=1.0 (got {t:g}); score on the CPU (purify.recompute=cpu)"
+            )
         if live_is:
-            raise ValueError(f"rollout.saar.rollback=importance on rollout.engine=vllm scores with vLLM's prompt "
-                             f"log-probs, which are of the raw logits: it needs rollout.temperature=1.0 (got {t:g})")
+            raise ValueError(
+                f"rollout.saar.rollback=importance on rollout.engine=vllm scores with vLLM's prompt "
+                f"log-probs, which are of the raw logits: it needs rollout.temperature=1.0 (got {t:g})"
+            )
         return self
 
     def section_hash(self, *sections: str) -> str:
@@ -522,23 +794,38 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 # Keys earlier configs had: an old YAML or override naming one gets what became of it, not a guess.
 _GONE_KEYS = {
     "rollout.loop": "removed: every rollout runs the asynchronous loop (the lockstep one is a benchmark baseline "
-                    "now, benchmarks/lockstep_engine.py); delete the key",
+    "now, benchmarks/lockstep_engine.py); delete the key",
     **{f"rollout.{key}": f"moved to rollout.engine_tuning.{key}" for key in MOVED_TO_ENGINE_TUNING},
-    **{f"purify.{key}": f"merged into rollout.saar.{key} (one measure setting): a replay with another "
-                        f"rollout.saar.{key} is written beside the run's partitions, e.g. gamma=0.50-difflib-segment"
-       for key in ("similarity", "similarity_on")},
+    **{
+        f"purify.{key}": f"merged into rollout.saar.{key} (one measure setting): a replay with another "
+        f"rollout.saar.{key} is written beside the run's partitions, e.g. gamma=0.50-difflib-segment"
+        for key in ("similarity", "similarity_on")
+    },
 }
 
 
 # The names verl, OpenRLHF and TRL users type for a setting, by the last part of the key
-_ALIASES = {"learning_rate": "train.lr", "actor_learning_rate": "train.lr", "temp": "rollout.temperature",
-            "n": "rollout.samples_per_prompt", "n_samples_per_prompt": "rollout.samples_per_prompt",
-            "num_samples": "rollout.samples_per_prompt", "num_generations": "rollout.samples_per_prompt",
-            "max_new_tokens": "rollout.max_turn_tokens", "response_length": "rollout.max_response_tokens",
-            "max_response_length": "rollout.max_response_tokens", "max_prompt_length": "rollout.max_prompt_tokens",
-            "prompt_max_len": "rollout.max_prompt_tokens", "generate_max_len": "rollout.max_response_tokens",
-            "epochs": "train.epochs", "num_episodes": "flow.iterations", "total_epochs": "flow.iterations",
-            "model": "rollout.policy", "pretrain": "rollout.policy", "model_name_or_path": "rollout.policy"}
+_ALIASES = {
+    "learning_rate": "train.lr",
+    "actor_learning_rate": "train.lr",
+    "temp": "rollout.temperature",
+    "n": "rollout.samples_per_prompt",
+    "n_samples_per_prompt": "rollout.samples_per_prompt",
+    "num_samples": "rollout.samples_per_prompt",
+    "num_generations": "rollout.samples_per_prompt",
+    "max_new_tokens": "rollout.max_turn_tokens",
+    "response_length": "rollout.max_response_tokens",
+    "max_response_length": "rollout.max_response_tokens",
+    "max_prompt_length": "rollout.max_prompt_tokens",
+    "prompt_max_len": "rollout.max_prompt_tokens",
+    "generate_max_len": "rollout.max_response_tokens",
+    "epochs": "train.epochs",
+    "num_episodes": "flow.iterations",
+    "total_epochs": "flow.iterations",
+    "model": "rollout.policy",
+    "pretrain": "rollout.policy",
+    "model_name_or_path": "rollout.policy",
+}
 
 
 def _unknown_key(dotted: str) -> str:
@@ -549,10 +836,12 @@ def _unknown_key(dotted: str) -> str:
     known = _known_keys(CleanerConfig)
     leaf = dotted.rsplit(".", 1)[-1]
     section = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
-    close = (difflib.get_close_matches(dotted, [k for k in known if k.startswith(section)], n=1, cutoff=0.85)
-             or [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != dotted][:1]
-             or ([_ALIASES[leaf]] if leaf in _ALIASES else [])
-             or difflib.get_close_matches(dotted, [k for k in known if k.count(".") == dotted.count(".")], n=1))
+    close = (
+        difflib.get_close_matches(dotted, [k for k in known if k.startswith(section)], n=1, cutoff=0.85)
+        or [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != dotted][:1]
+        or ([_ALIASES[leaf]] if leaf in _ALIASES else [])
+        or difflib.get_close_matches(dotted, [k for k in known if k.count(".") == dotted.count(".")], n=1)
+    )
     return f"unknown config key {dotted!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
@@ -568,7 +857,8 @@ class _Loader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} given twice (first at line {seen[key]})", key_node.start_mark)
+                    None, None, f"key {key!r} given twice (first at line {seen[key]})", key_node.start_mark
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -579,11 +869,15 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.yaml_implicit_resolvers = {}
 for _tag, _pattern, _first in (
-        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
-        ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
-        ("float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
-         "-+0123456789."),
-        ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""])):
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+):
     _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
@@ -606,12 +900,13 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
             node[section] = {}
         node = node[section]
         if not isinstance(node, dict):
-            raise ConfigError(f"{'.'.join(sections[:i + 1])} is {node!r}, not a section: {dotted} cannot be set in it")
+            raise ConfigError(f"{'.'.join(sections[: i + 1])} is {node!r}, not a section: {dotted} cannot be set in it")
     try:
         node[key] = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {assignment!r}: not valid YAML ({_yaml_problem(e)}); quote lists, "
-                          f"e.g. 'purify.gammas=[0.3,0.7]'") from None
+        raise ConfigError(
+            f"override {assignment!r}: not valid YAML ({_yaml_problem(e)}); quote lists, e.g. 'purify.gammas=[0.3,0.7]'"
+        ) from None
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -629,7 +924,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             data = read_yaml(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+            raise ConfigError(
+                f"config file {p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8"
+            ) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p}: not valid YAML ({_yaml_problem(e)})") from None
         except OSError as e:
@@ -645,8 +942,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         by_source: dict[str, list[str]] = {}  # each error under where its value came from, in order
         for err in e.errors():
             by_source.setdefault(_blame(err["loc"], overridden, path), []).append(_describe(err))
-        raise ConfigError("; ".join(f"invalid config{where}: " + "; ".join(lines)
-                                    for where, lines in by_source.items())) from None
+        raise ConfigError(
+            "; ".join(f"invalid config{where}: " + "; ".join(lines) for where, lines in by_source.items())
+        ) from None
 
 
 def _blame(loc: tuple, overridden: list[str], path: str | Path | None) -> str:
@@ -668,8 +966,9 @@ def _describe(err: dict) -> str:
     dotted = ".".join(str(x) for x in err["loc"])
     if err["type"] == "extra_forbidden":
         return _unknown_key(dotted)
-    return (f"{dotted + ': ' if dotted else ''}{err['msg'].removeprefix('Value error, ')}"
-            + (f" (got {err['input']!r})" if not isinstance(err["input"], dict) else ""))
+    return f"{dotted + ': ' if dotted else ''}{err['msg'].removeprefix('Value error, ')}" + (
+        f" (got {err['input']!r})" if not isinstance(err["input"], dict) else ""
+    )
 
 
 def describe_config(cfg: BaseModel, prefix: str = "") -> list[str]:

@@ -1,6 +1,7 @@
 """Where a stage computes: the device its config names (rollout.device, purify.device, train.device), resolved
 once, and the few process-wide switches a CUDA device wants. Every module, tensor and random generator of a stage
 is made on, or moved to, the device resolved here (tests/test_devices.py checks that each names it)."""
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,10 @@ def resolve_device(setting: str | torch.device, key: str) -> torch.device:
         return device
     if not torch.cuda.is_available():
         build = "a CPU-only torch build" if torch.version.cuda is None else f"torch built for CUDA {torch.version.cuda}"
-        raise DeviceError(f"{key}={setting}: no CUDA device on this machine ({build}, torch.cuda.is_available() is "
-                          f"False); use {key}=cpu, or auto (the GPU when there is one)")
+        raise DeviceError(
+            f"{key}={setting}: no CUDA device on this machine ({build}, torch.cuda.is_available() is "
+            f"False); use {key}=cpu, or auto (the GPU when there is one)"
+        )
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise DeviceError(f"{key}={setting}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")

@@ -17,6 +17,7 @@ purification uses this function.
 
 Precedence: infra, then not_recovered, then recovered, then clean.
 """
+
 from __future__ import annotations
 
 from typing import Literal

@@ -1,6 +1,7 @@
 """Purification modes and how a (mode, threshold, measure) names its partition: one owner for the facts the
 purifier writes by and the trainer reads by (docs/saar.md §modes). The vocabulary itself (Mode, MODES, IS_MODES,
 SPLICING_MODES) lives in storage/modes.py, which storage's partition names and SQL read too."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,17 @@ from pipeline.similarity import DEFAULT_MEASURE, Measure
 from storage.layout import threshold_partition
 from storage.modes import IS_MODES, MODES, SPLICING_MODES, Mode
 
-__all__ = ["IS_MODES", "MODES", "SPLICING_MODES", "Mode", "MeasureSettings", "Variant", "live_measure",
-           "partition_measure", "partition_threshold"]
+__all__ = [
+    "IS_MODES",
+    "MODES",
+    "SPLICING_MODES",
+    "Mode",
+    "MeasureSettings",
+    "Variant",
+    "live_measure",
+    "partition_measure",
+    "partition_threshold",
+]
 
 
 class MeasureSettings(Protocol):

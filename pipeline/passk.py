@@ -6,6 +6,7 @@ least one of k samples drawn without replacement from the n is correct. The bino
 the n of a real evaluation, so it is computed as the product 1 − Π_{j=n−c+1..n} (1 − k/j), which is the
 same ratio written factor by factor and stays within [0, 1] at every step.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Whether a process we started still runs, its stop, and its death with its starter: shared by the
 services cleaner starts and stops by pid (the project's Prefect server, the local Dask cluster, vLLM servers)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,10 +28,12 @@ def alive(pid: int) -> bool:
 def dies_with(parent: int, sig: int) -> Callable[[], None]:
     """A Popen preexec_fn: the kernel sends the child `sig` when the thread that started it dies, however it
     dies (kill -9 included), so no server outlives its command; `parent` is the starter's os.getpid()."""
+
     def set_pdeathsig() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
+
     return set_pdeathsig
 
 

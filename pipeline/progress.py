@@ -5,6 +5,7 @@ stderr is a terminal and nothing else logs there, else one line at the start, at
 `every_s` seconds, and one at the end, through `log` (a Prefect run logger's `info` inside flows,
 stderr otherwise). Progress never goes to stdout, so commands' results stay pipeable.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,15 @@ from typing import Callable
 
 
 class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
-    def __init__(self, stage: str, unit: str, total: int, log: Callable[[str], None] | None = None,
-                 every_s: float = 10.0, bar: bool | None = None) -> None:
+    def __init__(
+        self,
+        stage: str,
+        unit: str,
+        total: int,
+        log: Callable[[str], None] | None = None,
+        every_s: float = 10.0,
+        bar: bool | None = None,
+    ) -> None:
         self.stage, self.unit, self.total, self.every_s = stage, unit, max(int(total), 0), every_s
         self.log = log or functools.partial(print, file=sys.stderr, flush=True)
         self.t0 = self._last = time.monotonic()
@@ -26,9 +34,15 @@ class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn(f"[{stage}]", markup=False), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn(unit, markup=False), TimeElapsedColumn(),
-                                 TextColumn("{task.fields[note]}", markup=False), console=Console(stderr=True))
+            self._bar = Progress(
+                TextColumn(f"[{stage}]", markup=False),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn(unit, markup=False),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[note]}", markup=False),
+                console=Console(stderr=True),
+            )
             self._bar.start()
             self._task = self._bar.add_task(stage, total=self.total, note="")
         else:
@@ -53,8 +67,9 @@ class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
             self._bar.update(self._task, completed=self.done)
             self._bar.stop()
             return
-        self.log(f"[{self.stage}] {self._fraction()} in {time.monotonic() - self.t0:.1f} s"
-                 + (f", {note}" if note else ""))
+        self.log(
+            f"[{self.stage}] {self._fraction()} in {time.monotonic() - self.t0:.1f} s" + (f", {note}" if note else "")
+        )
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -11,6 +11,7 @@ wrapped in `<tool_response>` and `<think>` blocks with `enable_thinking` on or o
 The built files are committed under `policies/qwen3-tokenizer/` (so tests need no network);
 `python -m pipeline.qwen3_tokenizer` rebuilds them from the sdist (needs the `gguf` package).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,32 @@ MODEL_VOCAB = 151_936  # rows of Qwen3's embedding matrix (the tokenizer itself 
 # (id, content, special) exactly as Qwen3's tokenizer_config.json lists them; "special" only says
 # whether decode(skip_special_tokens=True) drops it — every one of them is a single added token.
 ADDED_TOKENS: list[tuple[int, str, bool]] = [
-    (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True),
-    (151646, "<|object_ref_start|>", True), (151647, "<|object_ref_end|>", True),
-    (151648, "<|box_start|>", True), (151649, "<|box_end|>", True),
-    (151650, "<|quad_start|>", True), (151651, "<|quad_end|>", True),
-    (151652, "<|vision_start|>", True), (151653, "<|vision_end|>", True),
-    (151654, "<|vision_pad|>", True), (151655, "<|image_pad|>", True), (151656, "<|video_pad|>", True),
-    (151657, "<tool_call>", False), (151658, "</tool_call>", False),
-    (151659, "<|fim_prefix|>", False), (151660, "<|fim_middle|>", False), (151661, "<|fim_suffix|>", False),
-    (151662, "<|fim_pad|>", False), (151663, "<|repo_name|>", False), (151664, "<|file_sep|>", False),
-    (151665, "<tool_response>", False), (151666, "</tool_response>", False),
-    (151667, "<think>", False), (151668, "</think>", False),
+    (151643, "<|endoftext|>", True),
+    (151644, "<|im_start|>", True),
+    (151645, "<|im_end|>", True),
+    (151646, "<|object_ref_start|>", True),
+    (151647, "<|object_ref_end|>", True),
+    (151648, "<|box_start|>", True),
+    (151649, "<|box_end|>", True),
+    (151650, "<|quad_start|>", True),
+    (151651, "<|quad_end|>", True),
+    (151652, "<|vision_start|>", True),
+    (151653, "<|vision_end|>", True),
+    (151654, "<|vision_pad|>", True),
+    (151655, "<|image_pad|>", True),
+    (151656, "<|video_pad|>", True),
+    (151657, "<tool_call>", False),
+    (151658, "</tool_call>", False),
+    (151659, "<|fim_prefix|>", False),
+    (151660, "<|fim_middle|>", False),
+    (151661, "<|fim_suffix|>", False),
+    (151662, "<|fim_pad|>", False),
+    (151663, "<|repo_name|>", False),
+    (151664, "<|file_sep|>", False),
+    (151665, "<tool_response>", False),
+    (151666, "</tool_response>", False),
+    (151667, "<think>", False),
+    (151668, "</think>", False),
 ]
 TOOL_CALL_ID = 151657
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
@@ -62,8 +78,18 @@ def qwen3_tokenizer_json(gguf_tokenizer_json: str) -> str:
         if placeholders.get(i) != f"[PAD{i}]":
             raise ValueError(f"id {i} is {placeholders.get(i)!r} in the GGUF, expected the placeholder [PAD{i}]")
     spec["model"]["vocab"] = regular
-    spec["added_tokens"] = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": s} for i, c, s in ADDED_TOKENS]
+    spec["added_tokens"] = [
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": s,
+        }
+        for i, c, s in ADDED_TOKENS
+    ]
     # Offsets/decoding settings as in Qwen's own tokenizer.json (ids are unaffected by them).
     spec["post_processor"] = dict(BYTE_LEVEL)
     spec["decoder"] = dict(BYTE_LEVEL)
@@ -72,11 +98,27 @@ def qwen3_tokenizer_json(gguf_tokenizer_json: str) -> str:
 
 def tokenizer_config() -> dict:
     return {
-        "tokenizer_class": "Qwen2Tokenizer", "add_prefix_space": False, "bos_token": None,
-        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "errors": "replace", "model_max_length": 131072, "split_special_tokens": False,
-        "added_tokens_decoder": {str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": s} for i, c, s in ADDED_TOKENS},
+        "tokenizer_class": "Qwen2Tokenizer",
+        "add_prefix_space": False,
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "model_max_length": 131072,
+        "split_special_tokens": False,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": c,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": s,
+            }
+            for i, c, s in ADDED_TOKENS
+        },
     }
 
 
@@ -104,7 +146,9 @@ QWEN3_GENERATION_BLOCK = (
     "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
     "        {{- '<think>\\n\\n</think>\\n\\n' }}\n    {%- endif %}\n{%- endif %}"
 )
-THINKING_2507_GENERATION_BLOCK = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
+THINKING_2507_GENERATION_BLOCK = (
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
+)
 TEMPLATE_FAMILIES = ("qwen3", "thinking-2507")
 
 
@@ -122,8 +166,22 @@ def chat_template(family: str = "qwen3") -> str:
 
 def fetch_sdist(dest: Path, requirement: str = SDIST) -> Path:
     """Download the sdist with pip (the ordinary registry client) and unpack only what is needed."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", requirement,
-                    "-d", str(dest), "-q"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            requirement,
+            "-d",
+            str(dest),
+            "-q",
+        ],
+        check=True,
+    )
     (archive,) = dest.glob("llama_cpp_python-*.tar.gz")
     with tarfile.open(archive) as tar:
         root = tar.getnames()[0].split("/")[0]

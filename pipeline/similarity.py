@@ -11,6 +11,7 @@ The target is what is compared: `segment` = the whole call segment (marker, JSON
 tag; the reference), `code` = only the code arguments of the two calls, falling back to the segment
 when either call does not parse.
 """
+
 from __future__ import annotations
 
 import difflib

@@ -12,6 +12,7 @@ rollout.saar.rollback=importance, offline in purify mode saar_is): the retry rep
 π(retry | context without the failed turn) / π_b(retry | as sampled) ≥ τ, else it follows the failed turn and
 its error where it was sampled.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,13 +56,18 @@ def _cut_sources(sources: tuple[tuple[int, int, int], ...], lo: int, hi: int) ->
     return tuple(out)
 
 
-def decide(failed: TurnPiece, retry: TurnPiece, gamma: float, decode: Callable[[list[int]], str],
-           measure: Measure = DEFAULT_MEASURE) -> SpliceDecision:
+def decide(
+    failed: TurnPiece,
+    retry: TurnPiece,
+    gamma: float,
+    decode: Callable[[list[int]], str],
+    measure: Measure = DEFAULT_MEASURE,
+) -> SpliceDecision:
     """Shallow iff similarity ≥ γ, compared exactly (see pipeline/similarity.py); deep if a split fails."""
     if failed.call_start < 0 or retry.call_start < 0:
         sim = measure.ratio(decode(list(failed.ids)), decode(list(retry.ids)))
         return SpliceDecision("deep", sim.value, True)
-    sim = measure.ratio(decode(list(failed.ids[failed.call_start:])), decode(list(retry.ids[retry.call_start:])))
+    sim = measure.ratio(decode(list(failed.ids[failed.call_start :])), decode(list(retry.ids[retry.call_start :])))
     return SpliceDecision("shallow" if sim.at_least(gamma) else "deep", sim.value, False)
 
 

@@ -9,6 +9,7 @@ Vocabulary (one name per concept, everywhere):
 - splice: replacing a failed turn's call (shallow) or whole turn (deep) by a retry's
 - lived sequence: the token ids exactly as the model saw them when the rollout ended
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -194,6 +195,7 @@ class PurifiedTrajectory:
 
 # ---- Arrow row conversion -------------------------------------------------------------------
 
+
 @cache
 def _names(cls: type) -> tuple[str, ...]:
     # dataclasses.fields() is slow per call and these run once per row: cache the names per class.
@@ -218,8 +220,10 @@ def attempt_from_row(row: dict[str, Any]) -> Attempt:
 
 def trajectory_to_row(t: Trajectory) -> dict[str, Any]:
     row = _flat(t)
-    row["positions"] = [{"position_idx": p.position_idx, "outcome": p.outcome,
-                         "attempts": [attempt_to_row(a) for a in p.attempts]} for p in t.positions]
+    row["positions"] = [
+        {"position_idx": p.position_idx, "outcome": p.outcome, "attempts": [attempt_to_row(a) for a in p.attempts]}
+        for p in t.positions
+    ]
     row["final_turn"] = None if t.final_turn is None else attempt_to_row(t.final_turn)
     row["stats"] = _flat(t.stats)
     return row

@@ -1,4 +1,5 @@
 """Group stage: GRPO advantages per prompt group and DAPO dynamic filtering (pure functions)."""
+
 from __future__ import annotations
 
 import math

@@ -7,6 +7,7 @@ are built column-wise (purifier/unspliced.py), the others go through `purify()` 
 GRPO-RoC's down-sampling first (purifier/roc.py), so advantages are those of the kept group.
 `buckets`: split a batch by a stable hash of the prompt, so one prompt's rows always meet in one group.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -31,8 +32,13 @@ def _dead(key: str, source_file: str, reason: str) -> dict:
     return {"raw_key": key, "source_file": source_file, "reason": reason}
 
 
-def purify_batch(raw: pa.Table, variants: list[Variant], decode: Callable[[list[int]], str],
-                 source_file: str = "", score: Scorer | None = None) -> dict[Variant, tuple[pa.Table, list[dict]]]:
+def purify_batch(
+    raw: pa.Table,
+    variants: list[Variant],
+    decode: Callable[[list[int]], str],
+    source_file: str = "",
+    score: Scorer | None = None,
+) -> dict[Variant, tuple[pa.Table, list[dict]]]:
     """Every variant of every row of a raw batch: (purified table, dead letters) per variant, each spliced
     under its own measure (rows with nothing to splice do not depend on it); `score` for saar_is."""
     columnar = [v for v in variants if v.mode in UNSPLICED_MODES]
@@ -100,8 +106,9 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     if table.num_rows == 0:
         return []
     ids = pc.dictionary_encode(table["prompt_id"]).combine_chunks()  # hash each prompt once, not each sample
-    of_prompt = np.fromiter((zlib.crc32(p.encode()) % n for p in ids.dictionary.to_pylist()), dtype=np.int64,
-                            count=len(ids.dictionary))
+    of_prompt = np.fromiter(
+        (zlib.crc32(p.encode()) % n for p in ids.dictionary.to_pylist()), dtype=np.int64, count=len(ids.dictionary)
+    )
     bucket = of_prompt[ids.indices.to_numpy(zero_copy_only=False)]
     order = np.argsort(bucket, kind="stable")
     table, bucket = table.take(pa.array(order)), bucket[order]
@@ -110,8 +117,9 @@ def buckets(table: pa.Table, n: int) -> list[tuple[int, pa.Table]]:
     return [(int(bucket[s]), table.slice(s, e - s)) for s, e in zip(starts, ends)]
 
 
-def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool,
-                    roc_group_size: int | None = None) -> tuple[pa.Table, int]:
+def with_advantages(
+    table: pa.Table, estimator: str, dynamic_filter: bool, roc_group_size: int | None = None
+) -> tuple[pa.Table, int]:
     """Whole prompt groups → rows in (prompt, sample) order with their advantage; filtered groups dropped.
     With `roc_group_size` (mode roc; rows carry ROC_PENALTY) each group is first down-sampled by
     `roc_plan`. Returns the table (PURIFIED columns) and the number of groups filtered out."""
@@ -128,16 +136,25 @@ def with_advantages(table: pa.Table, estimator: str, dynamic_filter: bool,
     for end in [*np.flatnonzero([a != b for a, b in zip(prompts, prompts[1:])]) + 1, len(prompts)]:
         rows = list(range(start, end))
         if roc:
-            rows = [start + k for k in roc_plan(samples[start:end], rewards[start:end], penalties[start:end],
-                                                roc_group_size, roc_seed(iterations[start], prompts[start]))]
+            rows = [
+                start + k
+                for k in roc_plan(
+                    samples[start:end],
+                    rewards[start:end],
+                    penalties[start:end],
+                    roc_group_size,
+                    roc_seed(iterations[start], prompts[start]),
+                )
+            ]
         plan = group_plan([(samples[i], rewards[i]) for i in rows], estimator, dynamic_filter)
         filtered += not plan
         keep += [rows[k] for k, _ in plan]
         advantages += [a for _, a in plan]
         start = end
     out = table.take(pa.array(keep, pa.int64())).select(PURIFIED.names)
-    return out.set_column(PURIFIED.get_field_index("advantage"), PURIFIED.field("advantage"),
-                          pa.array(advantages, pa.float64())), filtered
+    return out.set_column(
+        PURIFIED.get_field_index("advantage"), PURIFIED.field("advantage"), pa.array(advantages, pa.float64())
+    ), filtered
 
 
 def recompute_groups(table: pa.Table, backend) -> pa.Table:
@@ -152,6 +169,9 @@ def recompute_groups(table: pa.Table, backend) -> pa.Table:
     done = [table.filter(pc.invert(needs))]
     for prompt in dict.fromkeys(prompts.to_pylist()):
         group = [purified_from_row(row) for row in todo.filter(pc.equal(prompts, prompt)).to_pylist()]
-        done.append(pa.Table.from_pylist([purified_to_row(with_splice_ratios(t)) for t in backend.group(group)],
-                                         schema=PURIFIED))
+        done.append(
+            pa.Table.from_pylist(
+                [purified_to_row(with_splice_ratios(t)) for t in backend.group(group)], schema=PURIFIED
+            )
+        )
     return pa.concat_tables(done)  # GroupStage sorts the bucket it stages

@@ -29,6 +29,7 @@ and on Beam's other runners (`--runner=FlinkRunner --flink_master=…`, `--runne
 count bounds the group stage's parallelism, and the staging folder must be on a file system that every
 worker and the driver share.
 """
+
 from __future__ import annotations
 
 import collections
@@ -99,8 +100,15 @@ class PurifyJob:
 
     def backend(self):
         """The recompute backend of this job, once per process (None: recompute off)."""
-        key = (self.recompute, self.checkpoint, _files_key(self.checkpoint), self.temperature, self.sglang_url,
-               self.vllm_urls, self.device)
+        key = (
+            self.recompute,
+            self.checkpoint,
+            _files_key(self.checkpoint),
+            self.temperature,
+            self.sglang_url,
+            self.vllm_urls,
+            self.device,
+        )
         return per_process("recompute", key, self._build_backend)
 
     def _build_backend(self):
@@ -148,8 +156,9 @@ def _files_key(directory: str | None) -> tuple:
     if not directory:
         return ()
     try:
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory)
-                            if e.is_file()))
+        return tuple(
+            sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory) if e.is_file())
+        )
     except OSError:
         return ()
 
@@ -317,8 +326,11 @@ class PurifyBatches(beam.DoFn):
 
     def setup(self) -> None:
         tokenizer_dir = self.job.tokenizer_dir
-        self.decode = per_process("tokenizer", (str(Path(tokenizer_dir) / "tokenizer.json"), _files_key(tokenizer_dir)),
-                                  lambda: _tokenizer_decode(tokenizer_dir))
+        self.decode = per_process(
+            "tokenizer",
+            (str(Path(tokenizer_dir) / "tokenizer.json"), _files_key(tokenizer_dir)),
+            lambda: _tokenizer_decode(tokenizer_dir),
+        )
         # saar_is scores every rollback with the recompute model (the same one GroupStage uses, once per process)
         self.score = self.job.backend().score if any(v.mode in IS_MODES for v in self.job.variants) else None
 
@@ -333,8 +345,9 @@ class PurifyBatches(beam.DoFn):
         try:
             for batch in raw_slices(iter_part_batches(Path(directory), info, RAW, RAW_BATCH_ROWS), self.slice_tokens):
                 batch = batch.select(RAW.names).cast(RAW)
-                for variant, (table, dead) in purify_batch(batch, list(self.job.variants), self.decode, filename,
-                                                           self.score).items():
+                for variant, (table, dead) in purify_batch(
+                    batch, list(self.job.variants), self.decode, filename, self.score
+                ).items():
                     if dead:
                         letters.append((destination(variant, "dead"), pa.Table.from_pylist(dead, schema=DEAD_LETTER)))
                     for bucket, rows in buckets(table, BUCKETS):
@@ -365,8 +378,9 @@ class GroupStage(beam.DoFn):
         (variant, bucket), files = element
         job = self.job
         rows = pa.concat_tables([pq.read_table(f) for f in sorted(files)])  # one bucket: every part's rows of it
-        table, filtered = with_advantages(rows, job.estimator, job.dynamic_filter,
-                                          job.roc_group_size if variant.mode == "roc" else None)
+        table, filtered = with_advantages(
+            rows, job.estimator, job.dynamic_filter, job.roc_group_size if variant.mode == "roc" else None
+        )
         del rows
         counts = {}
         if filtered:
@@ -375,8 +389,9 @@ class GroupStage(beam.DoFn):
             if self.backend is not None:
                 table = recompute_groups(table, self.backend).sort_by(SORT)  # the driver merges sorted buckets
             counts["tokens_forwarded"] = int(pc.sum(table["tokens_forwarded"]).as_py() or 0)
-            counts[row_counter(variant, "purified")] = write_staged(Path(job.staging), destination(variant, "purified"),
-                                                                   table, f"{bucket:05d}")
+            counts[row_counter(variant, "purified")] = write_staged(
+                Path(job.staging), destination(variant, "purified"), table, f"{bucket:05d}"
+            )
         if counts:
             yield COUNTS_DESTINATION, pa.table({"name": list(counts), "value": list(counts.values())}, schema=COUNTS)
 
@@ -397,9 +412,14 @@ def _is_destined(record) -> bool:
 
 
 def build(p: beam.Pipeline, job: PurifyJob) -> None:
-    purified = (p | "RawParts" >> beam.Create(list(job.raw_parts))
-                | "Purify" >> beam.ParDo(PurifyBatches(job)).with_output_types(
-                    beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]))
+    purified = (
+        p
+        | "RawParts" >> beam.Create(list(job.raw_parts))
+        | "Purify"
+        >> beam.ParDo(PurifyBatches(job)).with_output_types(
+            beam.typehints.Tuple[beam.typehints.Any, beam.typehints.Any]
+        )
+    )
     grouped = (
         purified
         | "Groups" >> beam.Filter(lambda record: not _is_destined(record)).with_output_types(BucketFile)
@@ -418,8 +438,10 @@ def build(p: beam.Pipeline, job: PurifyJob) -> None:
     (
         (written, p | "Nothing" >> beam.Create([("", 0)]).with_output_types(beam.typehints.Tuple[str, int]))
         | "AllWritten" >> beam.Flatten()
-        | "OneKey" >> beam.Map(lambda record: (0, record)).with_output_types(
-            beam.typehints.Tuple[int, beam.typehints.Tuple[str, int]])
+        | "OneKey"
+        >> beam.Map(lambda record: (0, record)).with_output_types(
+            beam.typehints.Tuple[int, beam.typehints.Tuple[str, int]]
+        )
         | "Together" >> beam.GroupByKey()
         | "WriteSummary" >> beam.Map(_write_summary, job.staging)
     )
@@ -435,7 +457,8 @@ def staged_counts(staging: Path) -> dict[str, int]:
         raise StagingIncomplete(
             f"{staging}: the pipeline finished but its summary {SUMMARY} is not there: its workers wrote "
             "somewhere the driver cannot see (on a cluster, storage.root must be a file system every worker "
-            "and the driver share at the same path); nothing was committed") from None
+            "and the driver share at the same path); nothing was committed"
+        ) from None
     counters: dict[str, int] = {}
     for dest, rows in summary.items():
         if dest == INVALID_DESTINATION:
@@ -447,8 +470,10 @@ def staged_counts(staging: Path) -> dict[str, int]:
         try:
             counts = pq.read_table(staged_file(staging, COUNTS_DESTINATION)).to_pylist()
         except FileNotFoundError:
-            raise StagingIncomplete(f"{staged_file(staging, COUNTS_DESTINATION)}: staged by the pipeline but not "
-                                    "there; nothing was committed") from None
+            raise StagingIncomplete(
+                f"{staged_file(staging, COUNTS_DESTINATION)}: staged by the pipeline but not "
+                "there; nothing was committed"
+            ) from None
         for c in counts:
             counters[c["name"]] = counters.get(c["name"], 0) + c["value"]
             if c["name"].startswith("filtered_groups/"):

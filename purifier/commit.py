@@ -2,6 +2,7 @@
 commit in (prompt_id, sample_idx) order a chunk at a time: the driver holds the keys of every row and one chunk's
 rows, not the partition (benchmarks/bench_purify_memory.py). The order is the one sort of all the rows gives, so a
 partition that fits one chunk is committed as the same bytes as when it was sorted whole."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,11 +49,21 @@ def _keys(files: list[Path]) -> pa.Table:
     tables = []
     for k, f in enumerate(files):
         t = pq.read_table(f, columns=["prompt_id", "sample_idx", "prompt_ids", "response_ids"])
-        tokens = pc.add(pc.fill_null(pc.list_value_length(t["prompt_ids"]), 0),
-                        pc.fill_null(pc.list_value_length(t["response_ids"]), 0))
-        tables.append(pa.table({"prompt_id": t["prompt_id"], "sample_idx": t["sample_idx"],
-                                "file": pa.array(np.full(t.num_rows, k, dtype=np.int32)),
-                                "row": pa.array(np.arange(t.num_rows, dtype=np.int64)), "tokens": tokens}))
+        tokens = pc.add(
+            pc.fill_null(pc.list_value_length(t["prompt_ids"]), 0),
+            pc.fill_null(pc.list_value_length(t["response_ids"]), 0),
+        )
+        tables.append(
+            pa.table(
+                {
+                    "prompt_id": t["prompt_id"],
+                    "sample_idx": t["sample_idx"],
+                    "file": pa.array(np.full(t.num_rows, k, dtype=np.int32)),
+                    "row": pa.array(np.arange(t.num_rows, dtype=np.int64)),
+                    "tokens": tokens,
+                }
+            )
+        )
     return pa.concat_tables(tables).sort_by(SORT) if tables else pa.table({"file": [], "row": [], "tokens": []})
 
 

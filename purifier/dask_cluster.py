@@ -16,6 +16,7 @@ cluster that does not come up is stopped again and reported in one line naming i
 Workers import the project, so they get PYTHONPATH=<this checkout> and the interpreter that started
 them (the same venv). A multi-node cluster needs the same on every node: docs/scale_out.md.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -69,9 +70,11 @@ class ClusterStatus:
         up = sum(self.alive[p] for p in self.cluster.worker_pids)
         state = "running" if self.running else ("partly running" if any(self.alive.values()) else "stopped")
         sched = "up" if self.alive[self.cluster.scheduler_pid] else "down"
-        return (f"Dask cluster {state} at {self.cluster.address}: scheduler pid {self.cluster.scheduler_pid} {sched}, "
-                f"{up}/{len(self.cluster.worker_pids)} workers up (pids {', '.join(map(str, self.cluster.worker_pids))}); "
-                f"logs in {self.cluster.directory}")
+        return (
+            f"Dask cluster {state} at {self.cluster.address}: scheduler pid {self.cluster.scheduler_pid} {sched}, "
+            f"{up}/{len(self.cluster.worker_pids)} workers up (pids {', '.join(map(str, self.cluster.worker_pids))}); "
+            f"logs in {self.cluster.directory}"
+        )
 
 
 def cluster_dir(root: Path) -> Path:
@@ -113,11 +116,15 @@ def running_address(directory: Path) -> str:
     """The scheduler address of the cluster started in `directory`; one line when there is none."""
     st = status(directory)
     if st is None:
-        raise ClusterError(f"purify.runner=dask: no purify.dask_address and no local Dask cluster in {directory} "
-                           "(start one with `cleaner cluster start`, or set purify.dask_address=tcp://HOST:8786)")
+        raise ClusterError(
+            f"purify.runner=dask: no purify.dask_address and no local Dask cluster in {directory} "
+            "(start one with `cleaner cluster start`, or set purify.dask_address=tcp://HOST:8786)"
+        )
     if not st.alive[st.cluster.scheduler_pid] or not any(st.alive[p] for p in st.cluster.worker_pids):
-        raise ClusterError(f"purify.runner=dask: the local Dask cluster in {directory} is not running "
-                           f"({st.line()}); restart it with `cleaner cluster stop` then `cleaner cluster start`")
+        raise ClusterError(
+            f"purify.runner=dask: the local Dask cluster in {directory} is not running "
+            f"({st.line()}); restart it with `cleaner cluster stop` then `cleaner cluster start`"
+        )
     return st.cluster.address
 
 
@@ -126,8 +133,15 @@ def worker_env(threads: int, extra: dict[str, str]) -> dict[str, str]:
     thread per task thread, and a fixed hash seed (Beam and Dask key by tokenize/crc32, but user code may use hash())."""
     env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
-    env.update({"PYTHONHASHSEED": "0", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -135,8 +149,15 @@ def _popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "ab") as out:
         # its own session and process group: a Ctrl-C on the starting command does not reach it, and
         # stop() signals exactly this group, by its recorded pid
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                cwd=str(CHECKOUT), start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=str(CHECKOUT),
+            start_new_session=True,
+        )
 
 
 def _tail(log: Path) -> str:
@@ -150,8 +171,9 @@ def _tail(log: Path) -> str:
 def _wait_address(proc: subprocess.Popen, scheduler_file: Path, log: Path, deadline: float) -> str:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ClusterError(f"the Dask scheduler exited with code {proc.returncode} while starting: {_tail(log)} "
-                               f"(log: {log})")
+            raise ClusterError(
+                f"the Dask scheduler exited with code {proc.returncode} while starting: {_tail(log)} (log: {log})"
+            )
         try:
             return json.loads(scheduler_file.read_text())["address"]
         except (OSError, ValueError, KeyError):
@@ -171,21 +193,32 @@ def _wait_workers(address: str, procs: list[subprocess.Popen], logs: list[Path],
         while True:
             for proc, log in zip(procs, logs):
                 if proc.poll() is not None:
-                    raise ClusterError(f"a Dask worker exited with code {proc.returncode} while starting: {_tail(log)} "
-                                       f"(log: {log})")
+                    raise ClusterError(
+                        f"a Dask worker exited with code {proc.returncode} while starting: {_tail(log)} (log: {log})"
+                    )
             pids = set(client.run(os.getpid).values()) if client.scheduler_info(n_workers=-1)["workers"] else set()
             if {p.pid for p in procs} <= pids:
                 return
             if time.monotonic() > deadline:
-                raise ClusterError(f"{len(pids)}/{len(procs)} Dask workers joined {address} within the time allowed: "
-                                   f"{_tail(logs[0])} (logs in {logs[0].parent})")
+                raise ClusterError(
+                    f"{len(pids)}/{len(procs)} Dask workers joined {address} within the time allowed: "
+                    f"{_tail(logs[0])} (logs in {logs[0].parent})"
+                )
             time.sleep(0.2)
     finally:
         client.close()
 
 
-def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, timeout: float = 60.0,
-          resources: str = "", memory_limit: str = "auto", env: dict[str, str] | None = None) -> Cluster:
+def start(
+    directory: Path,
+    workers: int = 2,
+    threads: int = 1,
+    port: int = 0,
+    timeout: float = 60.0,
+    resources: str = "",
+    memory_limit: str = "auto",
+    env: dict[str, str] | None = None,
+) -> Cluster:
     """Start a scheduler on 127.0.0.1 (`port` 0: a free one) and `workers` worker processes, and return once
     every worker has joined, at most `timeout` seconds later; on failure everything started is stopped.
     `resources` is passed to each worker (e.g. "GPU=1"); `env` extends the workers' environment."""
@@ -202,10 +235,20 @@ def start(directory: Path, workers: int = 2, threads: int = 1, port: int = 0, ti
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ClusterError(f"another `cleaner cluster start` is starting a Dask cluster from {directory}; "
-                               "see `cleaner cluster status` once it is done") from None
-        return _start(directory, workers=workers, threads=threads, port=port, timeout=timeout, resources=resources,
-                      memory_limit=memory_limit, env=env)
+            raise ClusterError(
+                f"another `cleaner cluster start` is starting a Dask cluster from {directory}; "
+                "see `cleaner cluster status` once it is done"
+            ) from None
+        return _start(
+            directory,
+            workers=workers,
+            threads=threads,
+            port=port,
+            timeout=timeout,
+            resources=resources,
+            memory_limit=memory_limit,
+            env=env,
+        )
 
 
 def _check_options(port: int, timeout: float, resources: str) -> None:
@@ -225,17 +268,29 @@ def _check_options(port: int, timeout: float, resources: str) -> None:
         try:
             float(amount)
         except ValueError:
-            raise ClusterError(f"--resources {resources!r}: expected NAME=NUMBER pairs, e.g. \"GPU=1 MEM=10e9\"") from None
+            raise ClusterError(
+                f'--resources {resources!r}: expected NAME=NUMBER pairs, e.g. "GPU=1 MEM=10e9"'
+            ) from None
         if not name.isidentifier():
             raise ClusterError(f"--resources {resources!r}: {name!r} is not a resource name")
 
 
-def _start(directory: Path, *, workers: int, threads: int, port: int, timeout: float, resources: str,
-           memory_limit: str, env: dict[str, str] | None) -> Cluster:
+def _start(
+    directory: Path,
+    *,
+    workers: int,
+    threads: int,
+    port: int,
+    timeout: float,
+    resources: str,
+    memory_limit: str,
+    env: dict[str, str] | None,
+) -> Cluster:
     current = status(directory)
     if current is not None and any(current.alive.values()):
-        raise ClusterError(f"a Dask cluster already runs from {directory} ({current.line()}); "
-                           "stop it with `cleaner cluster stop`")
+        raise ClusterError(
+            f"a Dask cluster already runs from {directory} ({current.line()}); stop it with `cleaner cluster stop`"
+        )
     try:
         _state_path(directory).unlink(missing_ok=True)  # a stale record: none of its pids runs
         scheduler_file = directory / "scheduler.json"
@@ -247,19 +302,51 @@ def _start(directory: Path, *, workers: int, threads: int, port: int, timeout: f
     started: list[subprocess.Popen] = []
     try:
         log = directory / "scheduler.log"
-        sched = _popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", HOST, "--port", str(port),
-                        "--no-dashboard", "--scheduler-file", str(scheduler_file)], log, base)
+        sched = _popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_scheduler",
+                "--host",
+                HOST,
+                "--port",
+                str(port),
+                "--no-dashboard",
+                "--scheduler-file",
+                str(scheduler_file),
+            ],
+            log,
+            base,
+        )
         started.append(sched)
         address = _wait_address(sched, scheduler_file, log, deadline)
         logs = []
         for i in range(workers):
             logs.append(directory / f"worker-{i}.log")
-            cmd = [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file),
-                   "--name", f"worker-{i}",
-                   "--nworkers", "1", "--nthreads", str(threads), "--no-nanny", "--no-dashboard", "--host", HOST,
-                   "--memory-limit", memory_limit, "--local-directory", str(directory / f"worker-{i}"),
-                   # an orphaned worker (its scheduler killed) exits instead of waiting forever
-                   "--death-timeout", "60"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                "--scheduler-file",
+                str(scheduler_file),
+                "--name",
+                f"worker-{i}",
+                "--nworkers",
+                "1",
+                "--nthreads",
+                str(threads),
+                "--no-nanny",
+                "--no-dashboard",
+                "--host",
+                HOST,
+                "--memory-limit",
+                memory_limit,
+                "--local-directory",
+                str(directory / f"worker-{i}"),
+                # an orphaned worker (its scheduler killed) exits instead of waiting forever
+                "--death-timeout",
+                "60",
+            ]
             if resources:
                 cmd += ["--resources", resources]
             started.append(_popen(cmd, logs[-1], base))

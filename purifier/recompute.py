@@ -15,6 +15,7 @@ sampled under (decided in purifier/saar.py). The others are recomputed under the
   the KV of the unchanged prefix that the rollout left in its cache.
 - vLLM backend: prefill with prompt_logprobs (vLLM 0.32 skips its prefix cache for such requests).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -33,8 +34,12 @@ def _needs(t: PurifiedTrajectory) -> list[int]:
     return [i for i, (m, v) in enumerate(zip(t.loss_mask, t.logprob_valid)) if m == 1 and v == 0]
 
 
-def _filled(trajectories: list[PurifiedTrajectory], todo: list[tuple[int, PurifiedTrajectory, list[int]]],
-            logprobs: list[list[float]], forwarded: list[int]) -> list[PurifiedTrajectory]:
+def _filled(
+    trajectories: list[PurifiedTrajectory],
+    todo: list[tuple[int, PurifiedTrajectory, list[int]]],
+    logprobs: list[list[float]],
+    forwarded: list[int],
+) -> list[PurifiedTrajectory]:
     """The group with each todo row's (index, row, _needs) recomputed log-probs (one per need) and tokens forwarded."""
     result = list(trajectories)
     for (k, t, need), values, n in zip(todo, logprobs, forwarded):
@@ -46,8 +51,14 @@ def _filled(trajectories: list[PurifiedTrajectory], todo: list[tuple[int, Purifi
 
 
 class CPURecompute:
-    def __init__(self, checkpoint: Path, temperature: float = 1.0, threads: int | None = 1,
-                 chunk_tokens: int = 1024, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        temperature: float = 1.0,
+        threads: int | None = 1,
+        chunk_tokens: int = 1024,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device, "purify.device")
@@ -72,8 +83,11 @@ class CPURecompute:
         device = self.device
         cache = DynamicCache()
         for a in range(0, len(prompt), self.chunk_tokens):  # the prompt once, in chunks, into the cache
-            hidden = self.body(input_ids=torch.tensor([prompt[a: a + self.chunk_tokens]], device=device),
-                               past_key_values=cache, use_cache=True).last_hidden_state
+            hidden = self.body(
+                input_ids=torch.tensor([prompt[a : a + self.chunk_tokens]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            ).last_hidden_state
         self.prefix_tokens += len(prompt)
         n = len(todo)
         # the first response token, predicted by the prompt's last position
@@ -89,25 +103,38 @@ class CPURecompute:
             # when that token needs a log-prob
             pad = [width - len(x) for x in inputs]
             ids = torch.tensor([x + [0] * p for x, p in zip(inputs, pad)], dtype=torch.long, device=device)
-            targets = torch.tensor([t.response_ids[1: len(x) + 1] + [0] * p
-                                    for (_, t, _), x, p in zip(todo, inputs, pad)], dtype=torch.long, device=device)
-            mask = torch.tensor([[1] * (len(prompt) + len(x)) + [0] * p for x, p in zip(inputs, pad)], dtype=torch.long,
-                                device=device)
+            targets = torch.tensor(
+                [t.response_ids[1 : len(x) + 1] + [0] * p for (_, t, _), x, p in zip(todo, inputs, pad)],
+                dtype=torch.long,
+                device=device,
+            )
+            mask = torch.tensor(
+                [[1] * (len(prompt) + len(x)) + [0] * p for x, p in zip(inputs, pad)], dtype=torch.long, device=device
+            )
             wanted_at = [{i - 1 for i in need if i > 0} for _, _, need in todo]
             wanted = torch.tensor([[j in w for j in range(width)] for w in wanted_at], dtype=torch.bool, device=device)
             step = max(1, self.chunk_tokens // n)
             for a in range(0, width, step):
                 b = min(width, a + step)
                 pos = torch.arange(len(prompt) + a, len(prompt) + b, device=device)[None, :].expand(n, -1)
-                hidden = self.body(input_ids=ids[:, a:b], attention_mask=mask[:, : len(prompt) + b], position_ids=pos,
-                                   past_key_values=cache, use_cache=True).last_hidden_state
+                hidden = self.body(
+                    input_ids=ids[:, a:b],
+                    attention_mask=mask[:, : len(prompt) + b],
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                ).last_hidden_state
                 # the body runs over every position (the cache needs them), the lm_head only over chunks with a
                 # token that needs its log-prob: before a late splice, 151,936 logits per position are wasted
                 if wanted[:, a:b].any():
-                    logp[:, a + 1: b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
+                    logp[:, a + 1 : b + 1] = token_logprobs(hidden, targets[:, a:b], self.head, self.temperature)
         host = logp.tolist()  # one copy off the device, then read per needed token
-        return _filled(trajectories, todo, [[host[r][i] for i in need] for r, (_, _, need) in enumerate(todo)],
-                       [len(x) for x in inputs])
+        return _filled(
+            trajectories,
+            todo,
+            [[host[r][i] for i in need] for r, (_, _, need) in enumerate(todo)],
+            [len(x) for x in inputs],
+        )
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
         """log π(turn[k] | context, turn[:k]) for every k: one rollback's importance-ratio numerator (saar_is)."""
@@ -130,8 +157,12 @@ class ServedRecompute:
         seqs = [t.prompt_ids + t.response_ids[: need[-1] + 1] for _, t, need in todo]
         starts = [len(t.prompt_ids) + need[0] for _, t, need in todo]
         scores = self.engine.score(seqs, starts, self.temperature)
-        return _filled(trajectories, todo, [[s[len(t.prompt_ids) + i - start] for i in need] for (_, t, need), s, start
-                                            in zip(todo, scores, starts)], [len(s) for s in scores])
+        return _filled(
+            trajectories,
+            todo,
+            [[s[len(t.prompt_ids) + i - start] for i in need] for (_, t, need), s, start in zip(todo, scores, starts)],
+            [len(s) for s in scores],
+        )
 
     def score(self, context: list[int], turn: list[int]) -> list[float]:
         """As CPURecompute.score, by a prefill on the server."""

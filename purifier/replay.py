@@ -3,6 +3,7 @@ trajectories, computed from the stored attempt trees (nothing is regenerated; τ
 policy that sampled them). `cleaner replay` prints them;
 `cleaner replay --sweep` adds the similarity histogram, a PNG and example pairs around each γ.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -49,12 +50,20 @@ def with_retries(raws: list[Trajectory]) -> list[Trajectory]:
     return [r for r in raws if r.saar_gate and any(len(p.attempts) > 1 for p in r.positions)]
 
 
-def replay_stats(raws: list[Trajectory], gamma: float, decode: Decode, measure: Measure,
-                 live: Measure, reference: Measure = REFERENCE_MEASURE) -> ReplayStats:
+def replay_stats(
+    raws: list[Trajectory],
+    gamma: float,
+    decode: Decode,
+    measure: Measure,
+    live: Measure,
+    reference: Measure = REFERENCE_MEASURE,
+) -> ReplayStats:
     s = ReplayStats(gamma=gamma)
     for raw in with_retries(raws):
         ours = purify(raw, gamma, "saar", decode, measure)
-        lived = {(x.position_idx, x.attempt_idx): x.kind for x in purify(raw, raw.gamma_live, "saar", decode, live).splices}
+        lived = {
+            (x.position_idx, x.attempt_idx): x.kind for x in purify(raw, raw.gamma_live, "saar", decode, live).splices
+        }
         ref = {(x.position_idx, x.attempt_idx): x.kind for x in purify(raw, gamma, "saar", decode, reference).splices}
         s.positions += len({x.position_idx for x in ours.splices})
         for x in ours.splices:
@@ -80,8 +89,9 @@ class ISStats:
     differ_from_reference: int
 
 
-def replay_is(raws: list[Trajectory], taus: list[float], decode: Decode, score: Scorer,
-              reference_tau: float = 0.5) -> tuple[list[ISStats], list[float]]:
+def replay_is(
+    raws: list[Trajectory], taus: list[float], decode: Decode, score: Scorer, reference_tau: float = 0.5
+) -> tuple[list[ISStats], list[float]]:
     """saar_is at each τ on the stored attempt trees, in memory, and the log importance ratio of every rollback
     scored. Decisions depend on earlier ones only through their contexts, so a memo of (context, turn) scores
     makes a τ grid cost about one τ's scoring."""
@@ -89,8 +99,12 @@ def replay_is(raws: list[Trajectory], taus: list[float], decode: Decode, score: 
     # A retry is named by its attempt, not its turn ids: a policy that repeats its code samples the very same ids
     # in two retries, which ids alone would count as one rollback. purify() hands the scorer each attempt's own
     # turn_ids list, so the list object names the attempt.
-    attempt_of = {id(a.turn_ids): (r.key, q.position_idx, a.attempt_idx, sum(a.logprobs))
-                  for r in raws for q in r.positions for a in q.attempts}
+    attempt_of = {
+        id(a.turn_ids): (r.key, q.position_idx, a.attempt_idx, sum(a.logprobs))
+        for r in raws
+        for q in r.positions
+        for a in q.attempts
+    }
     ratios: dict[tuple[str, str, int, int], float] = {}
 
     def decisions(raw: Trajectory, tau: float) -> tuple[dict[tuple[int, int], bool], int]:
@@ -141,16 +155,23 @@ def log_histogram_lines(log_ratios: list[float], taus: list[float], width: int =
     for v in log_ratios:
         counts[min(len(counts) - 1, max(0, bisect.bisect_right(IS_EDGES, math.exp(v)) - 1))] += 1
     bins = list(zip(IS_EDGES, IS_EDGES[1:]))
-    return _bars(counts, [f"IS {lo:>6g}–{hi:<6g}" for lo, hi in bins],
-                 [[t for t in taus if lo <= t < hi] for lo, hi in bins], "τ", width)
+    return _bars(
+        counts,
+        [f"IS {lo:>6g}–{hi:<6g}" for lo, hi in bins],
+        [[t for t in taus if lo <= t < hi] for lo, hi in bins],
+        "τ",
+        width,
+    )
 
 
 def _bars(counts: list[int], labels: list[str], cuts: list[list[float]], symbol: str, width: int) -> list[str]:
     """One histogram line per bin: its label, a bar scaled to the largest count, the count, the cuts it holds."""
     top = max(counts) or 1
-    return [f"{label}│{'█' * round(width * c / top):<{width}}│ {c:4d}"
-            + (f"  ← {symbol}={', '.join(f'{t:g}' for t in cut)}" if cut else "")
-            for label, c, cut in zip(labels, counts, cuts)]
+    return [
+        f"{label}│{'█' * round(width * c / top):<{width}}│ {c:4d}"
+        + (f"  ← {symbol}={', '.join(f'{t:g}' for t in cut)}" if cut else "")
+        for label, c, cut in zip(labels, counts, cuts)
+    ]
 
 
 def candidates(raws: list[Trajectory], decode: Decode, measure: Measure, live: Measure) -> list[Candidate]:
@@ -162,7 +183,9 @@ def candidates(raws: list[Trajectory], decode: Decode, measure: Measure, live: M
             attempts = raw.positions[x.position_idx].attempts
             # compared against the call as spliced so far: a shallow splice keeps the old reasoning but always
             # takes the retry's call, so it is the previous attempt's call
-            old, new = (decode(a.turn_ids[max(a.call_start, 0):]) for a in attempts[x.attempt_idx - 1: x.attempt_idx + 1])
+            old, new = (
+                decode(a.turn_ids[max(a.call_start, 0) :]) for a in attempts[x.attempt_idx - 1 : x.attempt_idx + 1]
+            )
             out.append(Candidate(raw.key, x.position_idx, x.attempt_idx, old, new, measure(old, new)))
     return out
 
@@ -178,8 +201,13 @@ def histogram_lines(values: list[float], gammas: list[float], bins: int = 20, wi
     for v in values:
         counts[min(bins - 1, int(v * bins))] += 1
     edges = [(i / bins, (i + 1) / bins) for i in range(bins)]
-    return _bars(counts, [f"{lo:4.2f}–{hi:4.2f} " for lo, hi in edges],
-                 [[g for g in gammas if lo <= g < hi or (hi == 1.0 and g == 1.0)] for lo, hi in edges], "γ", width)
+    return _bars(
+        counts,
+        [f"{lo:4.2f}–{hi:4.2f} " for lo, hi in edges],
+        [[g for g in gammas if lo <= g < hi or (hi == 1.0 and g == 1.0)] for lo, hi in edges],
+        "γ",
+        width,
+    )
 
 
 def diff_window(old: str, new: str, width: int = 70, context: int = 12) -> tuple[str, str]:

@@ -21,6 +21,7 @@ negatives. The row-level purification of `roc` is the raw sequence (purifier/saa
 happens in the group stage (purifier/batch.py `with_advantages`), whose advantages are then computed
 on the kept group.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,16 +68,16 @@ def roc_penalties(raw: pa.Table) -> np.ndarray:
 def with_roc_penalty(purified: pa.Table, raw: pa.Table) -> pa.Table:
     """`purified` (rows of `raw`, any order, some possibly dead-lettered) with each row's ROC_PENALTY."""
     of_key = dict(zip(row_keys(raw).to_pylist(), roc_penalties(raw).tolist()))
-    return purified.append_column(ROC_PENALTY, pa.array([of_key[k] for k in purified["raw_key"].to_pylist()],
-                                                        pa.float64()))
+    return purified.append_column(
+        ROC_PENALTY, pa.array([of_key[k] for k in purified["raw_key"].to_pylist()], pa.float64())
+    )
 
 
 def roc_seed(iteration: int, prompt_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{iteration}/{prompt_id}".encode(), digest_size=8).digest(), "big")
 
 
-def roc_plan(samples: list[int], rewards: list[float], penalties: list[float], group_size: int,
-             seed: int) -> list[int]:
+def roc_plan(samples: list[int], rewards: list[float], penalties: list[float], group_size: int, seed: int) -> list[int]:
     """Which rows of one prompt group RoC keeps: positions in the input lists, in sample order.
 
     A group no larger than `group_size` is kept whole (a dead-lettered row already made it smaller;

@@ -27,6 +27,7 @@ Each emitted token remembers which attempt sampled it: its sampled log-prob is i
 and it is also its old log-prob only if the purified sequence before it equals the context it was sampled
 under (fingerprint in the raw row); `token_origin` says which (pipeline.trajectory.TokenOrigin).
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,8 @@ class _Builder:
             n = j1 - j0
             at = len(self.ids)
             ok = self._context_matches(self.attempts[position, attempt_idx], j0)
-            sampled = piece.logprobs[at_piece: at_piece + n]
-            self.ids += piece.ids[at_piece: at_piece + n]
+            sampled = piece.logprobs[at_piece : at_piece + n]
+            self.ids += piece.ids[at_piece : at_piece + n]
             self.mask += [1] * n
             self.logprobs += sampled if ok else [0.0] * n
             self.valid += [int(ok)] * n
@@ -104,7 +105,7 @@ class _Builder:
         start = len(self.prompt) + len(self.ids) - j0
         if start != attempt.context_len:
             return False
-        if j0 and self.ids[len(self.ids) - j0:] != attempt.turn_ids[:j0]:
+        if j0 and self.ids[len(self.ids) - j0 :] != attempt.turn_ids[:j0]:
             return False
         return fingerprint(self.prompt + self.ids[: len(self.ids) - j0]) == attempt.context_fingerprint
 
@@ -115,6 +116,7 @@ class _Builder:
 # `all_hold` (purifier/unspliced.py's fast path, which leaves a row breaking any of them to purify()). A rule is
 # one expression over the facts below written with `== < >= & |` only, so it evaluates alike on a row's Python
 # values and on numpy columns of them; the facts are read beside each other from a row and from a table.
+
 
 class RowFacts(NamedTuple):
     lived: Any  # len(lived_ids), -1 when not recorded
@@ -146,17 +148,19 @@ class Rule(Generic[F]):
 
 
 ROW_RULES: tuple[Rule[RowFacts], ...] = (
-    Rule(lambda f: (f.lived < 0) | ((f.lived_mask == f.lived) & (f.lived_logprobs == f.lived)),
-         lambda f: "lived_mask/lived_logprobs length differs from lived_ids"),
+    Rule(
+        lambda f: (f.lived < 0) | ((f.lived_mask == f.lived) & (f.lived_logprobs == f.lived)),
+        lambda f: "lived_mask/lived_logprobs length differs from lived_ids",
+    ),
 )
-POSITION_RULES: tuple[Rule[PositionFacts], ...] = (
-    Rule(lambda f: f.attempts >= 1, lambda f: "no attempts"),
-)
+POSITION_RULES: tuple[Rule[PositionFacts], ...] = (Rule(lambda f: f.attempts >= 1, lambda f: "no attempts"),)
 ATTEMPT_RULES: tuple[Rule[AttemptFacts], ...] = (
     Rule(lambda f: f.turn >= 0, lambda f: "no turn_ids"),
     Rule(lambda f: f.logprobs == f.turn, lambda f: f"logprobs length {f.logprobs} != turn_ids length {f.turn}"),
-    Rule(lambda f: (f.call_start == -1) | ((f.call_start >= 0) & (f.call_start < f.turn)),
-         lambda f: f"call_start {f.call_start} out of range 0..{f.turn - 1}"),
+    Rule(
+        lambda f: (f.call_start == -1) | ((f.call_start >= 0) & (f.call_start < f.turn)),
+        lambda f: f"call_start {f.call_start} out of range 0..{f.turn - 1}",
+    ),
     Rule(lambda f: f.context, lambda f: "missing context_len/context_fingerprint"),
     Rule(lambda f: f.no_call | f.result | f.truncated, lambda f: "a call without a tool result"),
 )
@@ -184,20 +188,28 @@ def row_facts_columns(table: pa.Table) -> RowFacts:
 
 def attempt_facts(a: Attempt, outcome: str) -> AttemptFacts:
     return AttemptFacts(
-        turn=_length(a.turn_ids), logprobs=_length(a.logprobs), call_start=-2 if a.call_start is None else a.call_start,
-        context=a.context_len is not None and a.context_fingerprint is not None, no_call=a.call_status == "no_call",
-        result=a.result is not None, truncated=outcome == "truncated")
+        turn=_length(a.turn_ids),
+        logprobs=_length(a.logprobs),
+        call_start=-2 if a.call_start is None else a.call_start,
+        context=a.context_len is not None and a.context_fingerprint is not None,
+        no_call=a.call_status == "no_call",
+        result=a.result is not None,
+        truncated=outcome == "truncated",
+    )
 
 
 def attempt_facts_columns(attempts: pa.StructArray, outcome: np.ndarray) -> AttemptFacts:
     """The facts of a column of attempts; `outcome`: each one's position outcome."""
     return AttemptFacts(
-        turn=_lengths(attempts.field("turn_ids")), logprobs=_lengths(attempts.field("logprobs")),
+        turn=_lengths(attempts.field("turn_ids")),
+        logprobs=_lengths(attempts.field("logprobs")),
         call_start=attempts.field("call_start").fill_null(-2).to_numpy(zero_copy_only=False),
         context=_flags(attempts.field("context_len").is_valid())
         & _flags(attempts.field("context_fingerprint").is_valid()),
         no_call=_flags(pc.equal(attempts.field("call_status"), "no_call").fill_null(False)),
-        result=_flags(attempts.field("result").is_valid()), truncated=outcome == "truncated")
+        result=_flags(attempts.field("result").is_valid()),
+        truncated=outcome == "truncated",
+    )
 
 
 def all_hold(rules: tuple[Rule[F], ...], facts: F) -> np.ndarray:
@@ -245,16 +257,24 @@ def sequence_rule(raw: Trajectory, mode: str) -> str:
     return "saar" if mode in ("saar", "saar_is") or (mode == "saar_correct" and raw.reward > 0) else "raw"
 
 
-def purify(raw: Trajectory, gamma: float, mode: Mode, decode: Callable[[list[int]], str],
-           measure: Measure = DEFAULT_MEASURE, score: Scorer | None = None, *, tau: float | None = None
-           ) -> PurifiedTrajectory:
+def purify(
+    raw: Trajectory,
+    gamma: float,
+    mode: Mode,
+    decode: Callable[[list[int]], str],
+    measure: Measure = DEFAULT_MEASURE,
+    score: Scorer | None = None,
+    *,
+    tau: float | None = None,
+) -> PurifiedTrajectory:
     """One raw row purified under `mode`. `gamma`: SAAR's similarity threshold γ of the splicing modes (the others
     do not read it); `tau`: the importance-ratio threshold τ that `saar_is` decides by, with `score`."""
     if mode not in MODES:
         raise PurifyError(f"unknown mode {mode!r}; expected one of {MODES}")
     if mode in IS_MODES and (score is None or tau is None):
-        raise ValueError(f"mode {mode} scores each rollback against τ: pass score= (a recompute backend's score) "
-                         "and tau=")
+        raise ValueError(
+            f"mode {mode} scores each rollback against τ: pass score= (a recompute backend's score) and tau="
+        )
     variant = Variant.of(mode, tau if mode in IS_MODES else gamma, measure)
     validate_raw(raw)
     attempts = {(p.position_idx, a.attempt_idx): a for p in raw.positions for a in p.attempts}
@@ -305,18 +325,35 @@ def purify(raw: Trajectory, gamma: float, mode: Mode, decode: Callable[[list[int
                     for s in splices:  # a retry that replaced before and is replaced now: none of its tokens stay
                         if s.position_idx == p.position_idx and s.attempt_idx == previous.attempt_idx:
                             s.moved_tokens = 0
-                    splices.append(Splice(position_idx=p.position_idx, attempt_idx=r.attempt_idx, kind="deep",
-                                          similarity=math.nan, tokens_removed=removed, first_recomputed=-1,
-                                          moved_tokens=len(r.turn_ids), log_is_ratio=by_ratio.log_ratio))
+                    splices.append(
+                        Splice(
+                            position_idx=p.position_idx,
+                            attempt_idx=r.attempt_idx,
+                            kind="deep",
+                            similarity=math.nan,
+                            tokens_removed=removed,
+                            first_recomputed=-1,
+                            moved_tokens=len(r.turn_ids),
+                            log_is_ratio=by_ratio.log_ratio,
+                        )
+                    )
                     spliced[r.attempt_idx] = "deep"
                 current, previous = whole(r), r
                 continue
             decision = decide(current, whole(r), gamma, decode, measure)
             new = splice(current, whole(r), decision)
             removed = len(current.ids) + len(previous.feedback_ids) + len(r.turn_ids) - len(new.ids)
-            splices.append(Splice(position_idx=p.position_idx, attempt_idx=r.attempt_idx, kind=decision.kind,
-                                  similarity=decision.similarity, tokens_removed=removed, first_recomputed=-1,
-                                  split_failed=decision.split_failed))
+            splices.append(
+                Splice(
+                    position_idx=p.position_idx,
+                    attempt_idx=r.attempt_idx,
+                    kind=decision.kind,
+                    similarity=decision.similarity,
+                    tokens_removed=removed,
+                    first_recomputed=-1,
+                    split_failed=decision.split_failed,
+                )
+            )
             spliced[r.attempt_idx] = decision.kind
             current, previous = new, r
         start = len(b.ids)
@@ -339,11 +376,27 @@ def purify(raw: Trajectory, gamma: float, mode: Mode, decode: Callable[[list[int
     loss_mask = [0] * len(b.mask) if (mode == "void_turn" and void) else b.mask
     invalid = [i for i, (m, v) in enumerate(zip(loss_mask, b.valid)) if m == 1 and v == 0]
     return PurifiedTrajectory(
-        run_id=raw.run_id, iteration=raw.iteration, prompt_id=raw.prompt_id, sample_idx=raw.sample_idx,
-        mode=mode, gamma=variant.gamma, raw_key=raw.key, prompt_ids=list(raw.prompt_ids), response_ids=b.ids,
-        loss_mask=loss_mask, old_logprobs=b.logprobs, logprob_valid=b.valid, reward=raw.reward, advantage=math.nan,
-        splices=splices, recompute_from=invalid[0] if invalid else -1, tokens_forwarded=0, gate=raw.saar_gate,
-        behaviour_logprobs=b.behaviour, token_origin=b.origin, is_threshold=variant.tau,
+        run_id=raw.run_id,
+        iteration=raw.iteration,
+        prompt_id=raw.prompt_id,
+        sample_idx=raw.sample_idx,
+        mode=mode,
+        gamma=variant.gamma,
+        raw_key=raw.key,
+        prompt_ids=list(raw.prompt_ids),
+        response_ids=b.ids,
+        loss_mask=loss_mask,
+        old_logprobs=b.logprobs,
+        logprob_valid=b.valid,
+        reward=raw.reward,
+        advantage=math.nan,
+        splices=splices,
+        recompute_from=invalid[0] if invalid else -1,
+        tokens_forwarded=0,
+        gate=raw.saar_gate,
+        behaviour_logprobs=b.behaviour,
+        token_origin=b.origin,
+        is_threshold=variant.tau,
     )
 
 
@@ -351,8 +404,10 @@ def moved_range(t: PurifiedTrajectory, s: Splice) -> range:
     """Response indices of a splice's moved retry tokens: the first `moved_tokens` spliced ones from
     `first_recomputed` on (a position's spliced tokens are contiguous: the tail of its final turn)."""
     spliced = (TokenOrigin.SHALLOW, TokenOrigin.DEEP)
-    at = next((i for i in range(max(s.first_recomputed, 0), len(t.token_origin)) if t.token_origin[i] in spliced),
-              len(t.token_origin))
+    at = next(
+        (i for i in range(max(s.first_recomputed, 0), len(t.token_origin)) if t.token_origin[i] in spliced),
+        len(t.token_origin),
+    )
     return range(at, at + s.moved_tokens)
 
 

@@ -4,6 +4,7 @@ plan (`plan_purify`) → purify on Beam into a staging area → commit each part
 Partitions already committed from the same inputs are kept, so a rerun after a crash redoes only what is missing, and
 a replay under a new γ never touches the raw shard or the partitions beside it.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -22,8 +23,16 @@ from storage.layout import RunLayout, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
 from storage.identity import StageIdentity, check_committed, stage_identity
-from storage.shards import (Manifest, ShardError, ShardMissing, ShardWriter, committed_manifest, is_committed,
-                            read_manifest, write_shard)
+from storage.shards import (
+    Manifest,
+    ShardError,
+    ShardMissing,
+    ShardWriter,
+    committed_manifest,
+    is_committed,
+    read_manifest,
+    write_shard,
+)
 from storage.staging import staging_area
 
 STAGING = ".staging"
@@ -61,11 +70,17 @@ def purify_identity(cfg: CleanerConfig, variant: Variant, raw_hash: str) -> Stag
     """What a partition holds depends on: the purify settings (not those that choose where or which partitions are
     written: PURIFY_REPLAY_SETTINGS), the sampling temperature, the variant (its partition path), the settings of its
     mode alone (PURIFY_MODE_SETTINGS: no other mode's partitions change with them) and the raw shard's identity."""
+
     def record(c: CleanerConfig) -> dict:
         settings = c.purify.model_dump(mode="json", exclude=PURIFY_REPLAY_SETTINGS | PURIFY_MODE_SETTINGS)
         mode_settings = {"roc_group_size": roc_group_size(c)} if variant.mode == "roc" else {}
-        return {"purify": settings, "temperature": c.rollout.temperature, "variant": variant.partition,
-                "mode_settings": mode_settings, "raw": raw_hash}
+        return {
+            "purify": settings,
+            "temperature": c.rollout.temperature,
+            "variant": variant.partition,
+            "mode_settings": mode_settings,
+            "raw": raw_hash,
+        }
 
     return stage_identity(cfg, record)
 
@@ -75,8 +90,10 @@ def _check_staged(staging: Path, variant: Variant, kind: str, counters: dict[str
     that lost a file would otherwise look like fewer rows)."""
     expected = counters.get(beam_pipeline.row_counter(variant, kind), 0)
     if rows != expected:
-        raise StagingMismatch(f"{staging}: {rows} staged rows for {beam_pipeline.destination(variant, kind)}, but "
-                              f"the pipeline produced {expected}; nothing was committed")
+        raise StagingMismatch(
+            f"{staging}: {rows} staged rows for {beam_pipeline.destination(variant, kind)}, but "
+            f"the pipeline produced {expected}; nothing was committed"
+        )
 
 
 def _partition_dirs(layout: RunLayout, iteration: int, variant: Variant) -> tuple[Path, Path]:
@@ -108,8 +125,10 @@ def _known_runner(name: str) -> str:
     known = {path.rsplit(".", 1)[-1].lower(): path.rsplit(".", 1)[-1] for path in StandardOptions.ALL_KNOWN_RUNNERS}
     if "." in name or name.lower() in known or name.lower() + "runner" in known:
         return name
-    raise UnknownRunner(f"purify.runner={name}: Beam knows no such runner; use dask (Beam's DaskRunner on a Dask "
-                        f"cluster) or one of {', '.join(sorted(known.values()))}")
+    raise UnknownRunner(
+        f"purify.runner={name}: Beam knows no such runner; use dask (Beam's DaskRunner on a Dask "
+        f"cluster) or one of {', '.join(sorted(known.values()))}"
+    )
 
 
 def beam_runner(cfg: CleanerConfig) -> tuple[str, list[str]]:
@@ -141,8 +160,11 @@ def _vllm_urls(cfg: CleanerConfig, checkpoint: Path) -> list[str]:
 def _is_dask_failure(e: BaseException) -> bool:
     """The cluster's own failure (a worker lost too often, the scheduler gone or not answering), as opposed to
     an error raised by the pipeline's code, which keeps its traceback."""
-    return type(e).__module__.split(".")[0] == "distributed" or isinstance(
-        e, (beam_pipeline.RunLost, TimeoutError, ConnectionError)) or (type(e) is OSError and e.errno is None)
+    return (
+        type(e).__module__.split(".")[0] == "distributed"
+        or isinstance(e, (beam_pipeline.RunLost, TimeoutError, ConnectionError))
+        or (type(e) is OSError and e.errno is None)
+    )
 
 
 def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
@@ -154,9 +176,11 @@ def _run_pipeline(job: beam_pipeline.PurifyJob) -> dict[str, int]:
         if lost is not None:
             address = next((o.split("=", 1)[1] for o in options if o.startswith("--dask_client_address=")), "?")
             what = " ".join(str(lost).split()) or "no details"
-            raise DaskRunFailed(f"purification on the Dask cluster at {address} failed ({type(lost).__name__}: "
-                                f"{what[:300]}); nothing was committed; check `cleaner cluster status` and the "
-                                "workers' logs, then rerun") from None
+            raise DaskRunFailed(
+                f"purification on the Dask cluster at {address} failed ({type(lost).__name__}: "
+                f"{what[:300]}); nothing was committed; check `cleaner cluster status` and the "
+                "workers' logs, then rerun"
+            ) from None
         if isinstance(e, CleanerError):
             raise
         if _in_chain(e, lambda c: isinstance(c, KeyboardInterrupt) or str(c).startswith("KeyboardInterrupt [while")):
@@ -198,28 +222,38 @@ def _purifiable_raw(layout: RunLayout, iteration: int) -> Manifest:
     if read_manifest(raw_dir) is None:
         if not layout.run_dir.is_dir():  # a mistyped run or root: not a rollout to run first
             runs = sorted(p.name for p in layout.run_dir.parent.glob("*") if p.is_dir())
-            raise ShardMissing(f"run {layout.run_id!r} does not exist under {layout.root} (runs there: "
-                               f"{', '.join(runs) or 'none'}; check --run and storage.root)")
+            raise ShardMissing(
+                f"run {layout.run_id!r} does not exist under {layout.root} (runs there: "
+                f"{', '.join(runs) or 'none'}; check --run and storage.root)"
+            )
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
     raw = committed_manifest(raw_dir, RAW)
     if raw.extra.get("token_exact") is False and not raw.extra.get("purify_allowed"):
         # an import re-tokenized from text (flows/import_cmd.py): its boundaries and log-probs are not the sampled ones
-        raise ShardError(f"{raw_dir}: imported from {raw.extra.get('source_format', 'text')} and re-tokenized "
-                         "(token_exact: false in its manifest): its token boundaries are not the sampled ones, so it "
-                         "is not purified for training; import it again into a new run with `cleaner import "
-                         "--allow-purify` to purify it anyway")
+        raise ShardError(
+            f"{raw_dir}: imported from {raw.extra.get('source_format', 'text')} and re-tokenized "
+            "(token_exact: false in its manifest): its token boundaries are not the sampled ones, so it "
+            "is not purified for training; import it again into a new run with `cleaner import "
+            "--allow-purify` to purify it anyway"
+        )
     return raw
 
 
-def _committed_partition(layout: RunLayout, iteration: int, variant: Variant,
-                         identity: StageIdentity) -> Manifest | None:
+def _committed_partition(
+    layout: RunLayout, iteration: int, variant: Variant, identity: StageIdentity
+) -> Manifest | None:
     """A variant's partition committed from the same inputs (None: not committed yet)."""
     out, dead = _partition_dirs(layout, iteration, variant)
     done = read_manifest(out)
     if done is not None:
-        check_committed(out, done.config_hash, identity, made_with="with other purify settings",
-                        remedy=f"to purify it again remove {out} and {dead}, then run `cleaner purify --run "
-                               f"{layout.run_id} --iteration {iteration}`, or use a new flow.run_id")
+        check_committed(
+            out,
+            done.config_hash,
+            identity,
+            made_with="with other purify settings",
+            remedy=f"to purify it again remove {out} and {dead}, then run `cleaner purify --run "
+            f"{layout.run_id} --iteration {iteration}`, or use a new flow.run_id",
+        )
     return done
 
 
@@ -236,15 +270,21 @@ def _ready_to_purify(cfg: CleanerConfig, plan: PurifyPlan) -> PurifyPlan:
     return replace(plan, runner=runner, runner_options=tuple(options))
 
 
-def plan_purify(cfg: CleanerConfig, run_id: str, iteration: int, variants: list[Variant] | None = None,
-                checkpoint: Path | None = None) -> PurifyPlan:
+def plan_purify(
+    cfg: CleanerConfig,
+    run_id: str,
+    iteration: int,
+    variants: list[Variant] | None = None,
+    checkpoint: Path | None = None,
+) -> PurifyPlan:
     """Every check of a purification before Beam starts: the raw shard is committed and may be purified; each
     variant's partition is kept (committed from the same inputs), refused (from other inputs) or to purify; what
     purifying needs is there. `cfg`'s storage.root must be absolute (run_purify_stage)."""
     layout = RunLayout(cfg.storage.root, run_id)
     raw = _purifiable_raw(layout, iteration)
-    checkpoint = Path(checkpoint or (resolve_recorded(cfg.storage.root, raw.inputs[0]) if raw.inputs
-                                     else cfg.rollout.policy))
+    checkpoint = Path(
+        checkpoint or (resolve_recorded(cfg.storage.root, raw.inputs[0]) if raw.inputs else cfg.rollout.policy)
+    )
     kept, todo = [], []
     for variant in variants or plan_variants(cfg):
         identity = purify_identity(cfg, variant, raw.config_hash)
@@ -261,12 +301,21 @@ def _job(cfg: CleanerConfig, plan: PurifyPlan, staging: Path) -> beam_pipeline.P
     checkpoint = str(plan.checkpoint)
     return beam_pipeline.PurifyJob(
         raw_parts=tuple((str(plan.raw_dir), asdict(p)) for p in plan.raw.parts),
-        variants=tuple(v for v, _ in plan.todo), staging=str(staging), tokenizer_dir=checkpoint,
-        estimator=cfg.purify.advantage, dynamic_filter=cfg.purify.dynamic_filter, recompute=cfg.purify.recompute,
+        variants=tuple(v for v, _ in plan.todo),
+        staging=str(staging),
+        tokenizer_dir=checkpoint,
+        estimator=cfg.purify.advantage,
+        dynamic_filter=cfg.purify.dynamic_filter,
+        recompute=cfg.purify.recompute,
         checkpoint=checkpoint,
-        temperature=cfg.rollout.temperature, sglang_url=cfg.rollout.sglang_url,
-        vllm_urls=tuple(_vllm_urls(cfg, plan.checkpoint)), roc_group_size=roc_group_size(cfg), runner=plan.runner,
-        beam_options=plan.runner_options, device=cfg.purify.device)
+        temperature=cfg.rollout.temperature,
+        sglang_url=cfg.rollout.sglang_url,
+        vllm_urls=tuple(_vllm_urls(cfg, plan.checkpoint)),
+        roc_group_size=roc_group_size(cfg),
+        runner=plan.runner,
+        beam_options=plan.runner_options,
+        device=cfg.purify.device,
+    )
 
 
 def _refuse_invalid_parts(raw_dir: Path, staging: Path, counters: dict[str, int]) -> None:
@@ -277,8 +326,9 @@ def _refuse_invalid_parts(raw_dir: Path, staging: Path, counters: dict[str, int]
         raise ShardError(reasons[0] if reasons else f"{raw_dir}: a raw part failed validation; nothing was committed")
 
 
-def _commit(cfg: CleanerConfig, plan: PurifyPlan, staging: Path, counters: dict[str, int], variant: Variant,
-            identity: str) -> VariantResult:
+def _commit(
+    cfg: CleanerConfig, plan: PurifyPlan, staging: Path, counters: dict[str, int], variant: Variant, identity: str
+) -> VariantResult:
     """One variant's staged rows checked against the pipeline's counts, its dead letters committed, then its
     partition, a chunk (one row group) at a time in the order of one sort of all its rows."""
     files = sorted(staging.glob(f"{beam_pipeline.destination(variant, 'purified')}-*.parquet"))  # one per bucket
@@ -294,12 +344,21 @@ def _commit(cfg: CleanerConfig, plan: PurifyPlan, staging: Path, counters: dict[
         reasons = "; ".join(sorted(set(dead.column("reason").to_pylist()))[:3])
         raise DeadLetterOverflow(
             f"{plan.raw_dir}: {dead.num_rows}/{plan.raw.rows} rows could not be purified for {variant} "
-            f"(limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}")
-    extra = {"dead": dead.num_rows,
-             "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
-             "checkpoint": record_path(cfg.storage.root, plan.checkpoint)}
-    with ShardWriter(out, PURIFIED, identity, inputs=inputs, rows_per_part=cfg.storage.rows_per_part,
-                     compression=cfg.storage.compression) as writer:
+            f"(limit {cfg.purify.max_dead_letter_fraction:.0%}); see {dead_dir}. First reasons: {reasons}"
+        )
+    extra = {
+        "dead": dead.num_rows,
+        "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
+        "checkpoint": record_path(cfg.storage.root, plan.checkpoint),
+    }
+    with ShardWriter(
+        out,
+        PURIFIED,
+        identity,
+        inputs=inputs,
+        rows_per_part=cfg.storage.rows_per_part,
+        compression=cfg.storage.compression,
+    ) as writer:
         for chunk in sorted_chunks(files):
             writer.write(chunk)
         manifest = writer.commit(extra)
@@ -315,17 +374,24 @@ def run_purify_plan(cfg: CleanerConfig, plan: PurifyPlan) -> list[VariantResult]
         with staging_area(plan.staging_root, "purify") as staging:
             counters = _run_pipeline(_job(cfg, plan, staging))
             _refuse_invalid_parts(plan.raw_dir, staging, counters)
-            return [*plan.kept, *(_commit(cfg, plan, staging, counters, variant, identity)
-                                  for variant, identity in plan.todo)]
+            return [
+                *plan.kept,
+                *(_commit(cfg, plan, staging, counters, variant, identity) for variant, identity in plan.todo),
+            ]
     except OSError as e:  # committing: a full or read-only disk is one line, and the partition is not written
         raise os_error(e, f"writing the purified shards of {plan.raw_dir.parent}") from None
 
 
-def run_purify_stage(cfg: CleanerConfig, run_id: str, iteration: int, variants: list[Variant] | None = None,
-                     checkpoint: Path | None = None) -> list[VariantResult]:
+def run_purify_stage(
+    cfg: CleanerConfig,
+    run_id: str,
+    iteration: int,
+    variants: list[Variant] | None = None,
+    checkpoint: Path | None = None,
+) -> list[VariantResult]:
     """Purify iteration `iteration`'s raw shard into `variants` (default: the flow's, pipeline.variants.plan_variants):
     plan, purify, commit."""
     if not Path(cfg.storage.root).is_absolute():  # Beam's workers (Dask's: other processes, other directories)
-        cfg = cfg.model_copy(deep=True)          # must find every path the job names where this process does
+        cfg = cfg.model_copy(deep=True)  # must find every path the job names where this process does
         cfg.storage.root = Path(cfg.storage.root).resolve()
     return run_purify_plan(cfg, plan_purify(cfg, run_id, iteration, variants, checkpoint))

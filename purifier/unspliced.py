@@ -11,6 +11,7 @@ checks these). That is about two thirds of an iteration's rows; building them co
 objects per row that dominate the stage's time. A row that breaks any rule `validate_raw` checks stays on the
 `purify()` path, whose dead letter names the reason.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.modes import Mode, Variant
-from purifier.saar import (ATTEMPT_RULES, POSITION_RULES, ROW_RULES, PositionFacts, all_hold, attempt_facts_columns,
-                           row_facts_columns)
+from purifier.saar import (
+    ATTEMPT_RULES,
+    POSITION_RULES,
+    ROW_RULES,
+    PositionFacts,
+    all_hold,
+    attempt_facts_columns,
+    row_facts_columns,
+)
 from storage.schemas import PURIFIED, SPLICE, row_keys
 
 __all__ = ["UNSPLICED_MODES", "UNSPLICED_ROW", "purified_table", "row_keys", "unspliced_mask"]
@@ -34,10 +42,18 @@ UNSPLICED_MODES = ("saar", "raw", "saar_correct", "mask_failed", "roc", "saar_is
 # raw_key (storage.schemas.row_keys), mode and the thresholds (the variant's), and what no row has yet (advantage
 # NaN, no splices, nothing to recompute or forwarded).
 UNSPLICED_ROW: tuple[tuple[str, str], ...] = (
-    ("run_id", "run_id"), ("iteration", "iteration"), ("prompt_id", "prompt_id"), ("sample_idx", "sample_idx"),
-    ("prompt_ids", "prompt_ids"), ("response_ids", "lived_ids"), ("loss_mask", "lived_mask"),
-    ("old_logprobs", "lived_logprobs"), ("reward", "reward"), ("gate", "saar_gate"),
-    ("behaviour_logprobs", "lived_logprobs"), ("token_origin", "lived_mask"),  # TokenOrigin.IN_PLACE = 1
+    ("run_id", "run_id"),
+    ("iteration", "iteration"),
+    ("prompt_id", "prompt_id"),
+    ("sample_idx", "sample_idx"),
+    ("prompt_ids", "prompt_ids"),
+    ("response_ids", "lived_ids"),
+    ("loss_mask", "lived_mask"),
+    ("old_logprobs", "lived_logprobs"),
+    ("reward", "reward"),
+    ("gate", "saar_gate"),
+    ("behaviour_logprobs", "lived_logprobs"),
+    ("token_origin", "lived_mask"),  # TokenOrigin.IN_PLACE = 1
 )
 
 
@@ -80,14 +96,22 @@ def purified_table(raw: pa.Table, mode: Mode, threshold: float) -> pa.Table:
     variant = Variant.of(mode, threshold)
     n = raw.num_rows
     lived = raw["lived_ids"].combine_chunks()
-    ones = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(_lengths(lived))]), pa.int32()),
-                                    pa.array(np.ones(len(pc.list_flatten(lived)), dtype=np.int8)))
+    ones = pa.ListArray.from_arrays(
+        pa.array(np.concatenate([[0], np.cumsum(_lengths(lived))]), pa.int32()),
+        pa.array(np.ones(len(pc.list_flatten(lived)), dtype=np.int8)),
+    )
     columns = {field: raw[column] for field, column in UNSPLICED_ROW}
-    columns.update({
-        "mode": pa.array([mode] * n, pa.string()), "gamma": pa.array(np.full(n, variant.gamma)),
-        "raw_key": row_keys(raw), "logprob_valid": ones, "advantage": pa.array(np.full(n, math.nan)),
-        "splices": pa.array([[]] * n, pa.list_(SPLICE)), "recompute_from": pa.array(np.full(n, -1, dtype=np.int32)),
-        "tokens_forwarded": pa.array(np.zeros(n, dtype=np.int32)),
-        "is_threshold": pa.nulls(n, pa.float64()) if variant.tau is None else pa.array(np.full(n, variant.tau)),
-    })
+    columns.update(
+        {
+            "mode": pa.array([mode] * n, pa.string()),
+            "gamma": pa.array(np.full(n, variant.gamma)),
+            "raw_key": row_keys(raw),
+            "logprob_valid": ones,
+            "advantage": pa.array(np.full(n, math.nan)),
+            "splices": pa.array([[]] * n, pa.list_(SPLICE)),
+            "recompute_from": pa.array(np.full(n, -1, dtype=np.int32)),
+            "tokens_forwarded": pa.array(np.zeros(n, dtype=np.int32)),
+            "is_threshold": pa.nulls(n, pa.float64()) if variant.tau is None else pa.array(np.full(n, variant.tau)),
+        }
+    )
     return pa.table([columns[f.name] for f in PURIFIED], schema=PURIFIED)

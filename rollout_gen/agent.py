@@ -9,6 +9,7 @@ turns are tokenized alone and appended (mask 0); nothing is ever re-rendered and
 Every attempt is recorded with the fingerprint of the context it was sampled under, so the
 purifier can rebuild any variant offline.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -156,9 +157,14 @@ class AgentLoop:
         context = lv.prompt + lv.ids
         call_start, parsed = self.chat.parse_turn(gen.output_ids, self.cfg.malformed_call)
         att = Attempt(
-            attempt_idx=len(lv.open_pos.attempts) if retry else 0, turn_ids=list(gen.output_ids),
-            logprobs=list(gen.logprobs), call_start=call_start, call_status=parsed.status,
-            context_len=len(context), context_fingerprint=fingerprint(context), code=parsed.code,
+            attempt_idx=len(lv.open_pos.attempts) if retry else 0,
+            turn_ids=list(gen.output_ids),
+            logprobs=list(gen.logprobs),
+            call_start=call_start,
+            call_status=parsed.status,
+            context_len=len(context),
+            context_fingerprint=fingerprint(context),
+            code=parsed.code,
             finish_reason=gen.finish_reason,
         )
         lv.stats.generated_tokens += len(att.turn_ids)
@@ -180,7 +186,7 @@ class AgentLoop:
             elif self.saar.live_mode == "purified":
                 decision = decide(lv.current, piece, self.saar.gamma_live, self.chat.decode, self.measure)
                 lv.current = splice(lv.current, piece, decision)
-                del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
+                del lv.ids[lv.open_start :], lv.mask[lv.open_start :], lv.logprobs[lv.open_start :]
                 lv.append(lv.current.ids, True, list(lv.current.logprobs))
                 if decision.kind == "shallow":
                     lv.stats.live_shallow += 1
@@ -200,8 +206,13 @@ class AgentLoop:
         lv.current = piece_from_attempt(0, att.turn_ids, att.logprobs, call_start)
         lv.append(att.turn_ids, True, att.logprobs)
         # reference: a turn that reaches a limit ends the trajectory before its call runs
-        limit = "max_turns" if lv.turns >= self.cfg.max_turns else \
-            "max_tool_turns" if lv.tool_turns >= self.cfg.max_tool_turns else None
+        limit = (
+            "max_turns"
+            if lv.turns >= self.cfg.max_turns
+            else "max_tool_turns"
+            if lv.tool_turns >= self.cfg.max_tool_turns
+            else None
+        )
         if limit:
             pos.outcome = "truncated"
             lv.finish(limit)
@@ -211,8 +222,9 @@ class AgentLoop:
     def score_request(self, lv: _Live) -> ScoreRequest:
         """The unscored retry in the context without the open (failed) turn, to score with the engine's own weights."""
         att, _ = lv.unscored
-        return ScoreRequest(lv.engine_key, tuple(lv.prompt + lv.ids[: lv.open_start]), tuple(att.turn_ids),
-                            self.cfg.temperature)
+        return ScoreRequest(
+            lv.engine_key, tuple(lv.prompt + lv.ids[: lv.open_start]), tuple(att.turn_ids), self.cfg.temperature
+        )
 
     def _importance_rollback(self, lv: _Live, scores: list[float]) -> None:
         """Plan B, live, given the retry's log-probs in the clean context (`score_request`): IS ≥ τ replaces the
@@ -220,7 +232,7 @@ class AgentLoop:
         `decide_by_ratio`, which purify mode saar_is applies again to the stored tree (same scoring function)."""
         (att, piece), lv.unscored = lv.unscored, None
         if decide_by_ratio(scores, att.logprobs, self.saar.is_threshold).kind == "replace":  # the failed turn leaves
-            del lv.ids[lv.open_start:], lv.mask[lv.open_start:], lv.logprobs[lv.open_start:]
+            del lv.ids[lv.open_start :], lv.mask[lv.open_start :], lv.logprobs[lv.open_start :]
             lv.stats.live_deep += 1
         else:  # append: the retry is a turn of its own after the failed one
             lv.open_start = len(lv.ids)
@@ -282,8 +294,9 @@ class AgentLoop:
     def _agent_failure(self, att: Attempt) -> ToolResult:
         """A call that could not even be made (malformed, unknown tool): the model's failure."""
         _, parsed = self.chat.parse_turn(att.turn_ids, self.cfg.malformed_call)
-        text = format_tool_response(False, reason=parsed.problem or att.call_status,
-                                    limit=self.cfg.sandbox.response_chars)
+        text = format_tool_response(
+            False, reason=parsed.problem or att.call_status, limit=self.cfg.sandbox.response_chars
+        )
         return ToolResult(status="failure", text=text, error_label="unknown_error", error_class="model")
 
     def _run_one(self, code: str) -> ToolResult:
@@ -305,9 +318,14 @@ class AgentLoop:
         return generation_seed(lv.seed, lv)
 
     # ---- the whole batch --------------------------------------------------------------------
-    def run(self, tasks: list[Task], identity: RolloutIdentity,
-            progress: Callable[[int, int, str], None] | None = None, samples: int | None = None,
-            draws: Draws = group_draws) -> list[Trajectory]:
+    def run(
+        self,
+        tasks: list[Task],
+        identity: RolloutIdentity,
+        progress: Callable[[int, int, str], None] | None = None,
+        samples: int | None = None,
+        draws: Draws = group_draws,
+    ) -> list[Trajectory]:
         """Task-major trajectories, `samples` per task (default rollout.samples_per_prompt): task i's sample s at
         i * samples + s, with sample_idx s, drawn as `draws` says."""
         per_task = samples or self.cfg.samples_per_prompt
@@ -320,24 +338,40 @@ class AgentLoop:
                 if len(prompt) > self.cfg.max_prompt_tokens:
                     lv.finish("prompt_too_long")
                 lives.append(lv)
-        params = SamplingParams(self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p,
-                                tuple(sorted(self.chat.stop_ids)))
+        params = SamplingParams(
+            self.cfg.max_turn_tokens, self.cfg.temperature, self.cfg.top_p, tuple(sorted(self.chat.stop_ids))
+        )
         self._async(lives, params, identity, progress)
         out = [self._trajectory(lv, identity) for lv in lives]
         for i, t in enumerate(out):
             t.sample_idx = i % per_task
         return out
 
-    def _async(self, lives: list[_Live], params: SamplingParams, identity: RolloutIdentity,
-               progress: Callable[[int, int, str], None] | None) -> None:
+    def _async(
+        self,
+        lives: list[_Live],
+        params: SamplingParams,
+        identity: RolloutIdentity,
+        progress: Callable[[int, int, str], None] | None,
+    ) -> None:
         def report(p: Progress, elapsed: float) -> None:
-            progress(p.finished, len(lives), f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
-                                             f"tokens/s, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued")
+            progress(
+                p.finished,
+                len(lives),
+                f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
+                f"tokens/s, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued",
+            )
 
         tuning = self.cfg.engine_tuning
-        sched = Scheduler(self.engine, tuning.deterministic, tuning.tool_delay_steps, tuning.max_in_flight,
-                          tool_slots=self.cfg.sandbox.workers, tool_priority=tuning.tool_priority,
-                          on_progress=report if progress else None)
+        sched = Scheduler(
+            self.engine,
+            tuning.deterministic,
+            tuning.tool_delay_steps,
+            tuning.max_in_flight,
+            tool_slots=self.cfg.sandbox.workers,
+            tool_priority=tuning.tool_priority,
+            on_progress=report if progress else None,
+        )
         key = object()  # this run's trajectories: (key, i) names trajectory i's KV in the engine
 
         async def trajectory(i: int, lv: _Live) -> None:
@@ -347,14 +381,19 @@ class AgentLoop:
                     if lv.done:
                         break
                     lv.engine_key = (key, i)
-                    request = Request((key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt))
+                    request = Request(
+                        (key, i), tuple(lv.prompt + lv.ids), params, self._seed(lv, identity), len(lv.prompt)
+                    )
                     att = self._turn(lv, await sched.generate(i, request))
                     # a rollback is decided once its retry's result is back: the call runs while it is scored
                     scoring = sched.ask_score(i, self.score_request(lv)) if lv.unscored is not None else None
                     if att is None:
                         continue
-                    result = await sched.tool(i, self._run_one, att.code) if att.call_status == "ok" \
+                    result = (
+                        await sched.tool(i, self._run_one, att.code)
+                        if att.call_status == "ok"
                         else self._agent_failure(att)
+                    )
                     if scoring is not None:
                         try:
                             self._importance_rollback(lv, await sched.scored(scoring))
@@ -372,8 +411,10 @@ class AgentLoop:
         why = ""
         try:
             outcome = reward_outcome(lv.task, text, self.sandbox)
-            score, why = outcome.value + overlong_penalty(
-                len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer), outcome.reason[:300]
+            score, why = (
+                outcome.value + overlong_penalty(len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer),
+                outcome.reason[:300],
+            )
         except Exception as e:  # a reward that cannot be computed is this trajectory's failure, not the batch's
             score = -1.0
             lv.finish_reason = f"reward_error: {type(e).__name__}: {e}"[:300]
@@ -381,12 +422,29 @@ class AgentLoop:
         lv.stats.tool_calls = sum(a.has_call for p in lv.positions for a in p.attempts)
         lv.stats.response_tokens = len(lv.ids)
         return Trajectory(
-            run_id=identity.run_id, iteration=identity.iteration, prompt_id=lv.task.prompt_id,
-            sample_idx=lv.sample_idx, policy_version=identity.policy_version, seed=lv.seed,
-            task_source=lv.task.source, question=lv.task.question, ground_truth=lv.task.ground_truth,
-            saar_gate=lv.gate, gate_p=self.saar.gate_p, live_mode=self.saar.live_mode,
-            gamma_live=self.saar.gamma_live, max_retries=self.saar.max_retries, prompt_ids=lv.prompt,
-            lived_ids=lv.ids, lived_mask=lv.mask, lived_logprobs=lv.logprobs, positions=lv.positions,
-            final_turn=lv.final_turn, final_answer=last_boxed(text), reward=score, finish_reason=lv.finish_reason,
-            stats=lv.stats, reward_reason=why,
+            run_id=identity.run_id,
+            iteration=identity.iteration,
+            prompt_id=lv.task.prompt_id,
+            sample_idx=lv.sample_idx,
+            policy_version=identity.policy_version,
+            seed=lv.seed,
+            task_source=lv.task.source,
+            question=lv.task.question,
+            ground_truth=lv.task.ground_truth,
+            saar_gate=lv.gate,
+            gate_p=self.saar.gate_p,
+            live_mode=self.saar.live_mode,
+            gamma_live=self.saar.gamma_live,
+            max_retries=self.saar.max_retries,
+            prompt_ids=lv.prompt,
+            lived_ids=lv.ids,
+            lived_mask=lv.mask,
+            lived_logprobs=lv.logprobs,
+            positions=lv.positions,
+            final_turn=lv.final_turn,
+            final_answer=last_boxed(text),
+            reward=score,
+            finish_reason=lv.finish_reason,
+            stats=lv.stats,
+            reward_reason=why,
         )

@@ -13,6 +13,7 @@ private_test_cases, metadata with func_name, starter_code, platform, …) are re
 (lcb_runner/benchmarks/code_generation.py). The questions are used as they are: the reference wraps them in
 its own instructions, which a checkpoint's chat template or a task file of built prompts can carry.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,12 +39,17 @@ class Row:
     ground_truth: str
     kind: str  # "math" or "code"
 
+
 KINDS: dict[str, tuple[str, Callable[[pa.DataType], bool]]] = {
     "text": ("a string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
-    "answer": ("a string or an integer", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
-               or pa.types.is_integer(t)),
-    "json": ("a JSON string or a struct", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
-             or pa.types.is_struct(t)),
+    "answer": (
+        "a string or an integer",
+        lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t),
+    ),
+    "json": (
+        "a JSON string or a struct",
+        lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_struct(t),
+    ),
 }
 
 
@@ -58,14 +64,17 @@ class Layout:
     def check(self, schema: pa.Schema, path: Path) -> None:
         for column in self.required:
             if column not in schema.names:
-                raise LayoutError(f"{path}: missing column '{column}' (the {self.name} layout needs "
-                                    f"{', '.join(self.required)})")
+                raise LayoutError(
+                    f"{path}: missing column '{column}' (the {self.name} layout needs {', '.join(self.required)})"
+                )
         for column, kind in {**self.required, **self.optional}.items():
             if column in schema.names:
                 want, ok = KINDS[kind]
                 if not ok(schema.field(column).type):
-                    raise LayoutError(f"{path}: column '{column}' is {schema.field(column).type}, expected {want} "
-                                        f"(the {self.name} layout)")
+                    raise LayoutError(
+                        f"{path}: column '{column}' is {schema.field(column).type}, expected {want} "
+                        f"(the {self.name} layout)"
+                    )
 
     def load(self, table: pa.Table, path: Path, source: str | None) -> list[Row]:
         self.check(table.schema, path)
@@ -113,7 +122,11 @@ def _lcb_v6(row: dict, source: str) -> Row:
     truth = rm.get("ground_truth") if isinstance(rm, dict) else None
     if isinstance(truth, str):
         truth = _json_field({"ground_truth": truth}, "ground_truth")
-    if not isinstance(truth, dict) or not isinstance(truth.get("inputs"), list) or not isinstance(truth.get("outputs"), list):
+    if (
+        not isinstance(truth, dict)
+        or not isinstance(truth.get("inputs"), list)
+        or not isinstance(truth.get("outputs"), list)
+    ):
         raise ValueError("column 'reward_model' has no ground_truth {inputs: [...], outputs: [...]}")
     if len(truth["inputs"]) != len(truth["outputs"]):
         raise ValueError(f"column 'reward_model': {len(truth['inputs'])} inputs but {len(truth['outputs'])} outputs")
@@ -137,23 +150,59 @@ def _lcb_native(row: dict, source: str) -> Row:
     starter = (row.get("starter_code") or "").strip()
     if starter:  # call-based problems name their method in the starter code; the model needs it
         question += f"\n\nComplete this starter code:\n```python\n{starter}\n```"
-    return _code(question, CodeTests([str(t["input"]) for t in tests], [str(t["output"]) for t in tests],
-                                     str(fn) if fn else None, str(row["question_id"])), source)
+    return _code(
+        question,
+        CodeTests(
+            [str(t["input"]) for t in tests],
+            [str(t["output"]) for t in tests],
+            str(fn) if fn else None,
+            str(row["question_id"]),
+        ),
+        source,
+    )
 
 
-AIME24 = Layout("Open-AgentRL-Eval AIME2024", "AIME2024", {"Problem": "text", "Answer": "answer"}, {"data_source": "text"},
-                lambda r, s: _math(r["Problem"], r["Answer"], s))
-AIME25 = Layout("Open-AgentRL-Eval AIME2025", "AIME2025", {"problem": "text", "answer": "answer"}, {"data_source": "text"},
-                lambda r, s: _math(r["problem"], r["answer"], s))
-GPQA = Layout("Open-AgentRL-Eval gpqa_diamond", "gpqa_diamond", {"problem": "text", "solution": "text"},
-              {"domain": "text", "data_source": "text"}, _letter)
-LCB_V6 = Layout("Open-AgentRL-Eval LiveCodeBench_v6", "LiveCodeBench_v6", {"problem": "text", "reward_model": "json"},
-                {"extra_info": "json", "data_source": "text", "ability": "text"}, _lcb_v6)
-LCB = Layout("LiveCodeBench code_generation_lite", "livecodebench",
-             {"question_id": "answer", "question_content": "text", "public_test_cases": "text",
-              "private_test_cases": "text", "metadata": "json"},
-             {"starter_code": "text", "platform": "text", "question_title": "text", "difficulty": "text"},
-             _lcb_native)
+AIME24 = Layout(
+    "Open-AgentRL-Eval AIME2024",
+    "AIME2024",
+    {"Problem": "text", "Answer": "answer"},
+    {"data_source": "text"},
+    lambda r, s: _math(r["Problem"], r["Answer"], s),
+)
+AIME25 = Layout(
+    "Open-AgentRL-Eval AIME2025",
+    "AIME2025",
+    {"problem": "text", "answer": "answer"},
+    {"data_source": "text"},
+    lambda r, s: _math(r["problem"], r["answer"], s),
+)
+GPQA = Layout(
+    "Open-AgentRL-Eval gpqa_diamond",
+    "gpqa_diamond",
+    {"problem": "text", "solution": "text"},
+    {"domain": "text", "data_source": "text"},
+    _letter,
+)
+LCB_V6 = Layout(
+    "Open-AgentRL-Eval LiveCodeBench_v6",
+    "LiveCodeBench_v6",
+    {"problem": "text", "reward_model": "json"},
+    {"extra_info": "json", "data_source": "text", "ability": "text"},
+    _lcb_v6,
+)
+LCB = Layout(
+    "LiveCodeBench code_generation_lite",
+    "livecodebench",
+    {
+        "question_id": "answer",
+        "question_content": "text",
+        "public_test_cases": "text",
+        "private_test_cases": "text",
+        "metadata": "json",
+    },
+    {"starter_code": "text", "platform": "text", "question_title": "text", "difficulty": "text"},
+    _lcb_native,
+)
 BY_DATA_SOURCE = {"aime2024": AIME24, "aime2025": AIME25, "gpqa_diamond": GPQA, "livecodebench_v6": LCB_V6}
 LCB_COLUMNS = {"question_id", "question_content", "public_test_cases", "private_test_cases"}
 

@@ -6,6 +6,7 @@ The k samples of every task run as one batch on the asynchronous loop. Sample s 
 as a one-sample evaluation at `rollout.seed + s` draws it (the same SAAR gate coin and per-turn seeds), so
 avg@k is the mean of k single-sample evaluations with those seeds (tests/test_eval_avgk.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from rollout_gen.tasks import Task
 from storage.checkpoints import policy_version
 from storage.errors import CleanerError
 
+
 class EvalError(CleanerError, ValueError):
     """An evaluation asked for with values that cannot run (k, tasks, an export target); nothing was run."""
 
@@ -38,9 +40,11 @@ def check_samples(cfg: CleanerConfig, samples: int, name: str = "--samples") -> 
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise EvalError(f"{name} {samples!r}: the number of samples per task must be an integer >= 1")
     if samples > cfg.rollout.engine_tuning.max_in_flight:
-        raise EvalError(f"{name} {samples}: above rollout.engine_tuning.max_in_flight ({cfg.rollout.engine_tuning.max_in_flight}), the most "
-                        f"requests the engine runs at once (a task's samples are batched together); lower {name} "
-                        "or raise rollout.engine_tuning.max_in_flight")
+        raise EvalError(
+            f"{name} {samples}: above rollout.engine_tuning.max_in_flight ({cfg.rollout.engine_tuning.max_in_flight}), the most "
+            f"requests the engine runs at once (a task's samples are batched together); lower {name} "
+            "or raise rollout.engine_tuning.max_in_flight"
+        )
 
 
 class _Clock:
@@ -72,8 +76,11 @@ class EvalRun:
     def lcb_entries(self) -> list[tuple[str, list[str]]]:
         """(question_id, the k programs) of every LiveCodeBench task, in sample order."""
         k = self.samples
-        return [(qid, self.codes[i * k:(i + 1) * k]) for i, task in enumerate(self.tasks)
-                if (qid := question_id(task)) is not None]
+        return [
+            (qid, self.codes[i * k : (i + 1) * k])
+            for i, task in enumerate(self.tasks)
+            if (qid := question_id(task)) is not None
+        ]
 
 
 def question_id(task: Task) -> str | None:
@@ -89,18 +96,24 @@ def check_exportable(tasks: list[Task], where: str) -> None:
     """Every code task must carry its LiveCodeBench question_id, and there must be one: refused before running."""
     code = [(i, t) for i, t in enumerate(tasks) if t.kind == "code"]
     if not code:
-        raise EvalError(f"--export-lcb: {where} has no code task (LiveCodeBench layouts: code_generation_lite rows, "
-                        "or Open-AgentRL-Eval's LiveCodeBench_v6)")
+        raise EvalError(
+            f"--export-lcb: {where} has no code task (LiveCodeBench layouts: code_generation_lite rows, "
+            "or Open-AgentRL-Eval's LiveCodeBench_v6)"
+        )
     ids = [(i, question_id(t)) for i, t in code]
     missing = [i for i, qid in ids if qid is None]
     if missing:
-        raise EvalError(f"--export-lcb: {where}: row {missing[0]} ({tasks[missing[0]].source}) has no question_id "
-                        f"({len(missing)} of {len(code)} code tasks lack one); LiveCodeBench aligns generations by it")
+        raise EvalError(
+            f"--export-lcb: {where}: row {missing[0]} ({tasks[missing[0]].source}) has no question_id "
+            f"({len(missing)} of {len(code)} code tasks lack one); LiveCodeBench aligns generations by it"
+        )
     first: dict[str, int] = {}
     for i, qid in ids:
         if qid in first:
-            raise EvalError(f"--export-lcb: {where}: row {i}: question_id {qid!r} repeats row {first[qid]}'s; "
-                            "LiveCodeBench takes one entry per problem")
+            raise EvalError(
+                f"--export-lcb: {where}: row {i}: question_id {qid!r} repeats row {first[qid]}'s; "
+                "LiveCodeBench takes one entry per problem"
+            )
         first[qid] = i
 
 
@@ -110,14 +123,22 @@ def check_prompt_lengths(tasks: list[Task], chat: ChatFormat, limit: int) -> Non
     lengths = [len(chat.prompt_ids(t.question)) for t in tasks]
     over = [i for i, n in enumerate(lengths) if n > limit]
     if over:
-        raise EvalError(f"{len(over)} of {len(tasks)} tasks have prompts longer than rollout.max_prompt_tokens "
-                        f"({limit}; the longest {max(lengths)} tokens, the first row {over[0]}, "
-                        f"{tasks[over[0]].prompt_id}): they would count as failures without being tried; raise "
-                        f"rollout.max_prompt_tokens (e.g. rollout.max_prompt_tokens={max(lengths)})")
+        raise EvalError(
+            f"{len(over)} of {len(tasks)} tasks have prompts longer than rollout.max_prompt_tokens "
+            f"({limit}; the longest {max(lengths)} tokens, the first row {over[0]}, "
+            f"{tasks[over[0]].prompt_id}): they would count as failures without being tried; raise "
+            f"rollout.max_prompt_tokens (e.g. rollout.max_prompt_tokens={max(lengths)})"
+        )
 
 
-def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samples: int = 1,
-                   show_progress: bool = True, log: Callable[[str], None] | None = None) -> EvalRun:
+def evaluate_tasks(
+    cfg: CleanerConfig,
+    checkpoint: Path,
+    tasks: list[Task],
+    samples: int = 1,
+    show_progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> EvalRun:
     """k samples per task with SAAR as configured; metrics overall and per benchmark (task source)."""
     check_samples(cfg, samples)
     if not tasks:
@@ -134,27 +155,36 @@ def evaluate_tasks(cfg: CleanerConfig, checkpoint: Path, tasks: list[Task], samp
     clock = _Clock(bar)
     t0 = time.perf_counter()
     try:
-        with SandboxPool(cfg.rollout.sandbox) as sandbox, (bar or contextlib.nullcontext()):
+        with SandboxPool(cfg.rollout.sandbox) as sandbox, bar or contextlib.nullcontext():
             # each sample is a one-sample run at its own seed (rollout.seed + s), as avg@k is defined
-            trajectories = AgentLoop(engine, sandbox, chat, cfg.rollout).run(tasks, identity, clock, samples,
-                                                                             one_sample_runs)
+            trajectories = AgentLoop(engine, sandbox, chat, cfg.rollout).run(
+                tasks, identity, clock, samples, one_sample_runs
+            )
     finally:
         engine.close()
     wall = time.perf_counter() - t0
     metrics = world_metrics(trajectories, wall)
     bench = benchmark_metrics([(t.source, t.kind) for t in tasks], trajectories, samples)
-    metrics.update({
-        "accuracy": bench["all"]["pass@1"],  # avg@k: a code task counts only when every test passes
-        "samples": samples,
-        "tool_failures_per_trajectory": bench["all"]["tool_failures_per_trajectory"],
-        "benchmarks": bench,
-        "latency_s": clock.latency(total, wall),
-    })
+    metrics.update(
+        {
+            "accuracy": bench["all"]["pass@1"],  # avg@k: a code task counts only when every test passes
+            "samples": samples,
+            "tool_failures_per_trajectory": bench["all"]["tool_failures_per_trajectory"],
+            "benchmarks": bench,
+            "latency_s": clock.latency(total, wall),
+        }
+    )
     metrics["settings"] = {  # the keys policies/*/metrics.json records (a test compares them)
-        "tasks": len(tasks), "temperature": cfg.rollout.temperature, "seed": cfg.rollout.seed,
-        "saar_live_mode": cfg.rollout.saar.live_mode, "max_retries": cfg.rollout.saar.max_retries,
-        "world": cfg.world.model_dump(), "policy_version": identity.policy_version,
+        "tasks": len(tasks),
+        "temperature": cfg.rollout.temperature,
+        "seed": cfg.rollout.seed,
+        "saar_live_mode": cfg.rollout.saar.live_mode,
+        "max_retries": cfg.rollout.saar.max_retries,
+        "world": cfg.world.model_dump(),
+        "policy_version": identity.policy_version,
     }
-    codes = [extract_code(model_text(chat, t.lived_ids, t.lived_mask)) if tasks[i // samples].kind == "code" else ""
-             for i, t in enumerate(trajectories)]
+    codes = [
+        extract_code(model_text(chat, t.lived_ids, t.lived_mask)) if tasks[i // samples].kind == "code" else ""
+        for i, t in enumerate(trajectories)
+    ]
     return EvalRun(metrics, tasks, samples, trajectories, codes)

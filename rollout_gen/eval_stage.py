@@ -7,6 +7,7 @@ Metric names: `<setting>/<benchmark>/<metric>` for setting saar_on | saar_off, b
 source, metric pass@k, pass@k_se, tool_failures_per_trajectory, first_call_failure_rate, …; and
 `<setting>/<metric>` for the run's wall_s, generated_tokens_per_s and latency_p50_s / latency_p90_s.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,14 @@ def eval_settings(cfg: CleanerConfig) -> list[str]:
 def _record(cfg: CleanerConfig, version: str, digest_size: int = 16) -> dict:
     f = cfg.flow
     source = "world" if f.eval_tasks == "world" else file_digest(f.eval_tasks, digest_size)
-    return {"tasks": source, "samples": f.eval_samples, "limit": f.eval_limit, "settings": eval_settings(cfg),
-            "sections": cfg.section_hash("rollout", "world"), "policy": version}
+    return {
+        "tasks": source,
+        "samples": f.eval_samples,
+        "limit": f.eval_limit,
+        "settings": eval_settings(cfg),
+        "sections": cfg.section_hash("rollout", "world"),
+        "policy": version,
+    }
 
 
 def eval_identity(cfg: CleanerConfig, version: str) -> StageIdentity:
@@ -74,11 +81,18 @@ def metric_records(run_id: str, iteration: int, setting: str, metrics: dict) -> 
     values: dict[str, object] = {}
     for bench, group in metrics["benchmarks"].items():
         values.update({f"{setting}/{bench}/{k}": v for k, v in group.items()})
-    values.update({f"{setting}/wall_s": metrics["wall_s"], f"{setting}/generated_tokens_per_s":
-                   metrics["generated_tokens_per_s"], f"{setting}/latency_p50_s": metrics["latency_s"]["p50"],
-                   f"{setting}/latency_p90_s": metrics["latency_s"]["p90"]})
-    return [{"run_id": run_id, "iteration": iteration, "stage": STAGE, "step": 0, "name": name, "value": _value(v)}
-            for name, v in values.items()]
+    values.update(
+        {
+            f"{setting}/wall_s": metrics["wall_s"],
+            f"{setting}/generated_tokens_per_s": metrics["generated_tokens_per_s"],
+            f"{setting}/latency_p50_s": metrics["latency_s"]["p50"],
+            f"{setting}/latency_p90_s": metrics["latency_s"]["p90"],
+        }
+    )
+    return [
+        {"run_id": run_id, "iteration": iteration, "stage": STAGE, "step": 0, "name": name, "value": _value(v)}
+        for name, v in values.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -115,8 +129,13 @@ def plan_eval(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path 
         return EvalPlan(run_id, iteration, out, kept=done)
     identity = eval_identity(cfg, policy_version(checkpoint))
     if done is not None:
-        check_committed(out, done.config_hash, identity, made_with="with other evaluation settings (flow.eval_*)",
-                        remedy=f"remove {out} to evaluate it again, or rerun with the settings it was evaluated with")
+        check_committed(
+            out,
+            done.config_hash,
+            identity,
+            made_with="with other evaluation settings (flow.eval_*)",
+            remedy=f"remove {out} to evaluate it again, or rerun with the settings it was evaluated with",
+        )
         return EvalPlan(run_id, iteration, out, kept=done)
     return EvalPlan(run_id, iteration, out, checkpoint=checkpoint, identity=identity.value, tasks=tuple(tasks))
 
@@ -133,16 +152,18 @@ def run_eval_plan(cfg: CleanerConfig, plan: EvalPlan, log: Callable[[str], None]
         records += metric_records(plan.run_id, plan.iteration, setting, m)
         overall = m["benchmarks"]["all"]
         extra[setting] = {"pass@1": overall["pass@1"], "wall_s": m["wall_s"]}
-        log(f"[eval it {plan.iteration}] {setting}: avg@{cfg.flow.eval_samples} pass@1 {overall['pass@1']:.3f}, "
-            f"tool failures/trajectory {overall['tool_failures_per_trajectory']:.3f}, {m['wall_s']:.1f} s")
+        log(
+            f"[eval it {plan.iteration}] {setting}: avg@{cfg.flow.eval_samples} pass@1 {overall['pass@1']:.3f}, "
+            f"tool failures/trajectory {overall['tool_failures_per_trajectory']:.3f}, {m['wall_s']:.1f} s"
+        )
     extra = {"checkpoint": record_path(cfg.storage.root, plan.checkpoint), "tasks": len(plan.tasks), **extra}
-    manifest = write_shard(plan.out, pa.Table.from_pylist(records, schema=METRICS), METRICS, plan.identity,
-                           extra=extra)
+    manifest = write_shard(plan.out, pa.Table.from_pylist(records, schema=METRICS), METRICS, plan.identity, extra=extra)
     return manifest, False
 
 
-def run_eval_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None,
-                   log: Callable[[str], None] = print) -> tuple[Manifest, bool]:
+def run_eval_stage(
+    cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None, log: Callable[[str], None] = print
+) -> tuple[Manifest, bool]:
     """Evaluate checkpoint `iteration` into its metrics shard: plan, evaluate, commit. Returns the committed shard
     and whether it was already there."""
     return run_eval_plan(cfg, plan_eval(cfg, run_id, iteration, checkpoint), log)

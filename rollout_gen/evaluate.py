@@ -1,5 +1,6 @@
 """Policy metrics from rolled-out trajectories: call format, tool errors, retries, accuracy, speed; avg@k and
 pass@k per benchmark (pipeline/passk.py)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -22,11 +23,15 @@ def world_metrics(trajectories: list[Trajectory], wall_s: float) -> dict:
     # one protocol-free error metric (with SAAR off a failed call closes its position and the next call opens
     # another, so the per-position rate above counts calls there and positions under SAAR on).
     very_first = [t.positions[0].attempts[0] for t in trajectories if t.positions]
-    retries = [(p.attempts[i - 1], p.attempts[i]) for t in trajectories for p in t.positions
-               for i in range(1, len(p.attempts))]
+    retries = [
+        (p.attempts[i - 1], p.attempts[i]) for t in trajectories for p in t.positions for i in range(1, len(p.attempts))
+    ]
     retry_ok = sum(1 for _, r in retries if r.result is not None and not r.failed)
-    same_reasoning = sum(1 for f, r in retries if f.call_start > 0 and r.call_start > 0
-                         and f.turn_ids[: f.call_start] == r.turn_ids[: r.call_start])
+    same_reasoning = sum(
+        1
+        for f, r in retries
+        if f.call_start > 0 and r.call_start > 0 and f.turn_ids[: f.call_start] == r.turn_ids[: r.call_start]
+    )
     shallow = sum(t.stats.live_shallow for t in trajectories)
     deep = sum(t.stats.live_deep for t in trajectories)
     generated = sum(t.stats.generated_tokens for t in trajectories)
@@ -83,7 +88,7 @@ def benchmark_metrics(kinds: list[tuple[str, str]], trajectories: list[Trajector
     per task; the trajectories are task-major, task i's samples at [i*samples, (i+1)*samples)."""
     groups: dict[str, tuple[list[Trajectory], list[tuple[int, int]]]] = {ALL: ([], [])}
     for i, (source, kind) in enumerate(kinds):
-        mine = trajectories[i * samples:(i + 1) * samples]
+        mine = trajectories[i * samples : (i + 1) * samples]
         count = (len(mine), sum(solved(t, kind) for t in mine))
         for key in (ALL, source):
             trajs, counts = groups.setdefault(key, ([], []))

@@ -20,6 +20,7 @@ sandboxed run (RUNNER, in the sandbox) only reports what the program produced �
 or its return value as tagged plain data — on a channel of lines; the comparison with the expected output
 happens here, in the pipeline's process (`_compare`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -42,14 +43,58 @@ OUTPUT_LIMIT_MB = 32
 
 # LiveCodeBench's import_string: star imports then plain imports, so programs that use `sqrt`, `deque`,
 # `lru_cache` … without importing them run as they do there.
-_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
-            "itertools", "functools", "operator", "io", "sys", "json")
-PRELUDE = ("".join(f"from {m} import *\n" for m in (*_MODULES, "builtins", "typing"))
-           + "".join(f"import {m}\n" for m in _MODULES) + "sys.setrecursionlimit(50000)\n")
+_MODULES = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+)
+PRELUDE = (
+    "".join(f"from {m} import *\n" for m in (*_MODULES, "builtins", "typing"))
+    + "".join(f"import {m}\n" for m in _MODULES)
+    + "sys.setrecursionlimit(50000)\n"
+)
 # What the harness's reliability_guard sets to None before the program runs (os.kill … os.chdir).
-_GUARDED_OS = ("kill", "system", "putenv", "remove", "removedirs", "rmdir", "fchdir", "setuid", "fork", "forkpty",
-               "killpg", "rename", "renames", "truncate", "replace", "unlink", "fchmod", "fchown", "chmod", "chown",
-               "chroot", "lchflags", "lchmod", "lchown", "getcwd", "chdir")
+_GUARDED_OS = (
+    "kill",
+    "system",
+    "putenv",
+    "remove",
+    "removedirs",
+    "rmdir",
+    "fchdir",
+    "setuid",
+    "fork",
+    "forkpty",
+    "killpg",
+    "rename",
+    "renames",
+    "truncate",
+    "replace",
+    "unlink",
+    "fchmod",
+    "fchown",
+    "chmod",
+    "chown",
+    "chroot",
+    "lchflags",
+    "lchmod",
+    "lchown",
+    "getcwd",
+    "chdir",
+)
 _GUARDED_MODULES = ("ipdb", "joblib", "resource", "psutil", "tkinter")
 
 # The sandboxed side of one program's run. It knows the program, the test inputs and the time limit, never an
@@ -314,8 +359,9 @@ class CodeTests:
     question_id: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"inputs": self.inputs, "outputs": self.outputs, "fn_name": self.fn_name,
-                           "question_id": self.question_id})
+        return json.dumps(
+            {"inputs": self.inputs, "outputs": self.outputs, "fn_name": self.fn_name, "question_id": self.question_id}
+        )
 
 
 @dataclass(frozen=True)
@@ -346,7 +392,11 @@ def parse_tests(ground_truth: str) -> CodeTests:
         if not all(isinstance(t, dict) for t in data):
             raise LCBFormatError("a test list must hold {input, output} objects")
         return CodeTests([str(t.get("input", "")) for t in data], [str(t.get("output", "")) for t in data])
-    if not isinstance(data, dict) or not isinstance(data.get("inputs"), list) or not isinstance(data.get("outputs"), list):
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("inputs"), list)
+        or not isinstance(data.get("outputs"), list)
+    ):
         raise LCBFormatError("tests must be {inputs: [...], outputs: [...]} or a list of {input, output}")
     if len(data["inputs"]) != len(data["outputs"]):
         raise LCBFormatError(f"{len(data['inputs'])} inputs but {len(data['outputs'])} outputs")
@@ -355,10 +405,16 @@ def parse_tests(ground_truth: str) -> CodeTests:
 
 def code_tests(inputs: list, outputs: list, fn_name: object, question_id: object) -> CodeTests:
     """CodeTests of LiveCodeBench's input_output values: inputs and outputs as text (JSON unless strings)."""
+
     def text(value: object) -> str:
         return value if isinstance(value, str) else json.dumps(value)
-    return CodeTests([text(x) for x in inputs], [text(x) for x in outputs], str(fn_name) if fn_name else None,
-                     None if question_id is None else str(question_id))
+
+    return CodeTests(
+        [text(x) for x in inputs],
+        [text(x) for x in outputs],
+        str(fn_name) if fn_name else None,
+        None if question_id is None else str(question_id),
+    )
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -392,10 +448,11 @@ def extract_code(text: str) -> str:
     fences = [i for i, line in enumerate(lines) if "```" in line]
     if len(fences) < 2:
         return ""
-    return "\n".join(lines[fences[-2] + 1: fences[-1]])
+    return "\n".join(lines[fences[-2] + 1 : fences[-1]])
 
 
 # ---- the comparison, in this process --------------------------------------------------------------------
+
 
 def _lines(text: str) -> list[str]:
     return [x.strip() for x in text.strip().split("\n")]
@@ -428,7 +485,7 @@ def _int(digits: str) -> int:
         raise ValueError(f"an integer of {len(body)} digits (the harness reads at most {INT_MAX_STR_DIGITS})")
     value = 0
     for start in range(0, len(body), 4000):
-        chunk = body[start:start + 4000]
+        chunk = body[start : start + 4000]
         value = value * 10 ** len(chunk) + int(chunk)
     return sign * value
 
@@ -445,7 +502,7 @@ def _untagged(v: object, depth: int = 0) -> object:
         return [_untagged(x, depth + 1) for x in v]
     if not isinstance(v, dict):
         return v
-    (tag, payload), = v.items()
+    ((tag, payload),) = v.items()
     if tag == "int":
         return int(payload, 16)
     if tag == "float":
@@ -495,12 +552,24 @@ def _records(stdout: str) -> list[dict]:
 def run_tests(program: str, tests: CodeTests, sandbox, time_limit_s: float = TIME_LIMIT_S) -> list[TestResult]:
     """Every test of one program, in one sandbox call, as the harness runs them; compared here."""
     n = len(tests.inputs)
-    spec = {"code": program, "inputs": tests.inputs, "fn": tests.fn_name, "prelude": PRELUDE,
-            "time_limit": time_limit_s, "digits": INT_MAX_STR_DIGITS, "output_limit": OUTPUT_LIMIT_MB * 2**20,
-            "guarded_os": _GUARDED_OS, "guarded_modules": _GUARDED_MODULES}
-    ex = sandbox.execute(RUNNER.replace("__SPEC__", repr(json.dumps(spec)), 1),
-                         timeout_s=(math.ceil(time_limit_s) + 1) * n + 5, memory_mb=MEMORY_MB,
-                         max_file_mb=OUTPUT_LIMIT_MB, output_chars=OUTPUT_LIMIT_MB * 2**20)
+    spec = {
+        "code": program,
+        "inputs": tests.inputs,
+        "fn": tests.fn_name,
+        "prelude": PRELUDE,
+        "time_limit": time_limit_s,
+        "digits": INT_MAX_STR_DIGITS,
+        "output_limit": OUTPUT_LIMIT_MB * 2**20,
+        "guarded_os": _GUARDED_OS,
+        "guarded_modules": _GUARDED_MODULES,
+    }
+    ex = sandbox.execute(
+        RUNNER.replace("__SPEC__", repr(json.dumps(spec)), 1),
+        timeout_s=(math.ceil(time_limit_s) + 1) * n + 5,
+        memory_mb=MEMORY_MB,
+        max_file_mb=OUTPUT_LIMIT_MB,
+        output_chars=OUTPUT_LIMIT_MB * 2**20,
+    )
     if ex.infra_error is not None:  # never blamed on the program: the reward says so (reward_error)
         raise RuntimeError(f"the sandbox could not run the tests: {ex.infra_error}")
     results: dict[int, TestResult] = {}

@@ -10,6 +10,7 @@ Every failure (timeout, crash, unparsable answer) is `None` for the caller: neve
 Protocol, one JSON object a line: the child writes {"ready": true} once imported; then for each
 {"gold": str, "answer": str} it writes {"equal": bool} or {"error": str}.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,7 +35,9 @@ VERIFY_TIMEOUT_S = 2
 class MathVerifier:
     """A lazily started child process answering `equal(gold, answer)`; thread-safe, one call at a time."""
 
-    def __init__(self, timeout_s: float = 3 * (PARSE_TIMEOUT_S + VERIFY_TIMEOUT_S), start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, timeout_s: float = 3 * (PARSE_TIMEOUT_S + VERIFY_TIMEOUT_S), start_timeout_s: float = 120.0
+    ) -> None:
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
@@ -55,15 +58,30 @@ class MathVerifier:
         if "equal" in reply:
             return bool(reply["equal"])
         self.failures += 1
-        log.warning("math-verify gave no verdict on %r vs %r (%s); scored as not equal", answer[:80], gold[:80],
-                    reply["error"][:200])
+        log.warning(
+            "math-verify gave no verdict on %r vs %r (%s); scored as not equal",
+            answer[:80],
+            gold[:80],
+            reply["error"][:200],
+        )
         return None
 
     def _start(self) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                          os.environ.get("PYTHONPATH")])))
-        self._proc = subprocess.Popen([sys.executable, "-m", "rollout_gen.math_verify_worker"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])
+            ),
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_gen.math_verify_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            env=env,
+        )
         if not self._read(self._proc, self.start_timeout_s).get("ready"):
             raise ValueError("math-verify worker did not start")
         return self._proc
@@ -112,8 +130,11 @@ def _serve() -> None:
         try:
             q = json.loads(line)
             gold, answer = expr(q["gold"]), expr(q["answer"])
-            reply = {"equal": bool(gold and answer and verify(gold, answer, timeout_seconds=VERIFY_TIMEOUT_S,
-                                                                   raise_on_error=True))}
+            reply = {
+                "equal": bool(
+                    gold and answer and verify(gold, answer, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True)
+                )
+            }
         except (TimeoutException, MemoryError, RecursionError) as e:  # no verdict: the parent logs and counts it
             reply = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         except Exception:  # noqa: BLE001 - latex2sympy/sympy refused the answer: it is not the gold

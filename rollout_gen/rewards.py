@@ -8,6 +8,7 @@ process with a hard time limit (rollout_gen/math_verify_worker.py), so a patholo
 with a logged warning, never a hang or an exception. A one-letter ground truth (A–J, GPQA) is matched
 against the box's letter, with or without `(...)` or `\\text{...}` around it.
 """
+
 from __future__ import annotations
 
 import re

@@ -5,6 +5,7 @@ Model-written code never runs in this process: each call is forked from a warm w
 raised or ran out of time) or as infrastructure (a worker died, hung, or could not build the
 sandbox); infrastructure failures are retried here and never blamed on the model.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,17 @@ from pipeline.trajectory import ToolResult
 
 WORKER = Path(__file__).resolve().parent / "sandbox_worker.py"
 ERROR_LABELS = (  # docs/saar.md: the first that occurs in the error text names the failure
-    "ImportError", "ModuleNotFoundError", "SyntaxError", "IndexError", "IndentationError", "NameError",
-    "TypeError", "worker_timeout", "NotImplementedError", "ValueError", "ZeroDivisionError",
+    "ImportError",
+    "ModuleNotFoundError",
+    "SyntaxError",
+    "IndexError",
+    "IndentationError",
+    "NameError",
+    "TypeError",
+    "worker_timeout",
+    "NotImplementedError",
+    "ValueError",
+    "ZeroDivisionError",
 )
 INFRA_LABEL = "sandbox_error"
 SCORING_TMPFS_MB = 128
@@ -67,21 +77,51 @@ def classify(ex: Execution, cfg: SandboxConfig) -> ToolResult:
     limit = cfg.response_chars
     if ex.infra_error is not None:
         text = format_tool_response(False, reason="the sandbox could not run the code (internal error)", limit=limit)
-        return ToolResult(status="failure", text=text, error_label=INFRA_LABEL, error_class="infra",
-                          exit_code=ex.exit_code, duration_s=ex.duration_s)
+        return ToolResult(
+            status="failure",
+            text=text,
+            error_label=INFRA_LABEL,
+            error_class="infra",
+            exit_code=ex.exit_code,
+            duration_s=ex.duration_s,
+        )
     if ex.timed_out:
-        text = format_tool_response(False, ex.stdout, ex.stderr,
-                                    reason=f"worker_timeout: the code ran longer than {cfg.timeout_s:g} s", limit=limit)
-        return ToolResult(status="failure", text=text, error_label="worker_timeout", error_class="model",
-                          exit_code=ex.exit_code, duration_s=ex.duration_s, timed_out=True)
+        text = format_tool_response(
+            False,
+            ex.stdout,
+            ex.stderr,
+            reason=f"worker_timeout: the code ran longer than {cfg.timeout_s:g} s",
+            limit=limit,
+        )
+        return ToolResult(
+            status="failure",
+            text=text,
+            error_label="worker_timeout",
+            error_class="model",
+            exit_code=ex.exit_code,
+            duration_s=ex.duration_s,
+            timed_out=True,
+        )
     if ex.exit_code == 0:
-        return ToolResult(status="success", text=format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
-                          exit_code=0, duration_s=ex.duration_s)
-    reason = next((ln.strip() for ln in reversed(ex.stderr.splitlines()) if ln.strip()),  # the error's last line
-                  f"the process ended with exit code {ex.exit_code}")
+        return ToolResult(
+            status="success",
+            text=format_tool_response(True, ex.stdout, ex.stderr, limit=limit),
+            exit_code=0,
+            duration_s=ex.duration_s,
+        )
+    reason = next(
+        (ln.strip() for ln in reversed(ex.stderr.splitlines()) if ln.strip()),  # the error's last line
+        f"the process ended with exit code {ex.exit_code}",
+    )
     text = format_tool_response(False, ex.stdout, ex.stderr, reason=reason, limit=limit)
-    return ToolResult(status="failure", text=text, error_label=error_label(ex.stderr), error_class="model",
-                      exit_code=ex.exit_code, duration_s=ex.duration_s)
+    return ToolResult(
+        status="failure",
+        text=text,
+        error_label=error_label(ex.stderr),
+        error_class="model",
+        exit_code=ex.exit_code,
+        duration_s=ex.duration_s,
+    )
 
 
 class _Worker:
@@ -93,8 +133,13 @@ class _Worker:
         options = {"layers": asdict(layers), "tmpfs_mb": max(SCORING_TMPFS_MB, 4 * cfg.max_file_mb)}
         self.proc = subprocess.Popen(
             [sys.executable, "-I", str(WORKER), str(idx), json.dumps(options)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
-            bufsize=1, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
         )
         hello = self._readline(60.0)
         if hello is None:
@@ -164,13 +209,23 @@ class SandboxPool:
             self.replaced += 1
         return fresh
 
-    def execute(self, code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
-                max_file_mb: int | None = None, output_chars: int | None = None) -> Execution:
+    def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        memory_mb: int | None = None,
+        max_file_mb: int | None = None,
+        output_chars: int | None = None,
+    ) -> Execution:
         """One call, retried on a fresh worker when the infrastructure fails. The limits default to the
         tool's (`rollout.sandbox`); scoring a benchmark passes the benchmark's own (rollout_gen/lcb.py)."""
         request = {
-            "code": code, "timeout_s": timeout_s or self.cfg.timeout_s, "memory_mb": memory_mb or self.cfg.memory_mb,
-            "max_processes": self.cfg.max_processes, "max_file_mb": max_file_mb or self.cfg.max_file_mb,
+            "code": code,
+            "timeout_s": timeout_s or self.cfg.timeout_s,
+            "memory_mb": memory_mb or self.cfg.memory_mb,
+            "max_processes": self.cfg.max_processes,
+            "max_file_mb": max_file_mb or self.cfg.max_file_mb,
             "output_chars": output_chars or self.cfg.output_chars,
         }
         problem = "no attempt made"
@@ -183,10 +238,18 @@ class SandboxPool:
                     worker = self._replace(worker)
                     continue
                 if "internal_error" in reply or reply.get("setup_failed"):
-                    problem = reply.get("internal_error") or reply.get("setup_error") or "the sandbox could not be set up"
+                    problem = (
+                        reply.get("internal_error") or reply.get("setup_error") or "the sandbox could not be set up"
+                    )
                     continue
-                return Execution(reply["stdout"], reply["stderr"], reply["exit_code"], reply["timed_out"],
-                                 reply["duration_s"], stdout_bytes=reply.get("stdout_bytes", 0))
+                return Execution(
+                    reply["stdout"],
+                    reply["stderr"],
+                    reply["exit_code"],
+                    reply["timed_out"],
+                    reply["duration_s"],
+                    stdout_bytes=reply.get("stdout_bytes", 0),
+                )
             finally:
                 self._idle.put(worker)
         return Execution(infra_error=problem)

@@ -25,6 +25,7 @@ anything it was sent:
   and other kernel attack surface;
 - installs an audit hook (a second, Python-level layer that gives readable errors).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -65,28 +66,124 @@ LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 SANDBOX_UID_BASE = 61000
 SAFE_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8", "HOME": "/nonexistent"}
-BLOCKED_EVENTS = frozenset({
-    "socket.__new__", "socket.connect", "socket.bind", "subprocess.Popen", "os.system", "os.exec",
-    "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "os.chown", "os.chmod", "os.setuid", "shutil.rmtree",
-    "os.mknod", "os.mkfifo",
-})
-PATH_EVENTS = frozenset({"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link",
-                         "os.truncate", "os.utime", "os.chflags", "os.lchflags"})
+BLOCKED_EVENTS = frozenset(
+    {
+        "socket.__new__",
+        "socket.connect",
+        "socket.bind",
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "os.kill",
+        "os.killpg",
+        "pty.spawn",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.cdata",
+        "os.chown",
+        "os.chmod",
+        "os.setuid",
+        "shutil.rmtree",
+        "os.mknod",
+        "os.mkfifo",
+    }
+)
+PATH_EVENTS = frozenset(
+    {
+        "os.remove",
+        "os.rename",
+        "os.mkdir",
+        "os.rmdir",
+        "os.symlink",
+        "os.link",
+        "os.truncate",
+        "os.utime",
+        "os.chflags",
+        "os.lchflags",
+    }
+)
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 # Refused outright in the code process (EPERM). Namespaces and the uid already stop most of these;
 # the filter is what still holds where they could not be set up.
 DENIED_SYSCALLS = (
-    "execve", "execveat", "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise",
-    "kcmp", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "tkill", "mknod", "mknodat", "mount", "umount2",
-    "pivot_root", "chroot", "unshare", "setns", "mount_setattr", "open_tree", "move_mount", "fsopen", "fsconfig",
-    "fsmount", "fspick", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setfsuid",
-    "setfsgid", "setgroups", "capset", "chown", "fchown", "lchown", "fchownat", "socket", "keyctl", "add_key",
-    "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
-    "io_uring_register", "open_by_handle_at", "name_to_handle_at", "init_module", "finit_module",
-    "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "settimeofday",
-    "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "syslog", "quotactl",
-    "iopl", "ioperm", "personality",
+    "execve",
+    "execveat",
+    "fork",
+    "vfork",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "process_madvise",
+    "kcmp",
+    "pidfd_open",
+    "pidfd_getfd",
+    "pidfd_send_signal",
+    "tkill",
+    "mknod",
+    "mknodat",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "mount_setattr",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "setuid",
+    "setgid",
+    "setreuid",
+    "setregid",
+    "setresuid",
+    "setresgid",
+    "setfsuid",
+    "setfsgid",
+    "setgroups",
+    "capset",
+    "chown",
+    "fchown",
+    "lchown",
+    "fchownat",
+    "socket",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "acct",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "sethostname",
+    "setdomainname",
+    "syslog",
+    "quotactl",
+    "iopl",
+    "ioperm",
+    "personality",
 )
 # Signals only to the code process itself (arg 0 is the target pid / thread group).
 SELF_SIGNAL_SYSCALLS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
@@ -115,6 +212,7 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 # Per-worker set-up
 # ---------------------------------------------------------------------------------------------------
 
+
 def _initial_root() -> bool:
     """Root of the initial user namespace (may switch to any uid)? Root inside a container's user
     namespace is not: it takes the unprivileged path."""
@@ -140,8 +238,11 @@ def _enter_worker_namespaces(root: bool) -> None:
 
 def _needed_under(home: str) -> list[str]:
     """The interpreter's directories (stdlib, lib-dynload, site-packages) that lie under `home`."""
-    cands = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                             *sys.path) if p and os.path.isdir(p)}
+    cands = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path)
+        if p and os.path.isdir(p)
+    }
     inside = [p for p in cands if p.startswith(home + os.sep)]
     return sorted(p for p in inside if not any(p.startswith(q + os.sep) for q in inside))
 
@@ -166,14 +267,27 @@ def _hide_home() -> None:
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
-                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _all_read_only() -> None:
     attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
-    _check(libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr),
-                        ctypes.c_size_t(ctypes.sizeof(attr))), "mount_setattr / read-only")
+    _check(
+        libc.syscall(
+            ctypes.c_long(SYS_MOUNT_SETATTR),
+            AT_FDCWD,
+            b"/",
+            AT_RECURSIVE,
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        ),
+        "mount_setattr / read-only",
+    )
 
 
 def _build_filesystem(base: str, tmpfs_mb: int) -> None:
@@ -200,9 +314,19 @@ def set_up_worker(idx: int, layers: dict, tmpfs_mb: int) -> tuple[str, dict]:
     base = tempfile.mkdtemp(prefix=f"cleaner-sandbox-{idx}-")
     os.chmod(base, 0o711)
     root = _initial_root()
-    iso = {"pid": os.getpid(), "base": base, "root": root, "namespaces": False, "network_isolated": False,
-           "readonly_fs": False, "pid_namespace": False, "uid": None, "seccomp": False,
-           "audit_hook": bool(layers.get("audit_hook", True)), "degraded": []}
+    iso = {
+        "pid": os.getpid(),
+        "base": base,
+        "root": root,
+        "namespaces": False,
+        "network_isolated": False,
+        "readonly_fs": False,
+        "pid_namespace": False,
+        "uid": None,
+        "seccomp": False,
+        "audit_hook": bool(layers.get("audit_hook", True)),
+        "degraded": [],
+    }
     if not layers.get("namespaces", True):
         iso["degraded"].append("no namespaces (switched off): network, filesystem and pids are the host's")
     else:
@@ -245,8 +369,10 @@ def _enter_pid_namespace(iso: dict) -> None:
     It serves every call; the original process just waits for it (and takes it down if killed, by
     PDEATHSIG). Between calls, init kills everything else in its namespace: no uid needed for that."""
     if libc.unshare(CLONE_NEWPID) != 0:
-        iso["degraded"].append(f"no pid namespace ({os.strerror(ctypes.get_errno())}): calls see the host's "
-                               "processes; leftovers are found as re-parented children")
+        iso["degraded"].append(
+            f"no pid namespace ({os.strerror(ctypes.get_errno())}): calls see the host's "
+            "processes; leftovers are found as re-parented children"
+        )
         return
     init = os.fork()
     if init:
@@ -269,6 +395,7 @@ def _enter_pid_namespace(iso: dict) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Per-call processes
 # ---------------------------------------------------------------------------------------------------
+
 
 class _CapHeader(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -347,7 +474,8 @@ def _install_guard(workdir: str) -> None:
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & write_flags)
+                isinstance(flags, int) and flags & write_flags
+            )
             if writing and not inside(path) and path != devnull:  # /dev/null discards; a scorer points fd 1 there
                 raise error(f"sandbox: writing {path!r} outside the working directory")
         elif event in path_events:
@@ -385,8 +513,11 @@ def _call_process(workdir: str, req: dict, iso: dict, report_fd: int) -> None:
                 os.chown(path, uid, uid)
         mem = int(req["memory_mb"]) * 2**20
         for res, value in (
-            (resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, int(req["timeout_s"]) + 1), (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_FSIZE, int(req["max_file_mb"]) * 2**20), (resource.RLIMIT_NOFILE, 64),
+            (resource.RLIMIT_AS, mem),
+            (resource.RLIMIT_CPU, int(req["timeout_s"]) + 1),
+            (resource.RLIMIT_CORE, 0),
+            (resource.RLIMIT_FSIZE, int(req["max_file_mb"]) * 2**20),
+            (resource.RLIMIT_NOFILE, 64),
             (resource.RLIMIT_NPROC, int(req["max_processes"])),
         ):
             resource.setrlimit(res, (value, value))
@@ -542,8 +673,15 @@ def run_one(req: dict, base: str, iso: dict) -> dict:
     stderr, err_size = _read_head(os.path.join(workdir, "stderr"), limit)
     _remove_tree(workdir)
     reply = {
-        "id": req.get("id"), "stdout": stdout, "stderr": stderr, "stdout_bytes": out_size, "stderr_bytes": err_size,
-        "exit_code": exit_code, "timed_out": timed_out, "duration_s": duration, "setup_failed": setup_failed,
+        "id": req.get("id"),
+        "stdout": stdout,
+        "stderr": stderr,
+        "stdout_bytes": out_size,
+        "stderr_bytes": err_size,
+        "exit_code": exit_code,
+        "timed_out": timed_out,
+        "duration_s": duration,
+        "setup_failed": setup_failed,
     }
     if setup_failed:
         reply["setup_error"] = next((r for r in reports if r.startswith("setup-failed")), "no report from the call")

@@ -26,6 +26,7 @@ can start first the calls of the trajectories that have made the most calls (`mo
 rollout ends when its longest chain of turns does, and in a first-come queue that chain's k-th call
 waits behind everyone's first.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,12 @@ class BatchStepper:
             groups.setdefault(r.params, []).append(r)
         self.queue = []
         for params, reqs in groups.items():
-            gens = self.engine.generate([list(r.context) for r in reqs], params, [r.seed for r in reqs],
-                                        shared_prefix=[r.shared_prefix for r in reqs])
+            gens = self.engine.generate(
+                [list(r.context) for r in reqs],
+                params,
+                [r.seed for r in reqs],
+                shared_prefix=[r.shared_prefix for r in reqs],
+            )
             out += zip(reqs, gens)
         return out
 
@@ -90,8 +95,11 @@ class ConcurrentStepper:
     def step(self) -> list[tuple[Request, Generation]]:
         # Deterministic: a step is the whole set in flight. Free: whatever is back within 20 ms
         # (the scheduler then looks at tool results again).
-        done, _ = cf.wait(self.flying, timeout=None if self.wait_all else 0.02,
-                          return_when=cf.ALL_COMPLETED if self.wait_all else cf.FIRST_COMPLETED)
+        done, _ = cf.wait(
+            self.flying,
+            timeout=None if self.wait_all else 0.02,
+            return_when=cf.ALL_COMPLETED if self.wait_all else cf.FIRST_COMPLETED,
+        )
         order = [f for f in self.flying if f in done]  # submission order
         return [(self.flying.pop(f), f.result()[0]) for f in order]
 
@@ -125,9 +133,16 @@ class Progress:
 
 
 class Scheduler:
-    def __init__(self, engine, deterministic: bool = True, tool_delay_steps: int = 4, max_in_flight: int = 64,
-                 tool_slots: int = 64, tool_priority: Literal["most_calls", "fifo"] = "most_calls",
-                 on_progress: Callable[[Progress, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        deterministic: bool = True,
+        tool_delay_steps: int = 4,
+        max_in_flight: int = 64,
+        tool_slots: int = 64,
+        tool_priority: Literal["most_calls", "fifo"] = "most_calls",
+        on_progress: Callable[[Progress, float], None] | None = None,
+    ) -> None:
         self.scorer = engine
         if hasattr(engine, "step"):
             self.engine = engine
@@ -219,8 +234,9 @@ class Scheduler:
             self._settled.set()
         return await fut
 
-    def _wake(self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None,
-              blocked: bool = True) -> None:
+    def _wake(
+        self, fut: asyncio.Future, value: Any = None, error: BaseException | None = None, blocked: bool = True
+    ) -> None:
         """Resolve `fut`; the trajectory `blocked` on it runs again."""
         if blocked:
             self._running += 1

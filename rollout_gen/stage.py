@@ -1,5 +1,6 @@
 """Phase 1 as a stage: one iteration's rollouts from a checkpoint into a committed raw shard, as plan
 (`plan_rollout`) → roll out → commit."""
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,10 @@ def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
         return training_tasks(cfg.world, n, seed=cfg.rollout.seed * 100_003 + iteration)
     pool = load_task_parquet(cfg.rollout.tasks)
     if len(pool) < n:  # an iteration would hold some task twice: two rows with one key
-        raise TaskFileError(f"{cfg.rollout.tasks}: {len(pool)} distinct tasks, fewer than rollout.tasks_per_iteration "
-                            f"({n}); lower it to at most {len(pool)}")
+        raise TaskFileError(
+            f"{cfg.rollout.tasks}: {len(pool)} distinct tasks, fewer than rollout.tasks_per_iteration "
+            f"({n}); lower it to at most {len(pool)}"
+        )
     start = iteration * n
     return [pool[(start + i) % len(pool)] for i in range(n)]
 
@@ -51,12 +54,24 @@ def make_engine(cfg: CleanerConfig, checkpoint: Path, chat: ChatFormat) -> Engin
         return connect(cfg.rollout, checkpoint, chat.tokenizer)  # serves `checkpoint`, reloaded after an update
     from rollout_gen.engines.cpu import CPUEngine
 
-    return CPUEngine(checkpoint, threads=cfg.rollout.engine_tuning.threads, pad_id=chat.tokenizer.pad_token_id,
-                     kv_cache_tokens=cfg.rollout.engine_tuning.kv_cache_tokens, device=cfg.rollout.device)
+    return CPUEngine(
+        checkpoint,
+        threads=cfg.rollout.engine_tuning.threads,
+        pad_id=chat.tokenizer.pad_token_id,
+        kv_cache_tokens=cfg.rollout.engine_tuning.kv_cache_tokens,
+        device=cfg.rollout.device,
+    )
 
 
-def roll_out(cfg: CleanerConfig, engine: Engine, chat: ChatFormat, tasks: list[Task], identity: RolloutIdentity,
-             show_progress: bool = True, log: Callable[[str], None] | None = None) -> list[Trajectory]:
+def roll_out(
+    cfg: CleanerConfig,
+    engine: Engine,
+    chat: ChatFormat,
+    tasks: list[Task],
+    identity: RolloutIdentity,
+    show_progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> list[Trajectory]:
     """Every task × samples_per_prompt through the agent loop; progress on stderr (or through `log`)."""
     total = len(tasks) * cfg.rollout.samples_per_prompt
     with SandboxPool(cfg.rollout.sandbox) as sandbox:
@@ -119,55 +134,98 @@ def plan_rollout(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Pa
     version = policy_version(checkpoint)
     identity = rollout_identity(cfg, version)
     if done is not None:
-        check_committed(out, done.config_hash, identity, made_with="with other rollout settings",
-                        remedy="raw shards are never overwritten: use a new flow.run_id")
+        check_committed(
+            out,
+            done.config_hash,
+            identity,
+            made_with="with other rollout settings",
+            remedy="raw shards are never overwritten: use a new flow.run_id",
+        )
         return RolloutPlan(run_id, iteration, out, kept=done)
-    return RolloutPlan(run_id, iteration, out, checkpoint=checkpoint, version=version, identity=identity.value,
-                       tasks=tuple(iteration_tasks(cfg, iteration)))
+    return RolloutPlan(
+        run_id,
+        iteration,
+        out,
+        checkpoint=checkpoint,
+        version=version,
+        identity=identity.value,
+        tasks=tuple(iteration_tasks(cfg, iteration)),
+    )
 
 
-def _roll_out_planned(cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool,
-                      log: Callable[[str], None] | None) -> tuple[list[Trajectory], float]:
+def _roll_out_planned(
+    cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool, log: Callable[[str], None] | None
+) -> tuple[list[Trajectory], float]:
     """The planned trajectories and the seconds they took."""
     chat = load_chat(plan.checkpoint, cfg.rollout.chat_template_kwargs)
     engine = make_engine(cfg, plan.checkpoint, chat)
     identity = RolloutIdentity(plan.run_id, plan.iteration, plan.version, cfg.rollout.seed)
     t0 = time.perf_counter()
     try:
-        trajectories = roll_out(cfg, engine=engine, chat=chat, tasks=list(plan.tasks), identity=identity,
-                                show_progress=show_progress, log=log)
+        trajectories = roll_out(
+            cfg,
+            engine=engine,
+            chat=chat,
+            tasks=list(plan.tasks),
+            identity=identity,
+            show_progress=show_progress,
+            log=log,
+        )
     finally:
         engine.close()
     return trajectories, time.perf_counter() - t0
 
 
-def _commit(cfg: CleanerConfig, plan: RolloutPlan, trajectories: list[Trajectory], wall: float,
-            log: Callable[[str], None] | None) -> Manifest:
+def _commit(
+    cfg: CleanerConfig,
+    plan: RolloutPlan,
+    trajectories: list[Trajectory],
+    wall: float,
+    log: Callable[[str], None] | None,
+) -> Manifest:
     """The raw shard, refused when no prompt fitted rollout.max_prompt_tokens."""
     too_long = sum(t.finish_reason == "prompt_too_long" for t in trajectories)
     if trajectories and too_long == len(trajectories):  # a shard of empty rows would train nothing, silently
-        raise TaskFileError(f"every prompt of iteration {plan.iteration} is longer than rollout.max_prompt_tokens "
-                            f"({cfg.rollout.max_prompt_tokens} tokens, the chat template's system prompt and tools "
-                            "included): raise it; nothing was written")
+        raise TaskFileError(
+            f"every prompt of iteration {plan.iteration} is longer than rollout.max_prompt_tokens "
+            f"({cfg.rollout.max_prompt_tokens} tokens, the chat template's system prompt and tools "
+            "included): raise it; nothing was written"
+        )
     if too_long and log is not None:  # the CLI says it from the manifest; a flow's log must too
-        log(f"[rollout it {plan.iteration}] {too_long // cfg.rollout.samples_per_prompt} of "
+        log(
+            f"[rollout it {plan.iteration}] {too_long // cfg.rollout.samples_per_prompt} of "
             f"{cfg.rollout.tasks_per_iteration} prompts are longer than rollout.max_prompt_tokens "
             f"({cfg.rollout.max_prompt_tokens}): not rolled out, their rows end prompt_too_long with reward -1; raise "
-            "rollout.max_prompt_tokens")
+            "rollout.max_prompt_tokens"
+        )
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
-    with ShardWriter(plan.out, RAW, plan.identity, inputs=[record_path(cfg.storage.root, plan.checkpoint)],
-                     rows_per_part=cfg.storage.rows_per_part, compression=cfg.storage.compression) as w:
+    with ShardWriter(
+        plan.out,
+        RAW,
+        plan.identity,
+        inputs=[record_path(cfg.storage.root, plan.checkpoint)],
+        rows_per_part=cfg.storage.rows_per_part,
+        compression=cfg.storage.compression,
+    ) as w:
         w.write(table)
         generated = sum(t.stats.generated_tokens for t in trajectories)
-        return w.commit({"wall_s": wall, "generated_tokens": generated, "policy_version": plan.version,
-                         "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
-                         "prompt_too_long": too_long,
-                         # how the rows were lived and seeded, for readers without run.json (replay)
-                         "saar": cfg.rollout.saar.model_dump(mode="json"), "seeding": SEEDING})
+        return w.commit(
+            {
+                "wall_s": wall,
+                "generated_tokens": generated,
+                "policy_version": plan.version,
+                "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
+                "prompt_too_long": too_long,
+                # how the rows were lived and seeded, for readers without run.json (replay)
+                "saar": cfg.rollout.saar.model_dump(mode="json"),
+                "seeding": SEEDING,
+            }
+        )
 
 
-def run_rollout_plan(cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool = True,
-                     log: Callable[[str], None] | None = None) -> Manifest:
+def run_rollout_plan(
+    cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool = True, log: Callable[[str], None] | None = None
+) -> Manifest:
     """The planned rollout and its commit; the committed shard when the plan keeps it."""
     if plan.kept is not None:
         return plan.kept
@@ -175,7 +233,13 @@ def run_rollout_plan(cfg: CleanerConfig, plan: RolloutPlan, show_progress: bool 
     return _commit(cfg, plan, trajectories, wall, log)
 
 
-def run_rollout_stage(cfg: CleanerConfig, run_id: str, iteration: int, checkpoint: Path | None = None,
-                      show_progress: bool = True, log: Callable[[str], None] | None = None) -> Manifest:
+def run_rollout_stage(
+    cfg: CleanerConfig,
+    run_id: str,
+    iteration: int,
+    checkpoint: Path | None = None,
+    show_progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Manifest:
     """Write `iteration`'s raw shard: plan, roll out, commit (a shard committed from the same inputs is kept)."""
     return run_rollout_plan(cfg, plan_rollout(cfg, run_id, iteration, checkpoint), show_progress, log)

@@ -1,4 +1,5 @@
 """Tasks the agent solves, and loaders for the reference data layouts users point at local files."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,12 @@ def code_tests_problem(truth: str) -> str | None:
             data = json.loads(truth)
         except ValueError:
             return None
-        shaped = isinstance(data, dict) and {"inputs", "outputs"} & set(data) or isinstance(data, list) and any(
-            isinstance(x, dict) and {"input", "output"} & set(x) for x in data)
+        shaped = (
+            isinstance(data, dict)
+            and {"inputs", "outputs"} & set(data)
+            or isinstance(data, list)
+            and any(isinstance(x, dict) and {"input", "output"} & set(x) for x in data)
+        )
         return str(e) if shaped else None
     return ""
 
@@ -71,14 +76,25 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
 
     path = Path(path)
     if not path.is_file():
-        raise TaskFileError(f"{path}: " + ("is a folder; give the task file in it (a .parquet file)" if path.is_dir()
-                                           else "task file does not exist"))
+        raise TaskFileError(
+            f"{path}: "
+            + (
+                "is a folder; give the task file in it (a .parquet file)"
+                if path.is_dir()
+                else "task file does not exist"
+            )
+        )
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
-        raise TaskFileError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})"
-                            + ("; task files are read as Parquet only (convert JSONL with pyarrow or pandas first)"
-                               if path.suffix.lower() in (".jsonl", ".json") else "")) from None
+        raise TaskFileError(
+            f"{path}: not a readable Parquet file ({' '.join(str(e).split())[:200]})"
+            + (
+                "; task files are read as Parquet only (convert JSONL with pyarrow or pandas first)"
+                if path.suffix.lower() in (".jsonl", ".json")
+                else ""
+            )
+        ) from None
     if table.num_rows == 0:
         raise TaskFileError(f"{path}: no rows (an empty task file)")
     layout = detect(table)
@@ -87,8 +103,9 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
             rows = layout.load(table, path, source)
         except LayoutError as e:
             raise TaskFileError(str(e)) from None
-        return _distinct(path, [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind)
-                                for r in rows])
+        return _distinct(
+            path, [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind) for r in rows]
+        )
     rows = table.to_pylist()
     tasks: list[Task] = []
     for i, r in enumerate(rows):
@@ -98,8 +115,10 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
             column = "question" if "question" in r else "problem"
             question = r[column]
             if not isinstance(question, str):
-                raise TaskFileError(f"{path}: row {i}: column {column!r} is " + (
-                    "empty (null)" if question is None else f"a {type(question).__name__}, expected a string"))
+                raise TaskFileError(
+                    f"{path}: row {i}: column {column!r} is "
+                    + ("empty (null)" if question is None else f"a {type(question).__name__}, expected a string")
+                )
         else:
             raise TaskFileError(f"{path}: row {i}: no 'prompt', 'question' or 'problem' field")
         if not question.strip():
@@ -120,8 +139,10 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
             raise TaskFileError(f"{path}: row {i}: the answer is empty ({truth!r})")
         src = source or r.get("data_source") or path.stem
         if src == ALL:
-            raise TaskFileError(f"{path}: row {i}: data_source {ALL!r} is the name of the overall group in the "
-                                "metrics; name the benchmark otherwise")
+            raise TaskFileError(
+                f"{path}: row {i}: data_source {ALL!r} is the name of the overall group in the "
+                "metrics; name the benchmark otherwise"
+            )
         if not isinstance(truth, str):
             truth = json.dumps(truth)
         problem = code_tests_problem(truth)
@@ -143,6 +164,8 @@ def _distinct(path: Path, tasks: list[Task]) -> list[Task]:
             first[t.prompt_id] = i
             out.append(t)
         elif tasks[first[t.prompt_id]].ground_truth != t.ground_truth:
-            raise TaskFileError(f"{path}: row {i}: the question of row {first[t.prompt_id]} with another answer "
-                                f"({t.ground_truth[:40]!r} vs {tasks[first[t.prompt_id]].ground_truth[:40]!r})")
+            raise TaskFileError(
+                f"{path}: row {i}: the question of row {first[t.prompt_id]} with another answer "
+                f"({t.ground_truth[:40]!r} vs {tasks[first[t.prompt_id]].ground_truth[:40]!r})"
+            )
     return out

@@ -3,6 +3,7 @@ state byte for byte. `python scripts/compare_runs.py STORE_A STORE_B` prints eac
 
 Used to show a redesign kept the demo's outputs: run `cleaner demo` in a tree of the old commit and of the new one,
 then compare their workspace/ directories."""
+
 from __future__ import annotations
 
 import hashlib

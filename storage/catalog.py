@@ -13,6 +13,7 @@ unless it was built from the same scan. Nothing ever opens the published file fo
 or notebook holding it open (read-only or not) blocks no flow and no command, and the next open sees every
 committed shard. Views list absolute paths, so the file works from any working directory.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,15 @@ from storage.texts import PURIFIED_TEXT, RAW_TEXT
 
 CLI_STORAGE_VERSION = "v1.5.0"
 
-_SQL_TYPES = {pa.string(): "VARCHAR", pa.int8(): "TINYINT", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
-              pa.float32(): "FLOAT", pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN"}
+_SQL_TYPES = {
+    pa.string(): "VARCHAR",
+    pa.int8(): "TINYINT",
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float32(): "FLOAT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+}
 
 
 def _sql_type(kind: pa.DataType) -> str:
@@ -146,7 +154,8 @@ LEFT JOIN sums s ON s.run_id = p.run_id AND s.iteration = p.iteration AND s.mode
 ORDER BY ALL;
 """
 
-VIEWS_SQL = """
+VIEWS_SQL = (
+    """
 CREATE OR REPLACE VIEW raw_attempts AS
 WITH pos AS (
     SELECT run_id, iteration, prompt_id, sample_idx, saar_gate, live_mode, UNNEST(positions) AS p
@@ -207,14 +216,18 @@ FROM purified_summary p JOIN raw_summary r
   ON p.run_id = r.run_id AND p.iteration = r.iteration AND p.prompt_id = r.prompt_id AND p.sample_idx = r.sample_idx
 GROUP BY ALL
 ORDER BY ALL;
-""" + PREMISE_SQL
+"""
+    + PREMISE_SQL
+)
 
 
 # The similarity measure of a splicing mode's partition: the name after γ (gamma=0.50-difflib-segment),
 # else the default measure; modes without splices have none.
-_MEASURE_SQL = (f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {sql_list(SPLICING_MODES)} THEN NULL "
-                f"ELSE coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
-                f"'{DEFAULT_MEASURE_KEY}') END")
+_MEASURE_SQL = (
+    f"CASE WHEN regexp_extract(filename, '/mode=([^/]+)/', 1) NOT IN {sql_list(SPLICING_MODES)} THEN NULL "
+    f"ELSE coalesce(nullif(regexp_extract(filename, '/gamma=[^/-]+-([^/]+)/[^/]+$', 1), ''), "
+    f"'{DEFAULT_MEASURE_KEY}') END"
+)
 # The τ of an importance-ratio mode's partition (tau=0.50, read back exactly: storage.layout.format_threshold); NULL
 # in the others. From the path, as the measure: a purified row's summary and text carry no τ of their own.
 _TAU_SQL = "TRY_CAST(nullif(regexp_extract(filename, '/tau=([^/]+)/[^/]+$', 1), '') AS DOUBLE)"
@@ -227,22 +240,30 @@ SUMMARY_SQL = {
         "run_id, iteration, prompt_id, sample_idx, reward, stats, len(lived_ids)::BIGINT AS response_tokens, "
         "coalesce(list_sum(list_transform(flatten(list_transform(positions, lambda p: p.attempts)), lambda a: CASE WHEN "
         "a.result.status = 'failure' THEN len(a.turn_ids) + len(a.feedback_ids) ELSE 0 END)), 0)::BIGINT "
-        "AS failed_attempt_tokens"),
+        "AS failed_attempt_tokens"
+    ),
     "purified": (
         "run_id, iteration, prompt_id, sample_idx, mode, gamma, reward, advantage, "
         "len(response_ids)::BIGINT AS response_tokens, coalesce(list_sum(loss_mask), 0)::BIGINT AS trained_tokens, "
         "len(splices)::BIGINT AS splices, len(list_filter(splices, lambda s: s.kind = 'shallow'))::BIGINT AS shallow, "
         "len(list_filter(splices, lambda s: s.kind = 'deep'))::BIGINT AS deep, "
         "coalesce(list_sum(list_transform(splices, lambda s: s.tokens_removed)), 0)::BIGINT AS tokens_removed, "
-        "tokens_forwarded"),
+        "tokens_forwarded"
+    ),
 }
 
 
 class Catalog:
     """A DuckDB file (or in-memory database) whose views read a project root's shards."""
 
-    def __init__(self, root: Path, database: str | Path | None = None, verify: bool = False,
-                 scanned: Scan | None = None, published_as: Path | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        database: str | Path | None = None,
+        verify: bool = False,
+        scanned: Scan | None = None,
+        published_as: Path | None = None,
+    ) -> None:
         self.root = Path(root).resolve()  # views hold absolute paths: usable from any directory
         self.verify = verify  # check every part in full, whatever the verification records say
         self.database = str(database) if database is not None else ":memory:"
@@ -273,8 +294,10 @@ class Catalog:
                 "CREATE OR REPLACE MACRO cleaner_catalog_in_place() AS (SELECT CASE WHEN count(*) > 0 THEN true ELSE "
                 "error('this catalog was published as {here}, which no database open here is (a copied or moved "
                 "workspace?): its views read the shards under {root}. Run `cleaner inspect storage.root=<the "
-                "workspace it is in now>` to publish it there') END FROM duckdb_databases() WHERE path = '{here}')"
-                .format(here=here, root=root))
+                "workspace it is in now>` to publish it there') END FROM duckdb_databases() WHERE path = '{here}')".format(
+                    here=here, root=root
+                )
+            )
         # VIEWS_SQL's views are bound when created, each binding the views they name (thousands of files at 2,000
         # iterations) again: created over empty stand-ins (temporary: never in the file), they cost what they
         # cost over an empty store; every query binds them over the views as they are.
@@ -285,8 +308,10 @@ class Catalog:
         # The shards left out, in the file too: whoever opens it (cleaner view, a notebook) can name them.
         self.con.execute("CREATE OR REPLACE TABLE catalog_problems (path VARCHAR, message VARCHAR, committed BOOLEAN)")
         if self.problems:
-            self.con.executemany("INSERT INTO catalog_problems VALUES (?, ?, ?)",
-                                 [(str(p.path), p.message, p.committed) for p in self.problems])
+            self.con.executemany(
+                "INSERT INTO catalog_problems VALUES (?, ?, ?)",
+                [(str(p.path), p.message, p.committed) for p in self.problems],
+            )
 
     def _views(self, scanned: Scan, stand_ins: bool = False) -> None:
         """The views over the shards' files (and their summaries), one per SOURCES view."""
@@ -304,10 +329,17 @@ class Catalog:
             versions: dict[str, list[str]] = {}
             for path, version in files:
                 versions.setdefault(version, []).append(path)
-            self._view(view, [f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
-                              + (", filename=true)" if partitioned else ")") for _, paths in sorted(
-                                  versions.items(), key=lambda kv: kv[0] != schema_id(schema))],
-                       schema, partitioned, stand_ins)
+            self._view(
+                view,
+                [
+                    f"SELECT * FROM read_parquet({_sql_list(paths)}, hive_partitioning=false"
+                    + (", filename=true)" if partitioned else ")")
+                    for _, paths in sorted(versions.items(), key=lambda kv: kv[0] != schema_id(schema))
+                ],
+                schema,
+                partitioned,
+                stand_ins,
+            )
 
     def _view(self, name: str, reads: list[str], schema: pa.Schema, partitioned: bool, stand_in: bool) -> None:
         """View `name` over these reads combined by column name, or over a typed empty table of `schema` when there
@@ -323,11 +355,17 @@ class Catalog:
             rows = "gamma" in schema.names
             excluded = ["filename"] if reads else []
             excluded += ["is_threshold"] if rows and "is_threshold" in schema.names else []
-            select = ("SELECT *" + (f" EXCLUDE ({', '.join(excluded)})" if excluded else "")
-                      + (f" REPLACE ({GAMMA_ALONE_SQL} AS gamma)" if rows else "")
-                      + (f", {_MEASURE_SQL} AS measure" if reads else ", CAST(NULL AS VARCHAR) AS measure")
-                      + ((f", {_TAU_SQL} AS is_threshold" if reads else ", CAST(NULL AS DOUBLE) AS is_threshold")
-                         if rows else ""))
+            select = (
+                "SELECT *"
+                + (f" EXCLUDE ({', '.join(excluded)})" if excluded else "")
+                + (f" REPLACE ({GAMMA_ALONE_SQL} AS gamma)" if rows else "")
+                + (f", {_MEASURE_SQL} AS measure" if reads else ", CAST(NULL AS VARCHAR) AS measure")
+                + (
+                    (f", {_TAU_SQL} AS is_threshold" if reads else ", CAST(NULL AS DOUBLE) AS is_threshold")
+                    if rows
+                    else ""
+                )
+            )
         self.con.execute(f"CREATE OR REPLACE VIEW {name} AS {select} FROM {source}{self._guard if reads else ''}")
 
     def _text_views(self, scanned: Scan) -> None:
@@ -335,32 +373,46 @@ class Catalog:
         commit (storage/texts.py), keyed like the rows they decode; shards committed without text have no rows."""
         raw = [p for s in scanned.shards["raw_trajectories"] for p in s.texts]
         purified = [p for s in scanned.shards["purified"] for p in s.texts]
-        raw_source = (f"read_parquet({_sql_list(raw)}, hive_partitioning=false)" if raw
-                      else _empty_table(self.con, "raw_texts", RAW_TEXT))
+        raw_source = (
+            f"read_parquet({_sql_list(raw)}, hive_partitioning=false)"
+            if raw
+            else _empty_table(self.con, "raw_texts", RAW_TEXT)
+        )
         guard = self._guard if raw else ""
         self.con.execute(f"CREATE OR REPLACE VIEW raw_texts AS SELECT * EXCLUDE (attempts) FROM {raw_source}{guard}")
         self.con.execute(
             "CREATE OR REPLACE VIEW raw_attempt_texts AS SELECT run_id, iteration, prompt_id, sample_idx, "
             "a.position_idx AS position_idx, a.attempt_idx AS attempt_idx, a.turn_text AS turn_text, "
             "a.feedback_text AS feedback_text FROM (SELECT run_id, iteration, prompt_id, sample_idx, UNNEST(attempts) "
-            f"AS a FROM {raw_source}{guard})")
-        self._view("purified_texts", [f"SELECT * FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, "
-                                      "filename=true)"] if purified else [], PURIFIED_TEXT, True, False)
+            f"AS a FROM {raw_source}{guard})"
+        )
+        self._view(
+            "purified_texts",
+            [f"SELECT * FROM read_parquet({_sql_list(purified)}, hive_partitioning=false, filename=true)"]
+            if purified
+            else [],
+            PURIFIED_TEXT,
+            True,
+            False,
+        )
 
     def _summary_view(self, view: str, shards: list[ShardFiles], scanned: Scan, stand_in: bool) -> None:
         """`<view>_summary`: the row summaries written at commit (their packs, storage/packs.py, and the files no
         pack holds); for shards committed without them, the same columns computed from their parts (SUMMARY_SQL)."""
         # the declared schema (summarizing an empty table to get it imported pandas: a second per process)
-        name, summary_schema = ("raw_summary", RAW_SUMMARY) if view == "raw_trajectories" else (
-            "purified_summary", PURIFIED_SUMMARY)
+        name, summary_schema = (
+            ("raw_summary", RAW_SUMMARY) if view == "raw_trajectories" else ("purified_summary", PURIFIED_SUMMARY)
+        )
         loose, packed = scanned.unpacked(name, [(p, s.version) for s in shards if s.summaries for p in s.summaries])
         with_files = [p for p, _ in loose]
         parts_only = [p for s in shards if not s.summaries for p in s.parts]
         partitioned = view == "purified"  # its partition's measure, from the file's path as in `purified`
         options = "hive_partitioning=false" + (", filename=true" if partitioned else "")
         # a pack of purified summaries carries each row's file name (packs.FILENAME_KINDS); one read per version
-        reads = [f"SELECT * FROM read_parquet({_sql_list([p for p, v in packed if v == version])}, "
-                 "hive_partitioning=false)" for version in sorted({v for _, v in packed})]
+        reads = [
+            f"SELECT * FROM read_parquet({_sql_list([p for p, v in packed if v == version])}, hive_partitioning=false)"
+            for version in sorted({v for _, v in packed})
+        ]
         if with_files:
             reads.append(f"SELECT * FROM read_parquet({_sql_list(with_files)}, {options})")
         if parts_only:
@@ -383,8 +435,14 @@ class Catalog:
 
 def _fingerprint(root: Path, scanned: Scan) -> str:
     """What a published file is built from: the root, the scan, this module's code and the schemas."""
-    code = [Path(__file__).read_text(), duckdb.__version__, str(root), *map(str, (RAW_SUMMARY, PURIFIED_SUMMARY,
-            RAW_TEXT, PURIFIED_TEXT, *(schema for _, schema in SOURCES.values())))]
+    code = [
+        Path(__file__).read_text(),
+        duckdb.__version__,
+        str(root),
+        *map(
+            str, (RAW_SUMMARY, PURIFIED_SUMMARY, RAW_TEXT, PURIFIED_TEXT, *(schema for _, schema in SOURCES.values()))
+        ),
+    ]
     return hashlib.blake2b(json.dumps([code, scanned.fingerprint()]).encode(), digest_size=16).hexdigest()
 
 

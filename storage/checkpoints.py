@@ -5,6 +5,7 @@ loads with garbage); here it is one line naming the file. The safetensors layout
 little-endian header length, a JSON header whose `data_offsets` cover the data, then the data: the
 file must be exactly as long as the header says.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,11 +26,15 @@ def check_safetensors(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes); restore or re-copy the checkpoint")
+            raise CheckpointError(
+                f"{path}: truncated safetensors file ({size} bytes); restore or re-copy the checkpoint"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes in a "
-                                  f"{size}-byte file); restore or re-copy the checkpoint")
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors file (header of {n} bytes in a "
+                f"{size}-byte file); restore or re-copy the checkpoint"
+            )
         try:
             header = json.loads(f.read(n))
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
@@ -37,8 +42,10 @@ def check_safetensors(path: Path) -> None:
             raise CheckpointError(f"{path}: corrupt safetensors header; restore or re-copy the checkpoint") from None
     if 8 + n + end != size:
         what = "truncated" if 8 + n + end > size else "corrupt (trailing bytes)"
-        raise CheckpointError(f"{path}: {what} safetensors file ({size} bytes, its header says {8 + n + end}); "
-                              "restore or re-copy the checkpoint")
+        raise CheckpointError(
+            f"{path}: {what} safetensors file ({size} bytes, its header says {8 + n + end}); "
+            "restore or re-copy the checkpoint"
+        )
 
 
 def files_as_umask_says(folder: Path) -> None:
@@ -77,8 +84,11 @@ def policy_version(checkpoint: Path) -> str:
 def newest_checkpoint(layout: RunLayout) -> int:
     """The number of the run's newest committed checkpoint (0: none yet): checkpoint N is the policy after N
     iterations of training."""
-    found = [int(d.name.split("=", 1)[1]) for d in layout.checkpoint_dir(0).parent.glob("iteration=*")
-             if d.name.split("=", 1)[1].isdigit() and (d / DONE_MARKER).is_file()]
+    found = [
+        int(d.name.split("=", 1)[1])
+        for d in layout.checkpoint_dir(0).parent.glob("iteration=*")
+        if d.name.split("=", 1)[1].isdigit() and (d / DONE_MARKER).is_file()
+    ]
     return max(found, default=0)
 
 
@@ -90,7 +100,9 @@ def checkpoint_for(root: Path, run_id: str, iteration: int, initial_policy: Path
         return ckpt
     if iteration == 0:
         return Path(initial_policy)
-    raise CheckpointError(f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})")
+    raise CheckpointError(
+        f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})"
+    )
 
 
 def committed_update(target: Path, identity: StageIdentity | str) -> bool:
@@ -104,10 +116,16 @@ def committed_update(target: Path, identity: StageIdentity | str) -> bool:
     try:
         recorded = json.loads(marker.read_text()).get("train_settings")
     except (OSError, ValueError, AttributeError):
-        raise CheckpointError(f"{marker}: unreadable; restore it (the checkpoint beside it is otherwise "
-                              "whole)") from None
-    check_committed(target, recorded, identity if isinstance(identity, StageIdentity) else StageIdentity(identity),
-                    made_with="by an update with other train settings", error=CheckpointError,
-                    remedy="checkpoints are never overwritten: use a new flow.run_id, or remove this checkpoint and "
-                           "every later one to train them again")
+        raise CheckpointError(
+            f"{marker}: unreadable; restore it (the checkpoint beside it is otherwise whole)"
+        ) from None
+    check_committed(
+        target,
+        recorded,
+        identity if isinstance(identity, StageIdentity) else StageIdentity(identity),
+        made_with="by an update with other train settings",
+        error=CheckpointError,
+        remedy="checkpoints are never overwritten: use a new flow.run_id, or remove this checkpoint and "
+        "every later one to train them again",
+    )
     return True

@@ -5,6 +5,7 @@ Every failure that is the input's or the environment's fault (not a bug in clean
 and the `cleaner` CLI prints exactly that line and exits non-zero. Anything else is a bug and keeps
 its traceback. Callers check `isinstance(e, CleanerError)`, never class names.
 """
+
 from __future__ import annotations
 
 import errno

@@ -8,6 +8,7 @@ flows/run_config.py), the hash of a record, the place where identities of earlie
 a committed output against an identity, the refusal when it was made from other inputs, and the digest of an input
 file.
 """
+
 from __future__ import annotations
 
 import copy
@@ -78,8 +79,9 @@ class StageIdentity:
     legacy: tuple[str, ...] = ()
 
 
-def stage_identity(cfg: Config, record: Callable[[Config], object],
-                   *earlier: Callable[[Config], object]) -> StageIdentity:
+def stage_identity(
+    cfg: Config, record: Callable[[Config], object], *earlier: Callable[[Config], object]
+) -> StageIdentity:
     """The identity of a stage's declared `record` of `cfg`: its hash with the speed-only settings at their
     defaults. The one place earlier records are upgraded: an output committed before a setting was speed-only hashed
     the config as it was given, and `earlier` recipes of the same inputs hashed it their way; both match too."""
@@ -94,10 +96,19 @@ def committed_with_same_inputs(recorded: str | None, identity: StageIdentity) ->
     return recorded is None or recorded == identity.value or recorded in identity.legacy
 
 
-def check_committed(out: Path, recorded: str | None, identity: StageIdentity, *, made_with: str, remedy: str,
-                    error: type[CleanerError] = ShardError) -> None:
+def check_committed(
+    out: Path,
+    recorded: str | None,
+    identity: StageIdentity,
+    *,
+    made_with: str,
+    remedy: str,
+    error: type[CleanerError] = ShardError,
+) -> None:
     """A committed output made from other inputs is never overwritten, nor kept as if it were this call's: refused
     in one line that names what differs (`made_with`: 'with other rollout settings') and how to go on."""
     if not committed_with_same_inputs(recorded, identity):
-        raise error(f"{out}: committed {made_with} or by an earlier cleaner (config hash {recorded}, now "
-                    f"{identity.value}); {remedy}")
+        raise error(
+            f"{out}: committed {made_with} or by an earlier cleaner (config hash {recorded}, now "
+            f"{identity.value}); {remedy}"
+        )

@@ -1,4 +1,5 @@
 """Where every shard of a run lives (hive-style paths under one project root)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

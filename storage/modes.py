@@ -1,6 +1,7 @@
 """The purification modes' vocabulary: the names partitions and rows are written by, on the floor every reader
 stands on (storage/ names partitions and builds the catalog's SQL with it; pipeline.modes re-exports it with
 what a mode does to a sequence, docs/saar.md §modes)."""
+
 from __future__ import annotations
 
 from typing import Literal, get_args

@@ -16,6 +16,7 @@ crc32 until its identity is settled (storage/shard_index.py), then by identity; 
 pack is never rewritten (its name is its content's): one that the index no longer uses is deleted after GRACE_S,
 so a catalog published before still reads it meanwhile.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,11 @@ PACK_FILES = 32  # loose files of a kind and version that make a pack
 MERGE = 8  # packs of one size merged into one
 GRACE_S = 24 * 3600  # an unused pack is kept this long (a published catalog may still read it)
 # What is packed: per pack kind, the view whose shards hold the files and which of their files
-KINDS = {"raw_summary": ("raw_trajectories", "summaries"), "purified_summary": ("purified", "summaries"),
-         "metrics": ("metrics", "parts")}
+KINDS = {
+    "raw_summary": ("raw_trajectories", "summaries"),
+    "purified_summary": ("purified", "summaries"),
+    "metrics": ("metrics", "parts"),
+}
 FILENAME_KINDS = ("purified_summary",)  # its views take the partition's measure from each row's file name
 
 
@@ -59,8 +63,9 @@ class Packs:
     sources [relative path, crc32]), `files` each kind's validated files in this scan (relative path -> crc32,
     version)."""
 
-    def __init__(self, root: Path, old: Any, files: dict[str, dict[str, tuple[str, str]]], settled: int,
-                 verify: bool) -> None:
+    def __init__(
+        self, root: Path, old: Any, files: dict[str, dict[str, tuple[str, str]]], settled: int, verify: bool
+    ) -> None:
         self.root, self.folder, self.files, self.settled = root, root / FOLDER, files, settled
         self.writable = os.access(root, os.W_OK)  # a read-only root: nothing read to be packed
         self.packs: dict[str, dict[str, Any]] = {}
@@ -102,7 +107,7 @@ class Packs:
                     level = 0
                     while len(paths) >= PACK_FILES * MERGE ** (level + 1):
                         level += 1
-                    size = PACK_FILES * MERGE ** level
+                    size = PACK_FILES * MERGE**level
                     self._write(kind, version, level, [(p, files[p][0]) for p in paths[:size]], None)
                     paths = paths[size:]
         level = 0
@@ -113,21 +118,29 @@ class Packs:
                     groups.setdefault((p["kind"], p["version"]), []).append(name)
             for (kind, version), names in groups.items():
                 for i in range(0, len(names) - MERGE + 1, MERGE):
-                    merged = names[i:i + MERGE]
+                    merged = names[i : i + MERGE]
                     sources = [s for n in merged for s in self.packs[n]["sources"]]
                     self._write(kind, version, level + 1, sources, merged)
             level += 1
 
-    def _write(self, kind: str, version: str, level: int, sources: list[list[str]] | list[tuple[str, str]],
-               merged: list[str] | None) -> None:
+    def _write(
+        self,
+        kind: str,
+        version: str,
+        level: int,
+        sources: list[list[str]] | list[tuple[str, str]],
+        merged: list[str] | None,
+    ) -> None:
         """One pack of `sources` (read from the shard files, or from the packs `merged`), written atomically."""
         if not self.writable:
             return
         if merged is None:
             tables = [_read(self.root / s, crc) for s, crc in sources]
             if kind in FILENAME_KINDS:  # the file's path under the root, all the views' `measure` looks at
-                tables = [t if t is None else t.append_column("filename", pa.array([s] * t.num_rows))
-                          for t, (s, _) in zip(tables, sources)]
+                tables = [
+                    t if t is None else t.append_column("filename", pa.array([s] * t.num_rows))
+                    for t, (s, _) in zip(tables, sources)
+                ]
         else:
             tables = [_read(self.folder / n, self.packs[n]["crc32"]) for n in merged]
         if any(t is None for t in tables):
@@ -156,8 +169,14 @@ class Packs:
             if n in self.created:  # made by this scan: no catalog reads it
                 (self.folder / n).unlink(missing_ok=True)
         self.created.add(name)
-        self.packs[name] = {"kind": kind, "version": version, "level": level, "identity": identity,
-                            "crc32": _crc32(data), "sources": [list(s) for s in sources]}
+        self.packs[name] = {
+            "kind": kind,
+            "version": version,
+            "level": level,
+            "identity": identity,
+            "crc32": _crc32(data),
+            "sources": [list(s) for s in sources],
+        }
 
     def collect(self) -> None:
         """Deletes the files of the folder that no pack in use is, once older than GRACE_S."""

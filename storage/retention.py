@@ -12,6 +12,7 @@ An item is removed by renaming it into `<root>/.trash/` (one rename: the catalog
 whole or not at all), then deleting it there; a gc killed in between leaves only trash, which the next gc
 empties. The catalog is republished by the caller.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,20 @@ def _iteration_of(path: Path) -> int:
     return int(path.name.split("=", 1)[1])
 
 
-def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), partitions: tuple[str, ...] = (),
-         protected: set[str] | frozenset[str] = frozenset()) -> list[Removal]:
+def plan(
+    root: Path,
+    run_id: str,
+    keep_last: int,
+    keep: tuple[int, ...] = (),
+    partitions: tuple[str, ...] = (),
+    protected: set[str] | frozenset[str] = frozenset(),
+) -> list[Removal]:
     """What `gc` would remove: checkpoints beyond the newest `keep_last` (and not in `keep`), and the
     purified and dead-letter partitions named like `mode=saar/gamma=0.30` in every iteration."""
     if keep_last < 1:
-        raise RetentionError(f"--keep-last {keep_last}: at least 1 (the newest checkpoint is what a resumed run "
-                             "starts from)")
+        raise RetentionError(
+            f"--keep-last {keep_last}: at least 1 (the newest checkpoint is what a resumed run starts from)"
+        )
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise RetentionError(f"storage.root {root} is not a folder")
@@ -61,18 +69,26 @@ def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), pa
         raise RetentionError(f"run {run_id!r} does not exist under {root} (no {layout.run_dir})")
     for name in partitions:
         if name.count("/") != 1 or not name.startswith("mode=") or "=" not in name.split("/")[1]:
-            raise RetentionError(f"--remove-partition {name!r}: expected the form mode=MODE/gamma=G (or tau=T), "
-                                 "as under iteration=*/purified/")
+            raise RetentionError(
+                f"--remove-partition {name!r}: expected the form mode=MODE/gamma=G (or tau=T), "
+                "as under iteration=*/purified/"
+            )
         if name in protected:
-            raise RetentionError(f"--remove-partition {name}: the run's own flow writes it (purify.modes/gammas or "
-                                 "train.mode/gamma): a resumed run would purify it again; only replay partitions go")
-    done = sorted((p for p in (layout.run_dir / "checkpoints").glob("iteration=*") if (p / DONE_MARKER).is_file()),
-                  key=_iteration_of)
+            raise RetentionError(
+                f"--remove-partition {name}: the run's own flow writes it (purify.modes/gammas or "
+                "train.mode/gamma): a resumed run would purify it again; only replay partitions go"
+            )
+    done = sorted(
+        (p for p in (layout.run_dir / "checkpoints").glob("iteration=*") if (p / DONE_MARKER).is_file()),
+        key=_iteration_of,
+    )
     numbers = [_iteration_of(p) for p in done]
     for k in keep:  # a typo would keep nothing it meant to, silently
         if k not in numbers:
-            raise RetentionError(f"--keep {k}: run {run_id!r} has no checkpoint {k} (its checkpoints: "
-                                 f"{', '.join(map(str, numbers)) or 'none'})")
+            raise RetentionError(
+                f"--keep {k}: run {run_id!r} has no checkpoint {k} (its checkpoints: "
+                f"{', '.join(map(str, numbers)) or 'none'})"
+            )
     kept = set(done[-keep_last:]) | {p for p in done if _iteration_of(p) in keep}
     out = [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
     for name in partitions:
@@ -85,7 +101,9 @@ def plan(root: Path, run_id: str, keep_last: int, keep: tuple[int, ...] = (), pa
 
 def partitions_of(root: Path, run_id: str) -> list[str]:
     """The purified partitions (mode=…/gamma=… or tau=…) some iteration of the run holds."""
-    return sorted({f"{p.parent.name}/{p.name}" for p in RunLayout(root, run_id).run_dir.glob("iteration=*/purified/mode=*/*")})
+    return sorted(
+        {f"{p.parent.name}/{p.name}" for p in RunLayout(root, run_id).run_dir.glob("iteration=*/purified/mode=*/*")}
+    )
 
 
 def empty_trash(root: Path) -> None:

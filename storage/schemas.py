@@ -3,6 +3,7 @@
 The version is stored twice: in the Parquet schema metadata of every part and in the manifest,
 so a reader can refuse a file written by an incompatible cleaner before it reads a row.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,51 +19,74 @@ ids = pa.list_(pa.int32())
 mask = pa.list_(pa.int8())
 logprobs = pa.list_(pa.float32())
 
-TOOL_RESULT = pa.struct([
-    ("status", pa.string()),
-    ("text", pa.string()),
-    ("error_label", pa.string()),
-    ("error_class", pa.string()),
-    ("exit_code", pa.int32()),
-    ("duration_s", pa.float64()),
-    ("timed_out", pa.bool_()),
-])
+TOOL_RESULT = pa.struct(
+    [
+        ("status", pa.string()),
+        ("text", pa.string()),
+        ("error_label", pa.string()),
+        ("error_class", pa.string()),
+        ("exit_code", pa.int32()),
+        ("duration_s", pa.float64()),
+        ("timed_out", pa.bool_()),
+    ]
+)
 
-ATTEMPT = pa.struct([
-    ("attempt_idx", pa.int32()),
-    ("turn_ids", ids),
-    ("logprobs", logprobs),
-    ("call_start", pa.int32()),
-    ("call_status", pa.string()),
-    ("context_len", pa.int32()),
-    ("context_fingerprint", pa.string()),
-    ("code", pa.string()),
-    ("result", TOOL_RESULT),
-    ("feedback_ids", ids),
-    ("finish_reason", pa.string()),
-])
+ATTEMPT = pa.struct(
+    [
+        ("attempt_idx", pa.int32()),
+        ("turn_ids", ids),
+        ("logprobs", logprobs),
+        ("call_start", pa.int32()),
+        ("call_status", pa.string()),
+        ("context_len", pa.int32()),
+        ("context_fingerprint", pa.string()),
+        ("code", pa.string()),
+        ("result", TOOL_RESULT),
+        ("feedback_ids", ids),
+        ("finish_reason", pa.string()),
+    ]
+)
 
-POSITION = pa.struct([
-    ("position_idx", pa.int32()),
-    ("attempts", pa.list_(ATTEMPT)),
-    ("outcome", pa.string()),
-])
+POSITION = pa.struct(
+    [
+        ("position_idx", pa.int32()),
+        ("attempts", pa.list_(ATTEMPT)),
+        ("outcome", pa.string()),
+    ]
+)
 
-STATS = pa.struct([(name, pa.int32()) for name in (
-    "turns", "tool_calls", "first_attempt_failures", "model_failures", "infra_failures", "retries",
-    "recovered", "exhausted", "gave_up", "live_shallow", "live_deep", "response_tokens",
-    "generated_tokens",
-)])
+STATS = pa.struct(
+    [
+        (name, pa.int32())
+        for name in (
+            "turns",
+            "tool_calls",
+            "first_attempt_failures",
+            "model_failures",
+            "infra_failures",
+            "retries",
+            "recovered",
+            "exhausted",
+            "gave_up",
+            "live_shallow",
+            "live_deep",
+            "response_tokens",
+            "generated_tokens",
+        )
+    ]
+)
 
-SPLICE_V1 = pa.struct([
-    ("position_idx", pa.int32()),
-    ("attempt_idx", pa.int32()),
-    ("kind", pa.string()),
-    ("similarity", pa.float64()),
-    ("tokens_removed", pa.int32()),
-    ("first_recomputed", pa.int32()),
-    ("split_failed", pa.bool_()),
-])
+SPLICE_V1 = pa.struct(
+    [
+        ("position_idx", pa.int32()),
+        ("attempt_idx", pa.int32()),
+        ("kind", pa.string()),
+        ("similarity", pa.float64()),
+        ("tokens_removed", pa.int32()),
+        ("first_recomputed", pa.int32()),
+        ("split_failed", pa.bool_()),
+    ]
+)
 # v2: the moved retry's importance ratio π(retry | purified context) / π_b(retry | sampled context), as
 # log Σ over its `moved_tokens` tokens from `first_recomputed` on (NaN until the log-probs are recomputed)
 SPLICE = pa.struct(list(SPLICE_V1) + [("moved_tokens", pa.int32()), ("log_is_ratio", pa.float64())])
@@ -150,24 +174,34 @@ PURIFIED_V2 = _versioned("purified", 2, _PURIFIED_V2_FIELDS)
 # it as v3.
 PURIFIED = _versioned("purified", 3, _PURIFIED_V2_FIELDS)
 
-DEAD_LETTER = _versioned("dead_letter", 1, [
-    ("raw_key", pa.string()),
-    ("source_file", pa.string()),
-    ("reason", pa.string()),
-])
+DEAD_LETTER = _versioned(
+    "dead_letter",
+    1,
+    [
+        ("raw_key", pa.string()),
+        ("source_file", pa.string()),
+        ("reason", pa.string()),
+    ],
+)
 
-METRICS = _versioned("metrics", 1, [
-    ("run_id", pa.string()),
-    ("iteration", pa.int32()),
-    ("stage", pa.string()),
-    ("step", pa.int32()),
-    ("name", pa.string()),
-    ("value", pa.float64()),
-])
+METRICS = _versioned(
+    "metrics",
+    1,
+    [
+        ("run_id", pa.string()),
+        ("iteration", pa.int32()),
+        ("stage", pa.string()),
+        ("step", pa.int32()),
+        ("name", pa.string()),
+        ("value", pa.float64()),
+    ],
+)
 
 # Earlier versions readers still accept, by the version they are read as; `upgrade` brings their rows to it.
-EARLIER: dict[str, dict[str, pa.Schema]] = {"purified/3": {"purified/1": PURIFIED_V1, "purified/2": PURIFIED_V2},
-                                            "raw/2": {"raw/1": RAW_V1}}
+EARLIER: dict[str, dict[str, pa.Schema]] = {
+    "purified/3": {"purified/1": PURIFIED_V1, "purified/2": PURIFIED_V2},
+    "raw/2": {"raw/1": RAW_V1},
+}
 
 
 # `gamma` holds γ alone (purified v3): in a row of an importance-ratio mode it is 0.0, its τ in `is_threshold`. The
@@ -224,8 +258,10 @@ def _widen(column: pa.ChunkedArray, kind: pa.DataType) -> pa.ChunkedArray:
     chunks = []
     for chunk in column.chunks:
         values = chunk.flatten()
-        fields = [values.field(f.name) if values.type.get_field_index(f.name) >= 0 else pa.nulls(len(values), f.type)
-                  for f in kind.value_type]
+        fields = [
+            values.field(f.name) if values.type.get_field_index(f.name) >= 0 else pa.nulls(len(values), f.type)
+            for f in kind.value_type
+        ]
         structs = pa.StructArray.from_arrays(fields, fields=list(kind.value_type))
         chunks.append(pa.ListArray.from_arrays(chunk.offsets, structs, type=kind, mask=chunk.is_null()))
     return pa.chunked_array(chunks, type=kind)

@@ -33,6 +33,7 @@ The index only ever saves work, like the verification records:
 - a shard that fails is never indexed, so every scan validates (and names) it again; `verify` checks every file
   in full whatever the index and the records say. A root that cannot be written works without an index.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -51,8 +52,16 @@ import pyarrow as pa
 
 from storage import packs, verified
 from storage.schemas import DEAD_LETTER, METRICS, PURIFIED, RAW
-from storage.shards import (MANIFEST, PART_GLOB, ShardError, check_part, check_summary, committed_manifest,
-                            summary_parts, text_parts)
+from storage.shards import (
+    MANIFEST,
+    PART_GLOB,
+    ShardError,
+    check_part,
+    check_summary,
+    committed_manifest,
+    summary_parts,
+    text_parts,
+)
 
 INDEX = "index.json"  # in packs.FOLDER, beside the packs
 VERSION = 3  # 3: one digest per iteration folder too (_Index.indexed_iteration)
@@ -159,7 +168,7 @@ class _Index:
 
     def subfolders(self, folder: str) -> list[str]:
         """The names of `folder`'s visible sub-folders: as indexed while its identity is unchanged, else listed."""
-        key = folder[len(self.base):]
+        key = folder[len(self.base) :]
         known = self.listed.get(key)
         if known is not None:
             return known
@@ -180,7 +189,7 @@ class _Index:
         settled = ident[1] < self.settled and ident[2] < self.settled
         self.folder_ids[key] = (_IDENTITY.pack(*ident), settled)
         if key and settled:  # never the root's: every save
-            self.new["folders"][key] = [ident_digest, names]                  # (and publish) changes it
+            self.new["folders"][key] = [ident_digest, names]  # (and publish) changes it
         elif key in self.old["folders"]:  # kept, though it will not match again: no rewrite for a new shard
             self.new["folders"][key] = self.old["folders"][key]
         return names
@@ -188,7 +197,7 @@ class _Index:
     def indexed(self, directory: str) -> tuple[ShardFiles, list[str], list[bytes]] | None:
         """The shard, its files' crc32s as its entry says and the identities compared (packed), when the folder,
         the manifest and every file it lists are unchanged."""
-        key = directory[len(self.base):]
+        key = directory[len(self.base) :]
         entry = self.old["shards"].get(key)
         prefix = directory + _SEP
         try:
@@ -196,8 +205,11 @@ class _Index:
             names = [*parts, *(summaries or ()), *texts]
             if len(names) != len(crcs):
                 return None
-            packed = [_packed_identity(directory), _packed_identity(prefix + MANIFEST),
-                      *[_packed_identity(prefix + name) for name in names]]
+            packed = [
+                _packed_identity(directory),
+                _packed_identity(prefix + MANIFEST),
+                *[_packed_identity(prefix + name) for name in names],
+            ]
             if _digest(b"".join(packed)) != ids:
                 return None
             found = _files(directory, version, parts, summaries, texts)
@@ -209,7 +221,7 @@ class _Index:
     def record(self, directory: str, entry: list[Any]) -> list[bytes] | None:
         """Index a validated shard (_validate's entry: the identities, then what the index keeps beside them);
         its identities packed when it was indexed."""
-        key = directory[len(self.base):]
+        key = directory[len(self.base) :]
         ids, *kept = entry
         if self.settled_ids(*ids):
             try:
@@ -227,7 +239,7 @@ class _Index:
         folder, every folder below it and every shard's folder, manifest and file are unchanged: one digest of
         their identities compared per iteration, where shard by shard a scan of 2,000 iterations spends more
         time on its own bookkeeping than on the 30,000 stats."""
-        key = folder[len(self.base):]
+        key = folder[len(self.base) :]
         entry = self.old["iterations"].get(key)
         if entry is None:
             return None
@@ -243,29 +255,39 @@ class _Index:
                 directory = folder + _SEP + name
                 prefix = directory + _SEP
                 paths += [directory, prefix + MANIFEST, *[prefix + n for n in names]]
-                found.append((_VIEW_OF[name.split(_SEP, 1)[0]], directory,
-                              _files(directory, version, parts, summaries, texts), crcs, shard))
+                found.append(
+                    (
+                        _VIEW_OF[name.split(_SEP, 1)[0]],
+                        directory,
+                        _files(directory, version, parts, summaries, texts),
+                        crcs,
+                        shard,
+                    )
+                )
             if _digest(b"".join([_packed_identity(p) for p in paths])) != digest:
                 return None
         except (OSError, TypeError, ValueError, KeyError, AttributeError, struct.error):
             return None
         self.new["iterations"][key] = entry
         for _, directory, _, _, shard in found:
-            self.new["shards"][directory[len(self.base):]] = shard
+            self.new["shards"][directory[len(self.base) :]] = shard
         return [(view, directory, files, crcs) for view, directory, files, crcs, _ in found]
 
     def record_iteration(self, folder: str, shards: dict[str, list[bytes]]) -> None:
         """Index an iteration folder whose every folder was listed at settled identities and whose every shard
         (`shards`: folder -> packed identities) was indexed; its folders' own entries are then not needed."""
-        key = folder[len(self.base):]
+        key = folder[len(self.base) :]
         below = sorted(k for k in self.folder_ids if k.startswith(key + _SEP))
         if key not in self.folder_ids or not all(self.folder_ids[k][1] for k in (key, *below)):
             return
         names = sorted(shards)
         packed = [self.folder_ids[k][0] for k in (key, *below)]
         packed += [ident for name in names for ident in shards[name]]
-        self.new["iterations"][key] = [_digest(b"".join(packed)), [k[len(key) + 1:] for k in below],
-                                       [name[len(folder) + 1:] for name in names]]
+        self.new["iterations"][key] = [
+            _digest(b"".join(packed)),
+            [k[len(key) + 1 :] for k in below],
+            [name[len(folder) + 1 :] for name in names],
+        ]
         for k in (key, *below):
             self.new["folders"].pop(k, None)
 
@@ -287,12 +309,15 @@ class _Index:
             tmp.unlink(missing_ok=True)
 
 
-def _files(directory: str, version: str, parts: list[str], summaries: list[str] | None,
-           texts: list[str]) -> ShardFiles:
+def _files(directory: str, version: str, parts: list[str], summaries: list[str] | None, texts: list[str]) -> ShardFiles:
     """A shard's files from their names (as its manifest, or its index entry, lists them)."""
     prefix = directory + _SEP
-    return ShardFiles([prefix + n for n in parts], version, None if summaries is None else [prefix + n for n in summaries],
-                      tuple(prefix + n for n in texts))
+    return ShardFiles(
+        [prefix + n for n in parts],
+        version,
+        None if summaries is None else [prefix + n for n in summaries],
+        tuple(prefix + n for n in texts),
+    )
 
 
 def _digest(body: bytes) -> str:
@@ -342,8 +367,13 @@ def _validate(directory: str, schema: pa.Schema, force: bool) -> tuple[ShardFile
         check_part(d, part, schema, force)
     for part in [*summaries, *texts]:
         check_summary(d, part, force)
-    files = _files(directory, manifest.schema, [p.name for p in manifest.parts],
-                   [p.name for p in summaries] if summaries else None, [p.name for p in texts])
+    files = _files(
+        directory,
+        manifest.schema,
+        [p.name for p in manifest.parts],
+        [p.name for p in summaries] if summaries else None,
+        [p.name for p in texts],
+    )
     listed = [*manifest.parts, *summaries, *texts]
     crcs = [p.crc32 for p in listed]
     # The identities each file was verified at (the record's, never a stat taken now): a change after the
@@ -359,8 +389,18 @@ def _validate(directory: str, schema: pa.Schema, force: bool) -> tuple[ShardFile
     dir_id = identity(directory)  # after the checks wrote the record; a part added since changes it again
     if set(fnmatch.filter(os.listdir(directory), PART_GLOB)) - {p.name for p in manifest.parts}:
         return files, crcs, None  # one appeared while validating: the next scan names it
-    return files, crcs, [[dir_id, manifest_id, *file_ids], manifest.schema, [p.name for p in manifest.parts],
-                         [p.name for p in summaries] if summaries else None, [p.name for p in texts], crcs]
+    return (
+        files,
+        crcs,
+        [
+            [dir_id, manifest_id, *file_ids],
+            manifest.schema,
+            [p.name for p in manifest.parts],
+            [p.name for p in summaries] if summaries else None,
+            [p.name for p in texts],
+            crcs,
+        ],
+    )
 
 
 def _not_committed(directory: str) -> bool:
@@ -390,8 +430,9 @@ def _named_as_input(directory: str) -> str | None:
     return None
 
 
-def _shard(index: _Index, directory: str, schema: pa.Schema, verify: bool,
-           problems: list[Problem]) -> tuple[ShardFiles, list[str], list[bytes] | None] | None:
+def _shard(
+    index: _Index, directory: str, schema: pa.Schema, verify: bool, problems: list[Problem]
+) -> tuple[ShardFiles, list[str], list[bytes] | None] | None:
     """A shard folder through the index, else validated from its manifest: its files, their crc32s and its packed
     identities when it is indexed (None: it is not, or not yet). None for a folder that is no committed, valid
     shard (named in `problems` when it holds parts)."""
@@ -401,11 +442,22 @@ def _shard(index: _Index, directory: str, schema: pa.Schema, verify: bool,
     if not os.path.isfile(directory + _SEP + MANIFEST):
         if _not_committed(directory):
             named_by = _named_as_input(directory)
-            problems.append(Problem(Path(directory), f"{directory}: committed, but its {MANIFEST} is gone ({named_by} "
-                                    "names it as its input): restore the file from a copy of the store, or remove the "
-                                    "iteration's shards and run them again", True) if named_by else
-                            Problem(Path(directory), f"{directory}: not committed (no {MANIFEST}: its stage is "
-                                    "writing it or crashed before committing; rerun the stage)", False))
+            problems.append(
+                Problem(
+                    Path(directory),
+                    f"{directory}: committed, but its {MANIFEST} is gone ({named_by} "
+                    "names it as its input): restore the file from a copy of the store, or remove the "
+                    "iteration's shards and run them again",
+                    True,
+                )
+                if named_by
+                else Problem(
+                    Path(directory),
+                    f"{directory}: not committed (no {MANIFEST}: its stage is "
+                    "writing it or crashed before committing; rerun the stage)",
+                    False,
+                )
+            )
         return None
     try:
         found, crcs, entry = _validate(directory, schema, verify)

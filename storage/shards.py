@@ -4,6 +4,7 @@ A shard is a folder of `part-NNNNN.parquet` files plus `_MANIFEST.json`, written
 written under temporary names and renamed, then the manifest is renamed into place: a stage that
 crashed leaves no manifest, so readers treat it as absent and a rerun rewrites it from scratch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -193,8 +194,19 @@ class ShardWriter:
     def _leftovers(self) -> list[Path]:
         """The files of an earlier attempt (or of this one, aborted): parts, their summaries and texts (storage/
         summaries.py, texts.py), and the temporary files of each and of the manifest."""
-        return [p for pattern in (PART_GLOB, ".part-*", "summary-*.parquet", ".summary-*", "text-*.parquet",
-                                  ".text-*", f".{MANIFEST}.tmp-*") for p in self.directory.glob(pattern)]
+        return [
+            p
+            for pattern in (
+                PART_GLOB,
+                ".part-*",
+                "summary-*.parquet",
+                ".summary-*",
+                "text-*.parquet",
+                ".text-*",
+                f".{MANIFEST}.tmp-*",
+            )
+            for p in self.directory.glob(pattern)
+        ]
 
     def write(self, table: pa.Table) -> None:
         if not table.schema.equals(self.schema, check_metadata=False):
@@ -227,8 +239,10 @@ class ShardWriter:
         try:
             if kind not in self._open:
                 tmp = self.directory / f".{name}.tmp-{os.getpid()}"
-                self._open[kind] = (pq.ParquetWriter(str(tmp), table.schema, compression=self.compression,
-                                                     **options), tmp)
+                self._open[kind] = (
+                    pq.ParquetWriter(str(tmp), table.schema, compression=self.compression, **options),
+                    tmp,
+                )
             self._open[kind][0].write_table(table)  # parts cast in write(); summaries and texts are of one schema
         except OSError as e:  # e.g. a full disk: one line naming the file; the writer's abort removes the rest
             raise os_error(e, f"writing {self.directory / name}") from None
@@ -284,8 +298,11 @@ class ShardWriter:
             config_hash=self.config_hash,
             inputs=self.inputs,
             created_at=time.time(),
-            extra={**(extra or {}), **({"summaries": [asdict(p) for p in self._summaries]} if self._summaries else {}),
-                   **({"texts": [asdict(p) for p in self._texts]} if self._texts else {})},
+            extra={
+                **(extra or {}),
+                **({"summaries": [asdict(p) for p in self._summaries]} if self._summaries else {}),
+                **({"texts": [asdict(p) for p in self._texts]} if self._texts else {}),
+            },
         )
         _fsync_dir(self.directory)
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
@@ -295,8 +312,13 @@ class ShardWriter:
         # identity is taken now (renaming a file changes its ctime, so not before): a part changed since it was
         # written is caught by its checksum when read for training, and by `cleaner inspect --verify`.
         with contextlib.suppress(OSError):  # a part gone already: nothing recorded, readers check in full
-            verified.remember(self.directory, [(p.name, p.crc32, verified.identity(self.directory / p.name))
-                                               for p in [*self._parts, *self._summaries, *self._texts]])
+            verified.remember(
+                self.directory,
+                [
+                    (p.name, p.crc32, verified.identity(self.directory / p.name))
+                    for p in [*self._parts, *self._summaries, *self._texts]
+                ],
+            )
         return manifest
 
     def abort(self) -> None:
@@ -310,8 +332,14 @@ class ShardWriter:
                 break
 
 
-def write_shard(directory: Path, table: pa.Table, schema: pa.Schema, config_hash: str,
-                extra: dict[str, Any] | None = None, **kw: Any) -> Manifest:
+def write_shard(
+    directory: Path,
+    table: pa.Table,
+    schema: pa.Schema,
+    config_hash: str,
+    extra: dict[str, Any] | None = None,
+    **kw: Any,
+) -> Manifest:
     with ShardWriter(directory, schema, config_hash, **kw) as w:
         w.write(table)
         return w.commit(extra)
@@ -359,8 +387,9 @@ def committed_manifest(directory: Path, schema: pa.Schema) -> Manifest:
     return manifest
 
 
-def _open_part(path: Path, part: PartInfo, schema: pa.Schema,
-               verify_checksums: bool) -> tuple[pq.ParquetFile, pa.Schema]:
+def _open_part(
+    path: Path, part: PartInfo, schema: pa.Schema, verify_checksums: bool
+) -> tuple[pq.ParquetFile, pa.Schema]:
     """One part read whole and checked against its manifest entry: size, crc32, schema version, columns and
     types, rows; with the schema it was written with (`schema` or an earlier version of it)."""
     global FULL_READS
@@ -449,8 +478,11 @@ def read_shard(
         path = directory / part.name
         pf, written = _open_part(path, part, schema, verify_checksums)
         try:
-            table = pf.read(columns=columns if columns is None or written is schema
-                            else [c for c in upgrade_inputs(want) if c in written.names])
+            table = pf.read(
+                columns=columns
+                if columns is None or written is schema
+                else [c for c in upgrade_inputs(want) if c in written.names]
+            )
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: corrupt Parquet ({e})") from None
         if table.num_rows != part.rows:

@@ -5,6 +5,7 @@ A writer that dies by SIGKILL runs no `finally`, so the next one entering the sa
 writers left. A live writer holds an exclusive flock on its `NAME.lock` for as long as it lives, and the kernel drops
 that lock when the process dies, however it dies: a folder whose lock can be taken is stale.
 """
+
 from __future__ import annotations
 
 import contextlib

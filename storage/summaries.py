@@ -7,6 +7,7 @@ Arrow table, written before the manifest and listed in it (`Manifest.extra["summ
 crc32), so a committed shard's summaries are as trustworthy as its parts. Shards committed without them
 (by an earlier cleaner) are summarised by the catalog from their parts, in SQL (storage/catalog.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,27 +16,35 @@ import pyarrow.compute as pc
 
 from storage.schemas import IDENTITY, RAW, SCHEMA_META_KEY, _versioned
 
-RAW_SUMMARY = _versioned("raw_summary", 1, [
-    *IDENTITY,
-    ("reward", pa.float64()),
-    ("stats", RAW.field("stats").type),
-    ("response_tokens", pa.int64()),  # len(lived_ids)
-    ("failed_attempt_tokens", pa.int64()),  # turn + feedback tokens of every attempt whose tool call failed
-])
-PURIFIED_SUMMARY = _versioned("purified_summary", 1, [
-    *IDENTITY,
-    ("mode", pa.string()),
-    ("gamma", pa.float64()),
-    ("reward", pa.float64()),
-    ("advantage", pa.float64()),
-    ("response_tokens", pa.int64()),
-    ("trained_tokens", pa.int64()),
-    ("splices", pa.int64()),
-    ("shallow", pa.int64()),
-    ("deep", pa.int64()),
-    ("tokens_removed", pa.int64()),
-    ("tokens_forwarded", pa.int32()),
-])
+RAW_SUMMARY = _versioned(
+    "raw_summary",
+    1,
+    [
+        *IDENTITY,
+        ("reward", pa.float64()),
+        ("stats", RAW.field("stats").type),
+        ("response_tokens", pa.int64()),  # len(lived_ids)
+        ("failed_attempt_tokens", pa.int64()),  # turn + feedback tokens of every attempt whose tool call failed
+    ],
+)
+PURIFIED_SUMMARY = _versioned(
+    "purified_summary",
+    1,
+    [
+        *IDENTITY,
+        ("mode", pa.string()),
+        ("gamma", pa.float64()),
+        ("reward", pa.float64()),
+        ("advantage", pa.float64()),
+        ("response_tokens", pa.int64()),
+        ("trained_tokens", pa.int64()),
+        ("splices", pa.int64()),
+        ("shallow", pa.int64()),
+        ("deep", pa.int64()),
+        ("tokens_removed", pa.int64()),
+        ("tokens_forwarded", pa.int32()),
+    ],
+)
 
 
 def _lengths(column: pa.ChunkedArray | pa.Array) -> pa.Array:
@@ -57,11 +66,19 @@ def raw_summary(table: pa.Table) -> pa.Table:
     positions, pos_row = list_values(table["positions"])
     attempts, att_pos = list_values(positions.field("attempts"))
     failed = pc.fill_null(pc.equal(attempts.field("result").field("status"), "failure"), False).to_numpy(
-        zero_copy_only=False)
+        zero_copy_only=False
+    )
     tokens = _lengths(attempts.field("turn_ids")).to_numpy() + _lengths(attempts.field("feedback_ids")).to_numpy()
-    return pa.table([*(table[name] for name, _ in IDENTITY), table["reward"], table["stats"],
-                     _lengths(table["lived_ids"]), _per_row(table.num_rows, pos_row[att_pos][failed], tokens[failed])],
-                    schema=RAW_SUMMARY)
+    return pa.table(
+        [
+            *(table[name] for name, _ in IDENTITY),
+            table["reward"],
+            table["stats"],
+            _lengths(table["lived_ids"]),
+            _per_row(table.num_rows, pos_row[att_pos][failed], tokens[failed]),
+        ],
+        schema=RAW_SUMMARY,
+    )
 
 
 def purified_summary(table: pa.Table) -> pa.Table:
@@ -69,12 +86,23 @@ def purified_summary(table: pa.Table) -> pa.Table:
     splices, row = list_values(table["splices"])
     kind = splices.field("kind").to_numpy(zero_copy_only=False)
     mask, mask_row = list_values(table["loss_mask"])
-    return pa.table([*(table[name] for name, _ in IDENTITY), table["mode"], table["gamma"], table["reward"],
-                     table["advantage"], _lengths(table["response_ids"]),
-                     _per_row(n, mask_row, mask.to_numpy(zero_copy_only=False)), _per_row(n, row),
-                     _per_row(n, row[kind == "shallow"]), _per_row(n, row[kind == "deep"]),
-                     _per_row(n, row, pc.fill_null(splices.field("tokens_removed"), 0).to_numpy()),
-                     table["tokens_forwarded"]], schema=PURIFIED_SUMMARY)
+    return pa.table(
+        [
+            *(table[name] for name, _ in IDENTITY),
+            table["mode"],
+            table["gamma"],
+            table["reward"],
+            table["advantage"],
+            _lengths(table["response_ids"]),
+            _per_row(n, mask_row, mask.to_numpy(zero_copy_only=False)),
+            _per_row(n, row),
+            _per_row(n, row[kind == "shallow"]),
+            _per_row(n, row[kind == "deep"]),
+            _per_row(n, row, pc.fill_null(splices.field("tokens_removed"), 0).to_numpy()),
+            table["tokens_forwarded"],
+        ],
+        schema=PURIFIED_SUMMARY,
+    )
 
 
 SUMMARIZERS = {b"raw": raw_summary, b"purified": purified_summary}

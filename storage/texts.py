@@ -17,6 +17,7 @@ the checkpoint that sampled it, a purified shard's is the raw shard's manifest (
 checkpoint). A shard whose recorded checkpoint has no `tokenizer.json` (a synthetic store, a checkpoint
 removed before the commit) is committed without text, and the text views have no rows for it.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,24 +33,34 @@ from storage.layout import resolve_recorded
 from storage.schemas import IDENTITY, SCHEMA_META_KEY, _versioned
 from storage.summaries import list_values
 
-ATTEMPT_TEXT = pa.struct([
-    ("position_idx", pa.int32()),
-    ("attempt_idx", pa.int32()),
-    ("turn_text", pa.string()),  # the attempt's turn_ids decoded (the whole sampled turn, stop token included)
-    ("feedback_text", pa.string()),  # its feedback_ids decoded (the tool-response turn the model was shown)
-])
-RAW_TEXT = _versioned("raw_text", 1, [
-    *IDENTITY,
-    ("response_text", pa.string()),  # lived_ids decoded: the response as the model lived it
-    ("final_text", pa.string()),  # final_turn's turn_ids decoded (NULL without a final turn)
-    ("attempts", pa.list_(ATTEMPT_TEXT)),
-])
-PURIFIED_TEXT = _versioned("purified_text", 1, [
-    *IDENTITY,
-    ("mode", pa.string()),
-    ("gamma", pa.float64()),
-    ("response_text", pa.string()),  # response_ids decoded: the sequence this partition trains
-])
+ATTEMPT_TEXT = pa.struct(
+    [
+        ("position_idx", pa.int32()),
+        ("attempt_idx", pa.int32()),
+        ("turn_text", pa.string()),  # the attempt's turn_ids decoded (the whole sampled turn, stop token included)
+        ("feedback_text", pa.string()),  # its feedback_ids decoded (the tool-response turn the model was shown)
+    ]
+)
+RAW_TEXT = _versioned(
+    "raw_text",
+    1,
+    [
+        *IDENTITY,
+        ("response_text", pa.string()),  # lived_ids decoded: the response as the model lived it
+        ("final_text", pa.string()),  # final_turn's turn_ids decoded (NULL without a final turn)
+        ("attempts", pa.list_(ATTEMPT_TEXT)),
+    ],
+)
+PURIFIED_TEXT = _versioned(
+    "purified_text",
+    1,
+    [
+        *IDENTITY,
+        ("mode", pa.string()),
+        ("gamma", pa.float64()),
+        ("response_text", pa.string()),  # response_ids decoded: the sequence this partition trains
+    ],
+)
 TOKENIZER_FILE = "tokenizer.json"
 
 Decode = Callable[[list[list[int]]], list[str]]  # many id lists -> their texts, in order
@@ -107,18 +118,35 @@ def raw_texts(table: pa.Table, decode: Decode) -> pa.Table:
     # each row's attempts, over all its positions, in order: offsets from the number of attempts per row
     offsets = np.concatenate([[0], np.cumsum(np.bincount(pos_row[att_pos], minlength=table.num_rows))])
     structs = pa.StructArray.from_arrays(
-        [pc.take(positions.field("position_idx"), att_pos), attempts.field("attempt_idx"),
-         _texts(decode, attempts.field("turn_ids")), _texts(decode, attempts.field("feedback_ids"))],
-        fields=list(ATTEMPT_TEXT))
-    return pa.table([*(table[name] for name, _ in IDENTITY), _texts(decode, table["lived_ids"].combine_chunks()),
-                     _texts(decode, pc.struct_field(table["final_turn"].combine_chunks(), "turn_ids")),
-                     pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), structs, type=pa.list_(ATTEMPT_TEXT))],
-                    schema=RAW_TEXT)
+        [
+            pc.take(positions.field("position_idx"), att_pos),
+            attempts.field("attempt_idx"),
+            _texts(decode, attempts.field("turn_ids")),
+            _texts(decode, attempts.field("feedback_ids")),
+        ],
+        fields=list(ATTEMPT_TEXT),
+    )
+    return pa.table(
+        [
+            *(table[name] for name, _ in IDENTITY),
+            _texts(decode, table["lived_ids"].combine_chunks()),
+            _texts(decode, pc.struct_field(table["final_turn"].combine_chunks(), "turn_ids")),
+            pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), structs, type=pa.list_(ATTEMPT_TEXT)),
+        ],
+        schema=RAW_TEXT,
+    )
 
 
 def purified_texts(table: pa.Table, decode: Decode) -> pa.Table:
-    return pa.table([*(table[name] for name, _ in IDENTITY), table["mode"], table["gamma"],
-                     _texts(decode, table["response_ids"].combine_chunks())], schema=PURIFIED_TEXT)
+    return pa.table(
+        [
+            *(table[name] for name, _ in IDENTITY),
+            table["mode"],
+            table["gamma"],
+            _texts(decode, table["response_ids"].combine_chunks()),
+        ],
+        schema=PURIFIED_TEXT,
+    )
 
 
 TEXTERS = {b"raw": raw_texts, b"purified": purified_texts}

@@ -15,6 +15,7 @@ in full and the record rewritten), so a corrupt record can never make a corrupt 
 be written (read-only) just keeps checking in full. Readers that feed training (purification, the update)
 check every byte they read whatever the record says (storage.shards.read_shard, iter_part_batches).
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -17,8 +17,10 @@ def world_rollout(tmp_path_factory):
     from rollout_gen.stage import run_rollout_stage
 
     root = tmp_path_factory.mktemp("world-rollout")
-    cfg = load_config(None, [f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                             "rollout.seed=3"])
+    cfg = load_config(
+        None,
+        [f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4", "rollout.seed=3"],
+    )
     run_rollout_stage(cfg, "w", 0, DEFAULT_POLICY, show_progress=False)
     return cfg
 

@@ -12,6 +12,7 @@ On a CPU-only machine the last check cannot tell devices apart (every tensor is 
 they fail on code that would put a tensor or a generator on the CPU while its stage runs on a GPU. On a GPU
 machine the same tests run with the stage on CUDA, where all three bite.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,22 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE_CODE = tuple(str(ROOT / package) + "/" for package in ("pipeline", "rollout_gen", "purifier", "trainer"))
 TORCH_CODE = os.path.dirname(torch.__file__) + "/"
 OVERRIDES = TORCH_CODE + "overrides.py"
-FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange,
-             torch.rand, torch.randn, torch.randint, torch.randperm, torch.eye, torch.linspace, torch.scalar_tensor}
+FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.eye,
+    torch.linspace,
+    torch.scalar_tensor,
+}
 
 
 def stage_frame(func=None, depth: int = 2) -> str | None:
@@ -38,8 +53,12 @@ def stage_frame(func=None, depth: int = 2) -> str | None:
     # overrides from its own frame: the caller is the frame above those
     while frame is not None and frame.f_code.co_filename.startswith(OVERRIDES):
         frame = frame.f_back
-    if (func is not None and frame is not None and frame.f_code.co_filename.startswith(TORCH_CODE)
-            and frame.f_code.co_name == getattr(func, "__name__", None)):
+    if (
+        func is not None
+        and frame is not None
+        and frame.f_code.co_filename.startswith(TORCH_CODE)
+        and frame.f_code.co_name == getattr(func, "__name__", None)
+    ):
         frame = frame.f_back
     if frame is None or not frame.f_code.co_filename.startswith(STAGE_CODE):
         return None
@@ -65,8 +84,9 @@ class DeviceDiscipline(TorchFunctionMode):
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, (torch.Tensor, torch.Generator)) and leaf.device.type != self.device.type:
                     what = "generator" if isinstance(leaf, torch.Generator) else "tensor"
-                    self.violations.append(f"{where}: {name} on a {what} on {leaf.device}, the stage is on "
-                                           f"{self.device}")
+                    self.violations.append(
+                        f"{where}: {name} on a {what} on {leaf.device}, the stage is on {self.device}"
+                    )
         return func(*args, **kwargs)
 
     def __enter__(self):

@@ -1,4 +1,5 @@
 """Test doubles, each standing in only for what cannot be made to happen here on demand."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -21,8 +22,13 @@ class ScriptedEngineDouble:
         self.calls: list[int] = []
         self.turn_no: dict[str, int] = {}
 
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        shared_prefix: list[int] | None = None,
+    ) -> list[Generation]:
         self.calls.append(len(contexts))
         out = []
         for ctx in contexts:
@@ -46,7 +52,7 @@ class ScriptedEngineDouble:
 def call(code: str, reasoning: str = "Let me compute.") -> str:
     import json
 
-    return f'{reasoning}\n<tool_call>\n{json.dumps({"name": "code_interpreter", "arguments": {"code": code}})}\n</tool_call>'
+    return f"{reasoning}\n<tool_call>\n{json.dumps({'name': 'code_interpreter', 'arguments': {'code': code}})}\n</tool_call>"
 
 
 ANSWER = "The answer is \\boxed{{{}}}."

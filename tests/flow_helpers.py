@@ -1,4 +1,5 @@
 """Running cleaner commands as a user does, in their own process (shared by the flow, gc and schedule tests)."""
+
 from __future__ import annotations
 
 import os
@@ -34,22 +35,43 @@ def tiny_config(root: Path, name: str = "tiny.yaml", **sections: dict) -> Path:
 def command_env(root: Path | None = None, **extra: str) -> dict[str, str]:
     """The environment a user's `cleaner` runs with: this checkout on PYTHONPATH, and with a root, the
     Prefect home under it."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), **({"PREFECT_HOME": str(root / ".prefect")} if root else {}),
-            **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        **({"PREFECT_HOME": str(root / ".prefect")} if root else {}),
+        **extra,
+    }
 
 
-def cleaner(args: list[str], root: Path, env: dict[str, str] | None = None, cwd: Path = ROOT,
-            stdout=subprocess.PIPE, **kw) -> subprocess.Popen:
+def cleaner(
+    args: list[str], root: Path, env: dict[str, str] | None = None, cwd: Path = ROOT, stdout=subprocess.PIPE, **kw
+) -> subprocess.Popen:
     """`cleaner ARGS` started in its own session (the test can signal its group), output merged on `stdout`."""
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env or command_env(root),
-                            stdout=stdout, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=env or command_env(root),
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
 
 
-def run_cleaner(args: list[str], root: Path | None = None, cwd: Path = ROOT, env: dict[str, str] | None = None,
-                timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cleaner(
+    args: list[str], root: Path | None = None, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """`cleaner ARGS` run to its end as a user runs it, stdout and stderr apart."""
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env or command_env(root),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=env or command_env(root),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train(root: Path, *overrides: str, timeout: float = 600) -> str:
@@ -70,10 +92,22 @@ def on_terminal(args: list[str], root: Path, columns: int = 100, timeout: float 
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    env = {**os.environ, "PREFECT_HOME": str(root / ".prefect"), "PYTHONPATH": str(ROOT), "COLUMNS": str(columns),
-           "TERM": "xterm"}
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                         stdout=slave, stderr=slave, start_new_session=True)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(root / ".prefect"),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": str(columns),
+        "TERM": "xterm",
+    }
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
     os.close(slave)
     chunks, deadline = [], time.time() + timeout
     try:
@@ -115,8 +149,9 @@ def prefect_api(url: str, path: str, body: dict) -> list[dict]:
     import json
     import urllib.request
 
-    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 

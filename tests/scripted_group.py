@@ -2,6 +2,7 @@
 real agent loop, tokenizer and sandbox with scripted turns (tests/doubles.py), for the premise and mode
 tests. The expected kinds and the failed calls each mode keeps are stated by hand from the rules in
 pipeline/kinds.py and docs/saar.md, not read from the code under test."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,21 @@ class InfraAtDouble:
         out = []
         for code in codes:
             self.n += 1
-            out += ([ToolResult("failure", "Tool call failure\nreason: sandbox_error", "sandbox_error", "infra", None,
-                                0.0, False)] if self.n == self.infra_at else self.pool.run_many([code]))
+            out += (
+                [
+                    ToolResult(
+                        "failure",
+                        "Tool call failure\nreason: sandbox_error",
+                        "sandbox_error",
+                        "infra",
+                        None,
+                        0.0,
+                        False,
+                    )
+                ]
+                if self.n == self.infra_at
+                else self.pool.run_many([code])
+            )
         return out
 
 
@@ -49,8 +63,7 @@ SCRIPTS: dict[str, tuple[list[str], dict, dict, int, str]] = {
     "gave_up": ([call("prnt(6 * 7)"), "I cannot fix it. \\boxed{41}"], {}, {}, 0, "not_recovered"),
     "infra": ([call("prnt(6 * 7)"), call("print(6 * 7)"), RIGHT], {}, {}, 2, "infra"),
     "gate_off": ([call("prnt(6 * 7)"), WRONG], {"gate_p": 0.0}, {}, 0, "not_recovered"),
-    "malformed_recovered": ([UNCLOSED, call("print(6 * 7)"), RIGHT], {}, {"malformed_call": "failure"}, 0,
-                            "recovered"),
+    "malformed_recovered": ([UNCLOSED, call("print(6 * 7)"), RIGHT], {}, {"malformed_call": "failure"}, 0, "recovered"),
 }
 NAMES = list(SCRIPTS)
 

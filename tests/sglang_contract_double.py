@@ -5,6 +5,7 @@ lets the client's request/response handling be tested here (SGLang's /generate r
 Like a server, it takes requests concurrently: each handler thread queues its rows and waits, and one
 engine thread batches whatever is queued continuously (rows join and leave between decoding steps),
 so concurrent clients are really served together. `max_in_flight` records the most rows at once."""
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,9 @@ class SGLangContractDouble:
         if sps[0]["max_new_tokens"] == 0:
             with self.lock:
                 return [self._score(seq, start) for seq, start in zip(ids, body["logprob_start_len"])]
-        params = SamplingParams(sps[0]["max_new_tokens"], sps[0]["temperature"], sps[0]["top_p"],
-                                tuple(sps[0]["stop_token_ids"]))
+        params = SamplingParams(
+            sps[0]["max_new_tokens"], sps[0]["temperature"], sps[0]["top_p"], tuple(sps[0]["stop_token_ids"])
+        )
         waits = []
         for ctx, sp in zip(ids, sps):
             box: list = [threading.Event()]
@@ -87,12 +89,24 @@ class SGLangContractDouble:
             gens.append(box[1])
         out = []
         for ctx, g in zip(ids, gens):
-            finish = {"type": "stop", "matched": g.output_ids[-1]} if g.finish_reason == "stop" else \
-                {"type": "length", "length": len(g.output_ids)}
-            out.append({"text": "", "output_ids": g.output_ids, "meta_info": {
-                "finish_reason": finish, "prompt_tokens": len(ctx), "completion_tokens": len(g.output_ids),
-                "cached_tokens": 0, "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.output_ids)],
-            }})
+            finish = (
+                {"type": "stop", "matched": g.output_ids[-1]}
+                if g.finish_reason == "stop"
+                else {"type": "length", "length": len(g.output_ids)}
+            )
+            out.append(
+                {
+                    "text": "",
+                    "output_ids": g.output_ids,
+                    "meta_info": {
+                        "finish_reason": finish,
+                        "prompt_tokens": len(ctx),
+                        "completion_tokens": len(g.output_ids),
+                        "cached_tokens": 0,
+                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(g.logprobs, g.output_ids)],
+                    },
+                }
+            )
         return out
 
     def _serve(self) -> None:
@@ -123,9 +137,18 @@ class SGLangContractDouble:
     def _score(self, seq: list[int], start_len: int) -> dict:
         # chunked over positions like every log-prob in cleaner: real vocabularies fit
         lps = sequence_logprobs(self.engine.model, seq, start=start_len + 1)
-        entries = [[None, seq[start_len], None]] + [[lp, seq[k], None] for lp, k in zip(lps, range(start_len + 1, len(seq)))]
-        return {"text": "", "output_ids": [], "meta_info": {"input_token_logprobs": entries, "cached_tokens": start_len,
-                                                             "finish_reason": {"type": "length", "length": 0}}}
+        entries = [[None, seq[start_len], None]] + [
+            [lp, seq[k], None] for lp, k in zip(lps, range(start_len + 1, len(seq)))
+        ]
+        return {
+            "text": "",
+            "output_ids": [],
+            "meta_info": {
+                "input_token_logprobs": entries,
+                "cached_tokens": start_len,
+                "finish_reason": {"type": "length", "length": 0},
+            },
+        }
 
     def close(self) -> None:
         self._stop.set()

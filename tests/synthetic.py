@@ -1,4 +1,5 @@
 """Random, structurally valid raw trajectories: test fixtures and benchmark load, not model output."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,15 @@ def _f32(values: list[float]) -> list[float]:
     return np.asarray(values, dtype=np.float32).tolist()
 
 
-def synthetic_trajectory(rng: random.Random, idx: int, run_id: str = "synthetic", iteration: int = 0,
-                         vocab: int = 512, positions: int = 2, max_retries: int = 3) -> Trajectory:
+def synthetic_trajectory(
+    rng: random.Random,
+    idx: int,
+    run_id: str = "synthetic",
+    iteration: int = 0,
+    vocab: int = 512,
+    positions: int = 2,
+    max_retries: int = 3,
+) -> Trajectory:
     prompt = [rng.randrange(vocab) for _ in range(rng.randint(20, 40))]
     lived: list[int] = []
     mask: list[int] = []
@@ -36,9 +44,15 @@ def synthetic_trajectory(rng: random.Random, idx: int, run_id: str = "synthetic"
             timed_out=False,
         )
         return Attempt(
-            attempt_idx=attempt_idx, turn_ids=ids, logprobs=_f32([-rng.random() * 3 for _ in ids]),
-            call_start=cs, call_status="ok", context_len=len(context), context_fingerprint=fingerprint(context),
-            code=f"print({rng.randint(0, 999)})", result=result,
+            attempt_idx=attempt_idx,
+            turn_ids=ids,
+            logprobs=_f32([-rng.random() * 3 for _ in ids]),
+            call_start=cs,
+            call_status="ok",
+            context_len=len(context),
+            context_fingerprint=fingerprint(context),
+            code=f"print({rng.randint(0, 999)})",
+            result=result,
             feedback_ids=[rng.randrange(vocab) for _ in range(rng.randint(5, 12))],
         )
 
@@ -59,19 +73,43 @@ def synthetic_trajectory(rng: random.Random, idx: int, run_id: str = "synthetic"
         stats.tool_calls += len(attempts)
         stats.first_attempt_failures += int(n_fail > 0)
         stats.retries += len(attempts) - 1
-    final = Attempt(attempt_idx=0, turn_ids=[rng.randrange(vocab) for _ in range(10)], logprobs=_f32([-0.5] * 10),
-                    call_start=-1, call_status="no_call", context_len=len(prompt) + len(lived),
-                    context_fingerprint=fingerprint(prompt + lived))
+    final = Attempt(
+        attempt_idx=0,
+        turn_ids=[rng.randrange(vocab) for _ in range(10)],
+        logprobs=_f32([-0.5] * 10),
+        call_start=-1,
+        call_status="no_call",
+        context_len=len(prompt) + len(lived),
+        context_fingerprint=fingerprint(prompt + lived),
+    )
     lived += final.turn_ids
     mask += [1] * 10
     lps += final.logprobs
     stats.response_tokens = len(lived)
     return Trajectory(
-        run_id=run_id, iteration=iteration, prompt_id=f"p{idx // 4:06d}", sample_idx=idx % 4,
-        policy_version="synthetic", seed=idx, task_source="synthetic", question=f"What is {idx} + 1?",
-        ground_truth=str(idx + 1), saar_gate=True, gate_p=1.0, live_mode="purified", gamma_live=0.5,
-        max_retries=max_retries, prompt_ids=prompt, lived_ids=lived, lived_mask=mask, lived_logprobs=_f32(lps),
-        positions=pos_list, final_turn=final, final_answer=str(idx + 1), reward=1.0, finish_reason="stop",
+        run_id=run_id,
+        iteration=iteration,
+        prompt_id=f"p{idx // 4:06d}",
+        sample_idx=idx % 4,
+        policy_version="synthetic",
+        seed=idx,
+        task_source="synthetic",
+        question=f"What is {idx} + 1?",
+        ground_truth=str(idx + 1),
+        saar_gate=True,
+        gate_p=1.0,
+        live_mode="purified",
+        gamma_live=0.5,
+        max_retries=max_retries,
+        prompt_ids=prompt,
+        lived_ids=lived,
+        lived_mask=mask,
+        lived_logprobs=_f32(lps),
+        positions=pos_list,
+        final_turn=final,
+        final_answer=str(idx + 1),
+        reward=1.0,
+        finish_reason="stop",
         stats=stats,
     )
 

@@ -1,5 +1,6 @@
 """The agent loop's SAAR rules and malformed-turn handling, driven by scripted turns (see doubles.py)
 through the real sandbox and the real tokenizer of the committed policy."""
+
 from __future__ import annotations
 
 import pytest
@@ -51,8 +52,12 @@ def test_retry_without_call_ends_saar(chat, sandbox):
 
 
 def test_k_exhausted_keeps_last_attempt_error_and_note(chat, sandbox):
-    t = run(chat, sandbox, [call("prnt(1)"), call("prnt(2)"), call("prnt(3)"), call("prnt(4)"), call("print(5)"),
-                            ANSWER.format(5)], max_retries=3)
+    t = run(
+        chat,
+        sandbox,
+        [call("prnt(1)"), call("prnt(2)"), call("prnt(3)"), call("prnt(4)"), call("print(5)"), ANSWER.format(5)],
+        max_retries=3,
+    )
     first = t.positions[0]
     assert first.outcome == "exhausted" and len(first.attempts) == 4
     note = "\n\n" + RETRY_NOTE.format(n=3)  # K retries were made (reference: _handle_max_retry_exceeded)
@@ -80,11 +85,14 @@ def test_gate_off_leaves_errors_as_lived(chat, sandbox):
     assert "NameError" in chat.decode(t.lived_ids)
 
 
-@pytest.mark.parametrize("turn,status", [
-    ('<tool_call>\n{"name": "code_interpreter", "arguments": [1, 2]}\n</tool_call>', "bad_json"),
-    ('<tool_call>\n{"name": "web_search", "arguments": {"query": "x"}}\n</tool_call>', "unknown_tool"),
-    ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}', "unclosed"),
-])
+@pytest.mark.parametrize(
+    "turn,status",
+    [
+        ('<tool_call>\n{"name": "code_interpreter", "arguments": [1, 2]}\n</tool_call>', "bad_json"),
+        ('<tool_call>\n{"name": "web_search", "arguments": {"query": "x"}}\n</tool_call>', "unknown_tool"),
+        ('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(1)"}}', "unclosed"),
+    ],
+)
 def test_malformed_calls_are_agent_failures_and_retried(chat, sandbox, turn, status):
     # unclosed blocks are failed calls only under the legacy option (the default makes them no call)
     saar_cfg = {} if status != "unclosed" else {"malformed_call": "failure"}
@@ -110,8 +118,7 @@ def test_non_utf8_tool_output_is_recorded(chat, sandbox):
 
 
 def test_safety_cap_turns_saar_off(chat, sandbox):
-    t = run(chat, sandbox, lambda text, n: call("prnt(1)") if n < 6 else ANSWER.format(1), safety_cap=2,
-            max_retries=3)
+    t = run(chat, sandbox, lambda text, n: call("prnt(1)") if n < 6 else ANSWER.format(1), safety_cap=2, max_retries=3)
     # executions beyond the cap (the third on) find SAAR off: the retrying position ends exhausted,
     # later failures are not retried (reference: total_rollbacks > cap)
     assert [len(p.attempts) for p in t.positions] == [3, 1, 1, 1]

@@ -1,6 +1,7 @@
 """The asynchronous agent loop and the continuously batching CPU engine (issue 17), on the real tiny
 policy and the real sandbox: KV kept across turns, log-probs against an unpadded forward, the cache
 cap and its release, the deterministic schedule, and trajectories that do not wait for each other."""
+
 from __future__ import annotations
 
 import random
@@ -35,7 +36,9 @@ def _full_forward_error(model, context: list[int], gen) -> float:
     with torch.no_grad():
         logits = model(torch.tensor([context + gen.output_ids])).logits[0].float()
     logp = logits - torch.logsumexp(logits, -1, keepdim=True)
-    return max(abs(logp[len(context) + i - 1, t].item() - lp) for i, (t, lp) in enumerate(zip(gen.output_ids, gen.logprobs)))
+    return max(
+        abs(logp[len(context) + i - 1, t].item() - lp) for i, (t, lp) in enumerate(zip(gen.output_ids, gen.logprobs))
+    )
 
 
 def test_turns_reuse_kept_kv_and_logprobs_equal_an_unpadded_forward():
@@ -51,10 +54,15 @@ def test_turns_reuse_kept_kv_and_logprobs_equal_an_unpadded_forward():
     # turn 2: rows 0 and 1 append a tool response; row 2 rewrites its last turn (a SAAR splice),
     # so only what follows the common prefix is forwarded again
     tool = [rng.randrange(5, 1000) for _ in range(7)]
-    turn2 = {0: ctx[0] + got[0].output_ids + tool, 1: ctx[1] + got[1].output_ids + tool,
-             2: ctx[2] + got[2].output_ids[:5] + tool}
+    turn2 = {
+        0: ctx[0] + got[0].output_ids + tool,
+        1: ctx[1] + got[1].output_ids + tool,
+        2: ctx[2] + got[2].output_ids[:5] + tool,
+    }
     before = engine.prefill_tokens
-    got2 = _drain(engine, [Request(k, tuple(c), params, seed=10 + k, shared_prefix=len(prompt)) for k, c in turn2.items()])
+    got2 = _drain(
+        engine, [Request(k, tuple(c), params, seed=10 + k, shared_prefix=len(prompt)) for k, c in turn2.items()]
+    )
     # the last sampled token of a turn was never forwarded; everything before it was
     assert engine.prefill_tokens - before == (1 + 7) + (1 + 7) + 7
     worst = max([worst] + [_full_forward_error(engine.model, turn2[k], got2[k]) for k in turn2])
@@ -153,7 +161,8 @@ def test_kv_reuse_forwards_no_more_than_any_prefix_cache_could_on_a_saar_rollout
     engine.turn_log = []
     with SandboxPool(cfg.rollout.sandbox) as pool:
         trajs = AgentLoop(engine, pool, load_chat(DEFAULT_POLICY), cfg.rollout).run(
-            eval_tasks(cfg.world)[:8], RolloutIdentity("f", 0, "v"))
+            eval_tasks(cfg.world)[:8], RolloutIdentity("f", 0, "v")
+        )
     assert sum(t.stats.retries for t in trajs) > 0 and sum(t.stats.turns for t in trajs) > len(trajs)
     forwarded = engine.prefill_tokens - engine.first_prefill_tokens + engine.decode_tokens
     floor = least_forwards(engine.turn_log)
@@ -164,10 +173,12 @@ def test_kv_reuse_forwards_no_more_than_any_prefix_cache_could_on_a_saar_rollout
 
 
 def test_least_forwards_counts_new_prefixes_only():
-    a = [(1, [1, 2, 3], [4, 5, 9]),  # first prefill excluded; outputs 4, 5 forwarded (9 never)
-         (1, [1, 2, 3, 4, 5, 9, 7, 7], [8]),  # 9, 7, 7 are new
-         (1, [1, 2, 3, 6], [8, 8]),  # a splice back to [1, 2, 3]: 6 is new, then one output
-         (1, [1, 2, 3, 6], [0])]  # nothing new: one token still forwarded for its logits
+    a = [
+        (1, [1, 2, 3], [4, 5, 9]),  # first prefill excluded; outputs 4, 5 forwarded (9 never)
+        (1, [1, 2, 3, 4, 5, 9, 7, 7], [8]),  # 9, 7, 7 are new
+        (1, [1, 2, 3, 6], [8, 8]),  # a splice back to [1, 2, 3]: 6 is new, then one output
+        (1, [1, 2, 3, 6], [0]),
+    ]  # nothing new: one token still forwarded for its logits
     assert least_forwards(a) == 2 + 3 + (1 + 1) + 1
 
 
@@ -218,8 +229,15 @@ def test_live_importance_rollbacks_are_scored_together_and_reruns_stay_bit_ident
     """rollout.saar.rollback=importance: a rollback is scored only when its retry's result is back, so the engine
     scores the rollbacks of several steps in one forward (fewer forwards than rollbacks), and the schedule stays a
     function of the trajectories: a rerun with tool results at other times gives the same rows, bit for bit."""
-    cfg = load_config(None, ["rollout.samples_per_prompt=4", "rollout.seed=3", "rollout.saar.rollback=importance",
-                             "rollout.saar.is_threshold=0.5"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.samples_per_prompt=4",
+            "rollout.seed=3",
+            "rollout.saar.rollback=importance",
+            "rollout.saar.is_threshold=0.5",
+        ],
+    )
     tasks = eval_tasks(cfg.world)[:16]
     batches: list[int] = []
 
@@ -291,7 +309,8 @@ def test_a_slow_tool_call_does_not_hold_other_trajectories(chat, sandbox):
         held = _HeldSandbox(sandbox, "# slow", release)
         cfg = RolloutConfig(samples_per_prompt=1, engine_tuning=EngineTuning(deterministic=deterministic))
         out = AgentLoop(ScriptedEngineDouble(chat, script), held, chat, cfg).run(
-            [slow, quick], RolloutIdentity("s", 0, "v"), progress=lambda d, t, note: notes.append(note))
+            [slow, quick], RolloutIdentity("s", 0, "v"), progress=lambda d, t, note: notes.append(note)
+        )
         assert [t.reward for t in out] == [1.0, 1.0] and held.held == 1
         if not deterministic:
             assert order.index("quick3") < order.index("slow1"), order
@@ -309,5 +328,7 @@ def test_race_sampler_draws_the_tokens_torch_multinomial_draws():
     probs = torch.softmax(logits, dim=-1)
     for draw in range(20):
         seeds = [1000 * draw + i for i in range(len(probs))]
-        expected = [torch.multinomial(p, 1, generator=torch.Generator().manual_seed(s))[0].item() for p, s in zip(probs, seeds)]
+        expected = [
+            torch.multinomial(p, 1, generator=torch.Generator().manual_seed(s))[0].item() for p, s in zip(probs, seeds)
+        ]
         assert _race(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected

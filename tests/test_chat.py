@@ -1,4 +1,5 @@
 """pipeline/chat.py: tool-call parsing, tool-response rendering and the call boundary on token ids."""
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,9 @@ CORPUS = [t for t in TURNS for _ in range(20)] + [tool_response_turn(format_tool
 
 @pytest.fixture(scope="module", params=[True, False], ids=["single-token-marker", "split-marker"])
 def chat(request) -> ChatFormat:
-    return ChatFormat(train_tokenizer(CORPUS, vocab_size=400, single_token_markers=request.param, merge_across_words=False))
+    return ChatFormat(
+        train_tokenizer(CORPUS, vocab_size=400, single_token_markers=request.param, merge_across_words=False)
+    )
 
 
 def test_parse_tool_call_variants():
@@ -47,7 +50,10 @@ def test_parse_tool_call_variants():
     # arguments as a JSON string: the reference hands the string to the tool, which fails on it
     as_string = json.dumps({"name": "code_interpreter", "arguments": json.dumps({"code": "print(3)"})})
     assert parse_tool_call(f"<tool_call>\n{as_string}\n</tool_call>").status == "bad_json"
-    assert parse_tool_call('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": 5}}\n</tool_call>').status == "bad_json"
+    assert (
+        parse_tool_call('<tool_call>\n{"name": "code_interpreter", "arguments": {"code": 5}}\n</tool_call>').status
+        == "bad_json"
+    )
 
 
 def test_tool_response_format_and_truncation():
@@ -71,7 +77,9 @@ def test_call_start_on_token_ids(chat):
 
 
 def test_marker_shape_matches_tokenizer(chat):
-    single = chat.tokenizer.convert_tokens_to_ids(CALL_OPEN) != chat.tokenizer.unk_token_id and len(chat.marker_ids) == 1
+    single = (
+        chat.tokenizer.convert_tokens_to_ids(CALL_OPEN) != chat.tokenizer.unk_token_id and len(chat.marker_ids) == 1
+    )
     assert single == (len(chat.marker_ids) == 1)
 
 
@@ -86,9 +94,10 @@ def test_call_start_never_retokenizes(chat, monkeypatch):
 def test_split_marker_inside_a_token_fails_cleanly():
     # Punctuation right before the marker lets BPE merge ".<" into one token: the call then starts
     # mid-token, there is no boundary on token ids, and the splice must fall back to deep.
-    turn = "Compute it.<tool_call>" + render_tool_call("print(1)")[len(CALL_OPEN):] + IM_END
-    chat = ChatFormat(train_tokenizer(CORPUS + [turn] * 50, vocab_size=400, single_token_markers=False,
-                                      merge_across_words=False))
+    turn = "Compute it.<tool_call>" + render_tool_call("print(1)")[len(CALL_OPEN) :] + IM_END
+    chat = ChatFormat(
+        train_tokenizer(CORPUS + [turn] * 50, vocab_size=400, single_token_markers=False, merge_across_words=False)
+    )
     ids = chat.encode(turn)
     assert any(chat.token_bytes[i] == b".<" for i in ids), "fixture: the tokenizer should merge '.<'"
     assert chat.call_start(ids) == -1

@@ -1,4 +1,5 @@
 """pipeline/config.py and the `cleaner` CLI skeleton."""
+
 from __future__ import annotations
 
 import subprocess
@@ -14,7 +15,9 @@ from tests.flow_helpers import ROOT, run_cleaner
 def test_yaml_then_overrides(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("rollout:\n  samples_per_prompt: 6\n  saar:\n    gamma_live: 0.3\nflow:\n  iterations: 2\n")
-    cfg = load_config(cfg_file, ["rollout.samples_per_prompt=8", "purify.gammas=[0.3, 0.7]", "rollout.saar.live_mode=raw"])
+    cfg = load_config(
+        cfg_file, ["rollout.samples_per_prompt=8", "purify.gammas=[0.3, 0.7]", "rollout.saar.live_mode=raw"]
+    )
     assert cfg.rollout.samples_per_prompt == 8
     assert cfg.rollout.saar.gamma_live == 0.3
     assert cfg.purify.gammas == [0.3, 0.7]
@@ -23,7 +26,10 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_unknown_key_suggests_the_right_one():
-    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.sample_per_prompt' \(did you mean 'rollout\.samples_per_prompt'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'rollout\.sample_per_prompt' \(did you mean 'rollout\.samples_per_prompt'\?\)",
+    ):
         load_config(None, ["rollout.sample_per_prompt=8"])
 
 
@@ -46,7 +52,23 @@ def test_section_hash_tracks_only_its_sections():
     assert a.section_hash("train") != b.section_hash("train")
 
 
-@pytest.mark.parametrize("command", ["config", "inspect", "demo", "bootstrap", "eval", "rollout", "purify", "replay", "update", "train", "report", "schedule"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        "config",
+        "inspect",
+        "demo",
+        "bootstrap",
+        "eval",
+        "rollout",
+        "purify",
+        "replay",
+        "update",
+        "train",
+        "report",
+        "schedule",
+    ],
+)
 def test_every_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([command, "--help"])
@@ -61,24 +83,39 @@ def test_console_script_runs_and_reports_bad_keys():
     assert bad.returncode == 2 and "unknown config key 'flow.iteration'" in bad.stderr
 
 
-@pytest.mark.parametrize("argv,rest,overrides", [
-    (["purify", "a.b=1", "--run", "r", "--gamma", "0.3", "0.5", "c.d=2"],
-     ["purify", "--run", "r", "--gamma", "0.3", "0.5"], ["a.b=1", "c.d=2"]),
-    (["inspect", "--sql", "x.y=1", "s.t=2"], ["inspect", "--sql", "x.y=1"], ["s.t=2"]),  # a value stays a value
-    (["gc", "--run", "a.b=c", "--keep", "1", "2", "e.f=3"], ["gc", "--run", "a.b=c", "--keep", "1", "2"], ["e.f=3"]),
-    (["schedule", "--new-run", "n.d={date}", "-c", "f.y=1", "flow.run_id=x"],
-     ["schedule", "--new-run", "n.d={date}", "-c", "f.y=1"], ["flow.run_id=x"]),
-])
+@pytest.mark.parametrize(
+    "argv,rest,overrides",
+    [
+        (
+            ["purify", "a.b=1", "--run", "r", "--gamma", "0.3", "0.5", "c.d=2"],
+            ["purify", "--run", "r", "--gamma", "0.3", "0.5"],
+            ["a.b=1", "c.d=2"],
+        ),
+        (["inspect", "--sql", "x.y=1", "s.t=2"], ["inspect", "--sql", "x.y=1"], ["s.t=2"]),  # a value stays a value
+        (
+            ["gc", "--run", "a.b=c", "--keep", "1", "2", "e.f=3"],
+            ["gc", "--run", "a.b=c", "--keep", "1", "2"],
+            ["e.f=3"],
+        ),
+        (
+            ["schedule", "--new-run", "n.d={date}", "-c", "f.y=1", "flow.run_id=x"],
+            ["schedule", "--new-run", "n.d={date}", "-c", "f.y=1"],
+            ["flow.run_id=x"],
+        ),
+    ],
+)
 def test_overrides_are_split_from_anywhere_but_never_from_an_options_value(argv, rest, overrides):
     assert split_overrides(build_parser(), argv) == (rest, overrides)
 
 
 def test_no_product_file_reads_argparse_private_attributes():
-    private = [f"{path.relative_to(ROOT)}:{n}" for top in ("flows", "pipeline", "rollout_gen", "purifier", "trainer",
-                                                          "storage", "policies")
-               for path in (ROOT / top).rglob("*.py")
-               for n, line in enumerate(path.read_text().splitlines(), 1)
-               if "._actions" in line or "argparse._" in line or "_SubParsersAction" in line]
+    private = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for top in ("flows", "pipeline", "rollout_gen", "purifier", "trainer", "storage", "policies")
+        for path in (ROOT / top).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "._actions" in line or "argparse._" in line or "_SubParsersAction" in line
+    ]
     assert not private, private
 
 
@@ -119,7 +156,9 @@ def test_an_unknown_key_in_yaml_gets_a_did_you_mean_as_an_override_does(tmp_path
 def test_inspect_on_a_read_only_root_does_not_send_you_to_inspect(tmp_path, capsys):
     where = tmp_path / "ro"
     where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
@@ -131,8 +170,13 @@ def test_inspect_on_a_read_only_root_does_not_send_you_to_inspect(tmp_path, caps
     assert "read-only" in out.err and "`cleaner inspect` rebuilds it" not in out.err, out.err
 
 
-@pytest.mark.parametrize("key, says", [("rollout.loop", "removed: every rollout runs the asynchronous loop"),
-                                       ("rollout.deterministic", "moved to rollout.engine_tuning.deterministic")])
+@pytest.mark.parametrize(
+    "key, says",
+    [
+        ("rollout.loop", "removed: every rollout runs the asynchronous loop"),
+        ("rollout.deterministic", "moved to rollout.engine_tuning.deterministic"),
+    ],
+)
 def test_a_key_earlier_configs_had_says_what_became_of_it(tmp_path, key, says):
     """An old YAML (or override) naming a removed or moved key: one line that says so, not a close-match guess."""
     section, name = key.split(".")
@@ -159,11 +203,16 @@ def test_a_partition_written_under_another_measure_is_named_with_it(capsys):
     from pipeline.similarity import Measure
     from purifier.stage import VariantResult
 
-    print_partitions([VariantResult(Variant.of("saar", 0.5, Measure("difflib")), 64, 0, False),
-                      VariantResult(Variant.of("saar_is", 0.3), 64, 1, True)])
+    print_partitions(
+        [
+            VariantResult(Variant.of("saar", 0.5, Measure("difflib")), 64, 0, False),
+            VariantResult(Variant.of("saar_is", 0.3), 64, 1, True),
+        ]
+    )
     assert capsys.readouterr().out.splitlines() == [
         "mode=saar/gamma=0.50-difflib-segment: 64 rows, 0 dead letters — written",
-        "mode=saar_is/tau=0.30: 64 rows, 1 dead letters — kept (already committed)"]
+        "mode=saar_is/tau=0.30: 64 rows, 1 dead letters — kept (already committed)",
+    ]
 
 
 @pytest.mark.parametrize("override", ["train.rollout_correction=off", "train.rollout_correction='off'"])
@@ -199,8 +248,10 @@ def test_scoring_on_vllm_at_another_temperature_is_refused_when_the_config_is_re
     load_config(None, ["rollout.engine=vllm", "rollout.temperature=0.7"])  # sampling alone: its own log-probs
 
 
-@pytest.mark.parametrize("runner,takes", [("DaskRunner", "dask"), ("Dask", "dask"), ("FnApiRunner", "FnApiRunner"),
-                                          ("prism", "prism"), ("nope", None)])
+@pytest.mark.parametrize(
+    "runner,takes",
+    [("DaskRunner", "dask"), ("Dask", "dask"), ("FnApiRunner", "FnApiRunner"), ("prism", "prism"), ("nope", None)],
+)
 def test_purify_runner_names_beam_knows_and_one_line_for_others(runner, takes, tmp_path):
     """purify.runner=DaskRunner (the name the docs use) was a 29-line Beam traceback."""
     from pipeline.config import load_config
@@ -212,8 +263,11 @@ def test_purify_runner_names_beam_knows_and_one_line_for_others(runner, takes, t
             beam_runner(cfg)
     else:
         got, options = beam_runner(cfg)
-        assert (got.endswith("DaskRunner") and "--dask_client_address=tcp://h:8786" in options) if takes == "dask" \
+        assert (
+            (got.endswith("DaskRunner") and "--dask_client_address=tcp://h:8786" in options)
+            if takes == "dask"
             else got == takes
+        )
 
 
 def test_config_files_and_overrides_as_users_wrote_them(tmp_path):
@@ -227,19 +281,30 @@ def test_config_files_and_overrides_as_users_wrote_them(tmp_path):
     with pytest.raises(ConfigError, match="rollout is 5, not a section: rollout.seed cannot be set in it"):
         load_config(None, ["rollout=5", "rollout.seed=3"])
     twice = tmp_path / "twice.yaml"
-    twice.write_text("rollout:\n  seed: 7\n  temperature: 0.6\ntrain:\n  lr: 5.0e-5\nrollout:\n  samples_per_prompt: 8\n")
+    twice.write_text(
+        "rollout:\n  seed: 7\n  temperature: 0.6\ntrain:\n  lr: 5.0e-5\nrollout:\n  samples_per_prompt: 8\n"
+    )
     with pytest.raises(ConfigError, match=r"twice.yaml: .*key 'rollout' given twice \(first at line 1\) at line 6"):
         load_config(twice, [])
-    cfg = load_config(None, ["flow.run_id=20240601", "rollout.seed=010", "rollout.engine_tuning.kv_cache_tokens=2e5",
-                             "rollout.vllm_args=[--enforce-eager, --block-size, 32]"])
+    cfg = load_config(
+        None,
+        [
+            "flow.run_id=20240601",
+            "rollout.seed=010",
+            "rollout.engine_tuning.kv_cache_tokens=2e5",
+            "rollout.vllm_args=[--enforce-eager, --block-size, 32]",
+        ],
+    )
     assert (cfg.flow.run_id, cfg.rollout.seed, cfg.rollout.engine_tuning.kv_cache_tokens) == ("20240601", 10, 200_000)
     assert cfg.rollout.vllm_args == ["--enforce-eager", "--block-size", "32"]
     assert load_config(None, ["flow.run_id=2024-06-01"]).flow.run_id == "2024-06-01"  # not a date
     assert load_config(None, ["flow.tensorboard=yes"]).flow.tensorboard is True  # a boolean setting reads yes/no
-    for bad, says in (("purify.gammas=[true]", "expected numbers, not booleans"),
-                      ("purify.roc_group_size=true", "expected a number, not a boolean"),
-                      ("storage.compression=zstdd", "storage.compression: Input should be 'zstd'"),
-                      ("train.dual_clip=0.5", "train.dual_clip: Input should be greater than 1")):
+    for bad, says in (
+        ("purify.gammas=[true]", "expected numbers, not booleans"),
+        ("purify.roc_group_size=true", "expected a number, not a boolean"),
+        ("storage.compression=zstdd", "storage.compression: Input should be 'zstd'"),
+        ("train.dual_clip=0.5", "train.dual_clip: Input should be greater than 1"),
+    ):
         with pytest.raises(ConfigError, match=says):
             load_config(None, [bad])
     assert load_config(None, ["train.dual_clip=null"]).train.dual_clip is None
@@ -247,9 +312,17 @@ def test_config_files_and_overrides_as_users_wrote_them(tmp_path):
         load_config(None, ["world.digits_min=5", "world.digits_max=3"])
 
 
-@pytest.mark.parametrize("typed,meant", [("train.run_id", "flow.run_id"), ("train.learning_rate", "train.lr"),
-                                         ("rollout.temp", "rollout.temperature"), ("rollout.n", "rollout.samples_per_prompt"),
-                                         ("purify.gamma", "purify.gammas"), ("rollout.sead", "rollout.seed")])
+@pytest.mark.parametrize(
+    "typed,meant",
+    [
+        ("train.run_id", "flow.run_id"),
+        ("train.learning_rate", "train.lr"),
+        ("rollout.temp", "rollout.temperature"),
+        ("rollout.n", "rollout.samples_per_prompt"),
+        ("purify.gamma", "purify.gammas"),
+        ("rollout.sead", "rollout.seed"),
+    ],
+)
 def test_did_you_mean_names_the_setting_a_user_of_other_trainers_meant(typed, meant):
     """It guessed train.lr for train.run_id, train.mini_batches for train.learning_rate, rollout.top_p for
     rollout.temp and a section for rollout.n."""

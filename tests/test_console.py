@@ -1,4 +1,5 @@
 """The console of a real one-iteration `cleaner train`: no library noise, readable summaries."""
+
 from __future__ import annotations
 
 from tests.flow_helpers import command_env, prefect_api, project_server, run_cleaner, tiny_config
@@ -15,10 +16,17 @@ NOISE = (
 
 
 def test_one_iteration_train_prints_no_library_noise(tmp_path):
-    cfg = tiny_config(tmp_path, flow={"run_id": "quiet", "iterations": 1, "tensorboard": False},
-                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, train={"mini_batches": 1})
-    env = {k: v for k, v in command_env(tmp_path).items()
-           if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS", "PREFECT_API_URL")}
+    cfg = tiny_config(
+        tmp_path,
+        flow={"run_id": "quiet", "iterations": 1, "tensorboard": False},
+        rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2},
+        train={"mini_batches": 1},
+    )
+    env = {
+        k: v
+        for k, v in command_env(tmp_path).items()
+        if k not in ("PYTHONWARNINGS", "HF_HUB_DISABLE_PROGRESS_BARS", "PREFECT_API_URL")
+    }
     p = run_cleaner(["train", "-c", str(cfg)], cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     console = p.stdout + p.stderr

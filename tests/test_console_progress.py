@@ -2,6 +2,7 @@
 says its output is already committed, as `purify` always did; a fresh update says what it loads and reports its
 progress per micro-batch, each step's line as its mini-batch ends; replay and `cleaner server start` say what
 they are doing before their first result. Asserted on the messages, never on timings."""
+
 from __future__ import annotations
 
 import shutil
@@ -42,8 +43,13 @@ def test_an_update_says_what_it_loads_and_logs_each_step_as_it_is_taken(run):
     def at(start: str) -> int:
         return next(i for i, line in enumerate(lines) if line.startswith(start))
 
-    order = [at("[update it 1] loading the trainer"), at("[update it 1] 2 mini-batches to go"), at("[update] step 3:"),
-             at("[update] step 4:"), at("[update it 1] 2/2 mini-batches (100%) in ")]
+    order = [
+        at("[update it 1] loading the trainer"),
+        at("[update it 1] 2 mini-batches to go"),
+        at("[update] step 3:"),
+        at("[update] step 4:"),
+        at("[update it 1] 2/2 mini-batches (100%) in "),
+    ]
     assert order == sorted(order), out  # the steps between the start and the end of the progress, not after it
     assert "already committed" not in out
 

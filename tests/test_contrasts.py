@@ -8,12 +8,12 @@ test: for 1, 2 and 3 degrees of freedom Student's t has elementary CDFs,
     df = 3: F(t) = 1/2 + (1/π)·[u/(1 + u²) + atan(u)],  u = t/√3
 
 while the code computes every df through the regularised incomplete beta function."""
+
 import math
 
 import pytest
 
-from experiments.contrasts import (AnalysisError, analysis_of, contrast_table, evaluate, holm, paired_t, t_quantile,
-                                   t_sf)
+from experiments.contrasts import AnalysisError, analysis_of, contrast_table, evaluate, holm, paired_t, t_quantile, t_sf
 
 
 def test_t_quantiles_match_the_closed_forms_and_the_printed_tables():
@@ -75,7 +75,9 @@ def test_one_seed_or_no_spread_is_not_tested():
     assert one.n == 1 and all(math.isnan(v) for v in (one.se, one.low, one.high, one.p, one.p_equivalence))
     # two seeds each 3 tasks in 300 better: 0.6866… − 0.6766… and 0.6966… − 0.6866… (a real page's pair) differ by
     # float noise only; t would be ~1e15 and p ~0, which says nothing about the arms
-    tie = paired_t({0: 0.6866666666666666 - 0.6766666666666666, 1: 0.6966666666666667 - 0.6866666666666666}, margin=0.02)
+    tie = paired_t(
+        {0: 0.6866666666666666 - 0.6766666666666666, 1: 0.6966666666666667 - 0.6866666666666666}, margin=0.02
+    )
     assert tie.sd == 0.0 and (tie.low, tie.high) == (tie.mean, tie.mean)
     assert math.isnan(tie.p) and math.isnan(tie.p_equivalence)
     flat = paired_t({0: 0.0, 1: 0.0, 2: 0.0}, margin=0.02)  # an A/A pair (byte-identical arms)
@@ -98,21 +100,35 @@ def test_holm_by_hand():
 
 
 def _run(arm: str, seed: int, **final) -> dict:
-    return {"arm": arm, "seed": seed, "evals": [
-        {"iteration": 0, "saar_at_test": False, "accuracy": 0.5, "very_first_call_failure_rate": 0.3},
-        {"iteration": 20, "saar_at_test": False, **final},
-        {"iteration": 20, "saar_at_test": True, "accuracy": 0.0, "very_first_call_failure_rate": 1.0}]}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "evals": [
+            {"iteration": 0, "saar_at_test": False, "accuracy": 0.5, "very_first_call_failure_rate": 0.3},
+            {"iteration": 20, "saar_at_test": False, **final},
+            {"iteration": 20, "saar_at_test": True, "accuracy": 0.0, "very_first_call_failure_rate": 1.0},
+        ],
+    }
 
 
-EXP = {"arms": {"raw": {}, "saar": {}, "saar_correct": {}, "later": {}},
-       "analysis": {"pre_registered": True, "alpha": 0.05,
-                    "margins": {"very_first_call_failure_rate": 0.02, "accuracy": 0.02},
-                    "contrasts": [
-                        {"arm": "saar_correct", "baseline": "raw", "metric": "very_first_call_failure_rate",
-                         "saar_at_test": False},
-                        {"arm": "saar", "baseline": "raw", "metric": ["very_first_call_failure_rate", "accuracy"],
-                         "saar_at_test": False},
-                        {"arm": "later", "baseline": "raw", "metric": "accuracy", "saar_at_test": False}]}}
+EXP = {
+    "arms": {"raw": {}, "saar": {}, "saar_correct": {}, "later": {}},
+    "analysis": {
+        "pre_registered": True,
+        "alpha": 0.05,
+        "margins": {"very_first_call_failure_rate": 0.02, "accuracy": 0.02},
+        "contrasts": [
+            {"arm": "saar_correct", "baseline": "raw", "metric": "very_first_call_failure_rate", "saar_at_test": False},
+            {
+                "arm": "saar",
+                "baseline": "raw",
+                "metric": ["very_first_call_failure_rate", "accuracy"],
+                "saar_at_test": False,
+            },
+            {"arm": "later", "baseline": "raw", "metric": "accuracy", "saar_at_test": False},
+        ],
+    },
+}
 
 
 def test_declared_contrasts_paired_holm_adjusted_with_equivalence_verdicts():
@@ -132,14 +148,19 @@ def test_declared_contrasts_paired_holm_adjusted_with_equivalence_verdicts():
     # with 3 df: equivalent within ±0.02
     acc = [0.001, -0.001, 0.002, 0.0]
     results = [_run("raw", s, accuracy=0.8, very_first_call_failure_rate=raw[s]) for s in range(4)]
-    results += [_run("saar_correct", s, accuracy=0.8, very_first_call_failure_rate=raw[s] + correct[s]) for s in range(4)]
+    results += [
+        _run("saar_correct", s, accuracy=0.8, very_first_call_failure_rate=raw[s] + correct[s]) for s in range(4)
+    ]
     results += [_run("saar", s, accuracy=0.8 + acc[s], very_first_call_failure_rate=raw[s] + saar[s]) for s in range(4)]
     analysis = analysis_of(EXP, "exp.yaml")
     assert len(analysis.contrasts) == 4  # the list of metrics declared two contrasts
     rows = evaluate(results, analysis)
     by = {(r.contrast.arm, r.contrast.metric): r for r in rows}
-    c, s, a = (by["saar_correct", "very_first_call_failure_rate"], by["saar", "very_first_call_failure_rate"],
-               by["saar", "accuracy"])
+    c, s, a = (
+        by["saar_correct", "very_first_call_failure_rate"],
+        by["saar", "very_first_call_failure_rate"],
+        by["saar", "accuracy"],
+    )
     assert c.stats.p == pytest.approx(0.0052079, abs=2e-7)
     assert s.stats.p == pytest.approx(0.1279072, abs=2e-7)
     assert a.stats.p == pytest.approx(0.4950253, abs=2e-7) and a.stats.p_equivalence == pytest.approx(3.98e-5, abs=1e-6)
@@ -153,8 +174,11 @@ def test_declared_contrasts_paired_holm_adjusted_with_equivalence_verdicts():
     assert s.verdict(0.05) == "inconclusive"  # positive in every seed, and not a finding
     assert a.verdict(0.05) == "equivalent within ±0.02"
     assert by["later", "accuracy"].stats is None and by["later", "accuracy"].verdict(0.05) == "not run"
-    tie = evaluate([_run("raw", s, accuracy=0.5, very_first_call_failure_rate=0.2) for s in range(2)]
-                   + [_run("later", s, accuracy=0.51, very_first_call_failure_rate=0.2) for s in range(2)], analysis)
+    tie = evaluate(
+        [_run("raw", s, accuracy=0.5, very_first_call_failure_rate=0.2) for s in range(2)]
+        + [_run("later", s, accuracy=0.51, very_first_call_failure_rate=0.2) for s in range(2)],
+        analysis,
+    )
     assert tie[-1].verdict(0.05) == "not estimable (the same difference in every seed)"
     table = "\n".join(contrast_table(rows, 0.05))
     assert "s0 -0.030, s1 -0.040, s2 -0.020, s3 -0.030" in table
@@ -164,17 +188,20 @@ def test_declared_contrasts_paired_holm_adjusted_with_equivalence_verdicts():
     assert "not run |" in table
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda a: a.pop("pre_registered"), "analysis.pre_registered"),
-    (lambda a: a["contrasts"][0].update(arm="nope"), "analysis.contrasts[0].arm: 'nope' is not an arm"),
-    (lambda a: a["contrasts"][1].update(metric=["accuracy", "tokens"]), "analysis.contrasts[1].metric: 'tokens'"),
-    (lambda a: a["margins"].pop("accuracy"), "analysis.contrasts[1].metric: accuracy has no equivalence margin"),
-    (lambda a: a["margins"].update(accuracy=0), "analysis.margins.accuracy: expected a positive number"),
-    (lambda a: a["contrasts"][0].update(saar_at_test="off"), "analysis.contrasts[0].saar_at_test"),
-    (lambda a: a.update(alpha=0.7), "analysis.alpha"),
-    (lambda a: a.update(contrasts=[]), "analysis.contrasts: declare at least one"),
-    (lambda a: a["contrasts"].append(dict(a["contrasts"][0])), "declared twice"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda a: a.pop("pre_registered"), "analysis.pre_registered"),
+        (lambda a: a["contrasts"][0].update(arm="nope"), "analysis.contrasts[0].arm: 'nope' is not an arm"),
+        (lambda a: a["contrasts"][1].update(metric=["accuracy", "tokens"]), "analysis.contrasts[1].metric: 'tokens'"),
+        (lambda a: a["margins"].pop("accuracy"), "analysis.contrasts[1].metric: accuracy has no equivalence margin"),
+        (lambda a: a["margins"].update(accuracy=0), "analysis.margins.accuracy: expected a positive number"),
+        (lambda a: a["contrasts"][0].update(saar_at_test="off"), "analysis.contrasts[0].saar_at_test"),
+        (lambda a: a.update(alpha=0.7), "analysis.alpha"),
+        (lambda a: a.update(contrasts=[]), "analysis.contrasts: declare at least one"),
+        (lambda a: a["contrasts"].append(dict(a["contrasts"][0])), "declared twice"),
+    ],
+)
 def test_a_bad_analysis_section_is_refused_in_one_line_naming_the_field(change, field):
     import copy
 
@@ -227,10 +254,26 @@ def _page_results() -> list[dict]:
         for s in range(4):
             evals = []
             for it, fcf in ((0, 0.3), (20, raw[s] + d[s])):
-                evals += [{"iteration": it, "saar_at_test": False, "accuracy": 0.8, "very_first_call_failure_rate": fcf,
-                           "retry_success_rate": None, "tool_calls_per_traj": 1.5, "response_tokens": 80.0},
-                          {"iteration": it, "saar_at_test": True, "accuracy": 0.79, "very_first_call_failure_rate": fcf,
-                           "retry_success_rate": 0.7, "tool_calls_per_traj": 1.6, "response_tokens": 70.0}]
+                evals += [
+                    {
+                        "iteration": it,
+                        "saar_at_test": False,
+                        "accuracy": 0.8,
+                        "very_first_call_failure_rate": fcf,
+                        "retry_success_rate": None,
+                        "tool_calls_per_traj": 1.5,
+                        "response_tokens": 80.0,
+                    },
+                    {
+                        "iteration": it,
+                        "saar_at_test": True,
+                        "accuracy": 0.79,
+                        "very_first_call_failure_rate": fcf,
+                        "retry_success_rate": 0.7,
+                        "tool_calls_per_traj": 1.6,
+                        "response_tokens": 70.0,
+                    },
+                ]
             out.append({"arm": arm, "seed": s, "run_id": f"{arm}-s{s}", "evals": evals})
     return out
 
@@ -243,14 +286,27 @@ def test_the_page_shows_declared_contrasts_per_seed_and_carries_catalog_sections
 
     monkeypatch.setattr(report, "OUT", tmp_path)
     (tmp_path / "x.md").write_text(OLD_PAGE)
-    exp = {"base": [f"storage.root={tmp_path / 'no-workspace'}"], "eval_tasks": 300, "eval_every": 20,
-           "banners": ["Sampled with coupled retries (before the seed fix of 2026-11-27)."],
-           "arms": {"raw": {"overrides": ["train.mode=raw"]}, "saar": {"overrides": ["train.mode=saar"]},
-                    "saar_correct": {"overrides": ["train.mode=saar_correct"]}},
-           "analysis": {"pre_registered": True, "declared": "before the run", "alpha": 0.05,
-                        "margins": {"very_first_call_failure_rate": 0.02},
-                        "contrasts": [{"arm": a, "baseline": "raw", "metric": "very_first_call_failure_rate",
-                                       "saar_at_test": False} for a in ("saar", "saar_correct")]}}
+    exp = {
+        "base": [f"storage.root={tmp_path / 'no-workspace'}"],
+        "eval_tasks": 300,
+        "eval_every": 20,
+        "banners": ["Sampled with coupled retries (before the seed fix of 2026-11-27)."],
+        "arms": {
+            "raw": {"overrides": ["train.mode=raw"]},
+            "saar": {"overrides": ["train.mode=saar"]},
+            "saar_correct": {"overrides": ["train.mode=saar_correct"]},
+        },
+        "analysis": {
+            "pre_registered": True,
+            "declared": "before the run",
+            "alpha": 0.05,
+            "margins": {"very_first_call_failure_rate": 0.02},
+            "contrasts": [
+                {"arm": a, "baseline": "raw", "metric": "very_first_call_failure_rate", "saar_at_test": False}
+                for a in ("saar", "saar_correct")
+            ],
+        },
+    }
     page = report.write(_page_results(), exp, "x", 600)
     text = page.read_text()
     assert text.count("> **Sampled with coupled retries (before the seed fix of 2026-11-27).**") == 1
@@ -270,15 +326,20 @@ def test_the_page_shows_declared_contrasts_per_seed_and_carries_catalog_sections
     assert "| 0.5 | 23 |" in text
     # the rule's predictions carried, the gaps restated: saar +0.04 ± 0.019 [−0.021, +0.101], saar_correct −0.03
     # with upper end −0.017 < +0.02
-    assert ("| saar | saar | 287 / 92 | 4066 / 1242 | slower | +0.040 ± 0.019 [-0.021, +0.101] (n=4) | "
-            "undecided: interval includes 0 |") in text
-    assert ("| saar_correct | saar_correct | 0 / 92 | 0 / 1242 | not slower | -0.030 ± 0.004 [-0.043, -0.017] (n=4) | "
-            "yes: upper end below +0.02 |") in text
+    assert (
+        "| saar | saar | 287 / 92 | 4066 / 1242 | slower | +0.040 ± 0.019 [-0.021, +0.101] (n=4) | "
+        "undecided: interval includes 0 |"
+    ) in text
+    assert (
+        "| saar_correct | saar_correct | 0 / 92 | 0 / 1242 | not slower | -0.030 ± 0.004 [-0.043, -0.017] (n=4) | "
+        "yes: upper end below +0.02 |"
+    ) in text
     assert "+1.3 s.e." not in text and "| held |" not in text
     assert report.write(_page_results(), exp, "x", 600).read_text() == text
 
 
 # -- the experiment file, checked without running -----------------------------------------------------------------
+
 
 def test_the_saar_experiment_file_checks_without_running(capsys):
     from pathlib import Path
@@ -307,8 +368,9 @@ def test_a_bad_experiment_file_is_refused_in_one_line(tmp_path, capsys):
     bad.write_text(yaml.safe_dump(exp))
     assert main([str(bad), "--check"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"[experiment] {bad}: arms.saar_dpo.seeds: [0, 1, 2] differs from the other arms' "
-                   "[0, 1, 2, 3, 4, 5, 6, 7]")
+    assert err == (
+        f"[experiment] {bad}: arms.saar_dpo.seeds: [0, 1, 2] differs from the other arms' [0, 1, 2, 3, 4, 5, 6, 7]"
+    )
     exp["arms"]["saar_dpo"]["seeds"] = list(range(8))
     exp["arms"]["saar_dpo"]["overrides"].append("train.use_dpo_on_tool_call=true")  # a typo in a key
     bad.write_text(yaml.safe_dump(exp))
@@ -326,7 +388,9 @@ def test_the_page_says_whether_the_analysis_was_registered_before_any_result(tmp
     record = tmp_path / "x.registration.json"
     assert "No record of the declaration" in registration_note(EXP, record)
     assert record_registration(EXP, record, have_results=False) == "analysis registered in x.registration.json"
-    assert registration_note(EXP, record).startswith(" Registered at ") and "before any result" in registration_note(EXP, record)
+    assert registration_note(EXP, record).startswith(" Registered at ") and "before any result" in registration_note(
+        EXP, record
+    )
     assert record_registration(EXP, record, have_results=True).startswith("analysis as registered at ")
     changed = copy.deepcopy(EXP)
     changed["analysis"]["margins"]["accuracy"] = 0.05  # widened once the results were in

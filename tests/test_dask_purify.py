@@ -6,6 +6,7 @@ of 8 rows: Dask runs one raw part per partition, so the parts are what spreads t
 Which worker ran what is read from the Dask scheduler itself (its task stream and `client.run`), not from
 anything the pipeline writes for the test.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,9 @@ def _raw_shard(world_rollout, root: Path) -> None:
     for t in [t for t in trajs if t.positions][:2]:  # two rows no purification can splice: dead letters
         t.positions[0].attempts[0].call_start = 99_999
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajs], schema=RAW)
-    write_shard(RunLayout(root, "w").raw_dir(0), table, RAW, "dask-test", inputs=[str(DEFAULT_POLICY)],
-                rows_per_part=PARTS_OF)
+    write_shard(
+        RunLayout(root, "w").raw_dir(0), table, RAW, "dask-test", inputs=[str(DEFAULT_POLICY)], rows_per_part=PARTS_OF
+    )
 
 
 def _cfg(world_rollout, root: Path, runner: str = "FnApiRunner", address: str | None = None, options=()):
@@ -66,7 +68,8 @@ def _output(root: Path) -> dict:
         for d in dead:
             d["source_file"] = Path(d["source_file"]).name
         out[(mode, gamma)] = {
-            "purified": read_shard(pdir, PURIFIED).sort_by(SORT).to_pylist(), "dead": dead,
+            "purified": read_shard(pdir, PURIFIED).sort_by(SORT).to_pylist(),
+            "dead": dead,
             "rows": (read_manifest(pdir).rows, read_manifest(ddir).rows),
             "extra": {k: v for k, v in read_manifest(pdir).extra.items()},
         }
@@ -114,7 +117,9 @@ def test_dask_commits_what_fnapi_commits_with_work_in_both_workers(world_rollout
         with get_task_stream(client) as stream:
             results = run_purify_stage(_cfg(world_rollout, root, "dask", cluster.address), "w", 0)
         assert {(r.mode, r.gamma, r.rows, r.dead, r.skipped) for r in results} == {
-            ("saar", 0.5, 62, 2, False), ("raw", 0.0, 62, 2, False)}
+            ("saar", 0.5, 62, 2, False),
+            ("raw", 0.0, 62, 2, False),
+        }
         assert _output(root) == reference
         # the scheduler's own record: the DoFn bundles ran in both worker processes
         bundles = [t for t in stream.data if "apply_dofn_to_bundle" in str(t["key"])]
@@ -132,8 +137,9 @@ def test_dask_commits_what_fnapi_commits_with_work_in_both_workers(world_rollout
 
 
 @pytest.mark.timeout(120)
-def test_a_relative_storage_root_purifies_on_dask_as_in_process(world_rollout, reference, cluster, tmp_path,
-                                                                  monkeypatch):
+def test_a_relative_storage_root_purifies_on_dask_as_in_process(
+    world_rollout, reference, cluster, tmp_path, monkeypatch
+):
     """The default storage.root is relative (workspace): Dask's workers run in another directory, and resolved
     the job's paths there (a 46-line traceback, or staging written under the workers' directory)."""
     monkeypatch.chdir(tmp_path)
@@ -144,7 +150,8 @@ def test_a_relative_storage_root_purifies_on_dask_as_in_process(world_rollout, r
 
 @pytest.mark.timeout(150)
 def test_a_worker_killed_mid_run_is_survived_or_one_line_and_the_rerun_commits_the_same(
-        world_rollout, reference, cluster, tmp_path):
+    world_rollout, reference, cluster, tmp_path
+):
     root = tmp_path / "ws"
     _raw_shard(world_rollout, root)
     cfg = _cfg(world_rollout, root, "dask", cluster.address)
@@ -162,8 +169,7 @@ def test_a_worker_killed_mid_run_is_survived_or_one_line_and_the_rerun_commits_t
         driver.start()
         victim, deadline = None, time.monotonic() + 60
         while victim is None and driver.is_alive() and time.monotonic() < deadline:
-            busy = [w for w, keys in client.processing().items()
-                    if any("apply_dofn_to_bundle" in str(k) for k in keys)]
+            busy = [w for w, keys in client.processing().items() if any("apply_dofn_to_bundle" in str(k) for k in keys)]
             if busy:
                 victim = pid_of[busy[0]]
             else:
@@ -206,8 +212,9 @@ def test_no_cluster_or_no_scheduler_is_one_line_and_writes_nothing(world_rollout
     with pytest.raises(dask_cluster.ClusterError, match=r"no local Dask cluster in .*cleaner cluster start"):
         run_purify_stage(_cfg(world_rollout, root, "dask"), "w", 0)
     with pytest.raises(DaskRunFailed, match=r"tcp://127\.0\.0\.1:9 failed .*nothing was committed") as e:
-        run_purify_stage(_cfg(world_rollout, root, "dask", "tcp://127.0.0.1:9", ["--dask_connection_timeout=2"]),
-                         "w", 0)
+        run_purify_stage(
+            _cfg(world_rollout, root, "dask", "tcp://127.0.0.1:9", ["--dask_connection_timeout=2"]), "w", 0
+        )
     assert "\n" not in str(e.value)
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
 
@@ -223,8 +230,12 @@ def test_cluster_start_options_and_a_concurrent_start_are_one_line_before_anythi
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         used = taken.getsockname()[1]
-        for kw, says in (({"port": used}, f"--port {used}: in use on 127.0.0.1"), ({"port": 99999}, "--port 99999"),
-                         ({"resources": "GPU"}, "expected NAME=NUMBER pairs"), ({"timeout": 0}, "--timeout 0")):
+        for kw, says in (
+            ({"port": used}, f"--port {used}: in use on 127.0.0.1"),
+            ({"port": 99999}, "--port 99999"),
+            ({"resources": "GPU"}, "expected NAME=NUMBER pairs"),
+            ({"timeout": 0}, "--timeout 0"),
+        ):
             with pytest.raises(dask_cluster.ClusterError, match=says) as e:
                 dask_cluster.start(directory, workers=1, **kw)
             assert "\n" not in str(e.value)
@@ -288,7 +299,8 @@ def test_pipeline_uses_no_construct_the_dask_runner_drops():
 
 @pytest.mark.timeout(150)
 def test_scheduler_killed_mid_run_is_one_line_and_a_new_cluster_commits_the_same(
-        world_rollout, reference, cluster, tmp_path):
+    world_rollout, reference, cluster, tmp_path
+):
     root = tmp_path / "ws"
     _raw_shard(world_rollout, root)
     outcome: dict = {}
@@ -303,8 +315,11 @@ def test_scheduler_killed_mid_run_is_one_line_and_a_new_cluster_commits_the_same
         driver = threading.Thread(target=purify)
         driver.start()
         deadline = time.monotonic() + 60
-        while driver.is_alive() and time.monotonic() < deadline and not any(
-                "apply_dofn_to_bundle" in str(k) for keys in client.processing().values() for k in keys):
+        while (
+            driver.is_alive()
+            and time.monotonic() < deadline
+            and not any("apply_dofn_to_bundle" in str(k) for keys in client.processing().values() for k in keys)
+        ):
             time.sleep(0.02)
         os.kill(cluster.scheduler_pid, signal.SIGKILL)
         killed_mid_run = driver.is_alive()
@@ -352,8 +367,9 @@ def test_why_purify_keys_its_one_output_and_stages_its_counts(cluster, tmp_path)
     (counter,) = result.metrics().query(beam.metrics.MetricsFilter().with_name("seen"))["counters"]
     assert counter.committed == 4
     (dask_seen := tmp_path / "dask").mkdir()
-    result, even = _tagged_run([f"--runner={beam_pipeline.DASK_RUNNER}", f"--dask_client_address={cluster.address}"],
-                               dask_seen)
+    result, even = _tagged_run(
+        [f"--runner={beam_pipeline.DASK_RUNNER}", f"--dask_client_address={cluster.address}"], dask_seen
+    )
     try:
         assert even == [1, 2, 3, 4]  # the consumer of the "even" tag read the main output too
         with pytest.raises(NotImplementedError):

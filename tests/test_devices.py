@@ -3,6 +3,7 @@ of the rollout engine, the recompute and the update (local and DeepSpeed) is mad
 by a torch function mode over the real stages (tests/device_discipline.py), on the CPU and, where one is, on a
 GPU; the refusals of devices this machine lacks; mixed precision, activation checkpointing and the attention
 switch of the update."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,6 @@ def _clean(mode: DeviceDiscipline) -> None:
     assert not mode.violations, "\n".join(dict.fromkeys(mode.violations))
 
 
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_rollout_engine_makes_everything_on_its_device(device):
     """Continuous batching (rows joining, leaving, a shared prompt, top-p), a second turn on the kept KV, batched
@@ -50,8 +49,12 @@ def test_the_rollout_engine_makes_everything_on_its_device(device):
         rng = random.Random(0)
         prompt = [rng.randrange(5, 1000) for _ in range(30)]
         ctx = {k: prompt + [rng.randrange(5, 1000) for _ in range(3 + 4 * k)] for k in range(3)}
-        engine.add([Request(k, tuple(c), SamplingParams(6 + 5 * k, 1.0, 0.9, ()), seed=k, shared_prefix=len(prompt))
-                    for k, c in ctx.items()])
+        engine.add(
+            [
+                Request(k, tuple(c), SamplingParams(6 + 5 * k, 1.0, 0.9, ()), seed=k, shared_prefix=len(prompt))
+                for k, c in ctx.items()
+            ]
+        )
         out, generators = {}, []
         while engine.busy():
             generators += [r.generator for r in engine._rows]
@@ -91,9 +94,11 @@ def train_copy(purified_run, tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("settings", [{}, {"param_dtype": "bf16", "gradient_checkpointing": True,
-                                           "use_dpo_on_tool_calls": True, "log_entropy": True}],
-                         ids=["fp32", "bf16-checkpointed-dpo"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"param_dtype": "bf16", "gradient_checkpointing": True, "use_dpo_on_tool_calls": True, "log_entropy": True}],
+    ids=["fp32", "bf16-checkpointed-dpo"],
+)
 def test_the_local_update_makes_everything_on_its_device(train_copy, device, settings):
     """The whole update stage (micro-batches, the loss, the DPO side loss, the optimizer, the checkpoint)."""
     cfg = train_copy
@@ -134,25 +139,39 @@ def test_a_deepspeed_rank_makes_its_batches_and_collectives_on_its_device(train_
     cfg.train.strategy, cfg.train.nproc, cfg.train.zero_stage, cfg.train.device = "deepspeed", 1, 2, device
     frozen = tmp_path / "rank.yaml"
     frozen.write_text(dump_config(cfg))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", RANK_UNDER_THE_MODE, str(frozen), device], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", RANK_UNDER_THE_MODE, str(frozen), device],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    found = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("DISCIPLINE "))[len("DISCIPLINE "):])
+    found = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("DISCIPLINE "))[len("DISCIPLINE ") :])
     assert found["checked"] > 100 and not found["violations"], "\n".join(found["violations"])
     assert (RunLayout(cfg.storage.root, "w").checkpoint_dir(1) / DONE_MARKER).is_file()
 
 
 # -- settings this machine cannot honour: one line naming the setting, before anything runs ----------------------
 
+
 @no_gpu
 @pytest.mark.parametrize("key", ["rollout.device", "purify.device", "train.device"])
 def test_a_cuda_device_where_there_is_none_is_one_line_before_anything_runs(tmp_path, capsys, key):
     ws = tmp_path / "ws"
-    refused(["train", f"storage.root={ws}", f"{key}=cuda"], capsys, 1, f"{key}=cuda", "no CUDA device",
-            f"{key}=cpu")
+    refused(["train", f"storage.root={ws}", f"{key}=cuda"], capsys, 1, f"{key}=cuda", "no CUDA device", f"{key}=cpu")
     assert not ws.exists()
 
 
@@ -191,8 +210,13 @@ def test_flash_attention_without_its_kernels_is_one_line(tmp_path, capsys):
     if flash_attention_kernels() is None and torch.cuda.is_available():
         pytest.skip("flash-attn's CUDA kernels are here")
     ws = tmp_path / "ws"
-    refused(["train", f"storage.root={ws}", "train.attn_implementation=flash_attention_2"], capsys, 1,
-            "train.attn_implementation=flash_attention_2", "train.attn_implementation=sdpa")
+    refused(
+        ["train", f"storage.root={ws}", "train.attn_implementation=flash_attention_2"],
+        capsys,
+        1,
+        "train.attn_implementation=flash_attention_2",
+        "train.attn_implementation=sdpa",
+    )
     assert not ws.exists()
 
 
@@ -221,8 +245,9 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     from trainer.devices import check_device
 
     monkeypatch.setattr(torch, "cuda", _CudaDouble(2))
-    cfg = load_config(None, ["train.strategy=deepspeed", "train.nproc=4", "rollout.engine=sglang",
-                             "purify.recompute=sglang"])
+    cfg = load_config(
+        None, ["train.strategy=deepspeed", "train.nproc=4", "rollout.engine=sglang", "purify.recompute=sglang"]
+    )
     with pytest.raises(DeviceError, match=r"^train.nproc=4: more ranks than this machine's 2 GPU\(s\)"):
         check_device(cfg)
     cfg.train.nproc = 2
@@ -255,6 +280,7 @@ def test_a_collective_failure_in_a_rank_is_one_line(monkeypatch, tmp_path, capsy
 
 # -- the same settings train the same update on the CPU ---------------------------------------------------------
 
+
 def test_placement_is_in_no_hash_and_new_switches_at_their_defaults_keep_old_records():
     a, b = load_config(None, []), load_config(None, ["rollout.device=cpu", "purify.device=cpu", "train.device=cpu"])
     sections = ("rollout", "world", "purify", "train")
@@ -272,6 +298,7 @@ def _weights(ckpt):
 def test_checkpointing_sdpa_and_bf16_train_the_same_update(purified_run, tmp_path):
     """Activation checkpointing recomputes the same floats (weights equal), eager attention is SDPA's up to float
     rounding, and bf16 mixed precision keeps float32 weights that land near the fp32 update's."""
+
     def update(name, **train):
         cfg = purified_run.model_copy(deep=True)
         cfg.storage.root = copy_runs(purified_run.storage.root, tmp_path / name)
@@ -287,9 +314,11 @@ def test_checkpointing_sdpa_and_bf16_train_the_same_update(purified_run, tmp_pat
 
     moved = mean_gap(base, start)
     assert moved > 1e-5  # it trained
-    for name, settings, worst_gap in (("ckpt", {"gradient_checkpointing": True}, 0.0),
-                                      ("eager", {"attn_implementation": "eager"}, 1e-7),
-                                      ("bf16", {"param_dtype": "bf16"}, moved / 4)):  # measured: moved / 16
+    for name, settings, worst_gap in (
+        ("ckpt", {"gradient_checkpointing": True}, 0.0),
+        ("eager", {"attn_implementation": "eager"}, 1e-7),
+        ("bf16", {"param_dtype": "bf16"}, moved / 4),
+    ):  # measured: moved / 16
         got = update(name, **settings)
         assert all(t.dtype == torch.float32 for t in got.values()), name
         assert mean_gap(got, base) <= worst_gap, (name, mean_gap(got, base), moved)

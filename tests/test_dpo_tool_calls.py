@@ -1,6 +1,7 @@
 """Negative-sample DPO on tool calls (issue 29 §5, trainer/dpo.py): pairs come from the raw shard, the side
 loss's value and gradient equal a hand computation on the real tiny policy, and off (the default) changes
 nothing."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,13 +60,16 @@ def synthetic(seed=0, n_groups=2, pairs_per_group=2):
         prompt = [rng.randrange(5, 900) for _ in range(6)]
         for i in range(3):
             resp = [rng.randrange(5, 900) for _ in range(rng.randint(6, 12))]
-            rows.append(TrainingRow(f"r/0/p{g}/{i}", f"p{g}", i, prompt, resp, [1] * len(resp), [-2.0] * len(resp), 0.0))
+            rows.append(
+                TrainingRow(f"r/0/p{g}/{i}", f"p{g}", i, prompt, resp, [1] * len(resp), [-2.0] * len(resp), 0.0)
+            )
         for k in range(pairs_per_group):
             context = prompt + [rng.randrange(5, 900) for _ in range(rng.randint(3, 9))]
             chosen = [rng.randrange(5, 900) for _ in range(rng.randint(5, 11))]
             rejected = [rng.randrange(5, 900) for _ in range(rng.randint(5, 11))]
-            pairs.append(CallPair(f"p{g}", f"r/0/p{g}/0", k, context, chosen, rng.randint(1, 4), rejected,
-                                  rng.randint(1, 4)))
+            pairs.append(
+                CallPair(f"p{g}", f"r/0/p{g}/0", k, context, chosen, rng.randint(1, 4), rejected, rng.randint(1, 4))
+            )
     return rows, pairs
 
 
@@ -79,8 +83,9 @@ def call_logp(m, context, turn, start) -> torch.Tensor:
 @pytest.mark.parametrize("beta,cap", [(2.0, 10.0), (15.0, 0.1), (2.0, 1e-4)])
 def test_side_loss_value_and_gradient_equal_a_hand_computation(beta, cap):
     rows, pairs = synthetic()
-    cfg = TrainConfig(use_dpo_on_tool_calls=True, dpo_beta=beta, dpo_max_adjustment_ratio=cap, mini_batches=1,
-                      micro_batch_tokens=48)  # several micro-batches: pairs split across them
+    cfg = TrainConfig(
+        use_dpo_on_tool_calls=True, dpo_beta=beta, dpo_max_adjustment_ratio=cap, mini_batches=1, micro_batch_tokens=48
+    )  # several micro-batches: pairs split across them
     m1, m2 = model(), model()
     upd = GRPOUpdate(m1, cfg)
     upd.set_dpo_pairs(pairs)

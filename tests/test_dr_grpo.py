@@ -4,6 +4,7 @@ by the group's std; (2) the loss sums token terms over the whole mini-batch and 
 for all of them, so a token's weight does not depend on the length of its own sequence (GRPO's
 per-sequence 1/|o_i| is gone). Both checked against hand computations on a tiny batch with the real
 tiny policy and the real update (trainer/grpo.py)."""
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,11 @@ def test_advantages_are_reward_minus_group_mean_without_std():
     assert group_advantages([20.0, 0.0], "dr_grpo") == [10.0, -10.0]
     assert group_advantages([20.0, 0.0], "group_norm") == pytest.approx([1.0, -1.0], abs=1e-6)
     # through the purifier's group plan (sample order, positions of the input kept)
-    assert group_plan([(2, 0.5), (0, -1.0), (1, 1.0)], "dr_grpo", False) == [(1, -1.0 - 1 / 6), (2, 1.0 - 1 / 6),
-                                                                           (0, 0.5 - 1 / 6)]
+    assert group_plan([(2, 0.5), (0, -1.0), (1, 1.0)], "dr_grpo", False) == [
+        (1, -1.0 - 1 / 6),
+        (2, 1.0 - 1 / 6),
+        (0, 0.5 - 1 / 6),
+    ]
 
 
 def _model():
@@ -42,7 +46,7 @@ def _rows(m) -> list[PurifiedTrajectory]:
     lengths = [3, 14, 6, 2, 11, 5]
     rows = []
     for i, (r, n) in enumerate(zip(rewards, lengths)):
-        group = rewards[3 * (i // 3): 3 * (i // 3) + 3]
+        group = rewards[3 * (i // 3) : 3 * (i // 3) + 3]
         adv = group_advantages(group, "dr_grpo")[i % 3]
         prompt = [rng.randrange(5, 400) for _ in range(5)]
         resp = [rng.randrange(5, 400) for _ in range(n)]
@@ -50,8 +54,28 @@ def _rows(m) -> list[PurifiedTrajectory]:
         with torch.no_grad():
             logp = torch.log_softmax(m(torch.tensor([prompt + resp])).logits[0].float(), -1)
         old = [logp[len(prompt) + k - 1, t].item() for k, t in enumerate(resp)]
-        rows.append(PurifiedTrajectory("r", 0, f"p{i // 3}", i % 3, "saar", 0.5, f"k{i}", prompt, resp, mask, old,
-                                       [1] * n, r, adv, [], -1, 0, True))
+        rows.append(
+            PurifiedTrajectory(
+                "r",
+                0,
+                f"p{i // 3}",
+                i % 3,
+                "saar",
+                0.5,
+                f"k{i}",
+                prompt,
+                resp,
+                mask,
+                old,
+                [1] * n,
+                r,
+                adv,
+                [],
+                -1,
+                0,
+                True,
+            )
+        )
     return rows
 
 
@@ -62,8 +86,11 @@ def _hand_loss(m, rows, per_sequence_mean: bool) -> torch.Tensor:
     for r in rows:
         logp = torch.log_softmax(m(torch.tensor([r.prompt_ids + r.response_ids])).logits[0].float(), -1)
         p = len(r.prompt_ids)
-        seq = [torch.exp(logp[p + k - 1, t] - r.old_logprobs[k]) * r.advantage
-               for k, t in enumerate(r.response_ids) if r.loss_mask[k]]
+        seq = [
+            torch.exp(logp[p + k - 1, t] - r.old_logprobs[k]) * r.advantage
+            for k, t in enumerate(r.response_ids)
+            if r.loss_mask[k]
+        ]
         terms.append(seq)
     if per_sequence_mean:
         return -sum(sum(s) / len(s) for s in terms) / len(terms)

@@ -2,6 +2,7 @@
 evaluations with the same seeds (sample s of the batch is the one-sample run at rollout.seed + s, token for
 token); bad input (a task file with a missing or mistyped column, k < 1, k above what the engine batches, an
 export without question_id) is one line, and nothing is written."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,12 @@ def test_avg_at_k_is_the_mean_of_k_single_sample_runs_with_the_same_seeds():
     cfg = load_config(None, [f"rollout.seed={SEED}"])
     tasks = eval_tasks(cfg.world)[:N_TASKS]
     run = evaluate_tasks(cfg, DEFAULT_POLICY, tasks, samples=K, show_progress=False)
-    singles = [evaluate_tasks(load_config(None, [f"rollout.seed={SEED + s}"]), DEFAULT_POLICY, tasks,
-                              show_progress=False).metrics for s in range(K)]
+    singles = [
+        evaluate_tasks(
+            load_config(None, [f"rollout.seed={SEED + s}"]), DEFAULT_POLICY, tasks, show_progress=False
+        ).metrics
+        for s in range(K)
+    ]
     avg = run.metrics["benchmarks"]["all"]["pass@1"]
     assert avg == pytest.approx(sum(m["accuracy"] for m in singles) / K, abs=1e-12)
     assert run.metrics["accuracy"] == avg and run.metrics["samples"] == K
@@ -40,12 +45,12 @@ def test_avg_at_k_is_the_mean_of_k_single_sample_runs_with_the_same_seeds():
     one = load_config(None, [f"rollout.seed={SEED + s}", "rollout.samples_per_prompt=1"])
     with SandboxPool(one.rollout.sandbox) as sandbox:
         plain = AgentLoop(make_engine(one, DEFAULT_POLICY, chat), sandbox, chat, one.rollout).run(
-            tasks, RolloutIdentity("eval", 0, policy_version(DEFAULT_POLICY), SEED + s))
+            tasks, RolloutIdentity("eval", 0, policy_version(DEFAULT_POLICY), SEED + s)
+        )
     batched = run.trajectories[s::K]
     assert [t.lived_ids for t in batched] == [t.lived_ids for t in plain]
     assert [t.reward for t in batched] == [t.reward for t in plain]
     assert all(t.sample_idx == s and t.seed == SEED + s for t in batched)
-
 
 
 def test_bad_k_is_one_line_and_nothing_is_written(tmp_path, capsys):
@@ -53,7 +58,12 @@ def test_bad_k_is_one_line_and_nothing_is_written(tmp_path, capsys):
     base = ["eval", "--world", f"storage.root={ws}"]
     refused([*base, "--samples", "0"], capsys, 2, "--samples 0", ">= 1")
     refused([*base, "--samples", "65"], capsys, 2, "--samples 65", "rollout.engine_tuning.max_in_flight (64)")
-    refused([*base, "--samples", "8", "rollout.engine_tuning.max_in_flight=4"], capsys, 2, "rollout.engine_tuning.max_in_flight (4)")
+    refused(
+        [*base, "--samples", "8", "rollout.engine_tuning.max_in_flight=4"],
+        capsys,
+        2,
+        "rollout.engine_tuning.max_in_flight (4)",
+    )
     refused([*base, "--samples", "2", "--flow", "--export-lcb", str(tmp_path / "x.json")], capsys, 2, "--export-lcb")
     with pytest.raises(SystemExit):
         main([*base, "--samples", "many"])
@@ -65,15 +75,23 @@ def test_bad_task_files_are_one_line_naming_file_and_column(tmp_path, capsys):
     ws = tmp_path / "ws"
     missing = write(tmp_path / "aime_2024_problems.parquet", [{"data_source": "AIME2024", "Problem": "What is 1+1?"}])
     refused(["eval", "--tasks", str(missing), f"storage.root={ws}"], capsys, 1, str(missing), "missing column 'Answer'")
-    mistyped = write(tmp_path / "aime_float.parquet", [{"data_source": "AIME2024", "Problem": "What is 1+1?",
-                                                        "Answer": 2.0}])
-    refused(["eval", "--tasks", str(mistyped), f"storage.root={ws}"], capsys, 1, str(mistyped),
-             "column 'Answer' is double, expected a string or an integer")
+    mistyped = write(
+        tmp_path / "aime_float.parquet", [{"data_source": "AIME2024", "Problem": "What is 1+1?", "Answer": 2.0}]
+    )
+    refused(
+        ["eval", "--tasks", str(mistyped), f"storage.root={ws}"],
+        capsys,
+        1,
+        str(mistyped),
+        "column 'Answer' is double, expected a string or an integer",
+    )
     rows = lcb_rows()
     for r in rows:
         del r["private_test_cases"]
     no_private = write(tmp_path / "lcb.parquet", rows)
-    refused(["eval", "--tasks", str(no_private), f"storage.root={ws}"], capsys, 1, "missing column 'private_test_cases'")
+    refused(
+        ["eval", "--tasks", str(no_private), f"storage.root={ws}"], capsys, 1, "missing column 'private_test_cases'"
+    )
     rows = lcb_rows()
     for r in rows:
         r["metadata"] = 7
@@ -92,8 +110,9 @@ def test_an_export_without_question_id_is_refused_before_running(tmp_path, capsy
     aime = aime24_file(tmp_path / "aime.parquet")
     refused(["eval", "--tasks", str(aime), "--export-lcb", str(out)], capsys, 2, "has no code task")
     v6 = lcb_v6_file(tmp_path / "with_id.parquet")
-    refused(["eval", "--tasks", str(v6), "--export-lcb", str(tmp_path / "nope" / "gen.json")], capsys, 2,
-             "does not exist")
+    refused(
+        ["eval", "--tasks", str(v6), "--export-lcb", str(tmp_path / "nope" / "gen.json")], capsys, 2, "does not exist"
+    )
     assert not out.exists() and not (tmp_path / "nope").exists()
 
 
@@ -113,8 +132,11 @@ def test_bad_rows_and_options_found_by_trying_it_as_a_user_are_one_line_before_a
     ws = tmp_path / "ws"
     root = f"storage.root={ws}"
     flat = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": "4"}]
-    null_q = write(tmp_path / "nullq.parquet", [flat[0], {"problem": None, "answer": "4"}],
-                   pa.schema([("problem", pa.string()), ("answer", pa.string())]))
+    null_q = write(
+        tmp_path / "nullq.parquet",
+        [flat[0], {"problem": None, "answer": "4"}],
+        pa.schema([("problem", pa.string()), ("answer", pa.string())]),
+    )
     refused(["eval", "--tasks", str(null_q), root], capsys, 1, str(null_q), "row 1: column 'problem' is empty")
     int_q = write(tmp_path / "intq.parquet", [{"problem": 7, "answer": "4"}])
     refused(["eval", "--tasks", str(int_q), root], capsys, 1, "row 0: column 'problem' is a int, expected a string")
@@ -125,13 +147,23 @@ def test_bad_rows_and_options_found_by_trying_it_as_a_user_are_one_line_before_a
     named_all = write(tmp_path / "all.parquet", [dict(flat[0], data_source="all")])
     refused(["eval", "--tasks", str(named_all), root], capsys, 1, "row 0: data_source 'all'")
     long_q = write(tmp_path / "long.parquet", [flat[0], {"problem": "What is 1+1? " * 200, "answer": "2"}])
-    refused(["eval", "--tasks", str(long_q), root], capsys, 2, "1 of 2 tasks have prompts longer than "
-             "rollout.max_prompt_tokens (256", "the first row 1", "raise rollout.max_prompt_tokens")
+    refused(
+        ["eval", "--tasks", str(long_q), root],
+        capsys,
+        2,
+        "1 of 2 tasks have prompts longer than rollout.max_prompt_tokens (256",
+        "the first row 1",
+        "raise rollout.max_prompt_tokens",
+    )
     v6 = lcb_v6_file(tmp_path / "v6.parquet")
     row = pa.parquet.read_table(v6).to_pylist()[0]
     twice = write(tmp_path / "twice.parquet", [row, dict(row, problem="Read a and b and print a * b.")])
-    refused(["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root], capsys, 2,
-             "row 1: question_id 'abc400_a' repeats row 0's")
+    refused(
+        ["eval", "--tasks", str(twice), "--export-lcb", str(tmp_path / "g.json"), root],
+        capsys,
+        2,
+        "row 1: question_id 'abc400_a' repeats row 0's",
+    )
     ok = write(tmp_path / "ok.parquet", flat)
     refused(["eval", "--world", "--tasks", str(ok), root], capsys, 2, "not both")
     refused(["eval", "--tasks", str(ok), "--write", root], capsys, 2, "--tasks writes no metrics.json")
@@ -149,8 +181,11 @@ def test_a_task_is_graded_by_its_ground_truth_not_by_its_source_name(tmp_path):
     from rollout_gen.tasks import load_task_parquet
 
     tests = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})
-    f = write(tmp_path / "t.parquet", [
-        {"problem": "What is 1+1?", "reward_model": {"ground_truth": "2"}, "data_source": "barcode_math"},
-        {"problem": "Print a+b.", "reward_model": {"ground_truth": tests}, "data_source": "taco"}])
+    f = write(
+        tmp_path / "t.parquet",
+        [
+            {"problem": "What is 1+1?", "reward_model": {"ground_truth": "2"}, "data_source": "barcode_math"},
+            {"problem": "Print a+b.", "reward_model": {"ground_truth": tests}, "data_source": "taco"},
+        ],
+    )
     assert [t.kind for t in load_task_parquet(f)] == ["math", "code"]
-

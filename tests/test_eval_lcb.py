@@ -1,6 +1,7 @@
 """LiveCodeBench scored as LiveCodeBench scores it (rollout_gen/lcb.py), on fixture problems in its own
 code_generation_lite layout, in the real sandbox; its custom-evaluation export read back by a reader written
 from its format (lcb_runner/runner/custom_evaluator.py); the Open-AgentRL-Eval layouts."""
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,17 @@ from rollout_gen.lcb import TIME_LIMIT_S, CodeTests, LCBFormatError, custom_outp
 from rollout_gen.rewards import reward
 from rollout_gen.sandbox import SandboxPool
 from rollout_gen.tasks import load_task_parquet
-from tests.eval_fixtures import (CALL_PAIR, STDIN_LOOP, STDIN_SUM, aime24_file, aime25_file, gpqa_file, lcb_file,
-                                 lcb_rows, lcb_v6_file)
+from tests.eval_fixtures import (
+    CALL_PAIR,
+    STDIN_LOOP,
+    STDIN_SUM,
+    aime24_file,
+    aime25_file,
+    gpqa_file,
+    lcb_file,
+    lcb_rows,
+    lcb_v6_file,
+)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +120,8 @@ def test_stdout_is_compared_as_livecodebench_compares_it(quick_sandbox):
     assert [r.passed for r in run_tests("print('0.50')\nprint(' 1 2 ')", tests, quick_sandbox)] == [True, False]
     # decimals per line, stripped lines, the same number of lines; a runtime error fails
     assert run_tests("print(1/0)", CodeTests([""], [""]), quick_sandbox)[0].why == (
-        "runtime error: ZeroDivisionError: division by zero (at `print(1 / 0)`)")  # the line as the harness runs it
+        "runtime error: ZeroDivisionError: division by zero (at `print(1 / 0)`)"
+    )  # the line as the harness runs it
 
 
 def test_model_code_never_runs_in_this_process(quick_sandbox):
@@ -134,8 +145,11 @@ def test_a_pickle_naming_code_is_refused_not_run(tmp_path):
     path = write(tmp_path / "evil.parquet", rows, pa.schema([(c, pa.string()) for c in LCB_COLUMNS]))
     from rollout_gen.tasks import TaskFileError
 
-    with pytest.raises(TaskFileError, match=r"evil\.parquet: row 0: column 'private_test_cases': neither JSON"
-                       r".*refused: the pickle names (posix|os)\.system"):  # why, not only "corrupt"
+    with pytest.raises(
+        TaskFileError,
+        match=r"evil\.parquet: row 0: column 'private_test_cases': neither JSON"
+        r".*refused: the pickle names (posix|os)\.system",
+    ):  # why, not only "corrupt"
         load_task_parquet(path)
     assert not marker.exists()
     (tmp_path / "aime2024").mkdir()
@@ -147,8 +161,11 @@ def test_a_pickle_naming_code_is_refused_not_run(tmp_path):
 
 
 def test_export_is_read_back_by_a_livecodebench_reader(tmp_path):
-    entries = [(STDIN_LOOP, ["print(input())", ""]), (CALL_PAIR, ["class Solution: ...", "def topTwo(): ..."]),
-               (STDIN_SUM, ["print(3)", "print(sum(map(int, input().split())))"])]
+    entries = [
+        (STDIN_LOOP, ["print(input())", ""]),
+        (CALL_PAIR, ["class Solution: ...", "def topTwo(): ..."]),
+        (STDIN_SUM, ["print(3)", "print(sum(map(int, input().split())))"]),
+    ]
     path = tmp_path / "generations.json"
     path.write_text(json.dumps(custom_output(entries)))
     assert read_custom_output(path, [STDIN_SUM, CALL_PAIR, STDIN_LOOP]) == dict(entries)
@@ -161,8 +178,23 @@ def test_cli_exports_every_problem_aligned_by_question_id(lcb, tmp_path, capsys)
 
     _, path = lcb
     out = tmp_path / "generations.json"
-    assert main(["eval", "--tasks", str(path), "--samples", "2", "--export-lcb", str(out), "--json",
-                 f"storage.root={tmp_path / 'ws'}", "rollout.sandbox.timeout_s=1"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--tasks",
+                str(path),
+                "--samples",
+                "2",
+                "--export-lcb",
+                str(out),
+                "--json",
+                f"storage.root={tmp_path / 'ws'}",
+                "rollout.sandbox.timeout_s=1",
+            ]
+        )
+        == 0
+    )
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["samples"] == 2 and metrics["benchmarks"]["livecodebench"]["tasks"] == 3
     assert 0.0 <= metrics["benchmarks"]["livecodebench"]["pass@1"] <= 1.0
@@ -173,7 +205,9 @@ def test_cli_exports_every_problem_aligned_by_question_id(lcb, tmp_path, capsys)
 def test_open_agentrl_eval_layouts(tmp_path):
     a24 = load_task_parquet(aime24_file(tmp_path / "aime_2024_problems.parquet"))
     assert [(t.source, t.question, t.ground_truth, t.kind) for t in a24] == [
-        ("AIME2024", "What is 40 + 2?", "42", "math"), ("AIME2024", "What is 3 * 7?", "21", "math")]
+        ("AIME2024", "What is 40 + 2?", "42", "math"),
+        ("AIME2024", "What is 3 * 7?", "21", "math"),
+    ]
     assert reward(a24[0], "so the answer is \\boxed{42}") == 1.0
     (a25,) = load_task_parquet(aime25_file(tmp_path / "aime_2025_problems.parquet"))
     assert (a25.source, a25.ground_truth) == ("AIME2025", "99")

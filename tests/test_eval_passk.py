@@ -1,5 +1,6 @@
 """The unbiased pass@k estimator (pipeline/passk.py) against direct computations and brute force, and the
 avg@k / pass@k summaries with their standard errors. Pure: no engine, no sandbox."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,8 +30,9 @@ def test_no_correct_sample_is_zero_and_all_correct_is_one(n):
         assert pass_at_k(n, n, k) == 1.0
 
 
-@pytest.mark.parametrize("n,c,k", [(16, 1, 1), (16, 1, 4), (16, 5, 16), (32, 3, 16), (10, 9, 2), (64, 20, 16),
-                                   (200, 7, 64)])
+@pytest.mark.parametrize(
+    "n,c,k", [(16, 1, 1), (16, 1, 4), (16, 5, 16), (32, 3, 16), (10, 9, 2), (64, 20, 16), (200, 7, 64)]
+)
 def test_matches_the_binomial_formula_on_crafted_counts(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(_direct(n, c, k), rel=1e-12, abs=1e-15)
 
@@ -85,8 +87,12 @@ def test_summary_is_the_mean_over_tasks_with_its_standard_error():
 
 def test_one_task_has_no_standard_error_and_k_stops_at_the_smallest_n():
     assert mean_se([0.25]) == (0.25, None)
-    assert summarize([(5, 2)]) == {"pass@1": pytest.approx(0.4), "pass@1_se": None,
-                                   "pass@4": pytest.approx(_direct(5, 2, 4)), "pass@4_se": None}
+    assert summarize([(5, 2)]) == {
+        "pass@1": pytest.approx(0.4),
+        "pass@1_se": None,
+        "pass@4": pytest.approx(_direct(5, 2, 4)),
+        "pass@4_se": None,
+    }
     assert set(summarize([(16, 3), (4, 1)])) == {"pass@1", "pass@1_se", "pass@4", "pass@4_se"}
     with pytest.raises(ValueError):
         summarize([])

@@ -1,5 +1,6 @@
 """The experiment pages' between-seed summaries (experiments/stats.py); the paired contrasts, Holm and equivalence
 are tests/test_contrasts.py."""
+
 from math import sqrt
 from statistics import stdev
 
@@ -10,9 +11,11 @@ from experiments.stats import final_by_seed, mean_se, seeds_table
 
 
 def _run(arm: str, seed: int, first: float, last: float, saar_last: float = 0.5) -> dict:
-    evals = [{"iteration": 20, "saar_at_test": False, "first_call_failure_rate": last, "retry_success_rate": None},
-             {"iteration": 0, "saar_at_test": False, "first_call_failure_rate": first},
-             {"iteration": 20, "saar_at_test": True, "first_call_failure_rate": saar_last, "retry_success_rate": 0.6}]
+    evals = [
+        {"iteration": 20, "saar_at_test": False, "first_call_failure_rate": last, "retry_success_rate": None},
+        {"iteration": 0, "saar_at_test": False, "first_call_failure_rate": first},
+        {"iteration": 20, "saar_at_test": True, "first_call_failure_rate": saar_last, "retry_success_rate": 0.6},
+    ]
     return {"arm": arm, "seed": seed, "evals": evals}
 
 

@@ -2,6 +2,7 @@
 samples, purified at saar γ=0.5) exported in every format and read back by the consumers' own libraries:
 `datasets.load_dataset` offline, TRL's SFTTrainer data preparation and collator, the `atif` package's models,
 cleaner's own task loader for verl prompts. Bad input gets one line and leaves nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,19 @@ def test_trl_sft_is_what_trl_trains(purified_run, tmp_path, offline):
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_POLICY)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY)
-    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=ds, args=SFTConfig(
-        output_dir=str(tmp_path / "trl"), max_length=None, report_to="none", completion_only_loss=True,
-        per_device_train_batch_size=4, use_cpu=True))
+    trainer = SFTTrainer(
+        model=model,
+        processing_class=tokenizer,
+        train_dataset=ds,
+        args=SFTConfig(
+            output_dir=str(tmp_path / "trl"),
+            max_length=None,
+            report_to="none",
+            completion_only_loss=True,
+            per_device_train_batch_size=4,
+            use_cpu=True,
+        ),
+    )
     prepared = trainer.train_dataset
     examples = [prepared[i] for i in range(len(prepared))]
     batch = trainer.data_collator(examples)
@@ -102,6 +113,7 @@ def test_trl_messages_render_with_the_policy_template(purified_run, tmp_path, of
     from transformers import AutoTokenizer
 
     from flows.export_cmd import run_export
+
     out = tmp_path / "messages"
     run_export(purified_run, "w", None, PARTITION, "trl-messages", out)
     ds = _load(out, offline)
@@ -124,13 +136,16 @@ def test_trl_messages_render_with_the_policy_template(purified_run, tmp_path, of
                 tool_messages += 1
                 assert m["content"] in outputs or any(m["content"].startswith(o + "\n\nNote:") for o in outputs)
         assert row["tools"][0]["function"]["name"] == "code_interpreter"
-        text = tokenizer.apply_chat_template([{k: v for k, v in m.items() if v is not None} for m in messages],
-                                             tools=row["tools"], tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{k: v for k, v in m.items() if v is not None} for m in messages], tools=row["tools"], tokenize=False
+        )
         assert raw["question"] in text and '"name": "code_interpreter"' in text
         for m in messages:
             for call in m["tool_calls"] or []:
-                assert call["function"]["arguments"]["code"] in text or json.dumps(call["function"]["arguments"]
-                                                                                  ["code"]) in text
+                assert (
+                    call["function"]["arguments"]["code"] in text
+                    or json.dumps(call["function"]["arguments"]["code"]) in text
+                )
     assert tool_messages > 0
 
 
@@ -142,8 +157,10 @@ def test_atif_trajectories_validate_and_point_at_their_raw_ones(purified_run, tm
     out = tmp_path / "atif"
     run_export(purified_run, "w", [0], PARTITION, "atif", out)
     raws = {f"w/0/{r['prompt_id']}/{r['sample_idx']}": r for r in _raw(purified_run)}
-    raw_docs = [atif.Trajectory.model_validate_json(line) for line in
-                (out / "raw" / "iteration-0000.jsonl").read_text().splitlines()]
+    raw_docs = [
+        atif.Trajectory.model_validate_json(line)
+        for line in (out / "raw" / "iteration-0000.jsonl").read_text().splitlines()
+    ]
     assert {d.trajectory_id for d in raw_docs} == set(raws)
     retries = failures = 0
     for doc in raw_docs:
@@ -176,8 +193,10 @@ def test_atif_trajectories_validate_and_point_at_their_raw_ones(purified_run, tm
     for line in lines:
         doc = atif.Trajectory.model_validate_json(line)
         x = doc.extra["cleaner"]
-        assert x["raw_trajectory"] == {"trajectory_id": x["raw_trajectory"]["trajectory_id"],
-                                       "path": "raw/iteration-0000.jsonl"}
+        assert x["raw_trajectory"] == {
+            "trajectory_id": x["raw_trajectory"]["trajectory_id"],
+            "path": "raw/iteration-0000.jsonl",
+        }
         assert x["raw_trajectory"]["trajectory_id"] in raws and x["mode"] == "saar" and x["gamma"] == 0.5
         row = next(r for r in purified if r["raw_key"] == x["raw_trajectory"]["trajectory_id"])
         ids, mask = [], []
@@ -212,9 +231,11 @@ def test_verl_prompts_from_a_filter_task_file_and_from_the_run(purified_run, tmp
     for row in ds:
         assert row["reward_model"]["style"] == "rule" and row["prompt"][0]["role"] == "user"
         assert row["extra_info"]["pass_rate"] == pytest.approx(
-            next(f["pass_rate"] for f in filtered.values() if f["prompt"][0]["content"] == row["prompt"][0]["content"]))
-    assert [t.question for t in load_task_parquet(out / "data" / "train.parquet")] == \
-           [t.question for t in load_task_parquet(tasks)]
+            next(f["pass_rate"] for f in filtered.values() if f["prompt"][0]["content"] == row["prompt"][0]["content"])
+        )
+    assert [t.question for t in load_task_parquet(out / "data" / "train.parquet")] == [
+        t.question for t in load_task_parquet(tasks)
+    ]
 
     whole = tmp_path / "verl-run"
     done = run_export(purified_run, "w", None, None, "verl", whole)
@@ -226,11 +247,20 @@ def test_bad_selections_are_refused_in_one_line_and_write_nothing(purified_run, 
     out = tmp_path / "out"
     base = ["export", "--run", "w", "--out", str(out), f"storage.root={root}"]
     refused([*base, "--format", "trl-sft", "--iteration", "7"], capsys, 2, "no iteration 7", "its iterations: 0")
-    refused([*base, "--format", "trl-sft", "--partition", "mode=saar/gamma=0.30"], capsys, 2,
-            "no committed partition mode=saar/gamma=0.30", "mode=saar/gamma=0.50")
+    refused(
+        [*base, "--format", "trl-sft", "--partition", "mode=saar/gamma=0.30"],
+        capsys,
+        2,
+        "no committed partition mode=saar/gamma=0.30",
+        "mode=saar/gamma=0.50",
+    )
     refused([*base, "--format", "atif", "--partition", "saar-0.5"], capsys, 2, "--partition 'saar-0.5'")
-    refused(["export", "--run", "nope", "--out", str(out), "--format", "atif", f"storage.root={root}"], capsys, 2,
-            "run 'nope' does not exist")
+    refused(
+        ["export", "--run", "nope", "--out", str(out), "--format", "atif", f"storage.root={root}"],
+        capsys,
+        2,
+        "run 'nope' does not exist",
+    )
     assert not out.exists()
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -241,8 +271,23 @@ def test_bad_selections_are_refused_in_one_line_and_write_nothing(purified_run, 
     from flows.cli import main
 
     fresh = tmp_path / "fresh"
-    assert main(["export", "--run", "w", "--iteration", "0", "--format", "trl-sft", "--out", str(fresh),
-                 f"storage.root={root}"]) == 0  # the run's train partition (saar, γ 0.5) by default
+    assert (
+        main(
+            [
+                "export",
+                "--run",
+                "w",
+                "--iteration",
+                "0",
+                "--format",
+                "trl-sft",
+                "--out",
+                str(fresh),
+                f"storage.root={root}",
+            ]
+        )
+        == 0
+    )  # the run's train partition (saar, γ 0.5) by default
     said = capsys.readouterr().out
     assert said.startswith(f"exported {len(_purified(purified_run))} rows of run w as trl-sft to {fresh}")
     assert (fresh / "README.md").is_file()

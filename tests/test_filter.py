@@ -1,5 +1,6 @@
 """`cleaner filter` (issue 19 §4): per-task pass rates from committed raw shards only, bounds excluded, and a
 task file that rollout.tasks loads, on a real rollout of the tiny policy."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -41,9 +42,12 @@ def test_pass_rates_kept_strictly_between_bounds_and_file_loads_as_tasks(run, tm
     assert sorted(t.prompt_id for t in tasks) == want  # the world's own prompt ids survive the round trip
     raw = {r["prompt_id"]: r for r in read_shard(RunLayout(run.storage.root, "w").raw_dir(0), RAW).to_pylist()}
     for t in tasks:
-        assert (t.source, t.question, t.ground_truth, t.kind) == (raw[t.prompt_id]["task_source"],
-                                                                  raw[t.prompt_id]["question"],
-                                                                  raw[t.prompt_id]["ground_truth"], "math")
+        assert (t.source, t.question, t.ground_truth, t.kind) == (
+            raw[t.prompt_id]["task_source"],
+            raw[t.prompt_id]["question"],
+            raw[t.prompt_id]["ground_truth"],
+            "math",
+        )
 
 
 def test_bounds_are_exclusive(run):
@@ -58,10 +62,14 @@ def test_bounds_are_exclusive(run):
 def test_an_uncommitted_raw_shard_is_not_read(run, tmp_path, capsys):
     """A shard whose stage has not committed it yet (parts, no manifest) must not move any pass rate."""
     table = read_shard(RunLayout(run.storage.root, "w").raw_dir(0), RAW)
-    table = table.set_column(table.schema.get_field_index("reward"), RAW.field("reward"),
-                             pa.array([1.0] * table.num_rows, pa.float64()))
-    table = table.set_column(table.schema.get_field_index("iteration"), RAW.field("iteration"),
-                             pc.cast(pa.array([1] * table.num_rows), pa.int32()))
+    table = table.set_column(
+        table.schema.get_field_index("reward"), RAW.field("reward"), pa.array([1.0] * table.num_rows, pa.float64())
+    )
+    table = table.set_column(
+        table.schema.get_field_index("iteration"),
+        RAW.field("iteration"),
+        pc.cast(pa.array([1] * table.num_rows), pa.int32()),
+    )
     staging = RunLayout(run.storage.root, "w").raw_dir(1)
     write_shard(staging, table, RAW, config_hash="h")
     (staging / MANIFEST).unlink()  # as a rollout killed before its commit leaves it

@@ -6,6 +6,7 @@
 2. The row schemas (storage/schemas.py) and the data model's dataclasses (pipeline/trajectory.py)
    agree field for field: names, order, and kind of value.
 """
+
 from __future__ import annotations
 
 import ast
@@ -51,8 +52,10 @@ def test_imports_point_down_only():
         for line, target in _imports(path):
             there = target.split(".")[0]
             if there != here and FLOOR[there] >= FLOOR[here]:
-                wrong.append(f"{path.relative_to(ROOT)}:{line}: {here} (floor {FLOOR[here]}) imports {target} "
-                             f"(floor {FLOOR[there]})")
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line}: {here} (floor {FLOOR[here]}) imports {target} "
+                    f"(floor {FLOOR[there]})"
+                )
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
 
 
@@ -66,7 +69,7 @@ def test_no_import_cycles():
         state[m] = 1
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycles.append(" → ".join(path[path.index(t):] + [m, t]) if t in path else f"{m} → {t}")
+                cycles.append(" → ".join(path[path.index(t) :] + [m, t]) if t in path else f"{m} → {t}")
             elif t not in state:
                 visit(t, path + [m])
         state[m] = 2
@@ -87,8 +90,12 @@ def test_the_floor_check_sees_violations(tmp_path):
 # -- schemas vs dataclasses --------------------------------------------------------------------------
 
 PAIRS = [
-    (model.ToolResult, schemas.TOOL_RESULT), (model.Attempt, schemas.ATTEMPT), (model.Position, schemas.POSITION),
-    (model.TrajectoryStats, schemas.STATS), (model.Splice, schemas.SPLICE), (model.Trajectory, schemas.RAW),
+    (model.ToolResult, schemas.TOOL_RESULT),
+    (model.Attempt, schemas.ATTEMPT),
+    (model.Position, schemas.POSITION),
+    (model.TrajectoryStats, schemas.STATS),
+    (model.Splice, schemas.SPLICE),
+    (model.Trajectory, schemas.RAW),
     (model.PurifiedTrajectory, schemas.PURIFIED),
 ]
 
@@ -107,9 +114,12 @@ def _agrees(hint, arrow: pa.DataType) -> bool:
     if typing.get_origin(hint) is list:
         return pa.types.is_list(arrow) and _agrees(args[0], arrow.value_type)
     if dataclasses.is_dataclass(hint):
-        return pa.types.is_struct(arrow) and [f.name for f in dataclasses.fields(hint)] == [f.name for f in _arrow_fields(arrow)]
-    return {bool: pa.types.is_boolean, int: pa.types.is_integer, float: pa.types.is_floating,
-            str: pa.types.is_string}[hint](arrow)
+        return pa.types.is_struct(arrow) and [f.name for f in dataclasses.fields(hint)] == [
+            f.name for f in _arrow_fields(arrow)
+        ]
+    return {bool: pa.types.is_boolean, int: pa.types.is_integer, float: pa.types.is_floating, str: pa.types.is_string}[
+        hint
+    ](arrow)
 
 
 @pytest.mark.parametrize("cls,arrow", PAIRS, ids=[c.__name__ for c, _ in PAIRS])

@@ -1,5 +1,6 @@
 """The training flow end to end: real Prefect temporary server, real Beam, real OpenRLHF update, real
 sandbox; each flow runs as `cleaner train` in its own process, like a user's."""
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     with Catalog(root) as cat:
         counts = cat.query("SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY 1 ORDER BY 1").to_pylist()
         assert counts == [{"iteration": 0, "n": 16}, {"iteration": 1, "n": 16}]
-        versions = cat.query("SELECT iteration, any_value(policy_version) AS v FROM raw_trajectories GROUP BY 1 "
-                             "ORDER BY 1").to_pylist()
+        versions = cat.query(
+            "SELECT iteration, any_value(policy_version) AS v FROM raw_trajectories GROUP BY 1 ORDER BY 1"
+        ).to_pylist()
         assert versions[0]["v"] != versions[1]["v"]  # iteration 1 sampled from the updated policy
     p = cleaner(["report", "--run", "tiny", f"storage.root={root}"], root)
     out, _ = p.communicate(timeout=300)
@@ -65,7 +67,11 @@ def test_flow_outputs_exist_and_add_up(uninterrupted):
     assert (layout.run_dir / "report" / "index.html").is_file()
     assert len(list((layout.run_dir / "report").glob("*.png"))) == 7  # is_ratio.png too
     page = (layout.run_dir / "report" / "index.html").read_text()
-    assert page.count("<figcaption>") == 7 and "Run config as the run started (run.json)" in page and '"run_id": "tiny"' in page
+    assert (
+        page.count("<figcaption>") == 7
+        and "Run config as the run started (run.json)" in page
+        and '"run_id": "tiny"' in page
+    )
     assert "0.5" in page and "rapidfuzz-segment" in page  # every variant with its γ and measure
     assert list((layout.run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -82,8 +88,16 @@ def test_sigkill_during_purification_then_rerun_is_identical(uninterrupted, tmp_
     shutil.copy(done.run_json, here.run_json)
     staging = here.iteration_dir(1) / ".staging"
     with LocalCluster(n_workers=0, host="127.0.0.1", scheduler_port=0, dashboard_address=":0") as no_workers:
-        p = cleaner(["train", "-c", str(tiny_config(tmp_path)), "purify.runner=dask",
-                     f"purify.dask_address={no_workers.scheduler_address}"], tmp_path)
+        p = cleaner(
+            [
+                "train",
+                "-c",
+                str(tiny_config(tmp_path)),
+                "purify.runner=dask",
+                f"purify.dask_address={no_workers.scheduler_address}",
+            ],
+            tmp_path,
+        )
         try:
             while not any(staging.glob("purify-*")):  # iteration 1's purification has started its pipeline
                 assert p.poll() is None, f"flow ended before iteration 1 was purified:\n{p.stdout.read()[-3000:]}"
@@ -99,10 +113,14 @@ def test_sigkill_during_purification_then_rerun_is_identical(uninterrupted, tmp_
 def test_wrong_key_missing_checkpoint_and_unreachable_sglang_each_say_one_thing(tmp_path):
     cases = [
         (["train", "flow.iteratons=2"], "unknown config key 'flow.iteratons' (did you mean 'flow.iterations'?)"),
-        (["rollout", "rollout.policy=/nonexistent/ckpt", f"storage.root={tmp_path}"],
-         "checkpoint /nonexistent/ckpt does not exist"),
-        (["rollout", "rollout.engine=sglang", "rollout.sglang_url=http://127.0.0.1:9", f"storage.root={tmp_path}"],
-         "SGLang server at http://127.0.0.1:9 is unreachable"),
+        (
+            ["rollout", "rollout.policy=/nonexistent/ckpt", f"storage.root={tmp_path}"],
+            "checkpoint /nonexistent/ckpt does not exist",
+        ),
+        (
+            ["rollout", "rollout.engine=sglang", "rollout.sglang_url=http://127.0.0.1:9", f"storage.root={tmp_path}"],
+            "SGLang server at http://127.0.0.1:9 is unreachable",
+        ),
     ]
     for args, message in cases:
         p = cleaner(args, tmp_path)
@@ -117,8 +135,10 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path):
     from flows.eval_cmd import evaluate_world
     from pipeline.config import load_config
 
-    p = run_cleaner(["eval", "--world", "--flow", "--json", "--limit", "4", f"storage.root={tmp_path}",
-                     "world.eval_size=12"], tmp_path)
+    p = run_cleaner(
+        ["eval", "--world", "--flow", "--json", "--limit", "4", f"storage.root={tmp_path}", "world.eval_size=12"],
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout)  # --json: stdout is one JSON document, logs and progress go to stderr
     assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead"}
@@ -127,7 +147,10 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path):
     plain = evaluate_world(cfg, cfg.rollout.policy, limit=4, show_progress=False)
     off = result["saar_off"]
     assert (off["pass@1"], off["first_call_failure_rate"], off["generated_tokens"]) == (
-        plain["accuracy"], plain["first_call_failure_rate"], plain["generated_tokens"])
+        plain["accuracy"],
+        plain["first_call_failure_rate"],
+        plain["generated_tokens"],
+    )
     assert off["tool_failures_per_trajectory"] == plain["benchmarks"]["all"]["tool_failures_per_trajectory"]
     table = run_cleaner(["eval", "--world", "--limit", "3", f"storage.root={tmp_path}"], tmp_path)
     assert table.returncode == 0, table.stderr[-3000:]

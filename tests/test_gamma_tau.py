@@ -1,6 +1,7 @@
 """γ and τ apart: SAAR's similarity threshold γ and Plan B's importance-ratio threshold τ each have their own name in
 the config (train.gamma, train.tau), in purify() (gamma, tau), and in a purified row (`gamma`, `is_threshold`);
 a purified shard written when `gamma` also held τ reads as the current version, in Python and in the catalog."""
+
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ def as_sampled(context: list[int], turn: list[int]) -> list[float]:
 
 
 # ---- config ---------------------------------------------------------------------------------------------------
+
 
 def test_train_gamma_for_an_importance_ratio_mode_is_one_line_naming_train_tau():
     with pytest.raises(ConfigError) as e:
@@ -82,6 +84,7 @@ def test_a_run_frozen_with_its_tau_in_train_gamma_reads_with_train_tau():
 
 # ---- rows -----------------------------------------------------------------------------------------------------
 
+
 def test_a_purified_row_says_which_threshold_it_carries():
     raws = synthetic_trajectories(8, seed=5, run_id="r")
     for t in raws:
@@ -103,9 +106,11 @@ def test_a_purified_row_says_which_threshold_it_carries():
 
 # ---- a shard written by version 2 ------------------------------------------------------------------------------
 
+
 def _purified(raws, variant: Variant) -> pa.Table:
-    rows = [purified_to_row(purify(t, variant.gamma, variant.mode, decode, score=as_sampled, tau=variant.tau))
-            for t in raws]
+    rows = [
+        purified_to_row(purify(t, variant.gamma, variant.mode, decode, score=as_sampled, tau=variant.tau)) for t in raws
+    ]
     return pa.Table.from_pylist(rows, schema=PURIFIED)
 
 
@@ -126,8 +131,12 @@ def old_store(tmp_path):
     variants = [Variant.of("saar", 0.5), Variant.of("saar_is", TAU), Variant.of("saar_is", 0.7), Variant.of("raw")]
     for iteration in (0, 1):
         raws = synthetic_trajectories(8, seed=5, run_id="old", iteration=iteration)
-        write_shard(layout.raw_dir(iteration), pa.Table.from_pylist([trajectory_to_row(t) for t in raws], schema=RAW),
-                    RAW, config_hash="raw")
+        write_shard(
+            layout.raw_dir(iteration),
+            pa.Table.from_pylist([trajectory_to_row(t) for t in raws], schema=RAW),
+            RAW,
+            config_hash="raw",
+        )
         for v in variants:
             table = _purified(raws, v)
             where = layout.purified_dir(iteration, v.mode, v.threshold)
@@ -148,10 +157,12 @@ def test_a_version_2_shard_reads_with_gamma_alone(old_store):
         same = ["iteration", "raw_key"]  # what differs between the iterations; repr: NaN advantages compare equal
         assert repr(old.drop_columns(same).to_pylist()) == repr(new.drop_columns(same).to_pylist())
         # a reader of some columns gets them as this version has them
-        assert set(read_shard(layout.purified_dir(0, "saar_is", tau), PURIFIED, columns=["gamma"])["gamma"]
-                   .to_pylist()) == {0.0}
-        assert read_shard(layout.purified_dir(0, "saar_is", tau), PURIFIED, columns=["is_threshold", "reward"]
-                          ).column_names == ["is_threshold", "reward"]
+        assert set(
+            read_shard(layout.purified_dir(0, "saar_is", tau), PURIFIED, columns=["gamma"])["gamma"].to_pylist()
+        ) == {0.0}
+        assert read_shard(
+            layout.purified_dir(0, "saar_is", tau), PURIFIED, columns=["is_threshold", "reward"]
+        ).column_names == ["is_threshold", "reward"]
     spliced = read_shard(layout.purified_dir(0, "saar", 0.5), PURIFIED)
     assert set(spliced["gamma"].to_pylist()) == {0.5} and set(spliced["is_threshold"].to_pylist()) == {None}
     # one rule, however the rows come: upgrading v3 rows changes nothing
@@ -162,24 +173,34 @@ def test_a_version_2_shard_reads_with_gamma_alone(old_store):
 def test_the_catalog_reads_a_version_2_shard_with_gamma_alone(old_store):
     with Catalog(old_store.root) as cat:
         assert not cat.problems
-        rows = cat.query("SELECT iteration, mode, gamma, is_threshold, count(*) AS n FROM purified "
-                         "GROUP BY ALL ORDER BY ALL").to_pylist()
-        summary = cat.query("SELECT iteration, mode, gamma, is_threshold, count(*) AS n FROM purified_summary "
-                            "GROUP BY ALL ORDER BY ALL").to_pylist()
-        compare = cat.query("SELECT iteration, mode, gamma, is_threshold, trajectories FROM purify_compare "
-                            "ORDER BY ALL").to_pylist()
-        splices = cat.query("SELECT iteration, is_threshold, count(*) AS n FROM splices WHERE mode = 'saar_is' "
-                            "GROUP BY ALL ORDER BY ALL").to_pylist()
-        failed = cat.query("SELECT iteration, mode, gamma, is_threshold, trained FROM failed_call_advantage "
-                           "ORDER BY ALL").to_pylist()
-    want = [{"iteration": i, "mode": m, "gamma": g, "is_threshold": t, "n": 8}
-            for i in (0, 1) for m, g, t in (("raw", 0.0, None), ("saar", 0.5, None), ("saar_is", 0.0, TAU),
-                                            ("saar_is", 0.0, 0.7))]
+        rows = cat.query(
+            "SELECT iteration, mode, gamma, is_threshold, count(*) AS n FROM purified GROUP BY ALL ORDER BY ALL"
+        ).to_pylist()
+        summary = cat.query(
+            "SELECT iteration, mode, gamma, is_threshold, count(*) AS n FROM purified_summary GROUP BY ALL ORDER BY ALL"
+        ).to_pylist()
+        compare = cat.query(
+            "SELECT iteration, mode, gamma, is_threshold, trajectories FROM purify_compare ORDER BY ALL"
+        ).to_pylist()
+        splices = cat.query(
+            "SELECT iteration, is_threshold, count(*) AS n FROM splices WHERE mode = 'saar_is' "
+            "GROUP BY ALL ORDER BY ALL"
+        ).to_pylist()
+        failed = cat.query(
+            "SELECT iteration, mode, gamma, is_threshold, trained FROM failed_call_advantage ORDER BY ALL"
+        ).to_pylist()
+    want = [
+        {"iteration": i, "mode": m, "gamma": g, "is_threshold": t, "n": 8}
+        for i in (0, 1)
+        for m, g, t in (("raw", 0.0, None), ("saar", 0.5, None), ("saar_is", 0.0, TAU), ("saar_is", 0.0, 0.7))
+    ]
     assert rows == summary == want
-    assert [{k: r[k] for k in ("iteration", "mode", "gamma", "is_threshold")} for r in compare] == \
-        [{k: r[k] for k in ("iteration", "mode", "gamma", "is_threshold")} for r in want]
+    assert [{k: r[k] for k in ("iteration", "mode", "gamma", "is_threshold")} for r in compare] == [
+        {k: r[k] for k in ("iteration", "mode", "gamma", "is_threshold")} for r in want
+    ]
     assert [r["n"] for r in splices if r["iteration"] == 0] == [r["n"] for r in splices if r["iteration"] == 1]
     assert len(splices) == 4  # each τ its own partition
-    assert [{k: v for k, v in r.items() if k != "iteration"} for r in failed if r["iteration"] == 0] == \
-        [{k: v for k, v in r.items() if k != "iteration"} for r in failed if r["iteration"] == 1]
+    assert [{k: v for k, v in r.items() if k != "iteration"} for r in failed if r["iteration"] == 0] == [
+        {k: v for k, v in r.items() if k != "iteration"} for r in failed if r["iteration"] == 1
+    ]
     assert len(failed) == 8

@@ -1,4 +1,5 @@
 """`cleaner gc` (issue #31 §4): a long run's store kept to what it needs, one whole item at a time."""
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,11 @@ def _gc(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.blake2b(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.blake2b(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture()
@@ -50,8 +54,20 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
     # plenty to delete, so that the kill lands while gc is at work
     for k in range(4000):
         (layout.purified_dir(1, "saar", 0.3) / f"padding-{k}.bin").write_bytes(b"x" * 64)
-    p = cleaner(["gc", "--run", "tiny", "--keep-last", "1", "--remove-partition", "mode=saar/gamma=0.30",
-                 f"storage.root={run}"], run, env=command_env())
+    p = cleaner(
+        [
+            "gc",
+            "--run",
+            "tiny",
+            "--keep-last",
+            "1",
+            "--remove-partition",
+            "mode=saar/gamma=0.30",
+            f"storage.root={run}",
+        ],
+        run,
+        env=command_env(),
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not any((run / ".trash").glob("*")) and p.poll() is None:
         time.sleep(0.01)
@@ -76,13 +92,16 @@ def test_gc_keeps_what_the_run_needs_and_a_killed_gc_then_a_resumed_run_work(run
     assert "checkpoint iteration=0001 was removed (cleaner gc); the run went on to checkpoint 2" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--run", "nope", "--keep-last", "1"], "run 'nope' does not exist"),
-    (["--keep-last", "0"], "--keep-last 0: at least 1"),
-    (["--remove-partition", "mode=saar/gamma=0.50"], "the run's own flow writes it"),
-    (["--remove-partition", "saar"], "expected the form mode=MODE/gamma=G"),
-    (["--keep-last", "1", "--keep", "99"], "--keep 99: run 'tiny' has no checkpoint 99 (its checkpoints: 1, 2)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--run", "nope", "--keep-last", "1"], "run 'nope' does not exist"),
+        (["--keep-last", "0"], "--keep-last 0: at least 1"),
+        (["--remove-partition", "mode=saar/gamma=0.50"], "the run's own flow writes it"),
+        (["--remove-partition", "saar"], "expected the form mode=MODE/gamma=G"),
+        (["--keep-last", "1", "--keep", "99"], "--keep 99: run 'tiny' has no checkpoint 99 (its checkpoints: 1, 2)"),
+    ],
+)
 def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
     before = _tree(run)
     out = _gc(run, *args)
@@ -92,14 +111,17 @@ def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
 
 def test_a_partition_no_iteration_has_is_named_with_the_ones_there(run):
     """`gamma=0.3` for the folder `gamma=0.30`, or a typo: it removed nothing, silently (exit 0)."""
+
     def data() -> dict[str, str]:  # (the catalog's republication rewrites verification records and the catalog)
         return {k: v for k, v in _tree(run / "runs").items() if not k.endswith("_VERIFIED.json")}
 
     before = data()
     out = _gc(run, "--keep-last", "2", "--remove-partition", "mode=saar/gamma=0.3")
     assert out.returncode == 0, out.stderr
-    assert ("no iteration of run 'tiny' has partition mode=saar/gamma=0.3 (its partitions: mode=raw/gamma=0.00, "
-            "mode=saar/gamma=0.30, mode=saar/gamma=0.50): nothing to remove for it") in out.stdout, out.stdout
+    assert (
+        "no iteration of run 'tiny' has partition mode=saar/gamma=0.3 (its partitions: mode=raw/gamma=0.00, "
+        "mode=saar/gamma=0.30, mode=saar/gamma=0.50): nothing to remove for it"
+    ) in out.stdout, out.stdout
     assert data() == before
 
 
@@ -109,8 +131,11 @@ def test_replay_of_an_iteration_whose_checkpoint_gc_removed_says_so(run, how):
     assert _gc(run, "--keep-last", "1").returncode == 0
     out = run_cleaner(["replay", "--run", "tiny", "--iteration", "1", *how, f"storage.root={run}"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "checkpoints/iteration=0001, the checkpoint that sampled iteration 1, is gone (removed by `cleaner gc`?)" \
-        in out.stderr and "cleaner gc --keep 1" in out.stderr, out.stderr
+    assert (
+        "checkpoints/iteration=0001, the checkpoint that sampled iteration 1, is gone (removed by `cleaner gc`?)"
+        in out.stderr
+        and "cleaner gc --keep 1" in out.stderr
+    ), out.stderr
     assert not RunLayout(run, "tiny").purified_dir(1, "saar", 0.7).exists()
 
 

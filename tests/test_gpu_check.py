@@ -15,6 +15,7 @@ a report with every field the GPU run fills, the GPU-only ones marked as not run
 anything about SGLang itself or a GPU; the double *is* the project's CPU engine, so its mismatch against the
 trainer's forward is float rounding (both fp32 on the CPU), which is what the bounds below check.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,12 +48,15 @@ SMALL = ["--checkpoint", str(DEFAULT_POLICY), "--tasks", "2", "rollout.samples_p
 
 def _script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The SGLang path (`--sglang`)."""
-    return subprocess.run(["bash", str(SCRIPT), "--sglang", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--sglang", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def _not_run(field) -> bool:
-    return isinstance(field, dict) and set(field) == {"not_run"} and isinstance(field["not_run"], str) and field["not_run"]
+    return (
+        isinstance(field, dict) and set(field) == {"not_run"} and isinstance(field["not_run"], str) and field["not_run"]
+    )
 
 
 def _finite(x) -> bool:
@@ -114,11 +118,30 @@ def test_mismatch_is_measured_on_real_tokens_and_is_rounding_for_the_double(chec
 @pytest.mark.slow
 def test_report_has_every_field_with_the_gpu_only_ones_not_run(checked):
     report, out, _ = checked
-    for key in ("device", "versions", "sglang_venv", "server", "checkpoint", "mismatch", "rollout", "update",
-                "stages", "wall_s", "iterations", "committed_iterations", "reload_verified"):
+    for key in (
+        "device",
+        "versions",
+        "sglang_venv",
+        "server",
+        "checkpoint",
+        "mismatch",
+        "rollout",
+        "update",
+        "stages",
+        "wall_s",
+        "iterations",
+        "committed_iterations",
+        "reload_verified",
+    ):
         assert key in report, key
-    gpu_only = [report["device"]["card"], report["device"]["driver"], report["device"]["cuda"], report["sglang_venv"],
-                report["server"]["sglang"], report["rollout"]["tokens_per_s_per_gpu"]]
+    gpu_only = [
+        report["device"]["card"],
+        report["device"]["driver"],
+        report["device"]["cuda"],
+        report["sglang_venv"],
+        report["server"]["sglang"],
+        report["rollout"]["tokens_per_s_per_gpu"],
+    ]
     gpu_only += [report["update"][s]["tokens_per_s_per_gpu"] for s in ("local", "deepspeed")]
     gpu_only += [report["update"][s]["gpu"] for s in ("local", "deepspeed")]
     gpu_only += [it["reload"]["model_info"] for it in report["iterations"]]
@@ -147,8 +170,12 @@ def test_the_server_dies_with_the_script(tmp_path, sig):
     (PR_SET_PDEATHSIG). The script execs its driver, so the pid bash gets is the driver's."""
     err = tmp_path / "stderr.txt"
     with open(err, "w") as f:
-        proc = subprocess.Popen(["bash", str(SCRIPT), "--sglang", "--double", "--out", str(tmp_path), *SMALL], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=f)
+        proc = subprocess.Popen(
+            ["bash", str(SCRIPT), "--sglang", "--double", "--out", str(tmp_path), *SMALL],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
     double = None
     deadline = time.monotonic() + 120
     try:
@@ -158,7 +185,9 @@ def test_the_server_dies_with_the_script(tmp_path, sig):
                 double = next((k for k in kids if "--serve-double" in " ".join(k.cmdline())), None)
             except psutil.Error:  # a process ended while we looked: the assertion below says whether it was the script
                 pass
-            assert time.monotonic() < deadline and proc.poll() is None, f"the double never started: {err.read_text()[-2000:]}"
+            assert time.monotonic() < deadline and proc.poll() is None, (
+                f"the double never started: {err.read_text()[-2000:]}"
+            )
             time.sleep(0.2)
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=60) in (143, -signal.SIGKILL, -signal.SIGTERM)
@@ -207,10 +236,12 @@ def test_no_gpu_without_double_is_one_line(tmp_path):
 
 # ---- the device check (benchmarks/gpu_check.py), on the CPU at the tiny shape --------------------------------
 
+
 def _device_check(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable}  # the machine's own Python (here the venv's)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=env)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +256,14 @@ def device_checked(tmp_path_factory):
 def test_device_check_runs_every_section_on_the_cpu_and_measures_each(device_checked):
     report, out, done = device_checked
     names = [s["name"] for s in report["sections"]]
-    assert names == ["rollout tiny", "recompute tiny", "gap tiny", "update local bf16 tiny",
-                     "update deepspeed ZeRO-2 bf16 tiny", "update deepspeed ZeRO-3 bf16 tiny"]
+    assert names == [
+        "rollout tiny",
+        "recompute tiny",
+        "gap tiny",
+        "update local bf16 tiny",
+        "update deepspeed ZeRO-2 bf16 tiny",
+        "update deepspeed ZeRO-3 bf16 tiny",
+    ]
     assert all(s["ok"] for s in report["sections"]), [s.get("error") for s in report["sections"]]
     assert "every section ok" in done.stderr.splitlines()[-1]
     by = {s["name"]: s for s in report["sections"]}
@@ -267,8 +304,21 @@ def test_device_check_writes_the_results_section(device_checked):
 def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
     """fp16 DeepSpeed needs a GPU: the update's own preflight (trainer/devices.py) refuses it in its section, which
     records the one line; the local update still runs."""
-    done = _device_check("--device", "cpu", "--tokens", "128", "--generate", "16", "--ds-dtype", "fp16",
-                         "--only", "ZeRO-2", "update local", "--out", str(tmp_path))
+    done = _device_check(
+        "--device",
+        "cpu",
+        "--tokens",
+        "128",
+        "--generate",
+        "16",
+        "--ds-dtype",
+        "fp16",
+        "--only",
+        "ZeRO-2",
+        "update local",
+        "--out",
+        str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     by = {s["name"]: s for s in report["sections"]}
@@ -282,7 +332,8 @@ def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
 def test_bad_arguments_are_one_line(tmp_path):
     done = _device_check("--device", "cpu", "--tokens", "128", "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "gpu_check: --generate 256 must be below --tokens 128 (scripts/gpu_check.sh --help)"]
+        "gpu_check: --generate 256 must be below --tokens 128 (scripts/gpu_check.sh --help)"
+    ]
     assert not (tmp_path / "out").exists()
     done = _device_check("--device", "cpu", "--record", "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "--record writes GPU figures" in done.stderr and not (tmp_path / "out").exists()
@@ -318,13 +369,21 @@ def test_the_wheelhouse_is_installed_with_no_index_and_openrlhfs_tests_package_r
         z.writestr("shadow/__init__.py", "VALUE = 7\n")
         z.writestr("tests/__init__.py", "")
         z.writestr("shadow-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: shadow\nVersion: 1.0\n")
-        z.writestr("shadow-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                   "Tag: py3-none-any\n")
+        z.writestr(
+            "shadow-1.0.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr("shadow-1.0.dist-info/RECORD", "")
     site = tmp_path / "site"
     env = {**os.environ, "PYTHON": sys.executable, "CLEANER_WHEELHOUSE": str(wheels), "CLEANER_GPU_SITE": str(site)}
-    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (site / "shadow" / "__init__.py").is_file() and not (site / "tests").exists()
     stamp = (site / ".wheelhouse").read_text()
@@ -332,14 +391,26 @@ def test_the_wheelhouse_is_installed_with_no_index_and_openrlhfs_tests_package_r
     assert json.loads((tmp_path / "out" / "report.json").read_text())["versions"]["torch"]
     # a second run with the same wheels installs nothing again
     (site / "shadow" / "marker").write_text("kept")
-    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     assert done.returncode == 0 and (site / "shadow" / "marker").is_file()
     assert (site / ".wheelhouse").read_text() == stamp
     # wheels for another Python: one line saying so, nothing run
     whl.rename(wheels / "shadow-1.0-cp399-cp399-manylinux2014_x86_64.whl")
-    done = subprocess.run(["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out2")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--budget", "0", "--out", str(tmp_path / "out2")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and last.startswith(f"gpu_check: the wheels in {wheels} do not install with")
     assert not (tmp_path / "out2").exists()

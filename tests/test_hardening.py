@@ -2,6 +2,7 @@
 leaves nothing behind. Real Beam, real Parquet/DuckDB, real tiny policy; disk-full and read-only
 workspaces are real tmpfs mounts: mounted by this process where it may (root), and again, for every user, in a
 user and mount namespace of their own (unshare, as an unprivileged uid when the tests run as root)."""
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------- helpers
 
+
 def files_under(root: Path) -> dict[str, bytes]:
     """Every file under root with its bytes: 'left nothing behind' is this staying equal."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
@@ -37,13 +39,18 @@ def files_under(root: Path) -> dict[str, bytes]:
 PROGRESS_BAR = re.compile(r"\d+/\d+ \[[\d:<?]+")  # transformers' weight-loading bar: console noise (#21), not an error
 
 
-PROGRESS_LINE = re.compile(r"^\[\w+( \S+)? it \d+\] ")  # a stage's progress or start-up line (#21, #32): "[purify it 0]", "[replay RUN it 0]"
+PROGRESS_LINE = re.compile(
+    r"^\[\w+( \S+)? it \d+\] "
+)  # a stage's progress or start-up line (#21, #32): "[purify it 0]", "[replay RUN it 0]"
 
 
 def one_line(err: str) -> str:
     """The one `cleaner COMMAND: …` line of a refusal; progress output around it is not an error line."""
-    lines = [line for line in err.strip().splitlines()
-             if line.strip() and not PROGRESS_BAR.search(line) and not PROGRESS_LINE.match(line)]
+    lines = [
+        line
+        for line in err.strip().splitlines()
+        if line.strip() and not PROGRESS_BAR.search(line) and not PROGRESS_LINE.match(line)
+    ]
     assert len(lines) == 1 and lines[0].startswith("cleaner ") and "Traceback" not in err, err[-3000:]
     return lines[0]
 
@@ -134,12 +141,18 @@ def namespace_tmpfs(tmp_path: Path, size: str, argv: list[str], ro: bool = False
     _IN_NAMESPACE prints."""
     if not shutil.which("unshare"):
         pytest.skip("no unshare(1) here: the namespace variant needs util-linux")
-    drop = (["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-            if os.geteuid() == 0 and shutil.which("setpriv") else [])
+    drop = (
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        if os.geteuid() == 0 and shutil.which("setpriv")
+        else []
+    )
 
     def probe(drop: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([*drop, "unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", "0"],
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [*drop, "unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", "0"],
+            capture_output=True,
+            text=True,
+        )
 
     if drop and probe(drop).returncode != 0:  # this interpreter lives where that uid may not go (/root/.pyenv)
         drop = []
@@ -157,14 +170,41 @@ def namespace_tmpfs(tmp_path: Path, size: str, argv: list[str], ro: bool = False
             for p in [work, *work.rglob("*")]:
                 os.chown(p, NOBODY, NOBODY, follow_symlinks=False)
         opts = f"size={size}" + (",ro" if ro else "")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-               "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PREFECT_HOME": str(home / ".prefect")}
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(home),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1",
+            "PREFECT_HOME": str(home / ".prefect"),
+        }
         out = subprocess.run(
-            [*drop, "unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-             'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"', "sh", opts, str(where),
-             sys.executable, "-c", _IN_NAMESPACE, str(where), str(seed or ""), "ro" if ro else "full", *argv],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+            [
+                *drop,
+                "unshare",
+                "--user",
+                "--map-root-user",
+                "--mount",
+                "sh",
+                "-c",
+                'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"',
+                "sh",
+                opts,
+                str(where),
+                sys.executable,
+                "-c",
+                _IN_NAMESPACE,
+                str(where),
+                str(seed or ""),
+                "ro" if ro else "full",
+                *argv,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
     finally:
@@ -187,6 +227,7 @@ def fill(fs: Path) -> Path:
 
 # ---------------------------------------------------------------- §3 config errors, one line each
 
+
 def test_malformed_yaml_file_and_override_are_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  samples_per_prompt: [4,\nflow: {}\n")
@@ -206,13 +247,28 @@ def test_non_utf8_config_names_the_file(tmp_path, capsys):
     assert code == 2 and "latin1.yaml" in line and "UTF-8" in line
 
 
-@pytest.mark.parametrize("override", [
-    "train.gamma=-0.1", "train.gamma=1.5", "purify.gammas=[.nan]", "flow.replay_gammas=[0.5, -1]",
-    "rollout.saar.gamma_live=2", "flow.iterations=true", "rollout.samples_per_prompt=yes",
-    "rollout.saar.max_retries=false", "rollout.saar.gate_p=true", "train.clip_eps_low=-0.2", "train.lr=inf",
-    "train.lr=.nan", "train.weight_decay=.inf", "purify.modes=[]", "purify.gammas=[]", "purify.is_thresholds=[]",
-    "flow.replay_gammas=[]",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.gamma=-0.1",
+        "train.gamma=1.5",
+        "purify.gammas=[.nan]",
+        "flow.replay_gammas=[0.5, -1]",
+        "rollout.saar.gamma_live=2",
+        "flow.iterations=true",
+        "rollout.samples_per_prompt=yes",
+        "rollout.saar.max_retries=false",
+        "rollout.saar.gate_p=true",
+        "train.clip_eps_low=-0.2",
+        "train.lr=inf",
+        "train.lr=.nan",
+        "train.weight_decay=.inf",
+        "purify.modes=[]",
+        "purify.gammas=[]",
+        "purify.is_thresholds=[]",
+        "flow.replay_gammas=[]",
+    ],
+)
 def test_out_of_range_values_are_refused_at_config_time(override, capsys):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -233,16 +289,19 @@ def test_cli_gamma_is_validated_and_overrides_go_anywhere(tmp_path, capsys):
     code, err = run_cli(capsys, "replay", "--run", "nope", "--gamma", "nan", f"storage.root={root}")
     assert code == 2 and "nan" in one_line(err)
     # an override after the multi-value --gamma, and overrides on both sides of --run/--iteration
-    code, err = run_cli(capsys, "replay", "--run", "missing", "--iteration", "0", "--gamma", "0.5",
-                        f"storage.root={root}")
+    code, err = run_cli(
+        capsys, "replay", "--run", "missing", "--iteration", "0", "--gamma", "0.5", f"storage.root={root}"
+    )
     assert code == 1 and "run 'missing' does not exist under" in one_line(err)
-    code, err = run_cli(capsys, "purify", f"storage.root={root}", "--run", "missing", "--iteration", "0",
-                        "purify.runner=FnApiRunner")
+    code, err = run_cli(
+        capsys, "purify", f"storage.root={root}", "--run", "missing", "--iteration", "0", "purify.runner=FnApiRunner"
+    )
     assert code == 1 and "run 'missing' does not exist under" in one_line(err)
     assert files_under(root) == {} and [p.name for p in root.iterdir()] == []
 
 
 # ---------------------------------------------------------------- §2 validated reads in purify
+
 
 def test_flipped_byte_in_a_raw_part_is_refused_by_purify(world_rollout, tmp_path):
     copy_iteration(world_rollout, tmp_path, "raw")
@@ -262,8 +321,9 @@ def test_raw_part_with_a_dropped_column_is_one_line(world_rollout, tmp_path, cap
     shard = RunLayout(tmp_path, "w").raw_dir(0)
     rewrite_part(shard, pq.read_table(shard / "part-00000.parquet").drop_columns(["lived_ids"]))
     before = files_under(tmp_path)
-    code, err = run_cli(capsys, "purify", "--run", "w", f"storage.root={tmp_path}", "purify.modes=[saar]",
-                        "purify.gammas=[0.5]")
+    code, err = run_cli(
+        capsys, "purify", "--run", "w", f"storage.root={tmp_path}", "purify.modes=[saar]", "purify.gammas=[0.5]"
+    )
     line = one_line(err)
     assert code == 1 and "part-00000.parquet: missing column 'lived_ids'" in line
     assert files_under(tmp_path) == before
@@ -282,6 +342,7 @@ def test_stale_staging_of_a_killed_purify_is_removed_by_the_rerun(world_rollout,
 
 
 # ---------------------------------------------------------------- §2 update: trainer state, checkpoints
+
 
 def test_missing_trainer_state_is_refused_not_a_silent_optimizer_restart(purified_run, tmp_path):
     from trainer.stage import run_update_stage
@@ -312,14 +373,30 @@ def test_truncated_safetensors_is_one_line(purified_run, tmp_path, capsys):
             shutil.copytree(purified_run.storage.root / "runs", root / "runs")
             manifest = RunLayout(root, "w").raw_dir(0) / "_MANIFEST.json"
             manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "inputs": [str(policy)]}))
-        code, err = run_cli(capsys, command, "--run", "w", f"storage.root={root}", f"rollout.policy={policy}",
-                            "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=1")
+        code, err = run_cli(
+            capsys,
+            command,
+            "--run",
+            "w",
+            f"storage.root={root}",
+            f"rollout.policy={policy}",
+            "rollout.tasks_per_iteration=1",
+            "rollout.samples_per_prompt=1",
+        )
         line = one_line(err)
         assert code == 1 and "model.safetensors" in line and "truncated" in line, line
         assert not RunLayout(root, "w").checkpoint_dir(1).exists()
     for flow in ([], ["--flow"]):  # cleaner eval: a 34-line safetensors traceback before
-        code, err = run_cli(capsys, "eval", "--world", "--limit", "2", *flow, f"rollout.policy={policy}",
-                            f"storage.root={tmp_path / 'eval'}")
+        code, err = run_cli(
+            capsys,
+            "eval",
+            "--world",
+            "--limit",
+            "2",
+            *flow,
+            f"rollout.policy={policy}",
+            f"storage.root={tmp_path / 'eval'}",
+        )
         line = one_line(err)
         assert code == 1 and "model.safetensors" in line and "truncated" in line, line
     code, err = run_cli(capsys, "eval", "--world", f"rollout.policy={tmp_path / 'none'}")
@@ -355,8 +432,16 @@ def test_the_update_of_iteration_0_trains_the_policy_its_raw_shard_records(purif
 def test_a_rollout_whose_every_prompt_is_too_long_is_refused(tmp_path, capsys):
     """Every row finished 'prompt_too_long' with no token, the shard was committed, and the command said
     `raw shard: 2 trajectories` (Qwen3's tool system prompt alone is ~190 tokens)."""
-    code, err = run_cli(capsys, "rollout", "--run", "p", f"storage.root={tmp_path}", "rollout.max_prompt_tokens=8",
-                        "rollout.tasks_per_iteration=2", "rollout.samples_per_prompt=1")
+    code, err = run_cli(
+        capsys,
+        "rollout",
+        "--run",
+        "p",
+        f"storage.root={tmp_path}",
+        "rollout.max_prompt_tokens=8",
+        "rollout.tasks_per_iteration=2",
+        "rollout.samples_per_prompt=1",
+    )
     assert code == 1 and "longer than rollout.max_prompt_tokens (8 tokens" in one_line(err), err
     assert not list(tmp_path.rglob("*.parquet"))
 
@@ -371,10 +456,19 @@ def test_a_flow_log_says_when_some_prompts_were_too_long(tmp_path):
     from rollout_gen.stage import run_rollout_stage
 
     tasks = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"problem": ["What is 2 + 3?", "Please think. " * 200 + "What is 2 + 4?"],
-                             "answer": ["5", "6"]}), tasks)
-    cfg = load_config(None, [f"storage.root={tmp_path / 'ws'}", f"rollout.tasks={tasks}", "rollout.tasks_per_iteration=2",
-                             "rollout.samples_per_prompt=2"])
+    pq.write_table(
+        pa.table({"problem": ["What is 2 + 3?", "Please think. " * 200 + "What is 2 + 4?"], "answer": ["5", "6"]}),
+        tasks,
+    )
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={tmp_path / 'ws'}",
+            f"rollout.tasks={tasks}",
+            "rollout.tasks_per_iteration=2",
+            "rollout.samples_per_prompt=2",
+        ],
+    )
     lines: list[str] = []
     manifest = run_rollout_stage(cfg, "p", 0, DEFAULT_POLICY, show_progress=False, log=lines.append)
     assert manifest.extra["prompt_too_long"] == 2
@@ -413,6 +507,7 @@ def test_an_update_rerun_with_other_train_settings_is_refused_not_kept(purified_
 
 # ---------------------------------------------------------------- §3 workspace errors
 
+
 def test_workspace_under_a_file_is_one_line(tmp_path, capsys):
     afile = tmp_path / "hostname"
     afile.write_text("x")
@@ -432,8 +527,15 @@ def test_disk_full_during_rollout_leaves_nothing(tmpfs, capsys):
     root = tmpfs("1m")
     filler = fill(root)
     before = files_under(root)
-    code, err = run_cli(capsys, "rollout", "--run", "w", f"storage.root={root}", "rollout.tasks_per_iteration=1",
-                        "rollout.samples_per_prompt=2")
+    code, err = run_cli(
+        capsys,
+        "rollout",
+        "--run",
+        "w",
+        f"storage.root={root}",
+        "rollout.tasks_per_iteration=1",
+        "rollout.samples_per_prompt=2",
+    )
     line = one_line(err)
     assert code == 1 and "disk is full" in line, line
     assert files_under(root) == before and filler.exists()
@@ -444,8 +546,9 @@ def test_disk_full_during_purify_leaves_nothing(world_rollout, tmpfs, capsys):
     copy_iteration(world_rollout, root, "raw")
     fill(root)
     before = files_under(root)
-    code, err = run_cli(capsys, "purify", "--run", "w", f"storage.root={root}", "purify.modes=[saar]",
-                        "purify.gammas=[0.5]")
+    code, err = run_cli(
+        capsys, "purify", "--run", "w", f"storage.root={root}", "purify.modes=[saar]", "purify.gammas=[0.5]"
+    )
     line = one_line(err)
     assert code == 1 and "disk is full" in line, line
     assert files_under(root) == before
@@ -465,14 +568,25 @@ def test_disk_full_during_update_leaves_nothing(purified_run, tmpfs, capsys):
 
 # The same four without root: in a user and mount namespace of their own (namespace_tmpfs)
 
+
 def test_read_only_workspace_is_one_line_without_root(tmp_path):
     out = namespace_tmpfs(tmp_path, "1m", ["rollout", "storage.root={root}"], ro=True)
     assert out["code"] == 1 and "read-only" in one_line(out["err"])
 
 
 def test_disk_full_during_rollout_leaves_nothing_without_root(tmp_path):
-    out = namespace_tmpfs(tmp_path, "1m", ["rollout", "--run", "w", "storage.root={root}",
-                                           "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=2"])
+    out = namespace_tmpfs(
+        tmp_path,
+        "1m",
+        [
+            "rollout",
+            "--run",
+            "w",
+            "storage.root={root}",
+            "rollout.tasks_per_iteration=1",
+            "rollout.samples_per_prompt=2",
+        ],
+    )
     line = one_line(out["err"])
     assert out["code"] == 1 and "disk is full" in line, line
     assert out["unchanged"]
@@ -481,8 +595,12 @@ def test_disk_full_during_rollout_leaves_nothing_without_root(tmp_path):
 def test_disk_full_during_purify_leaves_nothing_without_root(world_rollout, tmp_path):
     seed = tmp_path / "seed"
     copy_iteration(world_rollout, seed, "raw")
-    out = namespace_tmpfs(tmp_path, "1m", ["purify", "--run", "w", "storage.root={root}", "purify.modes=[saar]",
-                                           "purify.gammas=[0.5]"], seed=seed)
+    out = namespace_tmpfs(
+        tmp_path,
+        "1m",
+        ["purify", "--run", "w", "storage.root={root}", "purify.modes=[saar]", "purify.gammas=[0.5]"],
+        seed=seed,
+    )
     line = one_line(out["err"])
     assert out["code"] == 1 and "disk is full" in line, line
     assert out["unchanged"] and not out["staging"]
@@ -498,6 +616,7 @@ def test_disk_full_during_update_leaves_nothing_without_root(purified_run, tmp_p
 
 
 # ---------------------------------------------------------------- §2/§3 inspect and report
+
 
 def test_inspect_on_a_missing_root_says_so_and_creates_nothing(tmp_path, capsys):
     typo = tmp_path / "worksapce"

@@ -1,6 +1,7 @@
 """Issue #13 §5 with the real `cleaner train` (real Prefect temporary server): kill -9 of the command at
 each stage leaves no Prefect server behind, a rerun removes the killed purification's staging, and a
 read-only workspace fails at once with one line instead of a database storm and a timeout."""
+
 from __future__ import annotations
 
 import os
@@ -23,12 +24,14 @@ class Cleaner:
     server, or on the server at api_url."""
 
     def __init__(self, args: list[str], root: Path, api_url: str | None = None) -> None:
-        env = (command_env(PYTHONUNBUFFERED="1", PREFECT_API_URL=api_url) if api_url
-               else temporary_server_env(PYTHONUNBUFFERED="1"))
+        env = (
+            command_env(PYTHONUNBUFFERED="1", PREFECT_API_URL=api_url)
+            if api_url
+            else temporary_server_env(PYTHONUNBUFFERED="1")
+        )
         self.p = cleaner(args, root, env=env)
         self.lines: list[str] = []
-        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.p.stdout.readline, "")),
-                                        daemon=True)
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.p.stdout.readline, "")), daemon=True)
         self._reader.start()
 
     @property
@@ -94,8 +97,11 @@ def test_kill_9_of_train_at_every_stage_leaves_no_prefect_server_and_reruns_clea
         c = Cleaner(["train", "-c", str(config)], tmp_path)
         try:
             c.wait_for(lambda started=started, c=c: started(c), f"the {stage} stage")
-            servers = [pid for pid in descendants(c.p.pid)
-                       if b"prefect\x00server\x00start" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            servers = [
+                pid
+                for pid in descendants(c.p.pid)
+                if b"prefect\x00server\x00start" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ]
             (port,) = {int(m) for m in re.findall(r"server on http://127\.0\.0\.1:(\d+)", c.out)}
             assert servers and listening(port), c.out[-2000:]
             os.kill(c.p.pid, signal.SIGKILL)  # the command alone, as a user's kill -9 would
@@ -104,8 +110,11 @@ def test_kill_9_of_train_at_every_stage_leaves_no_prefect_server_and_reruns_clea
             while (any(alive(pid) for pid in servers) or listening(port)) and time.time() < deadline:
                 time.sleep(0.2)
             assert not any(alive(pid) for pid in servers), f"Prefect server outlived kill -9 during {stage}"
-            assert not listening(port), (stage, port, subprocess.run(["ss", "-ltnp"], capture_output=True,
-                                                                     text=True).stdout)
+            assert not listening(port), (
+                stage,
+                port,
+                subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout,
+            )
         finally:
             c.cleanup()
         if stage == "purify":
@@ -124,8 +133,9 @@ def read_committed(layout: RunLayout) -> bool:
 def test_train_on_a_read_only_workspace_is_one_line_before_any_server(tmp_path):
     where = tmp_path / "ro"
     where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:

@@ -6,6 +6,7 @@ to get wrong.
 2. The trainer's metrics are accumulated and summed over the ranks by field name, so a metric added to
    StepMetrics and measured in the update is reduced with the others, nothing else touched.
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,9 +33,11 @@ MOST_POSITIONAL = 6
 def _positional_calls(source: str, where: str) -> list[str]:
     """`where:line: n callee` of each call in the source with more than MOST_POSITIONAL positional arguments
     (a *-unpacked one counts as one: the positions it fills are no easier to check)."""
-    return [f"{where}:{node.lineno}: {len(node.args)} {ast.unparse(node.func)}"
-            for node in ast.walk(ast.parse(source, where))
-            if isinstance(node, ast.Call) and len(node.args) > MOST_POSITIONAL]
+    return [
+        f"{where}:{node.lineno}: {len(node.args)} {ast.unparse(node.func)}"
+        for node in ast.walk(ast.parse(source, where))
+        if isinstance(node, ast.Call) and len(node.args) > MOST_POSITIONAL
+    ]
 
 
 def test_no_call_passes_seven_or_more_positional_arguments():
@@ -50,6 +53,7 @@ def test_the_rule_counts_positional_arguments_only():
 
 
 # ---- the trainer's metrics over ranks --------------------------------------------------------------------
+
 
 class _Collectives:
     """What torch.distributed gives the ranks, for ranks that are threads of this process: each hands in its
@@ -71,14 +75,20 @@ class _ThreadRank(GRPOUpdate):
     """GRPOUpdate as one rank of a data-parallel update (the hooks trainer/deepspeed_update.py overrides), its
     collectives over threads. No optimizer step: the metrics are compared, not the weights."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, rank: int, world: _Collectives,
-                 reduced: dict[int, dict[str, float]]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        rank: int,
+        world: _Collectives,
+        reduced: dict[int, dict[str, float]],
+    ) -> None:
         self.rank, self.world, self.reduced = rank, world, reduced
         self.world_size = len(world.slots)
         super().__init__(model, cfg)
 
     def my_groups(self, groups):
-        return groups[self.rank:: self.world_size]
+        return groups[self.rank :: self.world_size]
 
     def reduce(self, values: list[float]) -> list[float]:
         return self.world.all_reduce(self.rank, values)
@@ -109,15 +119,33 @@ def _rows_and_pairs(groups: int, seed: int = 0) -> tuple[list[TrainingRow], list
         for i in range(3):
             resp = draw(5, 12)
             old = [-rng.uniform(0.5, 8.0) for _ in resp]
-            rows.append(TrainingRow(raw_key=f"r/0/p{g}/{i}", prompt_id=f"p{g}", sample_idx=i, prompt_ids=prompt,
-                                    response_ids=resp, loss_mask=[int(rng.random() < 0.8) for _ in resp],
-                                    old_logprobs=old, advantage=rng.choice([-1.5, -0.5, 0.7, 1.2]),
-                                    behaviour_logprobs=[o - math.log(rng.choice([0.2, 1.0, 1.3, 6.0])) for o in old]))
+            rows.append(
+                TrainingRow(
+                    raw_key=f"r/0/p{g}/{i}",
+                    prompt_id=f"p{g}",
+                    sample_idx=i,
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    loss_mask=[int(rng.random() < 0.8) for _ in resp],
+                    old_logprobs=old,
+                    advantage=rng.choice([-1.5, -0.5, 0.7, 1.2]),
+                    behaviour_logprobs=[o - math.log(rng.choice([0.2, 1.0, 1.3, 6.0])) for o in old],
+                )
+            )
         for k in range(2):
             chosen, rejected = draw(5, 11), draw(5, 11)
-            pairs.append(CallPair(prompt_id=f"p{g}", raw_key=f"r/0/p{g}/0", position_idx=k,
-                                  context=prompt + draw(3, 9), chosen=chosen, chosen_call=rng.randint(1, 4),
-                                  rejected=rejected, rejected_call=rng.randint(1, 4)))
+            pairs.append(
+                CallPair(
+                    prompt_id=f"p{g}",
+                    raw_key=f"r/0/p{g}/0",
+                    position_idx=k,
+                    context=prompt + draw(3, 9),
+                    chosen=chosen,
+                    chosen_call=rng.randint(1, 4),
+                    rejected=rejected,
+                    rejected_call=rng.randint(1, 4),
+                )
+            )
     return rows, pairs
 
 
@@ -126,8 +154,13 @@ def test_every_metric_of_two_ranks_is_the_one_process_metric():
     them all does: a metric a rank measures but the ranks do not sum would be that rank's share alone. The
     config switches every optional metric on, and every sum is non-zero on both ranks, so none goes unchecked."""
     rows, pairs = _rows_and_pairs(groups=4)  # p0, p2 on rank 0; p1, p3 on rank 1
-    cfg = TrainConfig(mini_batches=1, micro_batch_tokens=60, log_entropy=True, rollout_correction="token_mis",
-                      use_dpo_on_tool_calls=True)
+    cfg = TrainConfig(
+        mini_batches=1,
+        micro_batch_tokens=60,
+        log_entropy=True,
+        rollout_correction="token_mis",
+        use_dpo_on_tool_calls=True,
+    )
     (groups,) = mini_batches(rows, 1)
 
     one = GRPOUpdate(_model(), cfg)

@@ -3,6 +3,7 @@ own. The round trip: a real run of the tiny policy exported to ATIF and imported
 and purifies to the same partition. Foreign sources: a failed call followed by the next call is an in-context
 retry; text is re-tokenized, marked token_exact: false, and not purified unless the import allowed it. Bad input
 gets one line naming the file, line or field, and nothing is written."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ def _rows(root: Path, run_id: str, iteration: int = 0) -> list[dict]:
     from storage.schemas import RAW
     from storage.shards import read_shard
 
-    return sorted(read_shard(RunLayout(root, run_id).raw_dir(iteration), RAW).to_pylist(),
-                  key=lambda r: (r["prompt_id"], r["sample_idx"]))
+    return sorted(
+        read_shard(RunLayout(root, run_id).raw_dir(iteration), RAW).to_pylist(),
+        key=lambda r: (r["prompt_id"], r["sample_idx"]),
+    )
 
 
 def _partition(root: Path, run_id: str) -> list[dict]:
@@ -80,14 +83,24 @@ def test_atif_round_trip_gives_the_same_raw_rows_and_partitions(purified_run, tm
     from flows.cli import main  # the imported run is a run like any other to the catalog
 
     capsys.readouterr()
-    assert main(["inspect", f"storage.root={cfg.storage.root}", "--sql",
-                 "SELECT count(*) AS n, sum(stats.retries) AS r FROM raw_trajectories WHERE run_id = 'copy'"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                f"storage.root={cfg.storage.root}",
+                "--sql",
+                "SELECT count(*) AS n, sum(stats.retries) AS r FROM raw_trajectories WHERE run_id = 'copy'",
+            ]
+        )
+        == 0
+    )
     shown = capsys.readouterr().out
     assert str(len(original)) in shown and str(sum(r["stats"]["retries"] for r in original)) in shown
 
     # the tokenizer that sampled them passes the check that the ids are its own
-    assert run_import(cfg, [out / "raw" / "iteration-0000.jsonl"], "atif", "checked", tokenizer=DEFAULT_POLICY).rows \
-        == len(original)
+    assert run_import(
+        cfg, [out / "raw" / "iteration-0000.jsonl"], "atif", "checked", tokenizer=DEFAULT_POLICY
+    ).rows == len(original)
 
     again = run_import(cfg, [out / "raw" / "iteration-0000.jsonl"], "atif", "copy")  # a rerun: nothing rewritten
     assert again.iterations == {0: "already imported"}
@@ -106,21 +119,34 @@ def _foreign_atif(chat, version: str = "ATIF-v1.4") -> tuple[dict, tuple[list[in
     f1, f2 = chat.feedback_ids(FAILED), chat.feedback_ids(OK)
 
     def agent(step_id, context, ids, message, code=None, result=None):
-        step = {"step_id": step_id, "source": "agent", "message": message,
-                "metrics": {"prompt_token_ids": context, "completion_token_ids": ids,
-                            "logprobs": [-0.25 - 0.5 * (i % 3) for i in range(len(ids))]}}
+        step = {
+            "step_id": step_id,
+            "source": "agent",
+            "message": message,
+            "metrics": {
+                "prompt_token_ids": context,
+                "completion_token_ids": ids,
+                "logprobs": [-0.25 - 0.5 * (i % 3) for i in range(len(ids))],
+            },
+        }
         if code is not None:
-            step["tool_calls"] = [{"tool_call_id": f"c{step_id}", "function_name": "code_interpreter",
-                                   "arguments": {"code": code}}]
+            step["tool_calls"] = [
+                {"tool_call_id": f"c{step_id}", "function_name": "code_interpreter", "arguments": {"code": code}}
+            ]
             step["observation"] = {"results": [{"source_call_id": f"c{step_id}", "content": result}]}
         return step
 
-    return {"schema_version": version, "agent": {"name": "other-rl", "version": "0.3", "model_name": "tiny"},
-            "steps": [{"step_id": 1, "source": "user", "message": QUESTION},
-                      agent(2, prompt, t1, "Let me compute.", "print(6 * 7", FAILED),
-                      agent(3, prompt + t1 + f1, t2, "", "print(6 * 7)", OK),
-                      agent(4, prompt + t1 + f1 + t2 + f2, t3, "The answer is \\boxed{42}.")],
-            "extra": {"reward": 1.0, "ground_truth": "42", "data_source": "arith"}}, (prompt, t1, f1, t2, f2, t3)
+    return {
+        "schema_version": version,
+        "agent": {"name": "other-rl", "version": "0.3", "model_name": "tiny"},
+        "steps": [
+            {"step_id": 1, "source": "user", "message": QUESTION},
+            agent(2, prompt, t1, "Let me compute.", "print(6 * 7", FAILED),
+            agent(3, prompt + t1 + f1, t2, "", "print(6 * 7)", OK),
+            agent(4, prompt + t1 + f1 + t2 + f2, t3, "The answer is \\boxed{42}."),
+        ],
+        "extra": {"reward": 1.0, "ground_truth": "42", "data_source": "arith"},
+    }, (prompt, t1, f1, t2, f2, t3)
 
 
 def test_foreign_atif_imports_exactly_with_its_retry(chat, tmp_path):
@@ -171,23 +197,37 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     from storage.shards import ShardError, read_manifest
 
     call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7"}}}
-    fixed = {"type": "function",  # arguments as a JSON string, as OpenAI's API writes them
-             "function": {"name": "code_interpreter", "arguments": json.dumps({"code": "print(6*7)"})}}
+    fixed = {
+        "type": "function",  # arguments as a JSON string, as OpenAI's API writes them
+        "function": {"name": "code_interpreter", "arguments": json.dumps({"code": "print(6*7)"})},
+    }
     trl = tmp_path / "trl.jsonl"
-    trl.write_text(json.dumps({
-        "prompt": [{"role": "user", "content": QUESTION}], "reward": 1.0, "ground_truth": "42",
-        "completion": [{"role": "assistant", "content": "Let me compute.", "tool_calls": [call]},
-                       {"role": "tool", "content": FAILED},
-                       {"role": "assistant", "content": "", "tool_calls": [fixed]},
-                       {"role": "tool", "content": OK},
-                       {"role": "assistant", "content": "The answer is \\boxed{42}."}]}) + "\n")
+    trl.write_text(
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": QUESTION}],
+                "reward": 1.0,
+                "ground_truth": "42",
+                "completion": [
+                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]},
+                    {"role": "tool", "content": FAILED},
+                    {"role": "assistant", "content": "", "tool_calls": [fixed]},
+                    {"role": "tool", "content": OK},
+                    {"role": "assistant", "content": "The answer is \\boxed{42}."},
+                ],
+            }
+        )
+        + "\n"
+    )
     cfg = _store(tmp_path)
     done = run_import(cfg, [trl], "trl-completions", "from-trl", tokenizer=DEFAULT_POLICY)
     assert not done.token_exact
     [row] = _rows(cfg.storage.root, "from-trl")
     [position] = row["positions"]
-    assert position["outcome"] == "recovered" and [a["code"] for a in position["attempts"]] == ["print(6 * 7",
-                                                                                                   "print(6*7)"]
+    assert position["outcome"] == "recovered" and [a["code"] for a in position["attempts"]] == [
+        "print(6 * 7",
+        "print(6*7)",
+    ]
     assert chat.decode(row["lived_ids"]).count("<tool_response>") == 2 and row["final_answer"] == "42"
     assert row["prompt_ids"] == chat.prompt_ids(QUESTION)  # no system message given: cleaner's own
     raw_dir = RunLayout(cfg.storage.root, "from-trl").raw_dir(0)
@@ -197,26 +237,39 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     assert "\n" not in str(e.value) and "--allow-purify" in str(e.value)
     assert [r["prompt_id"] for r in pass_rates(cfg.storage.root, "from-trl")] == [row["prompt_id"]]
 
-    rendered = chat.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
-                                                  add_generation_prompt=True)
+    rendered = chat.tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
     frame = f"{IM_END}\n{IM_START}user\n<tool_response>\n"
-    output = (f"Let me compute.\n{render_tool_call('print(6 * 7')}{frame}{FAILED}\n</tool_response>{IM_END}\n"
-              f"{IM_START}assistant\n{render_tool_call('print(6 * 7)')}{frame}{OK}\n</tool_response>{IM_END}\n"
-              f"{IM_START}assistant\nThe answer is \\boxed{{42}}.{IM_END}")
+    output = (
+        f"Let me compute.\n{render_tool_call('print(6 * 7')}{frame}{FAILED}\n</tool_response>{IM_END}\n"
+        f"{IM_START}assistant\n{render_tool_call('print(6 * 7)')}{frame}{OK}\n</tool_response>{IM_END}\n"
+        f"{IM_START}assistant\nThe answer is \\boxed{{42}}.{IM_END}"
+    )
     verl = tmp_path / "verl.jsonl"
     # verl decodes its dump without special tokens by default: the second line is the same rollout so
-    skipped = {"input": rendered.replace(IM_START, "").replace(IM_END, ""),
-               "output": output.replace(IM_START, "").replace(IM_END, ""), "gts": "42", "score": 1.0, "step": 3}
-    verl.write_text(json.dumps({"input": rendered, "output": output, "gts": "42", "score": 1.0, "step": 3}) + "\n"
-                    + json.dumps(skipped) + "\n")
+    skipped = {
+        "input": rendered.replace(IM_START, "").replace(IM_END, ""),
+        "output": output.replace(IM_START, "").replace(IM_END, ""),
+        "gts": "42",
+        "score": 1.0,
+        "step": 3,
+    }
+    verl.write_text(
+        json.dumps({"input": rendered, "output": output, "gts": "42", "score": 1.0, "step": 3})
+        + "\n"
+        + json.dumps(skipped)
+        + "\n"
+    )
     run_import(cfg, [verl], "verl-jsonl", "from-verl", tokenizer=DEFAULT_POLICY, allow_purify=True)
     row, plain = _rows(cfg.storage.root, "from-verl")
     assert row["prompt_ids"] == chat.encode(rendered) and row["question"] == plain["question"] == QUESTION
     [position] = row["positions"]
     assert position["outcome"] == "recovered" and position["attempts"][0]["result"]["text"] == FAILED
     turns = [[(a["turn_ids"], a["code"], a["feedback_ids"]) for a in p["attempts"]] for p in row["positions"]]
-    assert plain["lived_ids"] == row["lived_ids"] and turns == [[(a["turn_ids"], a["code"], a["feedback_ids"])
-                                                                 for a in p["attempts"]] for p in plain["positions"]]
+    assert plain["lived_ids"] == row["lived_ids"] and turns == [
+        [(a["turn_ids"], a["code"], a["feedback_ids"]) for a in p["attempts"]] for p in plain["positions"]
+    ]
     assert plain["prompt_ids"] == chat.prompt_ids(QUESTION)  # rendered again: the text lost its special tokens
     [result] = run_purify_stage(cfg, "from-verl", 0, plan_variants(cfg, ["saar"], [0.5]))  # allowed: purified
     assert result.rows == 2
@@ -246,16 +299,27 @@ def test_bad_input_is_one_line_and_writes_nothing(chat, tmp_path, capsys):
     path = lines("list.jsonl", "[1, 2]")
     refused([*base, "atif", path], capsys, 2, f"{path}: line 1", "not a JSON object")
     path = lines("verl.jsonl", {"input": "q", "output": "a", "score": 1.0}, '"just text"')
-    refused([*base, "verl-jsonl", path, "--tokenizer", str(DEFAULT_POLICY)], capsys, 2, f"{path}: line 2",
-            "not a JSON object")
+    refused(
+        [*base, "verl-jsonl", path, "--tokenizer", str(DEFAULT_POLICY)],
+        capsys,
+        2,
+        f"{path}: line 2",
+        "not a JSON object",
+    )
     path = lines("trl.jsonl", {"prompt": QUESTION})
-    refused([*base, "trl-completions", path, "--tokenizer", str(DEFAULT_POLICY)], capsys, 2, f"{path}: line 1",
-            "'completion'")
+    refused(
+        [*base, "trl-completions", path, "--tokenizer", str(DEFAULT_POLICY)],
+        capsys,
+        2,
+        f"{path}: line 1",
+        "'completion'",
+    )
     refused([*base, "trl-completions", path], capsys, 2, f"{path}: line 1", "--tokenizer")
     path = lines("other.jsonl", doc)
     qwen3 = Path(__file__).resolve().parent.parent / "policies" / "qwen3-tokenizer"
-    refused([*base, "atif", path, "--tokenizer", str(qwen3)], capsys, 2, f"{path}: line 1",
-            "does not match the token ids")
+    refused(
+        [*base, "atif", path, "--tokenizer", str(qwen3)], capsys, 2, f"{path}: line 1", "does not match the token ids"
+    )
     raw = RunLayout(root, "bad").raw_dir(0)
     assert not raw.exists() or not any(raw.iterdir())  # nothing half-written
 
@@ -282,8 +346,12 @@ def test_an_import_never_overwrites_another_one(chat, tmp_path, capsys):
     from tests.synthetic import synthetic_trajectories
 
     ours = tmp_path / "ours.jsonl"
-    ours.write_text("".join(json.dumps(raw_trajectory(trajectory_to_row(t), None, agent_of("v", None, "test"))) + "\n"
-                            for t in synthetic_trajectories(3)))
+    ours.write_text(
+        "".join(
+            json.dumps(raw_trajectory(trajectory_to_row(t), None, agent_of("v", None, "test"))) + "\n"
+            for t in synthetic_trajectories(3)
+        )
+    )
     with pytest.raises(InteropError, match="already imported from .*ours.jsonl: line 1"):
         run_import(cfg, [ours, ours], "atif", "r2")
     assert run_import(cfg, [ours], "atif", "r3").rows == 3

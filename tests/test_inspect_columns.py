@@ -1,5 +1,6 @@
 """`cleaner inspect` in a terminal 100 columns wide (issue #32 §4): no value is cut, the default tables show
 fewer columns than `--wide`, and every column of the summary tables is explained."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,8 +36,9 @@ def test_help_explains_every_column_of_the_summary_tables(store):
     with Catalog(store) as cat:
         names = {name for sql in SUMMARY_SQL.values() for name in cat.query(sql.format(where="")).column_names}
         names |= set(cat.con.sql(ITERATIONS_SQL, params={"run": "tiny"}).to_arrow_table().column_names)
-    text = run_cleaner(["inspect", "--help"], env={"COLUMNS": "100", "PATH": "/usr/bin:/bin",
-                                                   "PYTHONPATH": str(ROOT)}).stdout
+    text = run_cleaner(
+        ["inspect", "--help"], env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    ).stdout
     missing = sorted(n for n in names if n not in text)
     assert not missing, f"not explained in `cleaner inspect --help`: {missing}\n{text}"
     assert "purified_response_tokens" in text and "every attempt" in text
@@ -72,11 +74,15 @@ def test_failed_tokens_are_a_ratio_to_the_generated_tokens_and_say_so(store):
 
     rows = iteration_table(store, "tiny")
     with Catalog(store) as cat:
-        want = cat.query("SELECT iteration, sum(failed_attempt_tokens) / sum(stats.generated_tokens) AS ratio FROM "
-                         "raw_summary WHERE run_id = 'tiny' GROUP BY 1 ORDER BY 1").to_pylist()
+        want = cat.query(
+            "SELECT iteration, sum(failed_attempt_tokens) / sum(stats.generated_tokens) AS ratio FROM "
+            "raw_summary WHERE run_id = 'tiny' GROUP BY 1 ORDER BY 1"
+        ).to_pylist()
     assert [r["failed_tokens_per_generated"] for r in rows] == pytest.approx([w["ratio"] for w in want])
     assert any(r["failed_tokens_per_generated"] for r in rows), rows
-    text = run_cleaner(["inspect", "--help"], env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}).stdout
+    text = run_cleaner(
+        ["inspect", "--help"], env={"COLUMNS": "100", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    ).stdout
     assert "failed tokens per generated" in text and "share" not in text.split("failed tokens per generated")[1][:200]
 
 
@@ -87,8 +93,15 @@ def test_a_missing_value_prints_empty_not_none(store):
 
 
 def test_query_results_put_text_left_and_numbers_right(store):
-    out = run_cleaner(["inspect", "--sql", "SELECT 'ab' AS word, 12345 AS n UNION ALL SELECT 'abcdefgh', 1 ORDER BY n",
-                       f"storage.root={store}"], store)
+    out = run_cleaner(
+        [
+            "inspect",
+            "--sql",
+            "SELECT 'ab' AS word, 12345 AS n UNION ALL SELECT 'abcdefgh', 1 ORDER BY n",
+            f"storage.root={store}",
+        ],
+        store,
+    )
     assert out.returncode == 0, out.stderr
     rows = [ln for ln in out.stdout.splitlines() if "ab" in ln and "│" in ln]
     assert [ln.split("│")[1:3] for ln in rows] == [[" abcdefgh ", "     1 "], [" ab       ", " 12345 "]], out.stdout

@@ -1,6 +1,7 @@
 """Ctrl-C during a command, as from a terminal (SIGINT to its process group): one line that says how to go on,
 exit 130, no traceback (it printed 50-90 lines of KeyboardInterrupt and CancelledError). What a rerun resumes is
 tested where each stage's resume is (test_flows, test_resume_update)."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,11 @@ def _interrupted(args: list[str], cwd: Path, log: Path, at_work: str, after_s: f
 
 @pytest.mark.parametrize("command", ["rollout", "train"])
 def test_ctrl_c_is_one_line_that_says_how_to_resume(tmp_path, command):
-    args = ["rollout", "--run", "c", "rollout.tasks_per_iteration=8"] if command == "rollout" else [
-        "train", "-c", str(tiny_config(tmp_path))]
+    args = (
+        ["rollout", "--run", "c", "rollout.tasks_per_iteration=8"]
+        if command == "rollout"
+        else ["train", "-c", str(tiny_config(tmp_path))]
+    )
     _, text = _interrupted([*args, f"storage.root={tmp_path}"], tmp_path, tmp_path / "out.log", "rollout it 0]", 2)
     assert text.strip().splitlines()[-1] == f"cleaner {command}: {RESUME}", text[-2000:]
 
@@ -52,9 +56,24 @@ def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp
     ...]'): 230 lines of traceback, exit 1. It is a Ctrl-C like any other, and nothing is committed."""
     root = world_copy.storage.root
     taus = [f"0.{k}" for k in range(11, 31)]  # scoring at every τ: long enough to be interrupted at work
-    _, text = _interrupted(["purify", "--run", "w", "--iteration", "0", "--is-threshold", *taus, f"storage.root={root}",
-                            "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"], root,
-                           tmp_path / "out.log", "[purify it 0]", 6)  # Beam's workers at work
+    _, text = _interrupted(
+        [
+            "purify",
+            "--run",
+            "w",
+            "--iteration",
+            "0",
+            "--is-threshold",
+            *taus,
+            f"storage.root={root}",
+            "rollout.tasks_per_iteration=16",
+            "rollout.samples_per_prompt=4",
+        ],
+        root,
+        tmp_path / "out.log",
+        "[purify it 0]",
+        6,
+    )  # Beam's workers at work
     assert text.strip().splitlines()[-1] == f"cleaner purify: {RESUME}", text[-2000:]
     assert not list((root / "runs" / "w" / "iteration=0000" / "purified").glob("mode=saar_is/*")), "committed?"
 
@@ -62,6 +81,11 @@ def test_ctrl_c_during_purification_on_beam_is_the_same_one_line(world_copy, tmp
 def test_ctrl_c_during_eval_says_interrupted_without_a_traceback_or_a_resume_it_cannot_do(tmp_path):
     """eval commits nothing: 'run the same command again to resume' was wrong; and a tool call that ended after the
     sandbox pool shut down logged 'cannot schedule new futures after shutdown' tracebacks."""
-    _, text = _interrupted(["eval", "--world", "--samples", "8", "--limit", "100", f"storage.root={tmp_path / 'ws'}"],
-                           tmp_path, tmp_path / "out.log", "trajectories", 8)  # tool calls under way
+    _, text = _interrupted(
+        ["eval", "--world", "--samples", "8", "--limit", "100", f"storage.root={tmp_path / 'ws'}"],
+        tmp_path,
+        tmp_path / "out.log",
+        "trajectories",
+        8,
+    )  # tool calls under way
     assert text.strip().splitlines()[-1] == "cleaner eval: interrupted", text[-2000:]

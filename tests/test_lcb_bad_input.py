@@ -1,6 +1,7 @@
 """Bad input on LiveCodeBench rows: tests that cannot be decoded, a program that floods its output, a program that
 forks. Each is one reward of 0 with its reason, never a crash of the rollout and never a pass: scored through the
 real agent loop (a scripted policy, tests/doubles.py) and the real sandbox."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ SUM = CodeTests(["1 2\n", "3 4\n"], ["3\n", "7\n"]).to_json()
 GOOD = "a, b = map(int, input().split())\nprint(a + b)"
 FLOOD = "a, b = map(int, input().split())\nprint(a + b)\nwhile True:\n    print('x' * 1_000_000)"
 FORK = "import os\na, b = map(int, input().split())\nif os.fork() == 0:\n    print(a + b)\nprint(a + b)"
-MULTIPROCESS = ("from multiprocessing import Process\na, b = map(int, input().split())\n"
-                "p = Process(target=print, args=(a + b,))\np.start()\np.join()")
+MULTIPROCESS = (
+    "from multiprocessing import Process\na, b = map(int, input().split())\n"
+    "p = Process(target=print, args=(a + b,))\np.start()\np.join()"
+)
 
 
 def answer(code: str) -> str:
@@ -67,8 +70,9 @@ def test_output_over_the_limit_across_tests_fails_the_tests_it_cut(sandbox):
     assert results[0].why == "wrong answer" and results[-1].why == "output limit exceeded", results
 
 
-@pytest.mark.parametrize(("program", "where"), [(FORK, "os.fork()"), (MULTIPROCESS, "multiprocessing")],
-                         ids=["os.fork", "multiprocessing"])
+@pytest.mark.parametrize(
+    ("program", "where"), [(FORK, "os.fork()"), (MULTIPROCESS, "multiprocessing")], ids=["os.fork", "multiprocessing"]
+)
 def test_a_program_that_forks_scores_zero_and_says_where(program, where, chat, sandbox):
     task = Task("fork", "livecodebench", "Add two numbers.", SUM, "code")
     outcome = reward_outcome(task, answer(program), sandbox)

@@ -1,6 +1,7 @@
 """LiveCodeBench rows scored as LiveCodeBench's own harness scores them: every (problem, program) case of
 tests/data/lcb/cases.json, in the real sandbox, against the verdict the harness itself gave (recorded by
 tests/data/lcb/make_cases.py from its repository; nothing is fetched here)."""
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def cleaner_code(result: TestResult) -> bool | int | None:
 @pytest.fixture(scope="module")
 def verdicts() -> dict[int, list[TestResult]]:
     with SandboxPool(SandboxConfig()) as pool:
+
         def score(case: dict) -> list[TestResult]:
             p = case["problem"]
             return run_tests(case["program"], code_tests(p["inputs"], p["outputs"], p.get("fn_name"), None), pool)

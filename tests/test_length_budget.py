@@ -2,6 +2,7 @@
 passes rollout.max_response_tokens. A tool response that would reach the limit is not shown and the trajectory ends
 (finish reason `length`); purification rebuilds exactly what was lived. Real sandbox, real tokenizer; the scripted
 engine stands in for the policy only to choose the turns."""
+
 from __future__ import annotations
 
 import pytest

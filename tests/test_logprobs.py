@@ -1,6 +1,7 @@
 """Chunked log-probs (pipeline/logprobs.py) equal the unchunked full-vocabulary computation: the
 primitive itself at Qwen3's vocabulary, the update's actor log-probs and their gradients, the CPU
 recompute and the CPU engine's chunked prefill."""
+
 from __future__ import annotations
 
 import random
@@ -70,8 +71,28 @@ def _rows(n: int, prompt_len: int, seed: int) -> list[PurifiedTrajectory]:
     for i in range(n):
         resp = [rng.randrange(5, 1000) for _ in range(rng.randint(3, 40))]
         valid = [int(rng.random() < 0.5) for _ in resp]
-        rows.append(PurifiedTrajectory("r", 0, "p", i, "saar", 0.5, f"k{i}", prompt, resp, [1] * len(resp),
-                                       [0.0] * len(resp), valid, 1.0, 0.5, [], -1, 0, True))
+        rows.append(
+            PurifiedTrajectory(
+                "r",
+                0,
+                "p",
+                i,
+                "saar",
+                0.5,
+                f"k{i}",
+                prompt,
+                resp,
+                [1] * len(resp),
+                [0.0] * len(resp),
+                valid,
+                1.0,
+                0.5,
+                [],
+                -1,
+                0,
+                True,
+            )
+        )
     return rows
 
 

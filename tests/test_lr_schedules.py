@@ -2,6 +2,7 @@
 step exactly the LR of the documented rule, lr * min(1, (s + 1) / warmup_steps) for step s (0-based),
 under the local strategy, across a save/load (resume) and from a state saved by the earlier
 hand-written LambdaLR (whose counter was the number of steps done)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def rule(step: int, lr: float, warmup: int) -> float:
 def _optimizer(lr: float) -> torch.optim.Optimizer:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))]
-    return torch.optim.AdamW([{"params": params[:1], "weight_decay": 0.01}, {"params": params[1:], "weight_decay": 0.0}],
-                             lr=lr)
+    return torch.optim.AdamW(
+        [{"params": params[:1], "weight_decay": 0.01}, {"params": params[1:], "weight_decay": 0.0}], lr=lr
+    )
 
 
 def _lrs(optimizer, scheduler, steps: int) -> list[list[float]]:
@@ -118,8 +120,9 @@ def test_the_configured_lr_and_weight_decay_apply_after_a_saved_state_is_loaded(
     from pipeline.config import DEFAULT_POLICY
 
     def update(cfg: TrainConfig) -> GRPOUpdate:
-        return GRPOUpdate(AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32,
-                                                               attn_implementation="eager"), cfg)
+        return GRPOUpdate(
+            AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager"), cfg
+        )
 
     first = update(TrainConfig(lr=1e-4, warmup_steps=warmup, weight_decay=0.01))
     for _ in range(2):  # two optimizer steps (no gradient: the state still counts them)

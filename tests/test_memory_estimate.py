@@ -8,6 +8,7 @@
   torch.cuda.max_memory_allocated) at shapes chosen so that each is dominated by another term, within ±25%;
 - `cleaner fit`: the verdict, its exit code, the settings it suggests, and one line for a bad config.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,16 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from benchmarks.gpu_check import SHAPES
-from trainer.memory import (GiB, LOGIT_BUDGET, ModelShape, Plan, describe, estimate, layer_activation_bytes,
-                            suggestions)
+from trainer.memory import GiB, LOGIT_BUDGET, ModelShape, Plan, describe, estimate, layer_activation_bytes, suggestions
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _model(config: dict, device="meta", attn="sdpa", dtype=torch.float32) -> Qwen3ForCausalLM:
     with torch.device(device):
-        return Qwen3ForCausalLM._from_config(Qwen3Config(**{"pad_token_id": 0, **config}), attn_implementation=attn,
-                                             dtype=dtype)
+        return Qwen3ForCausalLM._from_config(
+            Qwen3Config(**{"pad_token_id": 0, **config}), attn_implementation=attn, dtype=dtype
+        )
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen3-0.6b", "qwen3-4b"])
@@ -52,8 +53,12 @@ def _saved_per_layer(config: dict, tokens: int, attn: str, precision: str) -> fl
     saved = []
     for layers in (1, 2):
         torch.manual_seed(0)
-        model = _model({**config, "num_hidden_layers": layers}, "cpu", attn,
-                       torch.bfloat16 if precision == "low" else torch.float32).train()
+        model = _model(
+            {**config, "num_hidden_layers": layers},
+            "cpu",
+            attn,
+            torch.bfloat16 if precision == "low" else torch.float32,
+        ).train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
 
@@ -64,8 +69,10 @@ def _saved_per_layer(config: dict, tokens: int, attn: str, precision: str) -> fl
             return t
 
         ids = torch.randint(0, config["vocab_size"], (1, tokens))
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"),
+        ):
             model.model(input_ids=ids, attention_mask=torch.ones_like(ids))
         saved.append(sum(storages.values()))
     return (saved[1] - saved[0]) / tokens
@@ -74,10 +81,24 @@ def _saved_per_layer(config: dict, tokens: int, attn: str, precision: str) -> fl
 @pytest.mark.parametrize("precision", ["fp32", "autocast", "low"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_activation_coefficients_are_what_autograd_saves(precision, attn):
-    for config in ({"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4,
-                    "num_key_value_heads": 2, "head_dim": 32},
-                   {"vocab_size": 512, "hidden_size": 96, "intermediate_size": 256, "num_attention_heads": 6,
-                    "num_key_value_heads": 3, "head_dim": 16}):
+    for config in (
+        {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 192,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+        },
+        {
+            "vocab_size": 512,
+            "hidden_size": 96,
+            "intermediate_size": 256,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 3,
+            "head_dim": 16,
+        },
+    ):
         shape = ModelShape.from_config({**config, "num_hidden_layers": 1})
         tokens = 256
         measured = _saved_per_layer(config, tokens, attn, precision)
@@ -92,25 +113,97 @@ def test_activation_coefficients_are_what_autograd_saves(precision, attn):
 # checkpointing (layer inputs + one layer recomputed), the weights, gradients and AdamW moments, and DeepSpeed's
 # bf16 weights and ZeRO optimizer with the whole micro-batch's logits (one spec: one process group per process).
 MEASURED = [
-    ("log-prob head (logits)", 512, {"param_dtype": "fp32"},
-     dict(vocab_size=32768, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
-    ("log-prob head (logits)", 640, {"param_dtype": "bf16"},
-     dict(vocab_size=151936, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
-    ("activations (saved for backward)", 1024, {"param_dtype": "fp32"},
-     dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
-          num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)),
-    ("checkpointed", 1024, {"param_dtype": "bf16", "gradient_checkpointing": True},
-     dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
-          num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)),
-    ("AdamW moments (fp32)", 128, {"param_dtype": "fp32"},
-     dict(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
-          num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)),
+    (
+        "log-prob head (logits)",
+        512,
+        {"param_dtype": "fp32"},
+        dict(
+            vocab_size=32768,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "log-prob head (logits)",
+        640,
+        {"param_dtype": "bf16"},
+        dict(
+            vocab_size=151936,
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "activations (saved for backward)",
+        1024,
+        {"param_dtype": "fp32"},
+        dict(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "checkpointed",
+        1024,
+        {"param_dtype": "bf16", "gradient_checkpointing": True},
+        dict(
+            vocab_size=1024,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=True,
+        ),
+    ),
+    (
+        "AdamW moments (fp32)",
+        128,
+        {"param_dtype": "fp32"},
+        dict(
+            vocab_size=1024,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            tie_word_embeddings=False,
+        ),
+    ),
     # DeepSpeed (ZeRO-2, bf16, one gloo rank): OpenRLHF's Actor.forward keeps every position's fp32 logits
-    ("log-prob head (logits)", 768, {"strategy": "deepspeed", "zero_stage": 2, "param_dtype": "bf16"},
-     dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    (
+        "log-prob head (logits)",
+        768,
+        {"strategy": "deepspeed", "zero_stage": 2, "param_dtype": "bf16"},
+        dict(
+            vocab_size=151936,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+    ),
 ]
 
 
@@ -118,11 +211,20 @@ MEASURED = [
 def measured(tmp_path_factory):
     folder = tmp_path_factory.mktemp("memory")
     specs = folder / "specs.json"
-    specs.write_text(json.dumps([{"name": f"shape{i}", "tokens": t, "settings": s, "config": c}
-                                 for i, (_, t, s, c) in enumerate(MEASURED)]))
+    specs.write_text(
+        json.dumps(
+            [{"name": f"shape{i}", "tokens": t, "settings": s, "config": c} for i, (_, t, s, c) in enumerate(MEASURED)]
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--measure-cpu", str(specs),
-                           str(folder / "result.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--measure-cpu", str(specs), str(folder / "result.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((folder / "result.json").read_text())
 
@@ -134,10 +236,15 @@ def test_estimate_is_within_25_percent_of_the_peak_measured_on_this_cpu(measured
         assert got["steps"] == 2 and got["loss_finite"] and got["trained_tokens"] > 0
         assert got["peak_how"].startswith("peak resident set")
         shape = ModelShape.from_config(config)
-        plan = Plan(strategy=settings.get("strategy", "local"), zero_stage=settings.get("zero_stage", 2),
-                    param_dtype=settings["param_dtype"], gradient_checkpointing=settings.get("gradient_checkpointing",
-                                                                                             False),
-                    micro_batch_tokens=tokens, trajectory_tokens=tokens, device="cpu")
+        plan = Plan(
+            strategy=settings.get("strategy", "local"),
+            zero_stage=settings.get("zero_stage", 2),
+            param_dtype=settings["param_dtype"],
+            gradient_checkpointing=settings.get("gradient_checkpointing", False),
+            micro_batch_tokens=tokens,
+            trajectory_tokens=tokens,
+            device="cpu",
+        )
         est = estimate(shape, plan)
         assert got["estimate_bytes"] == pytest.approx(est.peak)  # the check's estimate is this one
         ratio = est.peak / got["peak_bytes"]
@@ -160,13 +267,27 @@ def test_qwen3_4b_at_8k_tokens_fits_no_80gb_card_as_the_update_stood_and_the_sug
     assert found and all(e.fits(80 * GiB) for e in found)
     assert all(e.plan.ranks == 1 for e in found)
     # ZeRO-3 with offload and checkpointing, the issue's single-card recipe, fits with room; at 20k tokens too
-    recipe = Plan(strategy="deepspeed", zero_stage=3, param_dtype="bf16", gradient_checkpointing=True,
-                  offload_optimizer=True, trajectory_tokens=8192, micro_batch_tokens=8192)
+    recipe = Plan(
+        strategy="deepspeed",
+        zero_stage=3,
+        param_dtype="bf16",
+        gradient_checkpointing=True,
+        offload_optimizer=True,
+        trajectory_tokens=8192,
+        micro_batch_tokens=8192,
+    )
     assert estimate(QWEN3_4B, recipe).peak < 40 * GiB
     assert estimate(QWEN3_4B, Plan(**{**recipe.__dict__, "trajectory_tokens": 20480})).fits(80 * GiB)
     # 4 ranks without offload: the optimizer state splits four ways
-    four = Plan(strategy="deepspeed", zero_stage=3, ranks=4, param_dtype="bf16", gradient_checkpointing=True,
-                trajectory_tokens=20480, micro_batch_tokens=20480)
+    four = Plan(
+        strategy="deepspeed",
+        zero_stage=3,
+        ranks=4,
+        param_dtype="bf16",
+        gradient_checkpointing=True,
+        trajectory_tokens=20480,
+        micro_batch_tokens=20480,
+    )
     assert estimate(QWEN3_4B, four).fits(80 * GiB) and estimate(QWEN3_4B, four).cpu_bytes == 0
     one = estimate(QWEN3_4B, Plan(**{**four.__dict__, "ranks": 1}))
     assert one.peak - estimate(QWEN3_4B, four).peak > 35 * GiB  # 16 B/param of optimizer state, 3/4 of it gone
@@ -176,19 +297,45 @@ def test_each_lever_lowers_the_estimate():
     """bf16, checkpointing, ZeRO-3 over 4 ranks, offload, in turn (ZeRO on one rank is no lever: its bf16 weights
     and gradients come on top of the fp32 master copy)."""
     base = Plan(trajectory_tokens=8192, micro_batch_tokens=8192)
-    ladder = [base, Plan(**{**base.__dict__, "param_dtype": "bf16"}),
-              Plan(**{**base.__dict__, "param_dtype": "bf16", "gradient_checkpointing": True}),
-              Plan(**{**base.__dict__, "strategy": "deepspeed", "zero_stage": 3, "ranks": 4, "param_dtype": "bf16",
-                      "gradient_checkpointing": True}),
-              Plan(**{**base.__dict__, "strategy": "deepspeed", "zero_stage": 3, "ranks": 4, "param_dtype": "bf16",
-                      "gradient_checkpointing": True, "offload_optimizer": True})]
+    ladder = [
+        base,
+        Plan(**{**base.__dict__, "param_dtype": "bf16"}),
+        Plan(**{**base.__dict__, "param_dtype": "bf16", "gradient_checkpointing": True}),
+        Plan(
+            **{
+                **base.__dict__,
+                "strategy": "deepspeed",
+                "zero_stage": 3,
+                "ranks": 4,
+                "param_dtype": "bf16",
+                "gradient_checkpointing": True,
+            }
+        ),
+        Plan(
+            **{
+                **base.__dict__,
+                "strategy": "deepspeed",
+                "zero_stage": 3,
+                "ranks": 4,
+                "param_dtype": "bf16",
+                "gradient_checkpointing": True,
+                "offload_optimizer": True,
+            }
+        ),
+    ]
     peaks = [estimate(QWEN3_4B, p).peak for p in ladder]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), [p / GiB for p in peaks]
 
 
 def _cleaner(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
 
 
 def test_cleaner_fit_says_yes_for_the_demo_policy_and_no_with_what_would_for_qwen3_4b(tmp_path):
@@ -202,8 +349,16 @@ def test_cleaner_fit_says_yes_for_the_demo_policy_and_no_with_what_would_for_qwe
     assert "does not fit" in out and "would fit on 1 GPU(s)" in out
     first = out.split("fastest first:\n")[1].splitlines()[0].split("(")[0].split()
     # the first suggestion, applied as overrides, fits
-    again = _cleaner("fit", "--model", str(tmp_path), "--tokens", "8192", "--gpu-memory", "80",
-                     *[kv for kv in first if kv != "train.nproc=1"])
+    again = _cleaner(
+        "fit",
+        "--model",
+        str(tmp_path),
+        "--tokens",
+        "8192",
+        "--gpu-memory",
+        "80",
+        *[kv for kv in first if kv != "train.nproc=1"],
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "fits:" in again.stdout
     # with four GPUs, ZeRO across them without offload is offered
@@ -227,8 +382,10 @@ def test_cleaner_fit_refuses_bad_input_in_one_line(tmp_path):
 
 def test_describe_is_overrides_a_user_types():
     plan = Plan(strategy="deepspeed", zero_stage=3, ranks=2, param_dtype="bf16", gradient_checkpointing=True)
-    assert describe(plan) == ("train.strategy=deepspeed train.param_dtype=bf16 train.gradient_checkpointing=true "
-                              "train.zero_stage=3 train.nproc=2 train.offload_optimizer=false")
+    assert describe(plan) == (
+        "train.strategy=deepspeed train.param_dtype=bf16 train.gradient_checkpointing=true "
+        "train.zero_stage=3 train.nproc=2 train.offload_optimizer=false"
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -257,12 +414,21 @@ def test_check_fits_refuses_in_one_line_naming_the_settings_the_estimate_and_wha
         check_fits(QWEN3_4B, plan, gpus=1, gpu_bytes=80 * GiB, card="NVIDIA H100 80GB HBM3")
     line = str(e.value)
     assert "\n" not in line and e.value.exit_code == 1
-    assert line.startswith("train.strategy=local train.param_dtype=fp32 train.gradient_checkpointing=false at 8192 "
-                           f"tokens needs ≈ {estimate(QWEN3_4B, plan).peak / GiB:.1f} GiB per GPU (estimate) of 72.0 "
-                           "GiB usable on NVIDIA H100 80GB HBM3")
+    assert line.startswith(
+        "train.strategy=local train.param_dtype=fp32 train.gradient_checkpointing=false at 8192 "
+        f"tokens needs ≈ {estimate(QWEN3_4B, plan).peak / GiB:.1f} GiB per GPU (estimate) of 72.0 "
+        "GiB usable on NVIDIA H100 80GB HBM3"
+    )
     assert "would fit: train.strategy=local train.param_dtype=bf16 train.gradient_checkpointing=true" in line
-    fitting = Plan(strategy="deepspeed", zero_stage=3, param_dtype="bf16", gradient_checkpointing=True,
-                   offload_optimizer=True, trajectory_tokens=8192, micro_batch_tokens=8192)
+    fitting = Plan(
+        strategy="deepspeed",
+        zero_stage=3,
+        param_dtype="bf16",
+        gradient_checkpointing=True,
+        offload_optimizer=True,
+        trajectory_tokens=8192,
+        micro_batch_tokens=8192,
+    )
     assert check_fits(QWEN3_4B, fitting, gpus=1, gpu_bytes=80 * GiB).peak < 72 * GiB
     with pytest.raises(DoesNotFit, match="no settings fit 1 such GPU"):
         check_fits(QWEN3_4B, plan, gpus=1, gpu_bytes=8 * GiB)
@@ -279,8 +445,9 @@ def test_a_training_flow_on_a_gpu_refuses_a_model_that_will_not_fit_before_anyth
     policy = tmp_path / "qwen3-4b"
     policy.mkdir()
     (policy / "config.json").write_text(json.dumps(SHAPES["qwen3-4b"]))
-    big = load_config(None, [f"rollout.policy={policy}", "rollout.max_prompt_tokens=512",
-                             "rollout.max_response_tokens=7680"])
+    big = load_config(
+        None, [f"rollout.policy={policy}", "rollout.max_prompt_tokens=512", "rollout.max_response_tokens=7680"]
+    )
     with pytest.raises(DoesNotFit) as refused:
         check_update_fits(big, 80 * GiB, "H100")
     message = str(refused.value)

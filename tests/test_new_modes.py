@@ -1,6 +1,7 @@
 """The purification modes of issue 19 §2 — saar_correct, mask_failed, roc — replayed from stored raw shards
 through the real Beam stage: what each row trains on, the advantages, RoC's selection, partition names and
 config hashes (existing partitions must stay valid)."""
+
 from __future__ import annotations
 
 import collections
@@ -60,6 +61,7 @@ def scripted(chat, sandbox, tmp_path_factory):
 
 # ---- names, hashes, config -------------------------------------------------------------------------
 
+
 def test_gamma_and_measure_name_the_splicing_modes_only(real):
     assert [partition_threshold(m, GAMMA) for m in NEW] == [GAMMA, 0.0, 0.0]
     assert [partition_measure(m, REFERENCE_MEASURE) for m in NEW] == ["difflib-segment", "", ""]
@@ -70,10 +72,14 @@ def test_gamma_and_measure_name_the_splicing_modes_only(real):
     assert sorted(p.name for p in (it / "mode=saar_correct").iterdir()) == ["gamma=0.50", "gamma=0.50-difflib-segment"]
     assert sorted(p.name for p in (it / "mode=roc").iterdir()) == ["gamma=0.00"]
     with Catalog(real.storage.root) as cat:
-        measures = cat.query("SELECT DISTINCT mode, measure FROM purified WHERE mode IN ('saar_correct', 'roc') "
-                             "ORDER BY ALL").to_pylist()
+        measures = cat.query(
+            "SELECT DISTINCT mode, measure FROM purified WHERE mode IN ('saar_correct', 'roc') ORDER BY ALL"
+        ).to_pylist()
     assert [(m["mode"], m["measure"]) for m in measures] == [
-        ("roc", None), ("saar_correct", "difflib-segment"), ("saar_correct", "rapidfuzz-segment")]
+        ("roc", None),
+        ("saar_correct", "difflib-segment"),
+        ("saar_correct", "rapidfuzz-segment"),
+    ]
 
 
 def test_every_variant_hashes_one_record_and_a_mode_setting_only_its_mode():
@@ -85,15 +91,27 @@ def test_every_variant_hashes_one_record_and_a_mode_setting_only_its_mode():
     assert purify_identity(cfg, Variant.of("void_turn", 0.0), "rawhash").value == "d3af88001cb421bb"
     assert purify_identity(cfg, Variant.of("saar", 0.5, Measure("difflib")), "rawhash").value == "f837ded6173116ea"
     two, three = (load_config(None, [f"purify.roc_group_size={k}"]) for k in (2, 3))
-    assert purify_identity(two, Variant.of("saar", 0.5), "h").value == purify_identity(three, Variant.of("saar", 0.5), "h").value
-    assert purify_identity(two, Variant.of("roc", 0.0), "h").value != purify_identity(three, Variant.of("roc", 0.0), "h").value
-    assert purify_identity(cfg, Variant.of("roc", 0.0), "h").value == purify_identity(two, Variant.of("roc", 0.0), "h").value  # default: 4 // 2
+    assert (
+        purify_identity(two, Variant.of("saar", 0.5), "h").value
+        == purify_identity(three, Variant.of("saar", 0.5), "h").value
+    )
+    assert (
+        purify_identity(two, Variant.of("roc", 0.0), "h").value
+        != purify_identity(three, Variant.of("roc", 0.0), "h").value
+    )
+    assert (
+        purify_identity(cfg, Variant.of("roc", 0.0), "h").value
+        == purify_identity(two, Variant.of("roc", 0.0), "h").value
+    )  # default: 4 // 2
 
 
 def test_one_measure_setting_the_old_purify_keys_say_where_they_went():
     for key in ("similarity=difflib", "similarity_on=code"):
-        with pytest.raises(ConfigError, match=rf"config key 'purify\.{key.split('=')[0]}' merged into "
-                                              rf"rollout\.saar\.{key.split('=')[0]} "):
+        with pytest.raises(
+            ConfigError,
+            match=rf"config key 'purify\.{key.split('=')[0]}' merged into "
+            rf"rollout\.saar\.{key.split('=')[0]} ",
+        ):
             load_config(None, [f"purify.{key}"])
 
 
@@ -116,7 +134,9 @@ def test_a_partition_committed_with_another_hash_is_refused_in_one_line_that_say
 
 
 def test_roc_group_size_is_validated_and_the_modes_are_choices():
-    with pytest.raises(ConfigError, match=r"purify.roc_group_size \(5\) must be at most rollout.samples_per_prompt \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"purify.roc_group_size \(5\) must be at most rollout.samples_per_prompt \(4\)"
+    ):
         load_config(None, ["purify.roc_group_size=5"])
     with pytest.raises(ConfigError, match="purify.roc_group_size: Input should be greater than or equal to 1"):
         load_config(None, ["purify.roc_group_size=0"])
@@ -128,6 +148,7 @@ def test_roc_group_size_is_validated_and_the_modes_are_choices():
 
 
 # ---- advantages and what each row trains on --------------------------------------------------------
+
 
 def test_every_mode_but_roc_trains_each_row_with_the_raw_partitions_advantage(real):
     """Purification changes no reward, and advantages depend on rewards only: before or after, same numbers."""
@@ -145,7 +166,11 @@ def test_saar_correct_is_saar_on_correct_rows_and_exactly_raw_on_the_others(real
     for k, row in ours.items():
         same = saar[k] if row.reward > 0 else raw[k]
         assert (row.response_ids, row.loss_mask, row.splices, row.recompute_from) == (
-            same.response_ids, same.loss_mask, same.splices, same.recompute_from), k
+            same.response_ids,
+            same.loss_mask,
+            same.splices,
+            same.recompute_from,
+        ), k
         assert row.old_logprobs == pytest.approx(same.old_logprobs, abs=1e-5)
         spliced_correct += bool(saar[k].splices) and row.reward > 0
         spliced_wrong += bool(saar[k].splices) and row.reward <= 0
@@ -174,8 +199,9 @@ def test_mask_failed_masks_the_failed_turns_of_recovered_correct_rows_only(real,
         if raws[k].reward > 0 and trajectory_kind(raws[k]) == "recovered":
             masked_rows += 1
             assert any(failed_turn) and not any(m for m, f in zip(row.loss_mask, failed_turn) if f)
-            assert [m for m, f in zip(row.loss_mask, failed_turn) if not f] == \
-                [m for m, f in zip(raw[k].loss_mask, failed_turn) if not f]
+            assert [m for m, f in zip(row.loss_mask, failed_turn) if not f] == [
+                m for m, f in zip(raw[k].loss_mask, failed_turn) if not f
+            ]
         else:
             assert row.loss_mask == raw[k].loss_mask
     assert masked_rows >= 1
@@ -186,14 +212,18 @@ def test_rows_with_nothing_to_splice_equal_purify_on_the_columnar_path(real, cha
     raw = _raw_table(real, "w")
     mask = unspliced_mask(raw)
     fast = purified_table(raw.filter(pa.array(mask)), mode, GAMMA).to_pylist()
-    slow = [purified_to_row(purify(trajectory_from_row(r), GAMMA, mode, chat.decode))
-            for r, m in zip(raw.to_pylist(), mask) if m]
+    slow = [
+        purified_to_row(purify(trajectory_from_row(r), GAMMA, mode, chat.decode))
+        for r, m in zip(raw.to_pylist(), mask)
+        if m
+    ]
     assert 0 < len(fast) == len(slow)
     nan_free = lambda r: {k: v for k, v in r.items() if k != "advantage"}  # noqa: E731 - nan before the group stage
     assert [nan_free(r) for r in fast] == [nan_free(r) for r in slow]
 
 
 # ---- RoC ---------------------------------------------------------------------------------------------
+
 
 def test_roc_plan_keeps_cleanest_positives_and_samples_negatives_uniformly():
     samples = list(range(8))
@@ -203,8 +233,9 @@ def test_roc_plan_keeps_cleanest_positives_and_samples_negatives_uniformly():
     assert kept == sorted(kept) and len(kept) == 4
     assert [i for i in kept if rewards[i] > 0] == [2, 4]  # 3 of 8 positive → round(1.5) = 2, lowest penalties
     assert kept == roc_plan(samples, rewards, penalties, 4, seed=7)  # deterministic
-    picks = collections.Counter(i for s in range(3000) for i in roc_plan(samples, rewards, penalties, 4, s)
-                                if rewards[i] <= 0)
+    picks = collections.Counter(
+        i for s in range(3000) for i in roc_plan(samples, rewards, penalties, 4, s) if rewards[i] <= 0
+    )
     assert set(picks) == {1, 3, 5, 6, 7} and all(abs(c / 6000 - 0.2) < 0.03 for c in picks.values())  # uniform
     assert roc_plan(samples[:3], rewards[:3], penalties[:3], 4, 0) == [0, 1, 2]  # small group kept whole
     mostly_right = [1] * 7 + [-1]  # 7 of 8 positive → round(3.5) = 4, but a kept group never loses its negatives
@@ -222,12 +253,22 @@ def _penalty(t) -> float:
 
 
 def test_roc_penalties_read_the_attempt_tree(real, scripted):
-    by_hand = {"clean_correct": 0.0, "clean_wrong": 0.0, "recovered_correct": 0.5, "recovered_wrong": 0.5,
-               "exhausted": 1.0, "gave_up": 1.0, "infra": 1.0, "gate_off": 1.0, "malformed_recovered": 0.5 + 1 / 3}
+    by_hand = {
+        "clean_correct": 0.0,
+        "clean_wrong": 0.0,
+        "recovered_correct": 0.5,
+        "recovered_wrong": 0.5,
+        "exhausted": 1.0,
+        "gave_up": 1.0,
+        "infra": 1.0,
+        "gate_off": 1.0,
+        "malformed_recovered": 0.5 + 1 / 3,
+    }
     assert roc_penalties(_raw_table(scripted, "s")).tolist() == pytest.approx([by_hand[n] for n in NAMES])
     raw = _raw_table(real, "w")
     assert roc_penalties(raw.slice(5)).tolist() == pytest.approx(
-        [_penalty(trajectory_from_row(r)) for r in raw.slice(5).to_pylist()])
+        [_penalty(trajectory_from_row(r)) for r in raw.slice(5).to_pylist()]
+    )
 
 
 def test_roc_partition_keeps_the_planned_rows_with_advantages_of_the_kept_group(scripted):
@@ -235,8 +276,10 @@ def test_roc_partition_keeps_the_planned_rows_with_advantages_of_the_kept_group(
     by_sample = {r.sample_idx: r for r in rows.values()}
     assert len(rows) == len(NAMES) // 2 == 4  # default roc_group_size: half the samples per prompt
     # 4 of 9 positive → round(1.78) = 2 positives: the two with the lowest penalty (clean 0.0, recovered 0.5)
-    assert sorted(i for i, r in by_sample.items() if r.reward > 0) == [NAMES.index("clean_correct"),
-                                                                      NAMES.index("recovered_correct")]
+    assert sorted(i for i, r in by_sample.items() if r.reward > 0) == [
+        NAMES.index("clean_correct"),
+        NAMES.index("recovered_correct"),
+    ]
     assert sum(r.reward <= 0 for r in rows.values()) == 2
     kept = sorted(by_sample)
     want = group_advantages([by_sample[i].reward for i in kept], "group_norm")
@@ -259,8 +302,9 @@ def test_roc_on_a_real_rollout_and_its_pure_core(real):
     penalty = dict(zip(zip(raw["prompt_id"].to_pylist(), raw["sample_idx"].to_pylist()), roc_penalties(raw)))
     kept = {(r.prompt_id, r.sample_idx) for r in rows}
     compared = 0
-    for prompt, reward, sample in zip(raw["prompt_id"].to_pylist(), raw["reward"].to_pylist(),
-                                      raw["sample_idx"].to_pylist()):
+    for prompt, reward, sample in zip(
+        raw["prompt_id"].to_pylist(), raw["reward"].to_pylist(), raw["sample_idx"].to_pylist()
+    ):
         if reward > 0 and (prompt, sample) not in kept:  # a dropped positive: no kept positive is worse
             worse = [penalty[k] for k in kept if k[0] == prompt and groups_reward(rows, k) > 0]
             compared += bool(worse)

@@ -1,5 +1,6 @@
 """Off-policy-aware purification (issue #29): behaviour log-probs and token origins in every purified row,
 importance ratios per splice, Plan B (`saar_is`) decided by them, v1 shards still read."""
+
 from __future__ import annotations
 
 import math
@@ -50,11 +51,14 @@ def test_a_retry_sampled_after_an_error_keeps_its_behaviour_logprobs(chat, sandb
     (s,) = p.splices
     assert s.kind == ("shallow" if gamma == 0.0 else "deep")
     moved = [i for i, o in enumerate(p.token_origin) if o in SPLICED]
-    assert moved and s.moved_tokens == len(moved) and set(p.token_origin[i] for i in moved) == {
-        TokenOrigin.SHALLOW if gamma == 0.0 else TokenOrigin.DEEP}
+    assert (
+        moved
+        and s.moved_tokens == len(moved)
+        and set(p.token_origin[i] for i in moved) == {TokenOrigin.SHALLOW if gamma == 0.0 else TokenOrigin.DEEP}
+    )
     # the spliced tokens are the retry's, with the log-probs it was sampled with
-    assert [p.response_ids[i] for i in moved] == retry.turn_ids[-len(moved):]
-    assert [p.behaviour_logprobs[i] for i in moved] == retry.logprobs[-len(moved):]
+    assert [p.response_ids[i] for i in moved] == retry.turn_ids[-len(moved) :]
+    assert [p.behaviour_logprobs[i] for i in moved] == retry.logprobs[-len(moved) :]
     # tool responses were never sampled
     assert all(o == TokenOrigin.NOT_SAMPLED for o, m in zip(p.token_origin, p.loss_mask) if m == 0)
     (q,) = backend.group([p])
@@ -82,8 +86,9 @@ def test_in_place_tokens_on_real_rollouts(purified_run, model):
             elif m and o in SPLICED:
                 moved.append(abs(t.old_logprobs[i] - t.behaviour_logprobs[i]))
     assert checked > 1000
-    print(f"in place: {checked} tokens ≤ 1e-3; moved: {len(moved)} tokens, mean |Δ| "
-          f"{sum(moved) / max(1, len(moved)):.3f}")
+    print(
+        f"in place: {checked} tokens ≤ 1e-3; moved: {len(moved)} tokens, mean |Δ| {sum(moved) / max(1, len(moved)):.3f}"
+    )
     with Catalog(purified_run.storage.root) as cat:
         view = cat.query("SELECT origin, tokens, mean_abs_delta FROM off_policy WHERE mode = 'saar'").to_pylist()
     by = {r["origin"]: r for r in view}
@@ -92,8 +97,10 @@ def test_in_place_tokens_on_real_rollouts(purified_run, model):
 
 def _scorer(log_is: float):
     """A scorer whose retry log-prob sum is the sampled one (−0.5 per token, the scripted engine's) + log_is."""
+
     def score(context, turn):
         return [-0.5] * (len(turn) - 1) + [-0.5 + log_is]
+
     return score
 
 
@@ -106,7 +113,7 @@ def test_saar_is_decides_append_or_replace_exactly_at_tau(chat, sandbox):
     (s,) = replaced.splices
     assert s.kind == "deep" and s.log_is_ratio == -1.0 and s.moved_tokens == len(t.positions[0].attempts[1].turn_ids)
     assert "prnt" not in chat.decode(replaced.response_ids) and (replaced.gamma, replaced.is_threshold) == (0.0, tau)
-    below = -1.0 - 2.0 ** -40  # a hair below τ, and still that after the sums (their ulp is ~2^-49)
+    below = -1.0 - 2.0**-40  # a hair below τ, and still that after the sums (their ulp is ~2^-49)
     appended = purify(t, 0.0, "saar_is", chat.decode, score=_scorer(below), tau=tau)
     assert appended.splices == [] and appended.response_ids == as_raw.response_ids
     assert appended.loss_mask == as_raw.loss_mask and appended.old_logprobs == as_raw.old_logprobs
@@ -135,12 +142,16 @@ def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
     layout = RunLayout(cfg.storage.root, "w")
     assert layout.purified_dir(0, "saar_is", 0.5).name == "tau=0.50"
     with Catalog(cfg.storage.root) as cat:
-        got = cat.query("SELECT is_threshold AS tau, count(*) AS n, count(*) FILTER (WHERE gamma = 0) AS no_gamma "
-                        "FROM purified WHERE mode = 'saar_is' GROUP BY ALL ORDER BY tau").to_pylist()
-        ratios = cat.query("SELECT is_threshold AS tau, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'"
-                           ).to_pylist()
-        saar = cat.query("SELECT count(*) AS n, count(log_is_ratio) AS scored FROM splices "
-                         "WHERE mode = 'saar'").to_pylist()[0]
+        got = cat.query(
+            "SELECT is_threshold AS tau, count(*) AS n, count(*) FILTER (WHERE gamma = 0) AS no_gamma "
+            "FROM purified WHERE mode = 'saar_is' GROUP BY ALL ORDER BY tau"
+        ).to_pylist()
+        ratios = cat.query(
+            "SELECT is_threshold AS tau, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'"
+        ).to_pylist()
+        saar = cat.query(
+            "SELECT count(*) AS n, count(log_is_ratio) AS scored FROM splices WHERE mode = 'saar'"
+        ).to_pylist()[0]
     assert [(g["tau"], g["n"] == g["no_gamma"]) for g in got] == [(0.5, True), (2.0, True)]
     assert all(r["kind"] == "deep" and r["log_is_ratio"] >= math.log(r["tau"]) for r in ratios)
     assert saar["n"] > 0 and saar["scored"] == saar["n"]  # every SAAR splice carries its ratio after recompute
@@ -151,10 +162,21 @@ def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
 def test_v1_purified_shards_still_read(purified_run, tmp_path):
     layout = RunLayout(purified_run.storage.root, "w")
     v2 = read_shard(layout.purified_dir(0, "saar", 0.5), PURIFIED)
-    v1 = pa.Table.from_pylist([{k: (
-        [{f: s[f] for f in PURIFIED_V1.field("splices").type.value_type.names} for s in v]
-        if k == "splices" else v) for k, v in row.items() if k in PURIFIED_V1.names} for row in v2.to_pylist()],
-        schema=PURIFIED_V1)
+    v1 = pa.Table.from_pylist(
+        [
+            {
+                k: (
+                    [{f: s[f] for f in PURIFIED_V1.field("splices").type.value_type.names} for s in v]
+                    if k == "splices"
+                    else v
+                )
+                for k, v in row.items()
+                if k in PURIFIED_V1.names
+            }
+            for row in v2.to_pylist()
+        ],
+        schema=PURIFIED_V1,
+    )
     out = tmp_path / "runs" / "old" / "iteration=0000" / "purified" / "mode=saar" / "gamma=0.50"
     write_shard(out, v1, PURIFIED_V1, "h")
     back = read_shard(out, PURIFIED)
@@ -162,7 +184,10 @@ def test_v1_purified_shards_still_read(purified_run, tmp_path):
     assert back["response_ids"].to_pylist() == v2["response_ids"].to_pylist()
     assert back["behaviour_logprobs"].null_count == back.num_rows
     assert back["splices"].to_pylist()[0] == [] or back["splices"].to_pylist()[0][0]["log_is_ratio"] is None
-    assert read_shard(out, PURIFIED, columns=["response_ids", "token_origin"]).column("token_origin").null_count == v1.num_rows
+    assert (
+        read_shard(out, PURIFIED, columns=["response_ids", "token_origin"]).column("token_origin").null_count
+        == v1.num_rows
+    )
     shutil.copytree(layout.run_dir, tmp_path / "runs" / "w")
     with Catalog(tmp_path) as cat:  # old and new partitions in one catalog
         assert not cat.problems
@@ -185,8 +210,19 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
 
     cfg = world_copy
     root = cfg.storage.root
-    cmd = ["replay", "--run", "w", "--iteration", "0", "--is-threshold", "0.3",
-           "0.7", f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"]
+    cmd = [
+        "replay",
+        "--run",
+        "w",
+        "--iteration",
+        "0",
+        "--is-threshold",
+        "0.3",
+        "0.7",
+        f"storage.root={root}",
+        "rollout.tasks_per_iteration=16",
+        "rollout.samples_per_prompt=4",
+    ]
     run = run_cleaner(cmd)
     assert run.returncode == 0, run.stderr
     assert "saar_is (Plan B)" in run.stdout and "rollbacks" in run.stdout
@@ -202,8 +238,20 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     assert again.returncode == 0 and "mode=saar_is/tau=0.70: " in again.stdout, again.stderr
     assert "kept (already committed)" in again.stdout and "— written" not in again.stdout, again.stdout
     # `cleaner purify --is-threshold` purifies saar_is at τ as replay does (without --mode it wrote nothing of it)
-    purify = run_cleaner(["purify", "--run", "w", "--iteration", "0", "--is-threshold", "0.9", f"storage.root={root}",
-                          "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4"])
+    purify = run_cleaner(
+        [
+            "purify",
+            "--run",
+            "w",
+            "--iteration",
+            "0",
+            "--is-threshold",
+            "0.9",
+            f"storage.root={root}",
+            "rollout.tasks_per_iteration=16",
+            "rollout.samples_per_prompt=4",
+        ]
+    )
     assert purify.returncode == 0 and "mode=saar_is/tau=0.90: " in purify.stdout, purify.stdout + purify.stderr
     assert RunLayout(root, "w").purified_dir(0, "saar_is", 0.9).is_dir()
     for bad in ("0", "nan", "-1"):
@@ -219,16 +267,25 @@ def test_training_saar_is_at_a_tau_of_its_own_purifies_that_tau_and_options_that
     from tests.flow_helpers import run_cleaner
 
     root = world_copy.storage.root
-    common = ["--run", "w", "--iteration", "0", f"storage.root={root}", "rollout.tasks_per_iteration=16",
-              "rollout.samples_per_prompt=4"]
+    common = [
+        "--run",
+        "w",
+        "--iteration",
+        "0",
+        f"storage.root={root}",
+        "rollout.tasks_per_iteration=16",
+        "rollout.samples_per_prompt=4",
+    ]
     purify = run_cleaner(["purify", *common, "train.mode=saar_is", "train.tau=0.3"])
     assert purify.returncode == 0, purify.stderr
     assert "saar γ 0.5, raw, saar_is τ 0.3" in purify.stderr, purify.stderr  # the trained τ, not purify.is_thresholds
     layout = RunLayout(root, "w")
     assert layout.purified_dir(0, "saar_is", 0.3).is_dir() and not layout.purified_dir(0, "saar", 0.3).exists()
     for command in ("purify", "replay"):
-        for asked, says in ((["--mode", "saar", "--is-threshold", "0.9"], "--is-threshold sets the τ of mode saar_is"),
-                            (["--mode", "saar_is", "--gamma", "0.3"], "--gamma sets the γ of mode saar / saar_correct")):
+        for asked, says in (
+            (["--mode", "saar", "--is-threshold", "0.9"], "--is-threshold sets the τ of mode saar_is"),
+            (["--mode", "saar_is", "--gamma", "0.3"], "--gamma sets the γ of mode saar / saar_correct"),
+        ):
             r = run_cleaner([command, *common, *asked])
             assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not layout.purified_dir(0, "saar_is", 0.9).exists()
@@ -239,8 +296,10 @@ def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
     from purifier.replay import log_histogram_lines, replay_is
     from storage.schemas import RAW
 
-    raws = [trajectory_from_row(r) for r in read_shard(RunLayout(world_rollout.storage.root, "w").raw_dir(0),
-                                                       RAW).to_pylist()]
+    raws = [
+        trajectory_from_row(r)
+        for r in read_shard(RunLayout(world_rollout.storage.root, "w").raw_dir(0), RAW).to_pylist()
+    ]
     stats, ratios = replay_is(raws, [0.01, 0.5, 100.0], chat.decode, backend.score)
     lo, mid, hi = stats
     assert lo.rollbacks > 0 and len(ratios) >= lo.rollbacks
@@ -254,9 +313,17 @@ def test_is_sweep_counts_decisions_per_tau(world_rollout, backend, chat):
 
     for s in stats:
         calls = []
-        purified = [purify(r, 0.0, "saar_is", chat.decode, tau=s.tau,
-                           score=lambda c, t, calls=calls: calls.append(1) or backend.score(c, t))
-                    for r in with_retries(raws)]
+        purified = [
+            purify(
+                r,
+                0.0,
+                "saar_is",
+                chat.decode,
+                tau=s.tau,
+                score=lambda c, t, calls=calls: calls.append(1) or backend.score(c, t),
+            )
+            for r in with_retries(raws)
+        ]
         assert (s.rollbacks, s.replaced) == (len(calls), sum(len(p.splices) for p in purified)), s
         assert s.tokens_removed == sum(x.tokens_removed for p in purified for x in p.splices)
 
@@ -269,8 +336,17 @@ def test_live_importance_rollbacks_are_relived_by_saar_is_at_the_live_tau(tmp_pa
     from rollout_gen.stage import run_rollout_stage
     from storage.schemas import RAW
 
-    cfg = load_config(None, [f"storage.root={tmp_path}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                             "rollout.seed=3", "rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.5"])
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={tmp_path}",
+            "rollout.tasks_per_iteration=16",
+            "rollout.samples_per_prompt=4",
+            "rollout.seed=3",
+            "rollout.saar.rollback=importance",
+            "rollout.saar.is_threshold=0.5",
+        ],
+    )
     run_rollout_stage(cfg, "live", 0, DEFAULT_POLICY, show_progress=False)
     raws = [trajectory_from_row(r) for r in read_shard(RunLayout(tmp_path, "live").raw_dir(0), RAW).to_pylist()]
     replaced = appended = 0
@@ -294,8 +370,17 @@ def test_replay_of_a_run_that_lived_by_importance_compares_with_its_own_tau(tmp_
     from flows.run_config import freeze_run_config
     from rollout_gen.stage import run_rollout_stage
 
-    lived = load_config(None, [f"storage.root={tmp_path}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                               "rollout.seed=3", "rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.9"])
+    lived = load_config(
+        None,
+        [
+            f"storage.root={tmp_path}",
+            "rollout.tasks_per_iteration=16",
+            "rollout.samples_per_prompt=4",
+            "rollout.seed=3",
+            "rollout.saar.rollback=importance",
+            "rollout.saar.is_threshold=0.9",
+        ],
+    )
     run_rollout_stage(lived, "live", 0, DEFAULT_POLICY, show_progress=False)
     freeze_run_config(lived, "live")
     capsys.readouterr()
@@ -304,8 +389,11 @@ def test_replay_of_a_run_that_lived_by_importance_compares_with_its_own_tau(tmp_
     out = capsys.readouterr().out
     words = " ".join(out.split())  # table titles wrap at the table's width
     assert "lived by importance ratio at τ_live=0.9" in words and "γ_live" not in words.split("positions:")[0], out
-    rows = {line.split("│")[1].strip(): line.split("│")[-2].strip() for line in out.splitlines()
-            if line.count("│") >= 7 and line.split("│")[1].strip() in ("0.5", "0.9")}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[-2].strip()
+        for line in out.splitlines()
+        if line.count("│") >= 7 and line.split("│")[1].strip() in ("0.5", "0.9")
+    }
     assert "≠ lived τ=0.9" in out and rows["0.9"] == "0", out
 
 
@@ -351,13 +439,15 @@ def test_cpu_engine_scores_rollbacks_together_and_keeps_a_replacing_retry_kv(cha
         assert len(full) == len(retries[k]) and got == pytest.approx(full, rel=1e-5, abs=1e-5)
 
     feedback = chat.feedback_ids("42")
-    after = {"a": contexts["a"] + retries["a"] + feedback,  # replaced: the failed turn left the context
-             "b": contexts["b"] + failed["b"] + feedback}  # appended: the retry follows the failed turn
+    after = {
+        "a": contexts["a"] + retries["a"] + feedback,  # replaced: the failed turn left the context
+        "b": contexts["b"] + failed["b"] + feedback,
+    }  # appended: the retry follows the failed turn
     before = engine.prefill_tokens
     engine.add([Request(k, tuple(c), SamplingParams(1), 3) for k, c in after.items()])
     got = dict((r.key, g) for r, g in engine.step())
     assert engine.prefill_tokens - before == 2 * (1 + len(feedback))  # each forwards its last token and the feedback
     fresh = CPUEngine(DEFAULT_POLICY, pad_id=chat.tokenizer.pad_token_id)
     fresh.add([Request("a", tuple(after["a"]), SamplingParams(1), 3)])
-    (_, alone), = fresh.step()
+    ((_, alone),) = fresh.step()
     assert got["a"].output_ids == alone.output_ids and abs(got["a"].logprobs[0] - alone.logprobs[0]) <= 1e-5

@@ -2,6 +2,7 @@
 a config.json of another architecture (transformers initialises the missing weights at random and drops the
 others: the run sampled from and trained another model), and a model that transforms its logits (rollout
 sampled with capped logits; purify failed later with a 117-line Beam traceback)."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,24 @@ def test_the_committed_policy_loads():
 
 def test_a_config_of_another_architecture_is_refused(tmp_path):
     policy = _copy(tmp_path, architectures=["LlamaForCausalLM"], model_type="llama")
-    with pytest.raises(CheckpointError, match=r"config\.json: its architectures \['LlamaForCausalLM'\] do not fit "
-                                              r"the weight files: unexpected \d+ \(model\.layers\.0\.self_attn\.k_norm"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config\.json: its architectures \['LlamaForCausalLM'\] do not fit "
+        r"the weight files: unexpected \d+ \(model\.layers\.0\.self_attn\.k_norm",
+    ):
         load_causal_lm(policy, "eager")
-    out = run_cleaner(["rollout", "--run", "r", f"rollout.policy={policy}", f"storage.root={tmp_path / 'ws'}",
-                       "rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=1"], tmp_path)
+    out = run_cleaner(
+        [
+            "rollout",
+            "--run",
+            "r",
+            f"rollout.policy={policy}",
+            f"storage.root={tmp_path / 'ws'}",
+            "rollout.tasks_per_iteration=1",
+            "rollout.samples_per_prompt=1",
+        ],
+        tmp_path,
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr and "LOAD REPORT" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"cleaner rollout: {policy}/config.json: its architectures")
     assert not list((tmp_path / "ws").rglob("*.parquet"))

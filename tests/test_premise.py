@@ -2,6 +2,7 @@
 and the failed-call tokens each purified partition trains, by advantage sign — on a scripted group that
 covers every kind and outcome (expectations stated by hand from the rules) and on a real rollout of the
 tiny policy (checked against purify() itself, with the failed calls' tokens tagged)."""
+
 from __future__ import annotations
 
 import copy
@@ -70,8 +71,12 @@ def test_kinds_of_the_scripted_group_are_the_stated_ones(scripted):
     assert [r["kind"] for r in rows] == stated
     assert [trajectory_kind(t) for t in trajectories] == stated
     per_kind = {r["kind"]: r for r in _query(cfg, "SELECT * FROM trajectory_kinds")}
-    assert {k: r["trajectories"] for k, r in per_kind.items()} == {"clean": 2, "recovered": 3, "not_recovered": 3,
-                                                                  "infra": 1}
+    assert {k: r["trajectories"] for k, r in per_kind.items()} == {
+        "clean": 2,
+        "recovered": 3,
+        "not_recovered": 3,
+        "infra": 1,
+    }
     assert per_kind["not_recovered"]["mean_reward"] == -1.0 and per_kind["infra"]["correct"] == 1.0
     assert per_kind["recovered"]["correct"] == pytest.approx(2 / 3)
 
@@ -104,8 +109,15 @@ def _call_tokens(t, attempt_idx: int, position_idx: int = 0) -> int:
 
 
 # (script name, attempt index) of the failed calls each mode keeps in the loss, read off docs/saar.md's rules
-ALL_FAILED = [("recovered_correct", 0), ("recovered_wrong", 0), *[("exhausted", i) for i in range(4)], ("gave_up", 0),
-              ("infra", 0), ("gate_off", 0), ("malformed_recovered", 0)]
+ALL_FAILED = [
+    ("recovered_correct", 0),
+    ("recovered_wrong", 0),
+    *[("exhausted", i) for i in range(4)],
+    ("gave_up", 0),
+    ("infra", 0),
+    ("gate_off", 0),
+    ("malformed_recovered", 0),
+]
 KEPT = {
     "raw": ALL_FAILED,
     "void_turn": [f for f in ALL_FAILED if f[0] != "malformed_recovered"],  # its unclosed call voids the row
@@ -127,7 +139,11 @@ def test_failed_calls_each_mode_trains_on_the_scripted_group(scripted, mode):
     negative = sum(_call_tokens(by_name[n], a) for n, a in kept if by_name[n].reward < 0)
     (row,) = _query(cfg, f"SELECT * FROM failed_call_advantage WHERE mode = '{mode}'")
     assert (row["failed_call_tokens"], row["trained"], row["on_positive"], row["on_negative"]) == (
-        total, positive + negative, positive, negative)
+        total,
+        positive + negative,
+        positive,
+        negative,
+    )
     assert row["share_negative"] == pytest.approx(negative / total)
 
 
@@ -147,8 +163,12 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
     leaves with loss mask 1: the view's SQL rule is checked against the code that builds the partitions."""
     cfg = request.getfixturevalue(which)
     cfg, run_id = (cfg[0], "s") if isinstance(cfg, tuple) else (cfg, "w")
-    raws = {t.key: t for t in (trajectory_from_row(r) for r in
-                               read_shard(RunLayout(cfg.storage.root, run_id).raw_dir(0), RAW).to_pylist())}
+    raws = {
+        t.key: t
+        for t in (
+            trajectory_from_row(r) for r in read_shard(RunLayout(cfg.storage.root, run_id).raw_dir(0), RAW).to_pylist()
+        )
+    }
     untag = lambda ids: [i - TAG if i >= TAG else i for i in ids]  # noqa: E731
     decode = lambda ids: chat.decode(untag(ids))  # noqa: E731
     backend = CPURecompute(DEFAULT_POLICY)
@@ -160,9 +180,16 @@ def test_failed_call_view_equals_purify_with_tagged_failed_calls(which, request,
         for p in _partition(cfg, run_id, mode):
             q = purify(_tagged(raws[p.raw_key]), GAMMA, mode, decode, score=score, tau=GAMMA)  # saar_is: τ = 0.5
             n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
-            trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
+            trained, negative, positive = (
+                trained + n,
+                negative + n * (p.advantage < 0),
+                positive + n * (p.advantage > 0),
+            )
         assert (view[mode]["trained"], view[mode]["on_negative"], view[mode]["on_positive"]) == (
-            trained, negative, positive), mode
+            trained,
+            negative,
+            positive,
+        ), mode
     assert view["raw"]["trained"] == view["raw"]["failed_call_tokens"] > view["saar"]["trained"]
 
 
@@ -175,8 +202,12 @@ def test_saar_is_failed_calls_in_the_view_equal_purify_at_every_tau(real, chat):
     splice at the position as removed, so at some τ its counts (and the report's prediction) were wrong."""
     cfg = real
     run_purify_stage(cfg, "w", 0, plan_variants(cfg, ["saar_is"], [GAMMA], TAUS))
-    raws = {t.key: t for t in (trajectory_from_row(r) for r in
-                               read_shard(RunLayout(cfg.storage.root, "w").raw_dir(0), RAW).to_pylist())}
+    raws = {
+        t.key: t
+        for t in (
+            trajectory_from_row(r) for r in read_shard(RunLayout(cfg.storage.root, "w").raw_dir(0), RAW).to_pylist()
+        )
+    }
     untag = lambda ids: [i - TAG if i >= TAG else i for i in ids]  # noqa: E731
     backend = CPURecompute(DEFAULT_POLICY)
     view = {r["is_threshold"]: r for r in _query(cfg, "SELECT * FROM failed_call_advantage WHERE mode = 'saar_is'")}
@@ -185,24 +216,41 @@ def test_saar_is_failed_calls_in_the_view_equal_purify_at_every_tau(real, chat):
         d = RunLayout(cfg.storage.root, "w").purified_dir(0, "saar_is", tau)
         trained = negative = positive = 0
         for p in (purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()):
-            q = purify(_tagged(raws[p.raw_key]), 0.0, "saar_is", lambda ids: chat.decode(untag(ids)),
-                       score=lambda context, turn: backend.score(untag(context), untag(turn)), tau=tau)
+            q = purify(
+                _tagged(raws[p.raw_key]),
+                0.0,
+                "saar_is",
+                lambda ids: chat.decode(untag(ids)),
+                score=lambda context, turn: backend.score(untag(context), untag(turn)),
+                tau=tau,
+            )
             n = sum(1 for tok, m in zip(q.response_ids, q.loss_mask) if tok >= TAG and m)
-            trained, negative, positive = trained + n, negative + n * (p.advantage < 0), positive + n * (p.advantage > 0)
-            appended_then_replaced += any(s.attempt_idx > 1 and not any(
-                t.position_idx == s.position_idx and t.attempt_idx == s.attempt_idx - 1 for t in q.splices)
-                for s in q.splices)
+            trained, negative, positive = (
+                trained + n,
+                negative + n * (p.advantage < 0),
+                positive + n * (p.advantage > 0),
+            )
+            appended_then_replaced += any(
+                s.attempt_idx > 1
+                and not any(t.position_idx == s.position_idx and t.attempt_idx == s.attempt_idx - 1 for t in q.splices)
+                for s in q.splices
+            )
         assert (view[tau]["trained"], view[tau]["on_negative"], view[tau]["on_positive"]) == (
-            trained, negative, positive), tau
+            trained,
+            negative,
+            positive,
+        ), tau
     assert appended_then_replaced  # the case the rule missed is among them
 
 
 def test_the_coarse_rule_is_shown_as_disproved_never_as_a_prediction():
     """Issue 32 §3: the coarse rule did not predict (docs/results/when_purification_helps_writeup.md point 5);
     the recovered trajectories' mean advantage is still shown, with what that rule would say marked disproved."""
-    rows = [{"iteration": 0, "kind": "recovered", "mean_advantage": 0.2, "trajectories": 5},
-            {"iteration": 1, "kind": "recovered", "mean_advantage": -0.1, "trajectories": 4},
-            {"iteration": 2, "kind": "clean", "mean_advantage": 0.3, "trajectories": 9}]
+    rows = [
+        {"iteration": 0, "kind": "recovered", "mean_advantage": 0.2, "trajectories": 5},
+        {"iteration": 1, "kind": "recovered", "mean_advantage": -0.1, "trajectories": 4},
+        {"iteration": 2, "kind": "clean", "mean_advantage": 0.3, "trajectories": 9},
+    ]
     assert prediction(rows, 0).endswith("+0.200 over 5: the disproved coarse rule would say help")
     assert prediction(rows, 1).endswith("the disproved coarse rule would say hurt")
     assert "no recovered trajectory" in prediction(rows, 2)
@@ -213,8 +261,9 @@ def test_the_coarse_rule_is_shown_as_disproved_never_as_a_prediction():
 def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
     cfg = real.model_copy(deep=True)
     cfg.storage.root = tmp_path
-    shutil.copytree(real.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        real.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     assert run_replay(cfg, "w", 0, gammas=[GAMMA], modes=["saar_correct", "roc"]) == 0
     out = capsys.readouterr().out
     kinds = _query(cfg, "SELECT * FROM trajectory_kinds")
@@ -230,7 +279,9 @@ def test_replay_prints_the_premise_table_and_the_rule(real, tmp_path, capsys):
 
 def test_report_has_the_premise_panel(real):
     page = write_report(real.storage.root, "w").read_text()
-    assert "Does purification help? A hypothesis to check" in page  # the token-level hypothesis: tests/test_report_rule.py
+    assert (
+        "Does purification help? A hypothesis to check" in page
+    )  # the token-level hypothesis: tests/test_report_rule.py
     assert '<p class="disproved" id="coarse-rule">Coarse rule, disproved' in page
     assert page.count(">not_recovered</a></td>") + page.count(">recovered</a></td>") >= 1
     assert "<th>share_<wbr>negative</th>" in page and '<td class="text">mask_failed</td>' in page
@@ -246,8 +297,15 @@ def test_token_level_prediction_compares_each_mode_with_raw():
     from flows.premise import token_predictions
 
     def row(mode, neg, pos, gamma=0.0):
-        return {"iteration": 0, "mode": mode, "gamma": gamma, "measure": None, "on_negative": neg, "on_positive": pos,
-                "trained": neg + pos}
+        return {
+            "iteration": 0,
+            "mode": mode,
+            "gamma": gamma,
+            "measure": None,
+            "on_negative": neg,
+            "on_positive": pos,
+            "trained": neg + pos,
+        }
 
     failed = [row("raw", 40, 10), row("saar", 10, 0, 0.5), row("saar_correct", 40, 0, 0.5), row("roc", 5, 5)]
     lines = token_predictions(failed, 0)

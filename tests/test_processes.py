@@ -1,4 +1,5 @@
 """The processes cleaner starts die with their starter (pipeline/processes.py dies_with), with the signal asked."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,12 @@ signal.pause()
 
 def test_a_child_started_with_dies_with_gets_its_signal_when_the_starter_is_killed(tmp_path):
     record = tmp_path / "signal"
-    starter = subprocess.Popen([sys.executable, "-c", STARTER, str(record)], stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    starter = subprocess.Popen(
+        [sys.executable, "-c", STARTER, str(record)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     child = int(starter.stdout.readline())
     assert alive(child) and not record.exists()
     starter.kill()  # kill -9: no handler of the starter's runs, only the kernel's PR_SET_PDEATHSIG

@@ -1,4 +1,5 @@
 """One progress indication per stage: a bar on a terminal, lines elsewhere, never on stdout."""
+
 from __future__ import annotations
 
 from pipeline.progress import StageProgress

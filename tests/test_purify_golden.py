@@ -1,5 +1,6 @@
 """Golden tests of the pure SAAR core on raw trajectories built through the real tokenizer (the
 committed policy's) by the real agent loop and sandbox, with scripted turns (see doubles.py)."""
+
 from __future__ import annotations
 
 import copy
@@ -17,13 +18,17 @@ from tests.doubles import ANSWER, ScriptedEngineDouble, call
 
 TASK = Task("g1", "world", "What is 6 * 7?", "42")
 FIX = call("print(6 * 7)", reasoning="Fixing the typo now.")
-LONG_REWRITE = call("first_factor = 6\nsecond_factor = 7\nproduct_value = first_factor * second_factor\n"
-                    "print(product_value)", reasoning="A different approach.")
+LONG_REWRITE = call(
+    "first_factor = 6\nsecond_factor = 7\nproduct_value = first_factor * second_factor\nprint(product_value)",
+    reasoning="A different approach.",
+)
 
 
 def raw(chat, sandbox, turns, task=TASK, **saar):
     cfg = RolloutConfig(samples_per_prompt=1, saar=SaarConfig(**saar))
-    engine = ScriptedEngineDouble(chat, lambda text, n: turns[n] if n < len(turns) else ANSWER.format(task.ground_truth))
+    engine = ScriptedEngineDouble(
+        chat, lambda text, n: turns[n] if n < len(turns) else ANSWER.format(task.ground_truth)
+    )
     return AgentLoop(engine, sandbox, chat, cfg).run([task], RolloutIdentity("g", 0, "v"))[0]
 
 
@@ -46,8 +51,10 @@ def check_invariants(t, p, chat):
 
 
 def sim(chat, t, a, b):
-    pa, pb = (piece_from_attempt(x.attempt_idx, x.turn_ids, x.logprobs, x.call_start)
-              for x in (t.positions[0].attempts[a], t.positions[0].attempts[b]))
+    pa, pb = (
+        piece_from_attempt(x.attempt_idx, x.turn_ids, x.logprobs, x.call_start)
+        for x in (t.positions[0].attempts[a], t.positions[0].attempts[b])
+    )
     return decide(pa, pb, 0.5, chat.decode).similarity
 
 
@@ -67,7 +74,7 @@ def test_shallow_keeps_failed_reasoning_and_takes_the_retry_call(chat, sandbox):
     failed = t.positions[0].attempts[0]
     assert p.response_ids[: failed.call_start] == failed.turn_ids[: failed.call_start]  # byte-identical prefix
     assert all(p.logprob_valid[: failed.call_start])  # its context is unchanged: sampled log-probs kept
-    assert not any(p.logprob_valid[failed.call_start: s.first_recomputed + 1])
+    assert not any(p.logprob_valid[failed.call_start : s.first_recomputed + 1])
     assert s.tokens_removed > 0
     check_invariants(t, p, chat)
 
@@ -127,8 +134,12 @@ def test_two_retries_alternating_shallow_then_deep(chat, sandbox):
 
 def test_two_positions_in_one_trajectory(chat, sandbox):
     task = Task("g2", "world", "Compute 6 * 7. Then add that result to 8.", "50")
-    t = raw(chat, sandbox, [call("prnt(6 * 7)"), call("print(6 * 7)"), call("print(42 + 8"), call("print(42 + 8)"),
-                            ANSWER.format(50)], task=task)
+    t = raw(
+        chat,
+        sandbox,
+        [call("prnt(6 * 7)"), call("print(6 * 7)"), call("print(42 + 8"), call("print(42 + 8)"), ANSWER.format(50)],
+        task=task,
+    )
     assert [p.outcome for p in t.positions] == ["recovered", "recovered"]
     p = purify(t, 0.5, "saar", chat.decode)
     assert [s.position_idx for s in p.splices] == [0, 1]

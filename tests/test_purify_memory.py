@@ -2,6 +2,7 @@
 or the bucket: at 16k tokens a row is ~2 MB of Python objects, and a raw part holds up to storage.rows_per_part
 rows (benchmarks/bench_purify_memory.py measures the whole stage's RSS). Measured with tracemalloc, which sees
 Python allocations (the lists purification builds per row) and not Arrow's buffers, on real rollouts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,14 @@ VARIANTS = (Variant.of("saar", 0.5), Variant.of("raw"))
 def _replicated(cfg, copies: int) -> pa.Table:
     """The world rollout's rows `copies` times, each copy under its own prompt ids."""
     rows = [trajectory_from_row(r) for r in read_shard(RunLayout(cfg.storage.root, "w").raw_dir(0), RAW).to_pylist()]
-    return pa.Table.from_pylist([trajectory_to_row(dataclasses.replace(t, prompt_id=f"{t.prompt_id}-{k}"))
-                                 for k in range(copies) for t in rows], schema=RAW)
+    return pa.Table.from_pylist(
+        [
+            trajectory_to_row(dataclasses.replace(t, prompt_id=f"{t.prompt_id}-{k}"))
+            for k in range(copies)
+            for t in rows
+        ],
+        schema=RAW,
+    )
 
 
 def _peak(fn) -> int:
@@ -62,8 +69,12 @@ def _raw_part(table: pa.Table, directory: Path) -> tuple[str, dict]:
 def test_purify_batches_holds_one_slice_of_a_part_at_a_time(world_rollout, tmp_path):
     one, eight = _replicated(world_rollout, 1), _replicated(world_rollout, 8)
     budget = sum(pc.list_value_length(one["lived_ids"]).to_pylist())  # one copy of the rollout per slice
-    dofn = PurifyBatches(PurifyJob(raw_parts=(), variants=VARIANTS, staging=str(tmp_path / "staging"),
-                                   tokenizer_dir=str(DEFAULT_POLICY)), slice_tokens=budget)
+    dofn = PurifyBatches(
+        PurifyJob(
+            raw_parts=(), variants=VARIANTS, staging=str(tmp_path / "staging"), tokenizer_dir=str(DEFAULT_POLICY)
+        ),
+        slice_tokens=budget,
+    )
     dofn.setup()
     parts = {n: _raw_part(t, tmp_path / n) for n, t in (("one", one), ("eight", eight))}
     outputs: dict[str, list] = {"one": [], "eight": []}
@@ -76,8 +87,9 @@ def test_purify_batches_holds_one_slice_of_a_part_at_a_time(world_rollout, tmp_p
     groups = [(key, path) for key, path in outputs["eight"] if not isinstance(key, str)]
     assert {v for (v, _), _ in groups} == set(VARIANTS) and all(isinstance(p, str) for _, p in groups)
     # and the slices purify to the same rows as the whole part at once
-    whole = purify_batch(eight, list(VARIANTS), _tokenizer_decode(str(DEFAULT_POLICY)),
-                         str(tmp_path / "eight" / "part-00000.parquet"))
+    whole = purify_batch(
+        eight, list(VARIANTS), _tokenizer_decode(str(DEFAULT_POLICY)), str(tmp_path / "eight" / "part-00000.parquet")
+    )
     for variant in VARIANTS:
         got = pa.concat_tables([pq.read_table(p) for (v, _), p in groups if v == variant]).sort_by(SORT)
         # compared as text: advantages are NaN until the group stage sets them, and NaN != NaN
@@ -141,8 +153,14 @@ def test_recompute_holds_one_prompt_group_at_a_time(world_rollout):
     first = max(counts, key=lambda c: c["counts"])["values"]  # the group with the most rows to recompute
     group = spliced.filter(pc.equal(spliced["prompt_id"], first))
     assert group.num_rows >= 1
-    many = pa.concat_tables([group.set_column(group.schema.get_field_index("prompt_id"), "prompt_id",
-                                              pa.array([f"{first}-{k}"] * group.num_rows)) for k in range(16)])
+    many = pa.concat_tables(
+        [
+            group.set_column(
+                group.schema.get_field_index("prompt_id"), "prompt_id", pa.array([f"{first}-{k}"] * group.num_rows)
+            )
+            for k in range(16)
+        ]
+    )
     backend = CPURecompute(DEFAULT_POLICY)
     recompute_groups(group, backend)  # warm-up
     results: list = []

@@ -1,4 +1,5 @@
 """The purification stage on a real Beam pipeline (FnApiRunner) over real rollouts of the tiny policy."""
+
 from __future__ import annotations
 
 import shutil
@@ -50,7 +51,9 @@ def test_partitions_committed_with_advantages(stage):
     cfg, results = stage
     assert {(r.mode, r.gamma) for r in results} == {("saar", 0.5), ("raw", 0.0)}
     rows = purified(cfg, "saar", 0.5)
-    assert len(rows) == 64 and [(r.prompt_id, r.sample_idx) for r in rows] == sorted((r.prompt_id, r.sample_idx) for r in rows)
+    assert len(rows) == 64 and [(r.prompt_id, r.sample_idx) for r in rows] == sorted(
+        (r.prompt_id, r.sample_idx) for r in rows
+    )
     groups = {}
     for r in rows:
         groups.setdefault(r.prompt_id, []).append(r)
@@ -64,7 +67,9 @@ def test_partitions_committed_with_advantages(stage):
 
 def test_recomputed_logprobs_equal_a_full_forward(stage):
     cfg, _ = stage
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     spliced = 0
     for mode, gamma in (("saar", 0.5), ("raw", 0.0)):
         for r in purified(cfg, mode, gamma):
@@ -110,8 +115,9 @@ def test_replay_gammas_never_touch_raw(stage):
 
 def test_output_is_byte_identical_across_runs(stage, tmp_path):
     cfg, _ = stage
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     other = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
     run_purify_stage(other, "w", 0)
     a = read_manifest(RunLayout(cfg.storage.root, "w").purified_dir(0, "saar", 0.5))
@@ -151,8 +157,9 @@ def test_too_many_bad_rows_fail_loudly_and_commit_nothing(stage, tmp_path):
 def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stage, tmp_path, monkeypatch):
     """WriteToFiles only logs a failed rename; the stage checks staged rows against the pipeline's counters."""
     cfg, _ = stage
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     real_run = beam_pipeline.run
 
     def run_then_lose_a_file(job):
@@ -166,8 +173,11 @@ def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stag
     lost_rows: list[int] = []
     monkeypatch.setattr(beam_pipeline, "run", run_then_lose_a_file)
     c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
-    with pytest.raises(StagingMismatch, match=r"staged rows for mode=saar/gamma=0.50/purified, but the pipeline "
-                                              r"produced 64") as e:
+    with pytest.raises(
+        StagingMismatch,
+        match=r"staged rows for mode=saar/gamma=0.50/purified, but the pipeline "
+        r"produced 64",
+    ) as e:
         run_purify_stage(c, "w", 0)
     assert f"{64 - lost_rows[0]} staged rows" in str(e.value)
     assert read_manifest(RunLayout(tmp_path, "w").purified_dir(0, "saar", 0.5)) is None
@@ -175,8 +185,9 @@ def test_a_staged_file_lost_by_the_sink_fails_the_stage_and_commits_nothing(stag
 
 def test_dynamic_filter_drops_uniform_groups(stage, tmp_path):
     cfg, _ = stage
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5], dynamic_filter=True)
     run_purify_stage(c, "w", 0)
     rows = purified(c, "saar", 0.5)
@@ -193,8 +204,9 @@ def test_a_partition_committed_in_chunks_and_parts_holds_the_rows_of_one_sort(st
     from storage.shards import summary_parts, text_parts
 
     cfg, _ = stage
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     monkeypatch.setattr(commit, "COMMIT_TOKENS", 3_000)  # a few rows of the tiny policy's rollouts per chunk
     c = cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5])
     c.storage.rows_per_part = 10
@@ -222,8 +234,9 @@ def test_variant_keys_have_a_coder_of_their_own(stage, tmp_path, caplog):
     assert coder.decode(coder.encode(v)) == v and coder.is_deterministic()
     assert coder.encode(Variant.of("saar", 0.3, Measure("difflib", "code"))) == coder.encode(v)
     cfg, _ = stage
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    tmp_path / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", tmp_path / "runs" / "w" / "iteration=0000" / "raw"
+    )
     with caplog.at_level("WARNING"):
         run_purify_stage(cfg_with(cfg, tmp_path, modes=["saar"], gammas=[0.5]), "w", 0)
     assert not [r for r in caplog.records if "fallback deterministic coder" in r.getMessage()]

@@ -2,6 +2,7 @@
 HTTP contract double → purify (Beam, SAAR on the `code` target, shallow and deep) → recompute → update
 → next rollout on the updated checkpoint (CPU engine). Ids above 65,535 everywhere, `<think>` blocks
 before calls, the call marker is the single token 151657."""
+
 from __future__ import annotations
 
 import os
@@ -34,12 +35,26 @@ def run(tmp_path_factory):
     policy = root / "policy"
     init_policy(policy, log=lambda *_: None)
     server = SGLangContractDouble(policy)
-    cfg = load_config(None, [
-        f"storage.root={root}", f"rollout.policy={policy}", "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
-        "rollout.tasks_per_iteration=3", "rollout.samples_per_prompt=4", "rollout.max_turn_tokens=80",
-        "rollout.max_prompt_tokens=512", "rollout.max_response_tokens=400", "rollout.saar.similarity_on=code",
-        "purify.modes=[saar]", f"purify.gammas=[0.3,{ALWAYS_DEEP}]", "train.gamma=0.3", "train.mini_batches=1",
-        "rollout.seed=1"])
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={root}",
+            f"rollout.policy={policy}",
+            "rollout.engine=sglang",
+            f"rollout.sglang_url={server.url}",
+            "rollout.tasks_per_iteration=3",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_turn_tokens=80",
+            "rollout.max_prompt_tokens=512",
+            "rollout.max_response_tokens=400",
+            "rollout.saar.similarity_on=code",
+            "purify.modes=[saar]",
+            f"purify.gammas=[0.3,{ALWAYS_DEEP}]",
+            "train.gamma=0.3",
+            "train.mini_batches=1",
+            "rollout.seed=1",
+        ],
+    )
     try:
         run_rollout_stage(cfg, "q3", 0, policy, show_progress=False)
     finally:
@@ -95,5 +110,10 @@ def test_purify_update_and_next_rollout(run):
     manifest = run_rollout_stage(cpu, "q3", 1, target, show_progress=False)
     assert manifest.rows == 12 and manifest.extra["policy_version"] == policy_version(target)
     nxt = [trajectory_from_row(r) for r in read_shard(RunLayout(cfg.storage.root, "q3").raw_dir(1), RAW).to_pylist()]
-    assert any(a.turn_ids[a.call_start] == TOOL_CALL_ID for t in nxt for p in t.positions for a in p.attempts
-               if a.call_start >= 0)
+    assert any(
+        a.turn_ids[a.call_start] == TOOL_CALL_ID
+        for t in nxt
+        for p in t.positions
+        for a in p.attempts
+        if a.call_start >= 0
+    )

@@ -3,11 +3,19 @@ forward of the same model: bit-identical logits and KV on the engine's batch lay
 padding between a kept prefix and new tokens, chunked prefill, decoding steps, positions past the
 first cos/sin table), on the committed policy and on a grouped-query model with biases; other
 models go through their own forward."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from pipeline.config import DEFAULT_POLICY
 from rollout_gen.engines.qwen3_forward import Qwen3Forward, engine_forward, model_forward
@@ -19,8 +27,17 @@ def _policy() -> torch.nn.Module:
 
 def _grouped_query() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, attention_bias=True, max_position_embeddings=4096)
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=True,
+        max_position_embeddings=4096,
+    )
     model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():  # biases start at zero: make them count
         for p in model.parameters():
@@ -69,9 +86,10 @@ def test_the_engines_qwen3_forward_gives_the_models_own_logits_bit_for_bit(build
 
 def test_other_models_go_through_their_own_forward():
     torch.manual_seed(0)
-    llama = LlamaForCausalLM._from_config(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
-                                                      num_hidden_layers=2, num_attention_heads=4),
-                                          attn_implementation="eager").eval()
+    llama = LlamaForCausalLM._from_config(
+        LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+        attn_implementation="eager",
+    ).eval()
     sdpa = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(2))
     for model in (llama, sdpa):

@@ -1,6 +1,7 @@
 """The committed Qwen3 tokenizer (built from the llama-cpp-python sdist's GGUF vocabulary) against
 llama.cpp's own test vectors, Qwen3's added-token layout, and Qwen3's chat template against the
 token-level turns the agent loop appends."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.chat import CODE_TOOL_SCHEMA, DEFAULT_SYSTEM, TOOL_NAME, ChatFormat, format_tool_response, render_tool_call
+from pipeline.chat import (
+    CODE_TOOL_SCHEMA,
+    DEFAULT_SYSTEM,
+    TOOL_NAME,
+    ChatFormat,
+    format_tool_response,
+    render_tool_call,
+)
 from pipeline.qwen3_tokenizer import ADDED_TOKENS, REGULAR_TOKENS, TOKENIZER_DIR, TOOL_CALL_ID, read_vectors
 
 
@@ -42,12 +50,21 @@ def test_chat_template_is_qwen3s_and_matches_the_token_level_turns(tok):
     assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
     turn = chat.encode("<think>\nAdd them.\n</think>\n\n" + render_tool_call("print(2 + 3)")) + [chat.im_end_id]
     feedback = chat.feedback_ids(format_tool_response(True, stdout="5"))
-    messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": "What is 2 + 3?"},
-                {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n",
-                 "tool_calls": [{"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(2 + 3)"}}}]},
-                {"role": "tool", "content": format_tool_response(True, stdout="5")}]
-    rendered = tok.apply_chat_template(messages, tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"]
+    messages = [
+        {"role": "system", "content": DEFAULT_SYSTEM},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": "<think>\nAdd them.\n</think>\n\n",
+            "tool_calls": [
+                {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": "print(2 + 3)"}}}
+            ],
+        },
+        {"role": "tool", "content": format_tool_response(True, stdout="5")},
+    ]
+    rendered = tok.apply_chat_template(
+        messages, tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert rendered == prompt + turn + feedback  # the agent loop's ids are what Qwen3's template renders
     assert chat.marker_ids == [TOOL_CALL_ID] and chat.call_start(turn) == turn.index(TOOL_CALL_ID) == 7
     assert turn[0] == 151667 and 151668 in turn  # <think> … </think> before the call

@@ -1,5 +1,6 @@
 """Workspaces that move (issue #31 §5): a store copied to another directory and used from a third one gives
 the original's results and never opens a file of the original (which is removed before the copy is used)."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,13 +12,16 @@ from tests.flow_helpers import run_cleaner
 
 
 def _replay(root, cwd) -> subprocess.CompletedProcess:
-    return run_cleaner(["replay", "--run", "tiny", "--iteration", "1", "--gamma", "0.3", f"storage.root={root}"],
-                       cwd=cwd)
+    return run_cleaner(
+        ["replay", "--run", "tiny", "--iteration", "1", "--gamma", "0.3", f"storage.root={root}"], cwd=cwd
+    )
 
 
 def test_recorded_paths_are_relative_to_the_root(tmp_path):
     root = tmp_path / "ws"
-    assert record_path(root, root / "runs" / "r" / "checkpoints" / "iteration=0001") == "runs/r/checkpoints/iteration=0001"
+    assert (
+        record_path(root, root / "runs" / "r" / "checkpoints" / "iteration=0001") == "runs/r/checkpoints/iteration=0001"
+    )
     assert record_path(root, tmp_path / "policy") == str((tmp_path / "policy").resolve())
     # what earlier cleaners recorded (relative to the command's directory, or absolute) reads inside this root
     for old in ("workspace/runs/r/checkpoints/iteration=0001", "/elsewhere/runs/ws/runs/r/checkpoints/iteration=0001"):
@@ -45,7 +49,9 @@ def test_a_moved_store_works_from_another_directory_without_the_original(uninter
     assert second.returncode == 0, second.stderr[-2000:]
     again = read_manifest(RunLayout(moved, "tiny").purified_dir(1, "saar", 0.3))
     assert again.rows > 0 and again.extra["checkpoint"] == "runs/tiny/checkpoints/iteration=0001"  # the copy's own
-    assert [ln for ln in second.stdout.splitlines() if "│" in ln] == [ln for ln in first.stdout.splitlines() if "│" in ln]
+    assert [ln for ln in second.stdout.splitlines() if "│" in ln] == [
+        ln for ln in first.stdout.splitlines() if "│" in ln
+    ]
 
 
 def test_a_copied_catalog_file_refuses_to_read_the_originals_shards(uninterrupted, tmp_path):

@@ -2,6 +2,7 @@
 table over γ = 0.00..1.00 step 0.05, a similarity histogram, example pairs, and writes a PNG, from the
 stored raw shard only (nothing regenerated, no partition written, the raw shard byte-identical); a
 replay at given γ writes partitions beside the others, and another measure gets its own partition."""
+
 from __future__ import annotations
 
 import os
@@ -85,7 +86,9 @@ def test_replay_at_gammas_writes_partitions_and_other_measure_beside_default(run
     assert run_replay(other, "w", 0, gammas=[0.9], modes=["saar"]) == 0
     ref_rows = _table_rows(capsys.readouterr().out)
     assert ref_rows[0][7] == 0  # the reference measure agrees with itself
-    names = sorted(p.name for p in layout.purified_dir(0, "saar", 0.9).parent.iterdir() if p.name.startswith("gamma=0.90"))
+    names = sorted(
+        p.name for p in layout.purified_dir(0, "saar", 0.9).parent.iterdir() if p.name.startswith("gamma=0.90")
+    )
     assert names == ["gamma=0.90", "gamma=0.90-difflib-segment"]
     assert _snapshot(layout.raw_dir(0)) == raw_before
 
@@ -117,5 +120,8 @@ def test_replay_names_the_lived_measure_from_what_the_run_recorded(run, capsys):
 
 
 def _cells(out: str) -> list[list[str]]:
-    return [cells for line in out.splitlines()
-            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 8 and re.fullmatch(r"[0-9.]+", cells[0])]
+    return [
+        cells
+        for line in out.splitlines()
+        if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 8 and re.fullmatch(r"[0-9.]+", cells[0])
+    ]

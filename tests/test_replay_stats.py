@@ -3,6 +3,7 @@ answers are known without recomputing them: at γ=0 every splice is shallow, abo
 deep, at the lived γ with the lived measure nothing differs from what was lived; rows without retries
 or with SAAR off are not counted. Raw rows come from the real agent loop and sandbox with scripted
 turns (tests/doubles.py) and the committed policy's tokenizer."""
+
 from __future__ import annotations
 
 import copy
@@ -19,10 +20,14 @@ from tests.doubles import ANSWER, ScriptedEngineDouble, call
 
 TASK = Task("g1", "world", "What is 6 * 7?", "42")
 NEAR_COPY = [call("prnt(6 * 7)", reasoning="Let me compute."), call("print(6 * 7)", reasoning="Fixing the typo.")]
-REWRITE = [call("prnt(6 * 7)", reasoning="Let me compute."),
-           call("import math\nfactors = [6, 7]\naccumulated_product = math.prod(factors)\n"
-                "assert accumulated_product > 0\nprint(accumulated_product)",
-                reasoning="A different approach with the math module.")]
+REWRITE = [
+    call("prnt(6 * 7)", reasoning="Let me compute."),
+    call(
+        "import math\nfactors = [6, 7]\naccumulated_product = math.prod(factors)\n"
+        "assert accumulated_product > 0\nprint(accumulated_product)",
+        reasoning="A different approach with the math module.",
+    ),
+]
 FIRST_TRY = [call("print(6 * 7)")]
 GAMMA_LIVE = 0.7
 
@@ -66,15 +71,21 @@ def test_replay_stats_counts_known_decisions(chat, raws):
     only = replay_stats([near, rewrite], 0.5, chat.decode, live, live)
     assert only == replay_stats([near, rewrite, first, gated_off], 0.5, chat.decode, live, live)
     empty = replay_stats([first, gated_off], 0.5, chat.decode, live, live)
-    assert (empty.positions, empty.shallow, empty.deep, empty.tokens_removed, empty.tokens_recomputed) == (0, 0, 0, 0, 0)
+    assert (empty.positions, empty.shallow, empty.deep, empty.tokens_removed, empty.tokens_recomputed) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def test_reference_measure_differences_are_counted(chat, raws):
     """The rewrite's similarity is 0.61 under rapidfuzz and 0.57 under difflib (the reference): at γ
     between them the two measures decide differently for it, and alike for the near copy (0.995)."""
     near, rewrite, *_ = raws
-    ours, = (x.similarity for x in purify(rewrite, 0.5, "saar", chat.decode, DEFAULT_MEASURE).splices)
-    ref, = (x.similarity for x in purify(rewrite, 0.5, "saar", chat.decode, REFERENCE_MEASURE).splices)
+    (ours,) = (x.similarity for x in purify(rewrite, 0.5, "saar", chat.decode, DEFAULT_MEASURE).splices)
+    (ref,) = (x.similarity for x in purify(rewrite, 0.5, "saar", chat.decode, REFERENCE_MEASURE).splices)
     assert ref < 0.59 < ours
     s = replay_stats([near, rewrite], 0.59, chat.decode, DEFAULT_MEASURE, DEFAULT_MEASURE)
     assert (s.shallow, s.deep, s.differ_from_reference) == (2, 0, 1)

@@ -5,6 +5,7 @@ view`'s pages that work when the viewer serves the report, and every text escape
 Hand-stated rows check the wording and arithmetic; a real tiny-policy rollout purified in every mode checks the
 page against the catalog; headless Chromium (Debian's, through Selenium, as tests/test_viewer.py) checks the
 layout at 1000 px, as a file and inside the viewer, and follows the links."""
+
 from __future__ import annotations
 
 import re
@@ -22,23 +23,48 @@ WIDTH = 1000
 
 
 def _row(iteration, mode, neg, pos, gamma=0.0, measure=None):
-    return {"iteration": iteration, "mode": mode, "gamma": gamma, "measure": measure, "failed_call_tokens": 200,
-            "trained": neg + pos, "on_negative": neg, "on_positive": pos, "share_negative": neg / 200,
-            "share_positive": pos / 200}
+    return {
+        "iteration": iteration,
+        "mode": mode,
+        "gamma": gamma,
+        "measure": measure,
+        "failed_call_tokens": 200,
+        "trained": neg + pos,
+        "on_negative": neg,
+        "on_positive": pos,
+        "share_negative": neg / 200,
+        "share_positive": pos / 200,
+    }
 
 
 # Two iterations. raw trains 50+30 negative and 10+10 positive failed-call tokens; saar keeps 10+10 negative and
 # none positive (stops 60 / 20: slower predicted); saar_correct keeps every negative one (stops 0 / 20: not
 # slower); mask_failed at iteration 1 only, where raw has no partition (no prediction there); roc is no removal.
-FAILED = [_row(0, "raw", 50, 10), _row(0, "saar", 10, 0, GAMMA, "rapidfuzz-segment"),
-          _row(0, "saar_correct", 50, 0, GAMMA, "rapidfuzz-segment"), _row(0, "roc", 5, 5),
-          _row(1, "raw", 30, 10), _row(1, "saar", 10, 0, GAMMA, "rapidfuzz-segment"),
-          _row(1, "saar_correct", 30, 0, GAMMA, "rapidfuzz-segment"), _row(2, "mask_failed", 3, 0)]
-KINDS = [{"iteration": 0, "kind": "recovered", "trajectories": 5, "mean_reward": 0.2, "correct": 0.6,
-          "mean_advantage": 0.4}]
+FAILED = [
+    _row(0, "raw", 50, 10),
+    _row(0, "saar", 10, 0, GAMMA, "rapidfuzz-segment"),
+    _row(0, "saar_correct", 50, 0, GAMMA, "rapidfuzz-segment"),
+    _row(0, "roc", 5, 5),
+    _row(1, "raw", 30, 10),
+    _row(1, "saar", 10, 0, GAMMA, "rapidfuzz-segment"),
+    _row(1, "saar_correct", 30, 0, GAMMA, "rapidfuzz-segment"),
+    _row(2, "mask_failed", 3, 0),
+]
+KINDS = [
+    {"iteration": 0, "kind": "recovered", "trajectories": 5, "mean_reward": 0.2, "correct": 0.6, "mean_advantage": 0.4}
+]
 EVIL = '<script>alert(1)</script>"&'
-EXAMPLES = [{"iteration": 1, "mode": "saar", "gamma": GAMMA, "measure": "rapidfuzz-segment", "prompt_id": EVIL,
-             "sample_idx": 2, "advantage": -0.7}]
+EXAMPLES = [
+    {
+        "iteration": 1,
+        "mode": "saar",
+        "gamma": GAMMA,
+        "measure": "rapidfuzz-segment",
+        "prompt_id": EVIL,
+        "sample_idx": 2,
+        "advantage": -0.7,
+    }
+]
 
 
 def _text(fragment: str) -> str:
@@ -78,11 +104,13 @@ def test_the_section_states_the_token_rule_per_mode_with_its_numbers():
     assert items["saar"].startswith(
         "saar γ=0.5: over iterations 0–1 (2), raw trains 80 failed-call tokens under negative advantage and 20 "
         "under positive; saar γ=0.5 stops training 60 negative- and 20 positive-advantage ones. Token-level rule: "
-        "slower first-call error reduction than raw predicted.")
+        "slower first-call error reduction than raw predicted."
+    )
     assert items["saar_correct"].startswith(
         "saar_correct γ=0.5: over iterations 0–1 (2), raw trains 80 failed-call tokens under negative advantage and "
         "20 under positive; saar_correct γ=0.5 stops training 0 negative- and 20 positive-advantage ones. "
-        "Token-level rule: not predicted to be slower than raw.")
+        "Token-level rule: not predicted to be slower than raw."
+    )
     assert "roc: drops whole rows" in _text(html)
     rule = _text(re.search(r'<p class="rule">(.*?)</p>', html, re.S).group(1))
     assert rule.startswith("Token-level rule, a hypothesis the project's data does not establish") and "point 2" in rule
@@ -155,20 +183,24 @@ def test_the_page_states_the_rule_for_every_mode_in_the_run(store):
 
     root, page = store
     with Catalog(root) as cat:
-        rows = cat.query("SELECT m.mode, m.gamma, r.on_negative AS raw_neg, r.on_positive AS raw_pos, "
-                         "r.on_negative - m.on_negative AS neg, r.on_positive - m.on_positive AS pos "
-                         "FROM failed_call_advantage m JOIN failed_call_advantage r ON r.mode = 'raw' "
-                         "AND r.run_id = m.run_id AND r.iteration = m.iteration "
-                         "WHERE m.run_id = 'w' AND m.mode NOT IN ('raw', 'roc')").to_pylist()
+        rows = cat.query(
+            "SELECT m.mode, m.gamma, r.on_negative AS raw_neg, r.on_positive AS raw_pos, "
+            "r.on_negative - m.on_negative AS neg, r.on_positive - m.on_positive AS pos "
+            "FROM failed_call_advantage m JOIN failed_call_advantage r ON r.mode = 'raw' "
+            "AND r.run_id = m.run_id AND r.iteration = m.iteration "
+            "WHERE m.run_id = 'w' AND m.mode NOT IN ('raw', 'roc')"
+        ).to_pylist()
     items = _items(page)
     assert set(items) == {r["mode"] for r in rows} >= {"saar", "saar_correct", "mask_failed", "saar_is"}
     for r in rows:
         name = {"saar": "saar γ=0.5", "saar_correct": "saar_correct γ=0.5", "saar_is": "saar_is τ=0.5"}.get(
-            r["mode"], r["mode"])
+            r["mode"], r["mode"]
+        )
         assert items[r["mode"]].startswith(
             f"{name}: over iteration 0, raw trains {r['raw_neg']} failed-call tokens under negative advantage and "
             f"{r['raw_pos']} under positive; {name} stops training {r['neg']} negative- and {r['pos']} "
-            "positive-advantage ones. Token-level rule: "), items[r["mode"]]
+            "positive-advantage ones. Token-level rule: "
+        ), items[r["mode"]]
         slower = "slower first-call error reduction than raw predicted" in items[r["mode"]]
         assert slower == (r["neg"] > r["pos"])
     text = _text(page)
@@ -188,8 +220,10 @@ def test_the_pages_links_point_at_the_viewers_pages(store):
     trajectories = [parse_qs(urlsplit(h).query) for h in relative if "/trajectory?" in h]
     assert trajectories
     with Catalog(root) as cat:
-        keys = {(r["prompt_id"], r["sample_idx"]) for r in cat.query(
-            "SELECT prompt_id, sample_idx FROM raw_trajectories WHERE run_id = 'w'").to_pylist()}
+        keys = {
+            (r["prompt_id"], r["sample_idx"])
+            for r in cat.query("SELECT prompt_id, sample_idx FROM raw_trajectories WHERE run_id = 'w'").to_pylist()
+        }
     assert all((q["prompt"][0], int(q["sample"][0])) in keys for q in trajectories)
 
 
@@ -199,8 +233,9 @@ def browser():
     from tests.viewer_helpers import chrome
 
     driver = chrome()
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": False}
+    )
     yield driver
     driver.quit()
 
@@ -225,7 +260,9 @@ def _fits(browser) -> None:
     assert got["page"] <= got["view"] <= WIDTH, got  # the page never scrolls sideways
     assert len(got["tables"]) >= 5, got
     for t in got["tables"]:
-        assert t["box"] > 0 and t["need"] <= t["box"] + 1 and t["right"] <= got["view"], t  # no table scrolls at 1000 px
+        assert t["box"] > 0 and t["need"] <= t["box"] + 1 and t["right"] <= got["view"], (
+            t
+        )  # no table scrolls at 1000 px
 
 
 def test_the_report_fits_1000_px_as_a_file_and_says_how_to_open_the_viewer(store, browser):
@@ -271,8 +308,10 @@ def test_the_plots_mark_the_runs_own_thresholds_not_the_commands(tmp_path):
     from pipeline.config import load_config
     from storage.layout import RunLayout
 
-    for run, overrides, want in (("g", ["train.gamma=1.01", "purify.gammas=[1.01]"], (1.01, 0.5)),
-                                 ("t", ["train.mode=saar_is", "train.tau=0.3", "purify.gammas=[0.7]"], (0.7, 0.3))):
+    for run, overrides, want in (
+        ("g", ["train.gamma=1.01", "purify.gammas=[1.01]"], (1.01, 0.5)),
+        ("t", ["train.mode=saar_is", "train.tau=0.3", "purify.gammas=[0.7]"], (0.7, 0.3)),
+    ):
         freeze_run_config(load_config(None, [f"storage.root={tmp_path}", *overrides]), run)
         assert run_thresholds(RunLayout(tmp_path, run).run_json) == want
     assert run_thresholds(tmp_path / "none.json") == (0.5, 0.5)

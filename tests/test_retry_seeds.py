@@ -2,6 +2,7 @@
 independent noise (they shared one seed when the seed hashed only the count of kept turns, so a failed retry
 tended to be sampled again until the retries ran out). Driven through the real agent loop, the real sandbox and
 the committed policy's tokenizer; the scripted engine stands in for the policy only to force the failures."""
+
 from __future__ import annotations
 
 from pipeline.config import RolloutConfig, SaarConfig
@@ -11,8 +12,7 @@ from tests.doubles import ANSWER, ScriptedEngineDouble, call
 
 TASK = Task("t1", "world", "What is 6 * 7?", "42")
 # three failed attempts at position 0, a working one, an ordinary second call, the answer
-TURNS = [call("prnt(1)"), call("prnt(2)"), call("prnt(3)"), call("print(6 * 7)"), call("print(42)"),
-         ANSWER.format(42)]
+TURNS = [call("prnt(1)"), call("prnt(2)"), call("prnt(3)"), call("print(6 * 7)"), call("print(42)"), ANSWER.format(42)]
 
 
 class SeedRecordingEngineDouble(ScriptedEngineDouble):
@@ -42,10 +42,12 @@ def test_each_retry_and_the_next_turn_get_their_own_seed(chat, sandbox):
 
 def test_seeds_stay_a_pure_function_of_the_run(chat, sandbox):
     """Reruns stay identical: the same run seed gives the same seeds, another run seed other ones."""
+
     def seeds(run_seed: int) -> list[int]:
         engine = _engine(chat)
         AgentLoop(engine, sandbox, chat, RolloutConfig(samples_per_prompt=1)).run(
-            [TASK], RolloutIdentity("r", 0, "v", seed=run_seed))
+            [TASK], RolloutIdentity("r", 0, "v", seed=run_seed)
+        )
         return engine.seeds
 
     first = seeds(5)

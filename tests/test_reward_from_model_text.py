@@ -1,6 +1,7 @@
 """The reward and the answer are read from what the policy wrote, never from a tool response: a program that prints
 `\\boxed{…}` (or a code block) into the lived sequence does not score it. Real agent loop, real sandbox, real
 tokenizer; the scripted engine stands in for the policy to choose the turns."""
+
 from __future__ import annotations
 
 from pipeline.config import RolloutConfig
@@ -14,7 +15,8 @@ TASK = Task("t1", "world", "What is 6 * 7?", "42")
 def run(chat, sandbox, turns):
     engine = ScriptedEngineDouble(chat, lambda text, n: turns[min(n, len(turns) - 1)])
     return AgentLoop(engine, sandbox, chat, RolloutConfig(samples_per_prompt=1)).run(
-        [TASK], RolloutIdentity("r", 0, "v"))[0]
+        [TASK], RolloutIdentity("r", 0, "v")
+    )[0]
 
 
 def test_a_boxed_answer_printed_by_the_tool_does_not_score(chat, sandbox):

@@ -2,6 +2,7 @@
 purified rows' behaviour log-probs as its rollout log-probs. What OpenRLHF masks or clips is read back from
 the real loss's gradients on crafted batches; off, the update is bit-identical to the call of before; bad
 input is one clear error. Real tiny policy, real OpenRLHF PolicyLoss."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,19 @@ def rows_with_behaviour(m, n=6, seed=0, shift=None) -> list[TrainingRow]:
     rows = []
     for i, prompt, resp, mask, old in noisy_sequences(m, n, rng):
         behaviour = [o - shift(rng) if bit else 0.0 for o, bit in zip(old, mask)]
-        rows.append(TrainingRow(f"r/0/p{i // 3}/{i % 3}", f"p{i // 3}", i % 3, prompt, resp, mask, old,
-                                rng.choice([-1.5, -0.5, 0.7, 1.2]), behaviour))
+        rows.append(
+            TrainingRow(
+                f"r/0/p{i // 3}/{i % 3}",
+                f"p{i // 3}",
+                i % 3,
+                prompt,
+                resp,
+                mask,
+                old,
+                rng.choice([-1.5, -0.5, 0.7, 1.2]),
+                behaviour,
+            )
+        )
     return rows
 
 
@@ -57,8 +69,12 @@ def test_presets_are_the_config_names_and_map_onto_policy_loss_as_documented():
     for name, (level, mode, gating, bounds) in want.items():
         loss = policy_loss(TrainConfig(rollout_correction=name))
         assert isinstance(loss, openrlhf_models().PolicyLoss)
-        got = (loss.is_correction_level, loss.is_correction_mode, loss.is_correction_gating,
-               loss.is_correction_threshold)
+        got = (
+            loss.is_correction_level,
+            loss.is_correction_mode,
+            loss.is_correction_gating,
+            loss.is_correction_threshold,
+        )
         assert got == (level, mode, gating, bounds), name
     custom = policy_loss(TrainConfig(rollout_correction="token_mis", rollout_correction_bounds=(0.25, 3.0)))
     assert custom.is_correction_threshold == [0.25, 3.0] and custom.is_correction_mode == "mask"
@@ -71,8 +87,14 @@ def _coefficients(cfg: TrainConfig, rows: list[TrainingRow]) -> tuple[torch.Tens
     logp = mb.old_log_probs.clone().requires_grad_(True)
     tokens = mb.num_actions
     loss_fn = policy_loss(cfg)
-    loss, *_ = loss_fn(logp, mb.old_log_probs, mb.advantages, action_mask=mb.action_mask,
-                       rollout_log_probs=mb.rollout_log_probs, batch_num_tokens=tokens)
+    loss, *_ = loss_fn(
+        logp,
+        mb.old_log_probs,
+        mb.advantages,
+        action_mask=mb.action_mask,
+        rollout_log_probs=mb.rollout_log_probs,
+        batch_num_tokens=tokens,
+    )
     loss.backward()
     act = mb.action_mask > 0
     coef = -logp.grad[act] * tokens / mb.advantages[act]
@@ -80,8 +102,9 @@ def _coefficients(cfg: TrainConfig, rows: list[TrainingRow]) -> tuple[torch.Tens
     return coef, ratio, mb
 
 
-@pytest.mark.parametrize("preset,bounds", [("token_tis", None), ("token_mis", None), ("token_tis", (0.5, 1.5)),
-                                           ("token_mis", (0.9, 1.2))])
+@pytest.mark.parametrize(
+    "preset,bounds", [("token_tis", None), ("token_mis", None), ("token_tis", (0.5, 1.5)), ("token_mis", (0.9, 1.2))]
+)
 def test_token_gates_mask_or_clip_exactly_the_tokens_outside_the_bounds(preset, bounds):
     cfg = TrainConfig(rollout_correction=preset, rollout_correction_bounds=bounds)
     lo, hi = bounds or {"token_tis": (0.0, 2.0), "token_mis": (0.5, 5.0)}[preset]
@@ -111,13 +134,24 @@ def test_sequence_gates_drop_exactly_the_rows_whose_geometric_mean_ratio_is_outs
         behaviour = list(row.behaviour_logprobs)
         for k, x in zip(trained, noise):
             behaviour[k] = row.old_logprobs[k] - x
-        rows.append(TrainingRow(f"r/0/p0/{i}", "p0", i, row.prompt_ids, row.response_ids, row.loss_mask,
-                                row.old_logprobs, row.advantage, behaviour))
+        rows.append(
+            TrainingRow(
+                f"r/0/p0/{i}",
+                "p0",
+                i,
+                row.prompt_ids,
+                row.response_ids,
+                row.loss_mask,
+                row.old_logprobs,
+                row.advantage,
+                behaviour,
+            )
+        )
     coef, ratio, mb = _coefficients(TrainConfig(rollout_correction=preset), rows)
     per_row = mb.action_mask.sum(-1).long().tolist()
     start = 0
     for g, n in zip(means, per_row):
-        c, r = coef[start: start + n], ratio[start: start + n]
+        c, r = coef[start : start + n], ratio[start : start + n]
         if bounds[0] <= g <= bounds[1]:
             assert torch.allclose(c, r, atol=1e-5), g  # kept: each token weighted by its own ratio
         else:
@@ -129,7 +163,9 @@ def test_update_logs_the_share_of_tokens_the_correction_masked_or_clipped():
     m = model()
     rows = rows_with_behaviour(m, n=9, seed=3)
     tokens = sum(sum(r.loss_mask) for r in rows)
-    ratios = [math.exp(o - b) for r in rows for o, b, bit in zip(r.old_logprobs, r.behaviour_logprobs, r.loss_mask) if bit]
+    ratios = [
+        math.exp(o - b) for r in rows for o, b, bit in zip(r.old_logprobs, r.behaviour_logprobs, r.loss_mask) if bit
+    ]
     kl = sum(b - o for r in rows for o, b, bit in zip(r.old_logprobs, r.behaviour_logprobs, r.loss_mask) if bit)
     for preset, outside in [("token_tis", lambda x: x > 2.0), ("token_mis", lambda x: x < 0.5 or x > 5.0)]:
         upd = GRPOUpdate(model(), TrainConfig(rollout_correction=preset, mini_batches=1, micro_batch_tokens=60))
@@ -170,9 +206,13 @@ def test_off_is_bit_identical_to_the_update_before_the_correction():
         return metrics.loss, _grads(m)
 
     m = model()  # the call as it was: PolicyLoss(clip…, policy_loss_type) and loss_fn(logp, old, adv, mask, N, dp)
-    before = openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                                          dual_clip=cfg.dual_clip, token_level_loss=True,
-                                          policy_loss_type=cfg.policy_loss_type)
+    before = openrlhf_models().PolicyLoss(
+        clip_eps_low=cfg.clip_eps_low,
+        clip_eps_high=cfg.clip_eps_high,
+        dual_clip=cfg.dual_clip,
+        token_level_loss=True,
+        policy_loss_type=cfg.policy_loss_type,
+    )
     actor = GRPOUpdate(m, cfg).actor
     micros = micro_batches(groups, cfg.micro_batch_tokens, 0)
     assert len(micros) > 1
@@ -181,8 +221,9 @@ def test_off_is_bit_identical_to_the_update_before_the_correction():
     want_loss = 0.0
     for x in micros:
         logp, _ = action_log_probs(actor, x.sequences, x.action_mask, x.attention_mask)
-        loss, *_ = before(logp, x.old_log_probs, x.advantages, action_mask=x.action_mask, batch_num_tokens=tokens,
-                          dp_size=1)
+        loss, *_ = before(
+            logp, x.old_log_probs, x.advantages, action_mask=x.action_mask, batch_num_tokens=tokens, dp_size=1
+        )
         loss.backward()
         want_loss += loss.item()
     want = _grads(m)
@@ -195,13 +236,16 @@ def test_off_is_bit_identical_to_the_update_before_the_correction():
     assert on_loss != want_loss and not all(torch.equal(a, b) for a, b in zip(on, want))
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.rollout_correction=token_tiss", "'token_tiss'"),
-    ("train.rollout_correction=tis", "'tis'"),
-    ("train.rollout_correction_bounds=[3.0,2.0]", "[3.0, 2.0]"),
-    ("train.rollout_correction_bounds=[.nan,2.0]", "nan"),
-    ("train.rollout_correction_bounds=[-0.5,2.0]", "[-0.5, 2.0]"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.rollout_correction=token_tiss", "'token_tiss'"),
+        ("train.rollout_correction=tis", "'tis'"),
+        ("train.rollout_correction_bounds=[3.0,2.0]", "[3.0, 2.0]"),
+        ("train.rollout_correction_bounds=[.nan,2.0]", "nan"),
+        ("train.rollout_correction_bounds=[-0.5,2.0]", "[-0.5, 2.0]"),
+    ],
+)
 def test_bad_correction_config_is_one_line_naming_the_value(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -231,8 +275,9 @@ def _v1_shard(cfg, root):
 
     src = RunLayout(cfg.storage.root, "w").purified_dir(0, "saar", 0.5)
     table = read_shard(src, PURIFIED)
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw",
-                    root / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", root / "runs" / "w" / "iteration=0000" / "raw"
+    )
     part = RunLayout(root, "w").purified_dir(0, "saar", 0.5)
     write_shard(part, table.select(PURIFIED_V1.names).cast(PURIFIED_V1), PURIFIED_V1, "v1")
     c = cfg.model_copy(deep=True)
@@ -269,4 +314,3 @@ def test_v2_shard_rows_carry_behaviour_log_probs_into_the_batch(purified_run):
     metrics = upd.minibatch(mini_batches(rows, 1)[0], pad_id=0)
     assert metrics.correction_filtered is not None and 0.0 <= metrics.correction_filtered <= 1.0
     assert math.isfinite(metrics.loss)
-

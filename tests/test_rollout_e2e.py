@@ -1,4 +1,5 @@
 """Phase 1 end to end with the real tiny policy, the real sandbox, real Parquet and DuckDB."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,10 @@ from storage.shards import read_shard
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
-    cfg = load_config(None, [f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4",
-                             "rollout.seed=3"])
+    cfg = load_config(
+        None,
+        [f"storage.root={root}", "rollout.tasks_per_iteration=16", "rollout.samples_per_prompt=4", "rollout.seed=3"],
+    )
     manifest = run_rollout_stage(cfg, "e2e", 0, DEFAULT_POLICY, show_progress=False)
     rows = read_shard(RunLayout(root, "e2e").raw_dir(0), RAW).to_pylist()
     return cfg, manifest, [trajectory_from_row(r) for r in rows]
@@ -62,7 +65,9 @@ def test_sampled_logprobs_equal_a_full_forward(rollout):
     chat = load_chat(DEFAULT_POLICY)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     checked = 0
     for t in trajectories:
         valid = purify(t, t.gamma_live, "saar", chat.decode).logprob_valid

@@ -1,6 +1,7 @@
 """Each rule has one owner: the mode vocabulary on the floor storage reads it from, the importance-ratio rule beside
 SAAR's γ rule in pipeline/splice.py, and the raw-row rules, the unspliced purified row and the row key each declared
 once, with the column-wise twin of each built from, or held to, that declaration."""
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,18 @@ import pytest
 from pipeline import modes
 from pipeline.splice import decide_by_ratio, log_importance_ratio
 from pipeline.trajectory import purified_to_row, trajectory_from_row, trajectory_to_row
-from purifier.saar import (ATTEMPT_RULES, POSITION_RULES, ROW_RULES, PurifyError, attempt_facts,
-                           attempt_facts_columns, purify, row_facts, row_facts_columns, validate_raw)
+from purifier.saar import (
+    ATTEMPT_RULES,
+    POSITION_RULES,
+    ROW_RULES,
+    PurifyError,
+    attempt_facts,
+    attempt_facts_columns,
+    purify,
+    row_facts,
+    row_facts_columns,
+    validate_raw,
+)
 from purifier.unspliced import UNSPLICED_ROW, purified_table, unspliced_mask
 from storage import modes as vocabulary
 from storage.schemas import PURIFIED, RAW, row_key, row_keys
@@ -37,14 +48,23 @@ def _assigned(names: set[str]) -> list[str]:
     for package in PRODUCT:
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.parse(path.read_text()).body:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                    node, ast.AnnAssign) else []
-                found += [f"{path.relative_to(ROOT)}:{node.lineno}" for t in targets
-                          if isinstance(t, ast.Name) and t.id in names]
+                targets = (
+                    node.targets
+                    if isinstance(node, ast.Assign)
+                    else [node.target]
+                    if isinstance(node, ast.AnnAssign)
+                    else []
+                )
+                found += [
+                    f"{path.relative_to(ROOT)}:{node.lineno}"
+                    for t in targets
+                    if isinstance(t, ast.Name) and t.id in names
+                ]
     return found
 
 
 # ---- the mode vocabulary ----------------------------------------------------------------------------------------
+
 
 def test_the_mode_vocabulary_is_defined_once_where_storage_reads_it():
     where = _assigned({"Mode", "MODES", "IS_MODES", "SPLICING_MODES"})
@@ -57,20 +77,25 @@ def test_the_mode_vocabulary_is_defined_once_where_storage_reads_it():
 
 # ---- the importance-ratio rule ----------------------------------------------------------------------------------
 
+
 def test_the_ratio_rule_is_one_function_called_live_and_offline():
     for path in ("rollout_gen/agent.py", "purifier/saar.py"):
-        calls = [n for n in ast.walk(ast.parse((ROOT / path).read_text()))
-                 if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "decide_by_ratio"]
+        calls = [
+            n
+            for n in ast.walk(ast.parse((ROOT / path).read_text()))
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "decide_by_ratio"
+        ]
         assert len(calls) == 1, path
     tau = math.exp(-1.0)
     assert decide_by_ratio([-1.5, -0.5], [-0.5, -0.5], tau).kind == "replace"  # IS = τ exactly
-    assert decide_by_ratio([-1.5, -0.5 - 2.0 ** -40], [-0.5, -0.5], tau).kind == "append"
+    assert decide_by_ratio([-1.5, -0.5 - 2.0**-40], [-0.5, -0.5], tau).kind == "append"
     assert decide_by_ratio([math.nan], [0.0], tau).kind == "append"
     target, behaviour = [-1.5, -0.5], [-0.5, -0.5]
     assert decide_by_ratio(target, behaviour, tau).log_ratio == log_importance_ratio(target, behaviour)
 
 
 # ---- raw-row validation: one declared list, evaluated per row and column-wise --------------------------------------
+
 
 @pytest.fixture(scope="module")
 def raws():
@@ -109,8 +134,10 @@ BREAKS = {
 
 
 def _problems() -> list[str]:
-    return [next(k for k in BREAKS if rule.problem(_Any()).startswith(k))
-            for rule in (*ROW_RULES, *POSITION_RULES, *ATTEMPT_RULES)]
+    return [
+        next(k for k in BREAKS if rule.problem(_Any()).startswith(k))
+        for rule in (*ROW_RULES, *POSITION_RULES, *ATTEMPT_RULES)
+    ]
 
 
 class _Any:
@@ -123,8 +150,11 @@ class _Any:
 @pytest.mark.parametrize("problem", sorted(BREAKS))
 def test_a_row_breaking_a_rule_is_refused_by_both_paths(raws, problem):
     assert sorted(_problems()) == sorted(BREAKS)  # each declared rule has its break, and no break is left over
-    row = next(i for i, t in enumerate(raws) if all(len(p.attempts) == 1 for p in t.positions)
-               and t.positions[0].attempts[0].has_call)
+    row = next(
+        i
+        for i, t in enumerate(raws)
+        if all(len(p.attempts) == 1 for p in t.positions) and t.positions[0].attempts[0].has_call
+    )
     broken = [copy.deepcopy(t) for t in raws]
     BREAKS[problem](broken[row])
     with pytest.raises(PurifyError, match=problem):
@@ -136,6 +166,7 @@ def test_a_row_breaking_a_rule_is_refused_by_both_paths(raws, problem):
 
 
 # ---- the unspliced purified row ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["saar", "raw", "saar_correct", "mask_failed", "roc"])
 def test_the_unspliced_row_is_declared_once_and_purify_keeps_it(raws, mode):
@@ -154,11 +185,15 @@ def test_the_unspliced_row_is_declared_once_and_purify_keeps_it(raws, mode):
 
 # ---- the row key ------------------------------------------------------------------------------------------------
 
+
 def test_the_row_key_is_one_rule_per_row_and_column_wise(raws):
     from pipeline import trajectory
 
     assert trajectory.row_key is row_key
     table = _table(raws)
-    assert row_keys(table).to_pylist() == [t.key for t in raws] == [
-        row_key(t.run_id, t.iteration, t.prompt_id, t.sample_idx) for t in raws]
+    assert (
+        row_keys(table).to_pylist()
+        == [t.key for t in raws]
+        == [row_key(t.run_id, t.iteration, t.prompt_id, t.sample_idx) for t in raws]
+    )
     assert [trajectory_from_row(r).key for r in table.to_pylist()] == [t.key for t in raws]

@@ -1,6 +1,7 @@
 """A run's config is frozen in run.json at its start (flows/run_config.py): a rerun with the same
 training settings goes on, one that changes what the run trains on is refused with one line naming
 run.json and the settings that differ; what may change (more iterations, more γ, threads) goes on."""
+
 from __future__ import annotations
 
 import json
@@ -26,12 +27,15 @@ def test_first_start_writes_run_json_and_the_same_config_goes_on(tmp_path):
     assert run_json.read_bytes() == before
 
 
-@pytest.mark.parametrize("override,diff", [
-    ("train.lr=0.0002", "train.lr: 0.0001 -> 0.0002"),
-    ("rollout.samples_per_prompt=8", "rollout.samples_per_prompt: 4 -> 8"),
-    ("rollout.saar.gamma_live=0.7", "rollout.saar: "),  # nested settings compare as a whole
-    ("train.mode=raw", "train.mode: 'saar' -> 'raw'"),
-])
+@pytest.mark.parametrize(
+    "override,diff",
+    [
+        ("train.lr=0.0002", "train.lr: 0.0001 -> 0.0002"),
+        ("rollout.samples_per_prompt=8", "rollout.samples_per_prompt: 4 -> 8"),
+        ("rollout.saar.gamma_live=0.7", "rollout.saar: "),  # nested settings compare as a whole
+        ("train.mode=raw", "train.mode: 'saar' -> 'raw'"),
+    ],
+)
 def test_a_rerun_with_changed_training_settings_is_refused_in_one_line(tmp_path, override, diff):
     freeze_run_config(_cfg(tmp_path), "r")
     run_json = RunLayout(tmp_path, "r").run_json
@@ -44,8 +48,16 @@ def test_a_rerun_with_changed_training_settings_is_refused_in_one_line(tmp_path,
     assert run_json.read_bytes() == before  # the frozen config is never rewritten
 
 
-@pytest.mark.parametrize("override", ["flow.iterations=9", "purify.gammas=[0.3,0.9]", "rollout.engine_tuning.threads=2",
-                                      "purify.modes=[saar]", "flow.replay_gammas=[0.5]"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "flow.iterations=9",
+        "purify.gammas=[0.3,0.9]",
+        "rollout.engine_tuning.threads=2",
+        "purify.modes=[saar]",
+        "flow.replay_gammas=[0.5]",
+    ],
+)
 def test_settings_that_may_change_between_reruns_go_on(tmp_path, override):
     freeze_run_config(_cfg(tmp_path), "r")
     run_json = RunLayout(tmp_path, "r").run_json

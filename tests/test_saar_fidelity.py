@@ -4,6 +4,7 @@ Every expected value here is derived from the reference agent loop (Open-CLEANER
 verl/verl/experimental/agent_loop/tool_agent_loop.py and tool_parser.py), not from this project's
 outputs. The policy is scripted (tests/doubles.py); tokenizer and sandbox are the real ones.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,10 +27,15 @@ NOTE_HEAD = "\n\nNote: This approach has been attempted "
 
 
 def run(chat, sandbox, turns, task=TASK, rollout: dict | None = None, **saar):
-    script = (lambda text, n: turns[n] if n < len(turns) else ANSWER.format(task.ground_truth)) \
-        if isinstance(turns, list) else turns
+    script = (
+        (lambda text, n: turns[n] if n < len(turns) else ANSWER.format(task.ground_truth))
+        if isinstance(turns, list)
+        else turns
+    )
     cfg = RolloutConfig(samples_per_prompt=1, saar=SaarConfig(**saar), **(rollout or {}))
-    return AgentLoop(ScriptedEngineDouble(chat, script), sandbox, chat, cfg).run([task], RolloutIdentity("f", 0, "v"))[0]
+    return AgentLoop(ScriptedEngineDouble(chat, script), sandbox, chat, cfg).run([task], RolloutIdentity("f", 0, "v"))[
+        0
+    ]
 
 
 def relived(chat, t):
@@ -42,17 +48,27 @@ def relived(chat, t):
 # Reference: RollbackManager.create_checkpoint/restore_checkpoint save and restore assistant_turns and
 # user_turns around every retry; _handle_generating_state(ignore_termination=True) skips the length check.
 
+
 def test_retries_do_not_use_up_max_turns(chat, sandbox):
-    t = run(chat, sandbox, [call("prnt(6 * 7)"), call("prnt(6 * 7 )"), call("prnt( 6 * 7)"), call("print(6 * 7)"),
-                            ANSWER.format(42)], rollout={"max_turns": 4})
+    t = run(
+        chat,
+        sandbox,
+        [call("prnt(6 * 7)"), call("prnt(6 * 7 )"), call("prnt( 6 * 7)"), call("print(6 * 7)"), ANSWER.format(42)],
+        rollout={"max_turns": 4},
+    )
     assert [p.outcome for p in t.positions] == ["recovered"] and len(t.positions[0].attempts) == 4
     assert t.final_answer == "42" and t.reward == 1.0 and t.finish_reason == "stop"
     assert relived(chat, t)
 
 
 def test_retries_do_not_use_up_max_tool_turns(chat, sandbox):
-    t = run(chat, sandbox, [call("prnt(6 * 7)"), call("print(6 * 7)"), call("print(42 + 8)"), ANSWER.format(50)],
-            task=TWO_STEP, rollout={"max_tool_turns": 2})
+    t = run(
+        chat,
+        sandbox,
+        [call("prnt(6 * 7)"), call("print(6 * 7)"), call("print(42 + 8)"), ANSWER.format(50)],
+        task=TWO_STEP,
+        rollout={"max_tool_turns": 2},
+    )
     assert [p.outcome for p in t.positions] == ["recovered", "success"]
     assert t.final_answer == "50" and t.reward == 1.0
     assert relived(chat, t)
@@ -82,6 +98,7 @@ def test_turn_limit_hit_by_a_retry_restores_the_state_before_it(chat, sandbox):
 
 
 # ---- §1.2 malformed calls are no call (reference: HermesToolParser.extract_tool_calls) ------------
+
 
 def test_unclosed_call_is_a_final_turn(chat, sandbox):
     turn = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "print(42)"}}'
@@ -123,6 +140,7 @@ def test_legacy_option_retries_malformed_calls(chat, sandbox):
 
 # ---- §1.3 model error, then an infra error on its retry -------------------------------------------
 
+
 class InfraOnExecutionSandboxDouble:
     """TEST DOUBLE around the real pool: the n-th execution fails as infrastructure (a dead worker
     cannot be produced on demand at a chosen call); every other call runs in the real sandbox."""
@@ -135,8 +153,17 @@ class InfraOnExecutionSandboxDouble:
         for code in codes:
             self.n += 1
             if self.n == self.infra_at:
-                out.append(ToolResult("failure", "Tool call failure\nreason: sandbox_error", "sandbox_error", "infra",
-                                      None, 0.0, False))
+                out.append(
+                    ToolResult(
+                        "failure",
+                        "Tool call failure\nreason: sandbox_error",
+                        "sandbox_error",
+                        "infra",
+                        None,
+                        0.0,
+                        False,
+                    )
+                )
             else:
                 out.extend(self.pool.run_many([code]))
         return out
@@ -145,8 +172,9 @@ class InfraOnExecutionSandboxDouble:
 def test_infra_error_on_a_retry_keeps_the_live_splice(chat, sandbox):
     infra = InfraOnExecutionSandboxDouble(sandbox, infra_at=2)
     cfg = RolloutConfig(samples_per_prompt=1)
-    engine = ScriptedEngineDouble(chat, lambda text, n: [call("prnt(6 * 7)"), call("print(6 * 7)")][n] if n < 2
-                                  else ANSWER.format(42))
+    engine = ScriptedEngineDouble(
+        chat, lambda text, n: [call("prnt(6 * 7)"), call("print(6 * 7)")][n] if n < 2 else ANSWER.format(42)
+    )
     t = AgentLoop(engine, infra, chat, cfg).run([TASK], RolloutIdentity("f", 0, "v"))[0]
     (pos,) = t.positions
     assert pos.outcome == "infra" and [a.result.error_class for a in pos.attempts] == ["model", "infra"]
@@ -155,6 +183,7 @@ def test_infra_error_on_a_retry_keeps_the_live_splice(chat, sandbox):
 
 
 # ---- §1.4 the exhaustion note (reference: _handle_max_retry_exceeded) -----------------------------
+
 
 def test_exhaustion_note_counts_retries(chat, sandbox):
     t = run(chat, sandbox, [call(f"prnt({i})") for i in range(4)], max_retries=3)
@@ -174,6 +203,7 @@ def test_no_exhaustion_note_after_a_single_retry(chat, sandbox):
 
 # ---- §1.5 the safety cap (reference: _handle_processing_tools_state, total_rollbacks > 30) ---------
 
+
 def test_safety_cap_fires_after_the_cap_and_mid_retry_goes_to_exhaustion(chat, sandbox):
     # cap 2: executions 1 and 2 may be retried; execution 3 (a retry) finds SAAR off, and because it is
     # retrying, the reference ends the position through the exhausted handler (note: 2 retries).
@@ -185,6 +215,7 @@ def test_safety_cap_fires_after_the_cap_and_mid_retry_goes_to_exhaustion(chat, s
 
 
 # ---- issue 13 §4: a bad row never loses a batch ----------------------------------------------------
+
 
 def test_deeply_nested_call_json_does_not_lose_the_batch(chat, sandbox):
     deep = "<tool_call>\n" + "[" * 3000 + "]" * 3000 + "\n</tool_call>"

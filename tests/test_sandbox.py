@@ -1,4 +1,5 @@
 """The real sandbox pool: hostile programs are contained, labelled and classed, and the pool goes on."""
+
 from __future__ import annotations
 
 import os
@@ -135,10 +136,14 @@ def test_calls_run_in_parallel_across_workers(pool):
     # concurrency itself: each call sleeps and reports when it started and ended (wall clock, shared by
     # the processes); with 2 workers, at most 2 and at least 2 calls are ever running at once
     n, nap = 6, 0.6
-    spans = [tuple(map(float, r.text.split("stdout: ", 1)[1].split())) for r in pool.run_many(
-        ["import time\nt = time.time()\ntime.sleep(%s)\nprint(t, time.time())" % nap] * n)]
+    spans = [
+        tuple(map(float, r.text.split("stdout: ", 1)[1].split()))
+        for r in pool.run_many(["import time\nt = time.time()\ntime.sleep(%s)\nprint(t, time.time())" % nap] * n)
+    ]
     assert len(spans) == n and all(end - start >= nap for start, end in spans)
     running = [sum(s <= t < e for s, e in spans) for t, _ in spans]  # calls running as each one starts
     assert max(running) == 2
     # no call ran alone: each overlapped another (serially, none would)
-    assert all(any(s2 < e1 and s1 < e2 for j, (s2, e2) in enumerate(spans) if j != i) for i, (s1, e1) in enumerate(spans))
+    assert all(
+        any(s2 < e1 and s1 < e2 for j, (s2, e2) in enumerate(spans) if j != i) for i, (s1, e1) in enumerate(spans)
+    )

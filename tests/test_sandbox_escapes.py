@@ -4,6 +4,7 @@ Every attack runs twice: with every layer (what the pipeline uses) and with the 
 off (`kernel` pools), so the kernel layers are shown to hold on their own. Targets outside the
 sandbox are world-writable, so only the sandbox (not the uid alone) can keep them intact.
 """
+
 from __future__ import annotations
 
 import json
@@ -183,7 +184,9 @@ for target in [os.getppid(), 1, *WORKERS]:
 
 def test_no_process_outside_the_call_can_even_be_probed(pool):
     """kill(pid, 0) succeeds for any process the code could signal: none but itself may answer."""
-    code = DISARM + """
+    code = (
+        DISARM
+        + """
 me = os.getpid()
 reachable = []
 for target in [-1, 1, os.getppid(), *WORKERS, PYTEST, *[int(p) for p in os.listdir('/proc') if p.isdigit()]]:
@@ -194,6 +197,7 @@ for target in [-1, 1, os.getppid(), *WORKERS, PYTEST, *[int(p) for p in os.listd
         pass
 print(sorted(set(reachable) - {me}))
 """
+    )
     r = run(pool, code, WORKERS=[w.proc.pid for w in pool._workers], PYTEST=os.getpid())
     assert (r.status, r.text) == ("success", "Tool call success\nstdout: []\n"), r.text
 
@@ -212,10 +216,19 @@ def run_in_pipeline(code: str, audit_hook: bool, secret: str = "") -> subprocess
     """A separate pipeline process (so an escape can kill it, not pytest) that holds `secret` in the
     environment it started with, runs one call, and prints the result."""
     code_under_test = Path(sandbox_module.__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code_under_test), str(REPO)]),
-           "CLEANER_PIPELINE_SECRET": secret}
-    return subprocess.run([sys.executable, "-c", PIPELINE, "on" if audit_hook else "off", code], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(code_under_test), str(REPO)]),
+        "CLEANER_PIPELINE_SECRET": secret,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", PIPELINE, "on" if audit_hook else "off", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("audit_hook", [True, False], ids=["all-layers", "kernel-only"])
@@ -254,10 +267,10 @@ def test_model_code_cannot_pass_itself_off_as_an_infra_failure(pool):
     assert (r.status, r.error_class) == ("failure", "model")
 
 
-
-
 def test_a_disarmed_audit_hook_leaves_the_kernel_layers(pool, outside):
-    code = DISARM + """
+    code = (
+        DISARM
+        + """
 for name, attempt in {
     'write': lambda: open(os.path.join(OUT, 'victim.txt'), 'w').write('owned'),
     'create': lambda: open(os.path.join(OUT, 'created.txt'), 'w').write('owned'),
@@ -270,6 +283,7 @@ for name, attempt in {
     except OSError as e:
         print(name, 'refused', type(e).__name__)
 """
+    )
     r = run(pool, code, OUT=str(outside))
     assert r.error_class != "infra"
     assert sorted(p.name for p in outside.iterdir()) == ["victim.txt"], r.text
@@ -279,7 +293,9 @@ for name, attempt in {
 
 def test_raw_syscalls_through_ctypes_gain_nothing(pool):
     """With ctypes back (sys.modules entry removed, hook disarmed), privileged calls still fail."""
-    code = DISARM + """
+    code = (
+        DISARM
+        + """
 sys.modules.pop('_ctypes', None)
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
@@ -290,6 +306,7 @@ results = {
 }
 print(results)
 """
+    )
     r = pool.run(code)
     if pool.layers.audit_hook:  # the hook's names are bound at install: disarming does not work
         assert r.status == "failure" and "is not allowed" in r.text, r.text
@@ -363,15 +380,26 @@ with SandboxPool(SandboxConfig(workers=1, timeout_s=3.0)) as pool:
 def test_a_pipeline_that_is_not_root_gets_a_user_namespace(outside):
     """Root only inside a user namespace (as in rootless containers) takes the unprivileged path."""
     env = {**os.environ, "PYTHONPATH": str(Path(sandbox_module.__file__).resolve().parents[1]), "OUT": str(outside)}
-    done = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", UNPRIVILEGED], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["unshare", "--user", "--map-root-user", sys.executable, "-c", UNPRIVILEGED],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if done.returncode != 0 and "unshare failed" in done.stderr:
         pytest.skip("this kernel refuses user namespaces")
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.splitlines()[-1])
     iso = out["iso"]
     assert (iso["root"], iso["namespaces"], iso["readonly_fs"], iso["pid_namespace"], iso["seccomp"]) == (
-        False, True, True, True, True), iso
+        False,
+        True,
+        True,
+        True,
+        True,
+    ), iso
     assert any("not root" in d for d in iso["degraded"])
     assert (out["status"], out["class"]) == ("failure", "model") and not (outside / "x").exists(), out
 
@@ -398,7 +426,11 @@ def test_degraded_sandbox_says_so_and_still_refuses_what_it_can(caplog):
         assert any("sandbox degraded: no namespaces" in m for m in caplog.messages), caplog.messages
         iso = pool.isolation
         assert (iso["namespaces"], iso["readonly_fs"], iso["pid_namespace"], iso["seccomp"]) == (
-            False, False, False, True)
+            False,
+            False,
+            False,
+            True,
+        )
         assert_serves(pool)
         tag = f"cleaner-degraded-{uuid.uuid4().hex}"
         try:

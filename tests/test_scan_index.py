@@ -2,6 +2,7 @@
 committed, validated shards of a root through one index file instead of every manifest and verification
 record, and the default tables read a few packs instead of a file per shard; neither ever lets a changed,
 added or failing file into the views, whatever state the index or a pack is in."""
+
 from __future__ import annotations
 
 import json
@@ -122,8 +123,9 @@ def test_a_second_process_uses_the_index_without_reading_a_manifest(store):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def child() -> dict:
-        p = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env,
-                           timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, timeout=300
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         return json.loads(p.stdout)
 
@@ -139,17 +141,23 @@ def test_a_second_process_uses_the_index_without_reading_a_manifest(store):
     assert third == {"manifests": 0, "records": 0, "parts": 0, "validated": 0, "rows": ITERATIONS * 4}
 
 
-@pytest.mark.parametrize("change", ["part: same size, other bytes", "part: another size", "summary held by a pack",
-                                    "manifest rewritten in place"])
+@pytest.mark.parametrize(
+    "change",
+    ["part: same size, other bytes", "part: another size", "summary held by a pack", "manifest rewritten in place"],
+)
 def test_a_file_changed_after_it_was_indexed_is_caught(store_indexed, change):
     store = store_indexed
     before = _rows(store)
     d = RunLayout(store, "scale").raw_dir(3)
     manifest = read_manifest(d)
-    name = {"summary held by a pack": manifest.extra["summaries"][0]["name"],
-            "manifest rewritten in place": shards.MANIFEST}.get(change, manifest.parts[0].name)
+    name = {
+        "summary held by a pack": manifest.extra["summaries"][0]["name"],
+        "manifest rewritten in place": shards.MANIFEST,
+    }.get(change, manifest.parts[0].name)
     path = d / name
-    assert any(str(path) in held for _, _, held in shard_index.scan(store).packs["raw_summary"]) or "summary" not in change
+    assert (
+        any(str(path) in held for _, _, held in shard_index.scan(store).packs["raw_summary"]) or "summary" not in change
+    )
     st = os.stat(path)
     data = bytearray(path.read_bytes())
     if change == "part: another size":
@@ -169,8 +177,17 @@ def test_a_file_changed_after_it_was_indexed_is_caught(store_indexed, change):
     assert not any(str(path) in held for _, _, held in shard_index.scan(store).packs["raw_summary"])
 
 
-@pytest.mark.parametrize("damage", ["deleted", "garbage", "truncated", "another version", "forged without its digest",
-                                    "stale (from before the change)"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "deleted",
+        "garbage",
+        "truncated",
+        "another version",
+        "forged without its digest",
+        "stale (from before the change)",
+    ],
+)
 def test_a_corrupt_stale_or_deleted_index_is_safe(store_indexed, damage):
     store = store_indexed
     expected = _rows(store)
@@ -196,8 +213,13 @@ def test_a_corrupt_stale_or_deleted_index_is_safe(store_indexed, damage):
         doc = json.loads(body)
         entry = doc["shards"][str(d.relative_to(store))]
         names = [*entry[2], *(entry[3] or ()), *entry[4]]
-        entry[0] = shard_index._ids_digest([shard_index.identity(d), shard_index.identity(d / shards.MANIFEST),
-                                            *[shard_index.identity(d / n) for n in names]])
+        entry[0] = shard_index._ids_digest(
+            [
+                shard_index.identity(d),
+                shard_index.identity(d / shards.MANIFEST),
+                *[shard_index.identity(d / n) for n in names],
+            ]
+        )
         index.write_bytes(header + b"\n" + json.dumps(doc).encode())
     else:
         index.write_bytes(saved)
@@ -298,8 +320,12 @@ def test_an_indexed_iteration_is_one_entry_and_a_new_partition_in_it_is_seen(sto
     Catalog(store).close()
     its = _index_doc(store)["iterations"]
     assert sorted(its) == [f"runs/scale/iteration={i:04d}" for i in range(ITERATIONS)]
-    assert its["runs/scale/iteration=0004"][2] == ["metrics/stage=update", "purified/mode=saar/gamma=0.50",
-                                                   "purified/mode=saar/gamma=0.50-difflib-segment", "raw"]
+    assert its["runs/scale/iteration=0004"][2] == [
+        "metrics/stage=update",
+        "purified/mode=saar/gamma=0.50",
+        "purified/mode=saar/gamma=0.50-difflib-segment",
+        "raw",
+    ]
     before = _rows(store)["purified_summary"]
     layout = RunLayout(store, "scale")
     new = layout.purified_dir(4, "saar", 0.7)
@@ -340,7 +366,12 @@ def test_a_committed_shard_that_lost_its_manifest_is_bad_not_uncommitted(store_i
         found = {p.path: (p.committed, p.message) for p in cat.problems}
     assert found[layout.raw_dir(3)][0] and str(purified) in found[layout.raw_dir(3)][1], found
     assert found[layout.raw_dir(4)][0] is False, found
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", "--verify", f"storage.root={store}"],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "inspect", "--verify", f"storage.root={store}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"BAD {layout.raw_dir(3)}: committed, but its _MANIFEST.json is gone" in out.stderr, out.stderr

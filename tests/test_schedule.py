@@ -1,6 +1,7 @@
 """Scheduling that fires: `cleaner schedule` on the embedded default starts a real local Prefect server,
 serves the training deployment on a short interval, and the server's scheduler creates runs that
 complete and commit a raw shard. Everything is stopped by its own pid."""
+
 from __future__ import annotations
 
 import json
@@ -49,13 +50,23 @@ def _as_from_a_script_background() -> None:
 def _start_schedule(tmp_path: Path, interval: int, name: str, preexec_fn=_as_from_a_terminal) -> subprocess.Popen:
     """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
     schedule.log."""
-    cfg = tiny_config(tmp_path, flow={"run_id": "sched", "iterations": 1, "tensorboard": False},
-                      rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2}, purify={"modes": ["saar"]},
-                      train={"mini_batches": 1})
+    cfg = tiny_config(
+        tmp_path,
+        flow={"run_id": "sched", "iterations": 1, "tensorboard": False},
+        rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2},
+        purify={"modes": ["saar"]},
+        train={"mini_batches": 1},
+    )
     env = {k: v for k, v in command_env().items() if not k.startswith("PREFECT_")}
     with open(tmp_path / "schedule.log", "w") as log:
-        return cleaner(["schedule", "--interval", str(interval), "--no-ui", "--name", name, "-c", str(cfg)], tmp_path,
-                       env=env, cwd=tmp_path, stdout=log, preexec_fn=preexec_fn)
+        return cleaner(
+            ["schedule", "--interval", str(interval), "--no-ui", "--name", name, "-c", str(cfg)],
+            tmp_path,
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            preexec_fn=preexec_fn,
+        )
 
 
 def _completed_runs(url: str) -> list[dict]:
@@ -84,8 +95,11 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         trigger = re.search(r"^\s+(PREFECT_API_URL=\S+) (\S*prefect deployment run .+)$", out, re.M)
         assert trigger, out[-3000:]
         # a shell without the venv on its PATH: the printed command names the venv's prefect
-        plain = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                 trigger.group(1).split("=", 1)[0]: trigger.group(1).split("=", 1)[1]}
+        plain = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            trigger.group(1).split("=", 1)[0]: trigger.group(1).split("=", 1)[1],
+        }
         ran = subprocess.run(["bash", "-c", trigger.group(2)], env=plain, capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stdout + ran.stderr
         # the next firing (scheduled or that trigger) does new work: iteration 1, from checkpoint 1
@@ -100,11 +114,14 @@ def test_schedule_starts_a_local_server_and_a_scheduled_run_completes(tmp_path):
         assert "prefect deployment run" not in out.replace(trigger.group(0), "")  # only the command that works
         # one firing at a time: a firing while another trains is cancelled, never run beside it
         # (among the firings that ran to their end; one still running when this looks has no end time yet)
-        runs = sorted((r for r in prefect_api(url, "/flow_runs/filter", {}) if r["state_type"] == "COMPLETED"),
-                      key=lambda r: r["start_time"])
+        runs = sorted(
+            (r for r in prefect_api(url, "/flow_runs/filter", {}) if r["state_type"] == "COMPLETED"),
+            key=lambda r: r["start_time"],
+        )
         for earlier, later in zip(runs, runs[1:]):
-            assert earlier["end_time"] <= later["start_time"], [(r["name"], r["start_time"], r["end_time"])
-                                                                for r in (earlier, later)]
+            assert earlier["end_time"] <= later["start_time"], [
+                (r["name"], r["start_time"], r["end_time"]) for r in (earlier, later)
+            ]
     finally:
         os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: the command stops the server it started
         hung = False
@@ -181,6 +198,9 @@ def test_a_prefect_api_url_nobody_answers_is_one_line(tmp_path):
     for args in (["train", "-c", str(tiny_config(tmp_path))], ["schedule", "--interval", "60", "--no-ui"]):
         out = run_cleaner(args, tmp_path, env=env, timeout=120)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
-        assert out.stderr.strip().splitlines()[-1].startswith(
-            f"cleaner {args[0]}: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers there"), out.stderr
+        assert (
+            out.stderr.strip()
+            .splitlines()[-1]
+            .startswith(f"cleaner {args[0]}: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers there")
+        ), out.stderr
         assert "trigger a run" not in out.stdout and not (tmp_path / "runs").exists()

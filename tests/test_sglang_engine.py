@@ -1,4 +1,5 @@
 """The SGLang client against a contract double of its HTTP API (see sglang_contract_double.py)."""
+
 from __future__ import annotations
 
 import socket
@@ -53,14 +54,21 @@ def test_score_uses_logprob_start_len(server):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_agent_loop_sends_each_trajectory_turn_concurrently(server, deterministic):
-    cfg = load_config(None, ["rollout.samples_per_prompt=2", f"rollout.engine_tuning.deterministic={deterministic}",
-                             "rollout.engine_tuning.max_in_flight=4"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.samples_per_prompt=2",
+            f"rollout.engine_tuning.deterministic={deterministic}",
+            "rollout.engine_tuning.max_in_flight=4",
+        ],
+    )
     chat = load_chat(DEFAULT_POLICY)
     first = len(server.requests)
     server.max_in_flight = 0
     with SandboxPool(cfg.rollout.sandbox) as sandbox:
         trajs = AgentLoop(SGLangEngine(server.url), sandbox, chat, cfg.rollout).run(
-            eval_tasks(cfg.world)[:3], RolloutIdentity("s", 0, "v"))
+            eval_tasks(cfg.world)[:3], RolloutIdentity("s", 0, "v")
+        )
     assert len(trajs) == 6 and all(t.finish_reason for t in trajs)
     sent = [r for r in server.requests[first:] if r["path"] == "/generate"]
     # one request per trajectory turn, several served together, never more than max_in_flight
@@ -93,8 +101,16 @@ def test_each_rollout_makes_the_server_serve_its_checkpoint(server, tmp_path):
 
     updated = tmp_path / "checkpoints" / "iteration=0001"
     shutil.copytree(DEFAULT_POLICY, updated)
-    cfg = load_config(None, [f"storage.root={tmp_path / 'ws'}", "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
-                             "rollout.tasks_per_iteration=2", "rollout.samples_per_prompt=1"])
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={tmp_path / 'ws'}",
+            "rollout.engine=sglang",
+            f"rollout.sglang_url={server.url}",
+            "rollout.tasks_per_iteration=2",
+            "rollout.samples_per_prompt=1",
+        ],
+    )
     server.engine.update_weights(DEFAULT_POLICY)
     reloads = lambda: [r["model_path"] for r in server.requests if r["path"] == "/update_weights_from_disk"]  # noqa: E731
     before = len(reloads())

@@ -2,6 +2,7 @@
 which serves the real tiny policy over HTTP: the log-probs it fills in are the model's, only the tokens
 that need them change, rows that need none are never sent, and the prefill asks for the cached prefix
 (max_new_tokens=0, logprob_start_len = first needed position − 1). It must agree with the CPU backend."""
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,26 @@ def server():
 def _row(prompt, response, needs, mask=None, k=0):
     mask = mask or [1] * len(response)
     valid = [0 if i in needs else 1 for i in range(len(response))]
-    return PurifiedTrajectory("r", 0, "p0", k, "saar", 0.5, f"k{k}", prompt, response, mask,
-                              [SENTINEL] * len(response), valid, 1.0, 0.5, [], min(needs, default=-1), 0, True)
+    return PurifiedTrajectory(
+        "r",
+        0,
+        "p0",
+        k,
+        "saar",
+        0.5,
+        f"k{k}",
+        prompt,
+        response,
+        mask,
+        [SENTINEL] * len(response),
+        valid,
+        1.0,
+        0.5,
+        [],
+        min(needs, default=-1),
+        0,
+        True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +92,11 @@ def test_sglang_recompute_fills_exactly_the_needed_tokens_with_the_models_log_pr
     (req,) = server.requests[first:]
     p = len(rows[0].prompt_ids)
     assert req["path"] == "/generate" and req["return_logprob"] is True
-    assert req["input_ids"] == [rows[0].prompt_ids + rows[0].response_ids[:7],
-                                rows[2].prompt_ids + rows[2].response_ids[:5],
-                                rows[3].prompt_ids + rows[3].response_ids[:3]]
+    assert req["input_ids"] == [
+        rows[0].prompt_ids + rows[0].response_ids[:7],
+        rows[2].prompt_ids + rows[2].response_ids[:5],
+        rows[3].prompt_ids + rows[3].response_ids[:3],
+    ]
     assert req["logprob_start_len"] == [p + 2 - 1, p - 1, p + 2 - 1]  # row 3: token 1 is mask-0
     assert all(sp["max_new_tokens"] == 0 for sp in req["sampling_params"])
     # tokens forwarded: from the first needed token to the last one

@@ -1,5 +1,6 @@
 """The shallow/deep measures (issue 14 §1.6 and §2): exact γ, difflib exactly, code-only target,
 and measures side by side in the shard layout."""
+
 from __future__ import annotations
 
 import difflib
@@ -50,7 +51,7 @@ def test_exact_gamma_through_the_splice_on_token_ids(chat, gamma):
     pieces = []
     for i, seg in enumerate((seg_a, seg_b)):
         ids = chat.encode("Reasoning.\n" + seg)
-        assert chat.decode(ids[chat.call_start(ids):]) == seg
+        assert chat.decode(ids[chat.call_start(ids) :]) == seg
         pieces.append(piece_from_attempt(i, ids, [0.0] * len(ids), chat.call_start(ids)))
     for m in (DEFAULT_MEASURE, REFERENCE_MEASURE):
         assert decide(pieces[0], pieces[1], gamma, chat.decode, m).kind == "shallow"
@@ -69,7 +70,10 @@ def test_difflib_is_the_reference_ratio_with_autojunk():
 
 
 def test_code_target_compares_only_the_code():
-    a, b = call("prnt(6 * 7)").split("\n", 1)[1], call("import math\nresult = math.prod([6, 7])\nprint(result)").split("\n", 1)[1]
+    a, b = (
+        call("prnt(6 * 7)").split("\n", 1)[1],
+        call("import math\nresult = math.prod([6, 7])\nprint(result)").split("\n", 1)[1],
+    )
     seg, code = Measure("rapidfuzz", "segment")(a, b), Measure("rapidfuzz", "code")(a, b)
     assert code == fuzz.ratio("prnt(6 * 7)", "import math\nresult = math.prod([6, 7])\nprint(result)") / 100
     assert code < 0.5 < seg  # the JSON wrapper dominates short code in the segment
@@ -84,8 +88,10 @@ def test_measures_get_their_own_partitions(tmp_path):
     assert len(dirs) == 4
     # the default measure keeps the partition it always had; modes without splices ignore the measure
     assert layout.purified_dir(0, "saar", 0.5, partition_measure("saar", DEFAULT_MEASURE)).name == "gamma=0.50"
-    assert layout.purified_dir(0, "saar", 0.5, partition_measure("saar", REFERENCE_MEASURE)).name == \
-        "gamma=0.50-difflib-segment"
+    assert (
+        layout.purified_dir(0, "saar", 0.5, partition_measure("saar", REFERENCE_MEASURE)).name
+        == "gamma=0.50-difflib-segment"
+    )
     assert partition_measure("raw", REFERENCE_MEASURE) == ""
 
 

@@ -2,6 +2,7 @@
 stage's plan, so the training flow's task and the stage run alone (what `cleaner rollout/purify/update` call) decide
 alike. A speed-only setting (rollout.engine_tuning.threads) changed between the flow and the stage keeps what was
 committed; a setting that changes the output refuses it in both, in one line; committed outputs keep matching."""
+
 from __future__ import annotations
 
 import hashlib
@@ -97,14 +98,18 @@ def test_eval_speed_only_change_keeps_the_evaluation_in_the_flow_and_the_stage_w
     assert not any("other settings" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("task, override, iteration, refusal", [
-    ("rollout", "rollout.temperature=0.7", 1, "committed with other rollout settings"),
-    ("purify", "purify.dynamic_filter=true", 1, "committed with other purify settings"),
-    ("update", "train.lr=5e-5", 1, "committed by an update with other train settings"),
-    ("eval", "flow.eval_samples=2", 0, "committed with other evaluation settings"),
-])
-def test_a_change_of_what_a_stage_computes_is_refused_by_the_flow_as_by_the_stage(run, task, override, iteration,
-                                                                                  refusal):
+@pytest.mark.parametrize(
+    "task, override, iteration, refusal",
+    [
+        ("rollout", "rollout.temperature=0.7", 1, "committed with other rollout settings"),
+        ("purify", "purify.dynamic_filter=true", 1, "committed with other purify settings"),
+        ("update", "train.lr=5e-5", 1, "committed by an update with other train settings"),
+        ("eval", "flow.eval_samples=2", 0, "committed with other evaluation settings"),
+    ],
+)
+def test_a_change_of_what_a_stage_computes_is_refused_by_the_flow_as_by_the_stage(
+    run, task, override, iteration, refusal
+):
     """The flow's rollout and eval tasks kept any committed output, whatever it was made with, where the stage run
     alone refused it (rollout) or kept it with a log line (eval)."""
     from purifier.stage import run_purify_stage
@@ -114,12 +119,18 @@ def test_a_change_of_what_a_stage_computes_is_refused_by_the_flow_as_by_the_stag
 
     cfg = _config(run, override)
     checkpoint = checkpoint_for(run, "tiny", iteration, cfg.rollout.policy)
-    stage = {"rollout": lambda: run_rollout_stage(cfg, "tiny", iteration, checkpoint, show_progress=False),
-             "purify": lambda: run_purify_stage(cfg, "tiny", iteration),
-             "update": lambda: run_update_stage(cfg, "tiny", iteration, log=lambda *_: None),
-             "eval": lambda: run_eval_stage(cfg, "tiny", iteration, checkpoint, log=lambda *_: None)}[task]
-    flow_task = {"rollout": training.rollout_task, "purify": training.purify_task, "update": training.update_task,
-                 "eval": training.eval_stage_task}[task]
+    stage = {
+        "rollout": lambda: run_rollout_stage(cfg, "tiny", iteration, checkpoint, show_progress=False),
+        "purify": lambda: run_purify_stage(cfg, "tiny", iteration),
+        "update": lambda: run_update_stage(cfg, "tiny", iteration, log=lambda *_: None),
+        "eval": lambda: run_eval_stage(cfg, "tiny", iteration, checkpoint, log=lambda *_: None),
+    }[task]
+    flow_task = {
+        "rollout": training.rollout_task,
+        "purify": training.purify_task,
+        "update": training.update_task,
+        "eval": training.eval_stage_task,
+    }[task]
     for decide in (stage, lambda: _flow_task(flow_task, cfg, iteration)):
         with pytest.raises(CleanerError) as e:
             decide()
@@ -139,8 +150,10 @@ def test_after_gc_the_flow_and_the_stage_keep_what_the_removed_checkpoints_made(
     cfg = _config(root)
     target, kept, log = _flow_task(training.update_task, cfg, 0)
     assert (target, kept) == (str(layout.checkpoint_dir(1)), True)
-    assert log == ["[update it 0] checkpoint iteration=0001 was removed (cleaner gc); the run went on to checkpoint 2: "
-                   "kept as done"]
+    assert log == [
+        "[update it 0] checkpoint iteration=0001 was removed (cleaner gc); the run went on to checkpoint 2: "
+        "kept as done"
+    ]
     run_update_stage(cfg, "tiny", 0, log=lambda *_: None)
     assert not layout.checkpoint_dir(1).exists()
     committed = read_manifest(layout.raw_dir(1))
@@ -162,8 +175,12 @@ def test_the_speed_only_settings_are_left_out_by_run_json_and_by_every_identity(
     cfg, faster = load_config(None, base), load_config(None, [*base, "rollout.engine_tuning.threads=4"])
     freeze_run_config(cfg, "r")
     freeze_run_config(faster, "r")  # the rerun at another speed goes on
-    for identity in (lambda c: rollout_identity(c, "v"), lambda c: eval_identity(c, "v"), update_identity,
-                     lambda c: purify_identity(c, Variant.of("saar", 0.5), "raw")):
+    for identity in (
+        lambda c: rollout_identity(c, "v"),
+        lambda c: eval_identity(c, "v"),
+        update_identity,
+        lambda c: purify_identity(c, Variant.of("saar", 0.5), "raw"),
+    ):
         assert identity(faster).value == identity(cfg).value
 
 
@@ -185,8 +202,14 @@ def test_committed_identities_keep_their_values(tmp_path):
     tasks.write_bytes(bytes(range(256)) * 9000)
     assert file_digest(tasks) == hashlib.blake2b(tasks.read_bytes(), digest_size=16).hexdigest()
     cfg.flow.eval_tasks = str(tasks)
-    recorded = {"tasks": hashlib.blake2b(tasks.read_bytes(), digest_size=8).hexdigest(), "samples": 1, "limit": None,
-                "settings": ["saar_on", "saar_off"], "sections": cfg.section_hash("rollout", "world"), "policy": "v1"}
+    recorded = {
+        "tasks": hashlib.blake2b(tasks.read_bytes(), digest_size=8).hexdigest(),
+        "samples": 1,
+        "limit": None,
+        "settings": ["saar_on", "saar_off"],
+        "sections": cfg.section_hash("rollout", "world"),
+        "policy": "v1",
+    }
     legacy = hashlib.blake2b(json.dumps(recorded, sort_keys=True).encode(), digest_size=8).hexdigest()
     assert legacy in eval_identity(cfg, "v1").legacy  # an eval shard that recorded the task file's 8-byte digest
 
@@ -201,7 +224,6 @@ def test_after_gc_the_stage_commands_keep_what_the_flow_keeps(run, tmp_path):
     layout = RunLayout(root, "tiny")
     shutil.rmtree(layout.checkpoint_dir(1))
     for stage, iteration in (("rollout", 1), ("update", 0)):
-        done = run_cleaner([stage, "--run", "tiny", "--iteration", str(iteration), "-c", str(tiny_config(root))],
-                           root)
+        done = run_cleaner([stage, "--run", "tiny", "--iteration", str(iteration), "-c", str(tiny_config(root))], root)
         assert done.returncode == 0 and "kept (already committed)" in done.stdout, done.stderr[-2000:]
     assert not layout.checkpoint_dir(1).exists()

@@ -1,4 +1,5 @@
 """storage/: round trips, atomic commits under SIGKILL, and validation errors that name the file."""
+
 from __future__ import annotations
 
 import json
@@ -100,7 +101,8 @@ def test_sigkill_mid_shard_leaves_no_manifest_and_rerun_is_identical(tmp_path):
     out = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=30)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout.readline().strip() == "part 0"
     proc.send_signal(signal.SIGKILL)
@@ -112,11 +114,17 @@ def test_sigkill_mid_shard_leaves_no_manifest_and_rerun_is_identical(tmp_path):
         read_shard(out, RAW)
 
     # Rerun the same stage to completion; compare with an uninterrupted run of the same input.
-    subprocess.run([sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=0)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=0)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     reference = tmp_path / "reference"
-    subprocess.run([sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(reference), pause=0)],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(reference), pause=0)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     assert read_shard(out, RAW).equals(read_shard(reference, RAW))
     got, want = read_manifest(out), read_manifest(reference)
     assert [(p.name, p.rows, p.crc32) for p in got.parts] == [(p.name, p.rows, p.crc32) for p in want.parts]
@@ -225,8 +233,9 @@ def test_views_read_a_root_whose_path_has_a_quote_or_a_newline(tmp_path, folder)
     build(root, 3, rows=2, tokens=8, log=None)
     with Catalog(root) as cat:
         assert not cat.problems
-        assert cat.query("SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY ALL ORDER BY ALL").to_pylist() \
-            == [{"iteration": i, "n": 2} for i in range(3)]
+        assert cat.query(
+            "SELECT iteration, count(*) AS n FROM raw_trajectories GROUP BY ALL ORDER BY ALL"
+        ).to_pylist() == [{"iteration": i, "n": 2} for i in range(3)]
         assert cat.query("SELECT count(*) AS n FROM purified").to_pylist() == [{"n": 6}]
 
 
@@ -237,16 +246,22 @@ def test_raw_rows_of_schema_v1_read_as_v2_beside_v2_rows(tmp_path):
 
     layout = RunLayout(tmp_path, "mixed")
     old = synthetic_trajectories(4, seed=1, run_id="mixed", iteration=0)
-    write_shard(layout.raw_dir(0), raw_table(4, seed=1, run_id="mixed", iteration=0).select(RAW_V1.names).cast(RAW_V1),
-                RAW_V1, config_hash="v1")
+    write_shard(
+        layout.raw_dir(0),
+        raw_table(4, seed=1, run_id="mixed", iteration=0).select(RAW_V1.names).cast(RAW_V1),
+        RAW_V1,
+        config_hash="v1",
+    )
     new = synthetic_trajectories(4, seed=2, run_id="mixed", iteration=1)
     new[0].reward_reason = "test 2 of 3: wrong answer"
-    write_shard(layout.raw_dir(1), pa.Table.from_pylist([trajectory_to_row(t) for t in new], schema=RAW), RAW,
-                config_hash="v2")
+    write_shard(
+        layout.raw_dir(1), pa.Table.from_pylist([trajectory_to_row(t) for t in new], schema=RAW), RAW, config_hash="v2"
+    )
     assert [trajectory_from_row(r) for r in read_shard(layout.raw_dir(0), RAW).to_pylist()] == old
     assert [trajectory_from_row(r) for r in read_shard(layout.raw_dir(1), RAW).to_pylist()] == new
     with Catalog(tmp_path) as cat:
-        rows = cat.query("SELECT iteration, reward_reason FROM raw_trajectories ORDER BY iteration, prompt_id, "
-                         "sample_idx").to_pylist()
+        rows = cat.query(
+            "SELECT iteration, reward_reason FROM raw_trajectories ORDER BY iteration, prompt_id, sample_idx"
+        ).to_pylist()
     assert [r["reward_reason"] for r in rows if r["iteration"] == 0] == [None] * 4
     assert "test 2 of 3: wrong answer" in [r["reward_reason"] for r in rows if r["iteration"] == 1]

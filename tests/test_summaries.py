@@ -1,5 +1,6 @@
 """Row summaries written at commit (issue #31 §2): equal, row for row, to the same columns computed from the
 parts (what the catalog does for shards committed without them), on real rollouts and purifications."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Task loaders for the reference data layouts, and rewards (math, code through the real sandbox)."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,23 @@ from rollout_gen.tasks import TaskFileError, load_task_parquet
 
 def test_open_agentrl_layout(tmp_path):
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 2+2?"}],
-         "data_source": "math_dapo", "reward_model": {"ground_truth": "4", "style": "rule"}},
-        {"prompt": [{"role": "user", "content": "Write a program."}], "data_source": "livecodebench",
-         "reward_model": {"ground_truth": '[{"input": "", "output": "1"}]', "style": "rule"}},
-    ]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": "What is 2+2?"}],
+                    "data_source": "math_dapo",
+                    "reward_model": {"ground_truth": "4", "style": "rule"},
+                },
+                {
+                    "prompt": [{"role": "user", "content": "Write a program."}],
+                    "data_source": "livecodebench",
+                    "reward_model": {"ground_truth": '[{"input": "", "output": "1"}]', "style": "rule"},
+                },
+            ]
+        ),
+        path,
+    )
     a, b = load_task_parquet(path)
     assert (a.question, a.ground_truth, a.source, a.kind) == ("What is 2+2?", "4", "math_dapo", "math")
     assert b.kind == "code" and json.loads(b.ground_truth) == [{"input": "", "output": "1"}]
@@ -42,8 +54,15 @@ def test_bad_task_files_name_file_row_and_field(tmp_path):
     with pytest.raises(TaskFileError, match="does not exist"):
         load_task_parquet(tmp_path / "missing.parquet")
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "ok", "reward_model": {"ground_truth": "1"}},
-                                         {"prompt": "no truth", "reward_model": {"ground_truth": None}}]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"prompt": "ok", "reward_model": {"ground_truth": "1"}},
+                {"prompt": "no truth", "reward_model": {"ground_truth": None}},
+            ]
+        ),
+        path,
+    )
     with pytest.raises(TaskFileError, match=r"bad\.parquet: row 1: missing reward_model\.ground_truth"):
         load_task_parquet(path)
     path2 = tmp_path / "bad2.parquet"
@@ -53,7 +72,9 @@ def test_bad_task_files_name_file_row_and_field(tmp_path):
 
 
 def test_code_reward_runs_tests_in_the_sandbox(sandbox):
-    tests = json.dumps([{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10"}, {"input": "1\n", "output": "3"}])
+    tests = json.dumps(
+        [{"input": "3\n", "output": "6"}, {"input": "5\n", "output": "10"}, {"input": "1\n", "output": "3"}]
+    )
     good = "```python\nn = int(input())\nprint(n * 2)\n```"
     assert code_reward(good, tests, sandbox) == pytest.approx(2 / 3)
     assert code_reward("no code here", tests, sandbox) == -1.0
@@ -64,8 +85,12 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
     from flows.cli import main
 
     path = tmp_path / "aime_like.parquet"
-    pq.write_table(pa.Table.from_pylist([{"problem": "What is 12 + 30?", "answer": "42"},
-                                         {"problem": "What is 7 * 6?", "answer": "42"}]), path)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"problem": "What is 12 + 30?", "answer": "42"}, {"problem": "What is 7 * 6?", "answer": "42"}]
+        ),
+        path,
+    )
     assert main(["eval", "--tasks", str(path), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)  # stdout holds the JSON document alone
     # the command reports exactly what the library measures on those tasks (sampling is seeded)
@@ -73,43 +98,73 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
     from flows.eval_cmd import TIMING_FIELDS
     from rollout_gen.eval_run import evaluate_tasks
 
-    want = json.loads(json.dumps(evaluate_tasks(load_config(None), DEFAULT_POLICY, load_task_parquet(path),
-                                                show_progress=False).metrics))
+    want = json.loads(
+        json.dumps(
+            evaluate_tasks(load_config(None), DEFAULT_POLICY, load_task_parquet(path), show_progress=False).metrics
+        )
+    )
     assert metrics["trajectories"] == 2 and "accuracy" in metrics
     assert {k: v for k, v in metrics.items() if k not in TIMING_FIELDS} == {
-        k: v for k, v in want.items() if k not in TIMING_FIELDS + ("settings",)}
+        k: v for k, v in want.items() if k not in TIMING_FIELDS + ("settings",)
+    }
 
 
 # -- math rewards: the last \\boxed{} in the final 100 characters, equivalence by math-verify ----------------
 
-@pytest.mark.parametrize("text,answer", [
-    ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),  # nested braces (the old regex found no box here)
-    ("\\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
-    ("\\boxed{1} and \\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}"),  # the last box
-    ("\\boxed{7} then \\boxed{8", "7"),  # a box that never closes is skipped
-    ("a \\boxed{ 7 }", "7"),
-    ("\\boxed{\\boxed{5}}", "5"),
-    ("no box", None),
-    ("\\boxed{42}" + "x" * 100, None),  # outside the final 100 characters
-    ("\\boxed{4" + "x" * 100 + "}", None),  # opens before the window
-])
+
+@pytest.mark.parametrize(
+    "text,answer",
+    [
+        ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),  # nested braces (the old regex found no box here)
+        ("\\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
+        ("\\boxed{1} and \\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}"),  # the last box
+        ("\\boxed{7} then \\boxed{8", "7"),  # a box that never closes is skipped
+        ("a \\boxed{ 7 }", "7"),
+        ("\\boxed{\\boxed{5}}", "5"),
+        ("no box", None),
+        ("\\boxed{42}" + "x" * 100, None),  # outside the final 100 characters
+        ("\\boxed{4" + "x" * 100 + "}", None),  # opens before the window
+    ],
+)
 def test_last_boxed_balances_braces_within_the_window(text, answer):
     assert last_boxed(text) == answer
 
 
-@pytest.mark.parametrize("answer,truth", [
-    ("\\frac{1}{2}", "\\frac{1}{2}"), ("0.5", "\\frac12"), ("\\frac12", "0.5"), ("1/2", "\\frac{1}{2}"),
-    ("\\dfrac{1}{2}", "0.5"), ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("2\\pi", "\\pi \\cdot 2"),
-    ("(1,2)", "(1, 2)"), ("042", "42"), ("-0", "0"), ("x = 17", "17"),
-])
+@pytest.mark.parametrize(
+    "answer,truth",
+    [
+        ("\\frac{1}{2}", "\\frac{1}{2}"),
+        ("0.5", "\\frac12"),
+        ("\\frac12", "0.5"),
+        ("1/2", "\\frac{1}{2}"),
+        ("\\dfrac{1}{2}", "0.5"),
+        ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"),
+        ("2\\pi", "\\pi \\cdot 2"),
+        ("(1,2)", "(1, 2)"),
+        ("042", "42"),
+        ("-0", "0"),
+        ("x = 17", "17"),
+    ],
+)
 def test_equivalent_forms_score_plus_one(answer, truth):
     assert math_reward(f"The answer is \\boxed{{{answer}}}.", truth) == 1.0
 
 
-@pytest.mark.parametrize("answer,truth", [
-    ("\\frac{1}{3}", "\\frac12"), ("0.49", "0.5"), ("41", "42"), ("-42", "42"), ("\\sqrt{2}", "2"),
-    ("(2,1)", "(1,2)"), ("x", "42"), ("{{", "42"), ("", "42"), ("\\text{forty-two}", "42"),
-])
+@pytest.mark.parametrize(
+    "answer,truth",
+    [
+        ("\\frac{1}{3}", "\\frac12"),
+        ("0.49", "0.5"),
+        ("41", "42"),
+        ("-42", "42"),
+        ("\\sqrt{2}", "2"),
+        ("(2,1)", "(1,2)"),
+        ("x", "42"),
+        ("{{", "42"),
+        ("", "42"),
+        ("\\text{forty-two}", "42"),
+    ],
+)
 def test_wrong_answers_score_minus_one(answer, truth):
     assert math_reward(f"The answer is \\boxed{{{answer}}}.", truth) == -1.0
 
@@ -121,10 +176,21 @@ def test_box_rule_no_box_and_window():
     assert math_reward("\\boxed{\\frac{1}{2}}" + " " * 82, "0.5") == -1.0  # 101: its backslash falls outside
 
 
-@pytest.mark.parametrize("answer,score", [
-    ("C", 1.0), ("(C)", 1.0), ("\\text{C}", 1.0), ("\\textbf{(C)}", 1.0), ("c", 1.0), ("C.", 1.0),
-    ("B", -1.0), ("C or D", -1.0), ("CD", -1.0), ("3", -1.0),
-])
+@pytest.mark.parametrize(
+    "answer,score",
+    [
+        ("C", 1.0),
+        ("(C)", 1.0),
+        ("\\text{C}", 1.0),
+        ("\\textbf{(C)}", 1.0),
+        ("c", 1.0),
+        ("C.", 1.0),
+        ("B", -1.0),
+        ("C or D", -1.0),
+        ("CD", -1.0),
+        ("3", -1.0),
+    ],
+)
 def test_gpqa_letters(answer, score):
     assert math_reward(f"so the choice is \\boxed{{{answer}}}", "C") == score
 
@@ -170,8 +236,9 @@ def test_rewards_work_from_a_worker_thread():
     """math-verify's own timeouts use SIGALRM, which fails outside the main thread (a Prefect task's
     thread): the child process is the main thread of its own process, so a thread gets real verdicts."""
     out = []
-    t = threading.Thread(target=lambda: out.extend([math_reward("\\boxed{0.5}", "\\frac12"),
-                                                    math_reward("\\boxed{0.4}", "\\frac12")]))
+    t = threading.Thread(
+        target=lambda: out.extend([math_reward("\\boxed{0.5}", "\\frac12"), math_reward("\\boxed{0.4}", "\\frac12")])
+    )
     t.start()
     t.join(60)
     assert out == [1.0, -1.0]

@@ -1,6 +1,7 @@
 """The scheduler's tool queue (issue 17): calls beyond the sandbox's workers wait in the scheduler,
 and the free schedule starts first the calls of the trajectories that have made the most calls.
 Real Scheduler, real threads; the trajectories here only call tools (no engine is stepped)."""
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,10 @@ def _run(priority: str, deterministic: bool, calls: list[int], slots: int = 1) -
         with cond:
             started.append(name)
             if not deterministic:
-                assert cond.wait_for(lambda: all(asked[j] > ended[j] or asked[j] == calls[j] for j in range(len(calls))
-                                                 if j != i), timeout=30), "a trajectory never asked its next call"
+                assert cond.wait_for(
+                    lambda: all(asked[j] > ended[j] or asked[j] == calls[j] for j in range(len(calls)) if j != i),
+                    timeout=30,
+                ), "a trajectory never asked its next call"
             ended[i] += 1
         return name
 
@@ -83,8 +86,9 @@ def test_a_failing_tool_call_reaches_its_trajectory_and_frees_its_slot():
 
 def test_the_last_progress_report_counts_every_trajectory_finished():
     seen: list[tuple[int, int]] = []
-    sched = Scheduler(None, deterministic=False, tool_slots=2,
-                      on_progress=lambda p, _: seen.append((p.finished, p.active)))
+    sched = Scheduler(
+        None, deterministic=False, tool_slots=2, on_progress=lambda p, _: seen.append((p.finished, p.active))
+    )
 
     async def trajectory(i: int) -> None:
         for _ in range(i + 1):

@@ -1,5 +1,6 @@
 """Trackers are never required (flows/trackers.py): W&B without a login failed the flow after its first
 iteration, with two tracebacks, and every rerun the same way. Now one warning, and the run goes on."""
+
 from __future__ import annotations
 
 from pipeline.config import load_config

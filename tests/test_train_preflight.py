@@ -1,5 +1,6 @@
 """`cleaner train` refuses what would fail later before Prefect is set up or anything is written: a bad
 flow.eval_tasks file, DeepSpeed fp16 without a GPU."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -9,13 +10,24 @@ from tests.flow_helpers import refused
 from tests.eval_fixtures import write
 
 
-
 def test_train_refuses_a_bad_eval_task_file_before_prefect_or_run_json(tmp_path, capsys):
     """It started the flow, froze the bad settings in run.json and logged three Prefect ERROR lines first."""
     ws = tmp_path / "ws"
     empty = write(tmp_path / "empty.parquet", [], pa.schema([("Problem", pa.string()), ("Answer", pa.int64())]))
-    refused(["train", f"storage.root={ws}", "flow.run_id=e1", "flow.iterations=1", "flow.eval_every=1",
-              f"flow.eval_tasks={empty}"], capsys, 1, str(empty), "no rows")
+    refused(
+        [
+            "train",
+            f"storage.root={ws}",
+            "flow.run_id=e1",
+            "flow.iterations=1",
+            "flow.eval_every=1",
+            f"flow.eval_tasks={empty}",
+        ],
+        capsys,
+        1,
+        str(empty),
+        "no rows",
+    )
     assert not ws.exists()
 
 
@@ -27,8 +39,12 @@ def test_train_refuses_deepspeed_fp16_without_a_gpu_before_anything_runs(tmp_pat
     if torch.cuda.is_available():
         pytest.skip("a GPU trains fp16")
     ws = tmp_path / "ws"
-    refused(["train", f"storage.root={ws}", "train.strategy=deepspeed", "train.param_dtype=fp16"], capsys, 1,
-             "train.param_dtype=fp16 needs a GPU")
+    refused(
+        ["train", f"storage.root={ws}", "train.strategy=deepspeed", "train.param_dtype=fp16"],
+        capsys,
+        1,
+        "train.param_dtype=fp16 needs a GPU",
+    )
     assert not ws.exists()
 
 
@@ -40,13 +56,23 @@ def test_a_task_file_that_would_fail_the_rollout_is_one_line_before_anything_is_
     """Two tasks at 16 per iteration rolled every task out 8 times as rows with one key; a null answer failed after
     Prefect, the policy and the sandbox had started, with run.json left behind (locking the run id)."""
     ws = tmp_path / "ws"
-    two = _flat(tmp_path / "two.parquet", [{"problem": "What is 11 + 7?", "answer": "18"},
-                                           {"problem": "What is 12 + 7?", "answer": "19"}])
-    refused(["train", f"storage.root={ws}", f"rollout.tasks={two}"], capsys, 1,
-            "2 distinct tasks, fewer than rollout.tasks_per_iteration (16); lower it to at most 2")
+    two = _flat(
+        tmp_path / "two.parquet",
+        [{"problem": "What is 11 + 7?", "answer": "18"}, {"problem": "What is 12 + 7?", "answer": "19"}],
+    )
+    refused(
+        ["train", f"storage.root={ws}", f"rollout.tasks={two}"],
+        capsys,
+        1,
+        "2 distinct tasks, fewer than rollout.tasks_per_iteration (16); lower it to at most 2",
+    )
     null = _flat(tmp_path / "null.parquet", [{"problem": "What is 1 + 1?", "answer": None}])
-    refused(["train", f"storage.root={ws}", f"rollout.tasks={null}", "rollout.tasks_per_iteration=1"], capsys, 1,
-            "null.parquet: row 0: missing reward_model.ground_truth")
+    refused(
+        ["train", f"storage.root={ws}", f"rollout.tasks={null}", "rollout.tasks_per_iteration=1"],
+        capsys,
+        1,
+        "null.parquet: row 0: missing reward_model.ground_truth",
+    )
     assert not ws.exists()
 
 
@@ -56,8 +82,10 @@ def test_rows_repeating_a_task_count_once_and_other_answers_blank_or_malformed_t
     from rollout_gen.tasks import TaskFileError, load_task_parquet
 
     q = "What is 38 + 40?"
-    same = _flat(tmp_path / "same.parquet", [{"problem": q, "answer": "78"}, {"problem": q, "answer": "78"},
-                                             {"problem": "What is 1 + 1?", "answer": "2"}])
+    same = _flat(
+        tmp_path / "same.parquet",
+        [{"problem": q, "answer": "78"}, {"problem": q, "answer": "78"}, {"problem": "What is 1 + 1?", "answer": "2"}],
+    )
     assert [t.question for t in load_task_parquet(same)] == [q, "What is 1 + 1?"]
     other = _flat(tmp_path / "other.parquet", [{"problem": q, "answer": "78"}, {"problem": q, "answer": "79"}])
     with pytest.raises(TaskFileError, match=r"other.parquet: row 1: the question of row 0 with another answer"):
@@ -79,7 +107,9 @@ def test_a_resumed_run_refuses_a_task_file_whose_content_changed(tmp_path):
     from flows.run_config import RunConfigMismatch, freeze_run_config
     from pipeline.config import load_config
 
-    tasks = _flat(tmp_path / "tasks.parquet", [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)])
+    tasks = _flat(
+        tmp_path / "tasks.parquet", [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(4)]
+    )
     cfg = load_config(None, [f"storage.root={tmp_path / 'ws'}", f"rollout.tasks={tasks}"])
     freeze_run_config(cfg, "r")
     freeze_run_config(cfg, "r")  # the same file: goes on

@@ -1,5 +1,6 @@
 """The GRPO update on OpenRLHF: loss/gradients against a hand-written reference, learning direction,
 exact resume, and refusals; real tiny policy, real purified shards."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,13 @@ def noisy_sequences(m, n: int, rng: random.Random):
         mask = [int(rng.random() < 0.8) for _ in resp]
         with torch.no_grad():
             logp = torch.log_softmax(m(torch.tensor([prompt + resp])).logits[0], -1)
-        yield i, prompt, resp, mask, [logp[len(prompt) + k - 1, t].item() + rng.uniform(-0.6, 0.6)
-                                      for k, t in enumerate(resp)]
+        yield (
+            i,
+            prompt,
+            resp,
+            mask,
+            [logp[len(prompt) + k - 1, t].item() + rng.uniform(-0.6, 0.6) for k, t in enumerate(resp)],
+        )
 
 
 def synthetic_rows(m, n=6, seed=0) -> list[PurifiedTrajectory]:
@@ -56,8 +62,28 @@ def synthetic_rows(m, n=6, seed=0) -> list[PurifiedTrajectory]:
     rng = random.Random(seed)
     rows = []
     for i, prompt, resp, mask, old in noisy_sequences(m, n, rng):
-        rows.append(PurifiedTrajectory("r", 0, f"p{i // 3}", i % 3, "saar", 0.5, f"k{i}", prompt, resp, mask, old,
-                                       [1] * len(resp), 1.0, rng.choice([-1.5, -0.5, 0.7, 1.2]), [], -1, 0, True))
+        rows.append(
+            PurifiedTrajectory(
+                "r",
+                0,
+                f"p{i // 3}",
+                i % 3,
+                "saar",
+                0.5,
+                f"k{i}",
+                prompt,
+                resp,
+                mask,
+                old,
+                [1] * len(resp),
+                1.0,
+                rng.choice([-1.5, -0.5, 0.7, 1.2]),
+                [],
+                -1,
+                0,
+                True,
+            )
+        )
     return rows
 
 
@@ -95,7 +121,9 @@ def test_loss_and_gradients_match_a_hand_written_grpo_loss():
     got = 0.0
     for mb in micros:
         logp = upd.actor(mb.sequences, mb.action_mask, attention_mask=mb.attention_mask)
-        loss, *_ = upd.loss_fn(logp, mb.old_log_probs, mb.advantages, action_mask=mb.action_mask, batch_num_tokens=tokens)
+        loss, *_ = upd.loss_fn(
+            logp, mb.old_log_probs, mb.advantages, action_mask=mb.action_mask, batch_num_tokens=tokens
+        )
         loss.backward()
         got += loss.item()
     want = reference_loss(m2, rows, cfg)
@@ -186,7 +214,9 @@ def _purified_with(cfg, root, rows, extra):
     import pyarrow as pa
     from pipeline.trajectory import purified_to_row
 
-    shutil.copytree(cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", root / "runs" / "w" / "iteration=0000" / "raw")
+    shutil.copytree(
+        cfg.storage.root / "runs" / "w" / "iteration=0000" / "raw", root / "runs" / "w" / "iteration=0000" / "raw"
+    )
     table = pa.Table.from_pylist([purified_to_row(r) for r in rows], schema=PURIFIED)
     write_shard(RunLayout(root, "w").purified_dir(0, "saar", 0.5), table, PURIFIED, "t", extra=extra)
     c = cfg.model_copy(deep=True)
@@ -272,7 +302,9 @@ def test_a_checkpoint_records_its_train_settings_and_earlier_ones_are_kept(tmp_p
     assert committed_update(tmp_path, "abc") is True
     marker.write_text(json.dumps({"train_settings": "abc"}))
     assert committed_update(tmp_path, "abc") is True
-    with pytest.raises(CleanerError, match="other train settings or by an earlier cleaner \\(config hash abc, now xyz\\)"):
+    with pytest.raises(
+        CleanerError, match="other train settings or by an earlier cleaner \\(config hash abc, now xyz\\)"
+    ):
         committed_update(tmp_path, "xyz")
     marker.write_text("{")
     with pytest.raises(CleanerError, match="_CHECKPOINT.json: unreadable"):

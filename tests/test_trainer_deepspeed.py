@@ -1,5 +1,6 @@
 """train.strategy=deepspeed: OpenRLHF's DeepspeedStrategy (ZeRO-2/3) on two real torchrun ranks over gloo
 (CPU), against the local strategy on the same purified shard, plus exact resume and refusals."""
+
 from __future__ import annotations
 
 import shutil

@@ -2,6 +2,7 @@
 not by group, and lm_head runs only at action positions, chunked only where the vocabulary needs it. The
 packing is optimal for its cost and keeps every row once; the log-probs and gradients are Actor.forward's;
 at Qwen3's 151,936 ids no lm_head call holds more than 512 positions' logits."""
+
 from __future__ import annotations
 
 import itertools
@@ -130,10 +131,21 @@ def test_emptied_micro_batches_add_nothing():
     gathers weights in each forward): gradients and metrics are those without them."""
     rng = random.Random(2)
     rows = [row(f"g{i // 3}/{i % 3}", f"g{i // 3}", rng.randint(20, 60), rng) for i in range(9)]
-    rows = [TrainingRow(r.raw_key, r.prompt_id, r.sample_idx, r.prompt_ids, r.response_ids, r.loss_mask,
-                        [-3.0 + 0.1 * (k % 7) for k in range(len(r.response_ids))], (-1.0) ** i,
-                        [-3.1] * len(r.response_ids)) for i, r in enumerate(rows)]
-    groups = [rows[i: i + 3] for i in range(0, 9, 3)]
+    rows = [
+        TrainingRow(
+            r.raw_key,
+            r.prompt_id,
+            r.sample_idx,
+            r.prompt_ids,
+            r.response_ids,
+            r.loss_mask,
+            [-3.0 + 0.1 * (k % 7) for k in range(len(r.response_ids))],
+            (-1.0) ** i,
+            [-3.1] * len(r.response_ids),
+        )
+        for i, r in enumerate(rows)
+    ]
+    groups = [rows[i : i + 3] for i in range(0, 9, 3)]
 
     def run(extra: int, **cfg):
         m = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
@@ -146,5 +158,10 @@ def test_emptied_micro_batches_add_nothing():
     for cfg in ({}, {"rollout_correction": "seq_mis"}):
         (a, ga), (b, gb) = run(0, **cfg), run(2, **cfg)
         assert all(torch.equal(x, y) for x, y in zip(ga, gb))
-        assert (a.loss, a.clip_ratio, a.approx_kl, a.tokens, a.correction_filtered) == \
-               (b.loss, b.clip_ratio, b.approx_kl, b.tokens, b.correction_filtered)
+        assert (a.loss, a.clip_ratio, a.approx_kl, a.tokens, a.correction_filtered) == (
+            b.loss,
+            b.clip_ratio,
+            b.approx_kl,
+            b.tokens,
+            b.correction_filtered,
+        )

@@ -1,5 +1,6 @@
 """The column-wise path for rows with nothing to splice equals purify() row for row on real rollouts,
 and every row purify() would refuse stays off it."""
+
 from __future__ import annotations
 
 import math

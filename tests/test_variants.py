@@ -1,5 +1,6 @@
 """One plan of purified partitions at the edge: the flow, `cleaner purify`, `cleaner replay` and a direct call of the
 purify stage all get theirs from pipeline.variants.plan_variants."""
+
 from __future__ import annotations
 
 from pipeline.config import load_config
@@ -26,10 +27,15 @@ def test_asked_values_with_the_configs_for_the_rest():
     assert plan_variants(cfg, taus=[0.7]) == [Variant.of("saar_is", 0.7)]
     assert plan_variants(cfg, ["raw"]) == [Variant.of("raw")]
     # replay's own defaults: saar at flow.replay_gammas
-    assert plan_variants(cfg, default_modes=["saar"], default_gammas=[0.3, 0.7]) == [Variant.of("saar", 0.3),
-                                                                                     Variant.of("saar", 0.7)]
+    assert plan_variants(cfg, default_modes=["saar"], default_gammas=[0.3, 0.7]) == [
+        Variant.of("saar", 0.3),
+        Variant.of("saar", 0.7),
+    ]
     assert implied_modes(["saar"], [0.3], [0.7]) == ["saar", "saar_is"]
-    assert describe(plan_variants(cfg, ["saar", "raw", "saar_is"], [0.3, 0.5], [0.5])) == "saar γ 0.3 0.5, raw, saar_is τ 0.5"
+    assert (
+        describe(plan_variants(cfg, ["saar", "raw", "saar_is"], [0.3, 0.5], [0.5]))
+        == "saar γ 0.3 0.5, raw, saar_is τ 0.5"
+    )
 
 
 def test_a_direct_stage_call_purifies_what_the_flow_would(world_copy):

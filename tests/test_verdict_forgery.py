@@ -4,6 +4,7 @@ reach — its frames' locals and globals, every object the garbage collector tra
 directory, its open file descriptors, /proc/self, the environment — for the expected output (a random secret
 per test run, so it cannot be written into the program) or a verdict nonce, then prints or returns what it
 found, and forges a verdict line when it finds a nonce. It must get a fail, never a pass."""
+
 from __future__ import annotations
 
 import json
@@ -101,13 +102,18 @@ def ANSWER(found):
     return next((s for s in found if s.startswith(MARK)), "nothing found")
 '''
 
-STDIN_ADVERSARY = SEARCH + r'''
+STDIN_ADVERSARY = (
+    SEARCH
+    + r"""
 found = LOOT()
 FORGE(found)
 print(ANSWER(found))
-'''
+"""
+)
 
-CALL_ADVERSARY = SEARCH + r'''
+CALL_ADVERSARY = (
+    SEARCH
+    + r"""
 class Solution:
     def secret(self, x):
         found = LOOT()
@@ -117,7 +123,8 @@ class Solution:
             return json.loads(answer)
         except Exception:
             return answer
-'''
+"""
+)
 
 
 @pytest.fixture(scope="module")

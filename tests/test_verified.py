@@ -1,5 +1,6 @@
 """Verification paid once (issue #31 §1): a part is checked in full once, by whichever process first needs
 it, then trusted by its file identity while unchanged; a change, a copy or a bad record means a full check."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ def test_a_part_verified_by_one_process_is_not_read_by_the_next(store):
     (d / verified.RECORD).unlink()  # as if committed by a cleaner without records: the first reader pays
     code = "import sys; from storage.catalog import Catalog; from storage import shards; Catalog(sys.argv[1]).close(); print(shards.FULL_READS)"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    first = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, check=True)
-    second = subprocess.run([sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, check=True)
+    first = subprocess.run(
+        [sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, check=True
+    )
+    second = subprocess.run(
+        [sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, check=True
+    )
     assert int(first.stdout) >= 1 and int(second.stdout) == 0
     assert verified.is_verified(d, part.name, part.bytes, part.crc32)
     # a reader that feeds training still reads and checks every byte
@@ -79,8 +84,14 @@ def test_a_commit_records_its_parts(tmp_path):
     from storage.shards import write_shard
 
     d = RunLayout(tmp_path, "r").metrics_dir(0, "s")
-    write_shard(d, pa.Table.from_pylist([{"run_id": "r", "iteration": 0, "stage": "s", "step": 0, "name": "x",
-                                          "value": 1.0}], schema=METRICS), METRICS, "h")
+    write_shard(
+        d,
+        pa.Table.from_pylist(
+            [{"run_id": "r", "iteration": 0, "stage": "s", "step": 0, "name": "x", "value": 1.0}], schema=METRICS
+        ),
+        METRICS,
+        "h",
+    )
     part = read_manifest(d).parts[0]
     assert verified.is_verified(d, part.name, part.bytes, part.crc32)
     with Catalog(tmp_path) as cat:
@@ -131,8 +142,14 @@ def test_a_part_changed_while_it_is_checked_is_not_recorded_as_verified(tmp_path
     from storage.shards import check_part, write_shard
 
     d = RunLayout(tmp_path, "r").metrics_dir(0, "s")
-    write_shard(d, pa.Table.from_pylist([{"run_id": "r", "iteration": 0, "stage": "s", "step": 0, "name": "x",
-                                          "value": 1.0}], schema=METRICS), METRICS, "h")
+    write_shard(
+        d,
+        pa.Table.from_pylist(
+            [{"run_id": "r", "iteration": 0, "stage": "s", "step": 0, "name": "x", "value": 1.0}], schema=METRICS
+        ),
+        METRICS,
+        "h",
+    )
     part = read_manifest(d).parts[0]
     (d / verified.RECORD).unlink()  # not yet verified: the next check reads it in full
     path = d / part.name

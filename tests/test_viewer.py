@@ -3,6 +3,7 @@ the system chromedriver drives the viewer served from a real tiny-policy run: op
 trajectories, open one, read the raw and purified columns; HTML in model and tool output renders as text and
 runs nothing; unknown keys are a 404 page with a way back. The trajectory page's screenshot is docs/viewer.png
 (rewritten with CLEANER_VIEWER_SCREENSHOT=1)."""
+
 from __future__ import annotations
 
 import os
@@ -82,11 +83,23 @@ def test_open_a_spliced_trajectory_and_read_both_columns(served, browser):
     prompt = re.search(r"prompt=([^&]+)", browser.current_url).group(1)
     sample = int(re.search(r"sample=(\d+)", browser.current_url).group(1))
     with Catalog(root) as cat:
-        raw = cat.con.sql("SELECT * FROM raw_trajectories WHERE run_id = 'w' AND prompt_id = $p AND sample_idx = $s",
-                          params={"p": prompt, "s": sample}).to_arrow_table().to_pylist()[0]
-        splice = cat.con.sql("SELECT * FROM splices WHERE run_id = 'w' AND mode = 'saar' AND prompt_id = $p AND "
-                             "sample_idx = $s ORDER BY position_idx LIMIT 1",
-                             params={"p": prompt, "s": sample}).to_arrow_table().to_pylist()[0]
+        raw = (
+            cat.con.sql(
+                "SELECT * FROM raw_trajectories WHERE run_id = 'w' AND prompt_id = $p AND sample_idx = $s",
+                params={"p": prompt, "s": sample},
+            )
+            .to_arrow_table()
+            .to_pylist()[0]
+        )
+        splice = (
+            cat.con.sql(
+                "SELECT * FROM splices WHERE run_id = 'w' AND mode = 'saar' AND prompt_id = $p AND "
+                "sample_idx = $s ORDER BY position_idx LIMIT 1",
+                params={"p": prompt, "s": sample},
+            )
+            .to_arrow_table()
+            .to_pylist()[0]
+        )
     attempts = next(p["attempts"] for p in raw["positions"] if p["position_idx"] == splice["position_idx"])
     retry = next(a for a in attempts if a["attempt_idx"] == splice["attempt_idx"])
     failed = next(a for a in attempts if a["attempt_idx"] == splice["attempt_idx"] - 1)
@@ -98,7 +111,7 @@ def test_open_a_spliced_trajectory_and_read_both_columns(served, browser):
         assert _flat(text) in raw_column, text
 
     tok = Tokenizer.from_file(str(DEFAULT_POLICY / "tokenizer.json"))
-    call = lambda a: _flat(tok.decode(a["turn_ids"][a["call_start"]:], skip_special_tokens=False))  # noqa: E731
+    call = lambda a: _flat(tok.decode(a["turn_ids"][a["call_start"] :], skip_special_tokens=False))  # noqa: E731
     saar = browser.find_element(By.CSS_SELECTOR, "#purified details.variant[data-key^='saar:0.5']")
     saar_text = _seen(browser, saar)  # removed spans are folded away
     assert call(retry) in saar_text and call(failed) not in saar_text

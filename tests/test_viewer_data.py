@@ -1,6 +1,7 @@
 """`cleaner view` without a browser (issue 32 §1–§2): text in the catalog equal to the tokenizer's decode, the
 token-level alignment of purified rows with their attempt trees, the SQL box's sandbox, bad input, a corrupt
 shard, a busy port."""
+
 from __future__ import annotations
 
 import re
@@ -52,14 +53,19 @@ def test_text_views_equal_the_tokenizers_decode(store):
         ).to_pylist()
         attempts = cat.query(
             "SELECT t.turn_text, t.feedback_text, a.code FROM raw_attempts a JOIN raw_attempt_texts t USING (run_id, "
-            "iteration, prompt_id, sample_idx, position_idx, attempt_idx) WHERE a.run_id = 'w'").to_pylist()
-        raw = cat.query("SELECT r.lived_ids, t.response_text FROM raw_trajectories r JOIN raw_texts t USING "
-                        "(run_id, iteration, prompt_id, sample_idx) WHERE r.run_id = 'w'").to_pylist()
+            "iteration, prompt_id, sample_idx, position_idx, attempt_idx) WHERE a.run_id = 'w'"
+        ).to_pylist()
+        raw = cat.query(
+            "SELECT r.lived_ids, t.response_text FROM raw_trajectories r JOIN raw_texts t USING "
+            "(run_id, iteration, prompt_id, sample_idx) WHERE r.run_id = 'w'"
+        ).to_pylist()
         n_purified = cat.query("SELECT count(*) AS n FROM purified WHERE run_id = 'w'").to_pylist()[0]["n"]
         n_attempts = cat.query("SELECT count(*) AS n FROM raw_attempts WHERE run_id = 'w'").to_pylist()[0]["n"]
-        ids = cat.query("SELECT a.turn_ids, a.feedback_ids FROM (SELECT UNNEST(flatten(list_transform(positions, "
-                        "lambda p: p.attempts))) AS a, prompt_id, sample_idx FROM raw_trajectories WHERE run_id = 'w') "
-                        "ORDER BY prompt_id, sample_idx, a.attempt_idx").to_pylist()
+        ids = cat.query(
+            "SELECT a.turn_ids, a.feedback_ids FROM (SELECT UNNEST(flatten(list_transform(positions, "
+            "lambda p: p.attempts))) AS a, prompt_id, sample_idx FROM raw_trajectories WHERE run_id = 'w') "
+            "ORDER BY prompt_id, sample_idx, a.attempt_idx"
+        ).to_pylist()
     assert len(purified) == n_purified > 64 and len(raw) == 64 and len(attempts) == n_attempts > 64
     assert all(r["response_text"] == decode(r["response_ids"]) for r in purified)
     assert all(r["response_text"] == decode(r["lived_ids"]) for r in raw)
@@ -101,16 +107,26 @@ def test_alignment_covers_every_purified_row_exactly():
     decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
     for t in synthetic_trajectories(60, seed=7, vocab=40, positions=3):
         segs = segments(trajectory_to_row(t))
-        for mode, gamma in (("saar", 0.0), ("saar", 0.5), ("saar", 1.01), ("raw", 0.0), ("mask_failed", 0.0),
-                            ("saar_correct", 0.5), ("void_turn", 0.0)):
+        for mode, gamma in (
+            ("saar", 0.0),
+            ("saar", 0.5),
+            ("saar", 1.01),
+            ("raw", 0.0),
+            ("mask_failed", 0.0),
+            ("saar_correct", 0.5),
+            ("void_turn", 0.0),
+        ):
             p = purify(t, gamma, mode, decode)
             spans = align(segs, p.response_ids, splice_preference([vars(s) for s in p.splices]))
             assert all(s.status != "inserted" for s in spans)
-            assert [i for s in spans if s.status == "kept" for i in p.response_ids[s.start:s.end]] == p.response_ids
+            assert [i for s in spans if s.status == "kept" for i in p.response_ids[s.start : s.end]] == p.response_ids
             if mode == "raw":
                 assert all(s.status == "kept" for s in spans)
-            removed = {(s.segment.position_idx, s.segment.attempt_idx) for s in spans if s.status == "removed"
-                       and s.segment.kind in ("call", "turn")}
+            removed = {
+                (s.segment.position_idx, s.segment.attempt_idx)
+                for s in spans
+                if s.status == "removed" and s.segment.kind in ("call", "turn")
+            }
             for sp in p.splices:  # the failed attempt before each spliced retry lost its call
                 assert (sp.position_idx, sp.attempt_idx - 1) in removed
 
@@ -122,22 +138,42 @@ def test_alignment_ties_remove_the_failed_call_and_inserted_spans_show():
     from flows.viewer.align import Segment, align, splice_preference
 
     seg = lambda p, a, kind, ids, failed: Segment(p, a, kind, tuple(ids), (0.0,) * len(ids), failed)  # noqa: E731
-    segs = [seg(0, 0, "reasoning", [1, 2], True), seg(0, 0, "call", [7, 8], True), seg(0, 0, "tool", [9], True),
-            seg(0, 1, "reasoning", [1, 2], False), seg(0, 1, "call", [7, 8], False), seg(0, 1, "tool", [5], False)]
+    segs = [
+        seg(0, 0, "reasoning", [1, 2], True),
+        seg(0, 0, "call", [7, 8], True),
+        seg(0, 0, "tool", [9], True),
+        seg(0, 1, "reasoning", [1, 2], False),
+        seg(0, 1, "call", [7, 8], False),
+        seg(0, 1, "tool", [5], False),
+    ]
     spans = align(segs, [1, 2, 7, 8, 5])
     assert [(s.status, s.segment.attempt_idx, s.segment.kind) for s in spans] == [
-        ("removed", 0, "reasoning"), ("removed", 0, "call"), ("removed", 0, "tool"), ("kept", 1, "reasoning"),
-        ("kept", 1, "call"), ("kept", 1, "tool")]
-    shallow = align(segs, [1, 2, 7, 8, 5], splice_preference([{"position_idx": 0, "attempt_idx": 1, "kind": "shallow"}]))
+        ("removed", 0, "reasoning"),
+        ("removed", 0, "call"),
+        ("removed", 0, "tool"),
+        ("kept", 1, "reasoning"),
+        ("kept", 1, "call"),
+        ("kept", 1, "tool"),
+    ]
+    shallow = align(
+        segs, [1, 2, 7, 8, 5], splice_preference([{"position_idx": 0, "attempt_idx": 1, "kind": "shallow"}])
+    )
     assert [(s.status, s.segment.attempt_idx, s.segment.kind) for s in shallow] == [
-        ("kept", 0, "reasoning"), ("removed", 0, "call"), ("removed", 0, "tool"), ("removed", 1, "reasoning"),
-        ("kept", 1, "call"), ("kept", 1, "tool")]
+        ("kept", 0, "reasoning"),
+        ("removed", 0, "call"),
+        ("removed", 0, "tool"),
+        ("removed", 1, "reasoning"),
+        ("kept", 1, "call"),
+        ("kept", 1, "tool"),
+    ]
     inserted = align(segs, [1, 2, 7, 8, 42, 42, 5])
     assert any(s.status == "inserted" and (s.start, s.end) == (4, 6) for s in inserted)
 
 
 def test_sql_box_reads_the_catalog_and_nothing_outside_the_root(client, store):
-    ok = client.get("/sql", params={"q": "SELECT count(*) = (SELECT count(*) FROM purified) AS same FROM purified_texts"})
+    ok = client.get(
+        "/sql", params={"q": "SELECT count(*) = (SELECT count(*) FROM purified) AS same FROM purified_texts"}
+    )
     assert ok.status_code == 200 and "<td>True</td>" in ok.text
     outside = [
         "SELECT * FROM read_csv('/etc/passwd')",
@@ -157,17 +193,20 @@ def test_sql_box_reads_the_catalog_and_nothing_outside_the_root(client, store):
     assert "<script>alert(1)" not in escaped.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in escaped.text
 
 
-@pytest.mark.parametrize("path, names", [
-    ("/runs/nope", "unknown run 'nope'"),
-    ("/runs/w/99", "unknown iteration 99 of run 'w'"),
-    ("/runs/w/zero", "unknown iteration 'zero'"),
-    ("/runs/w/0/trajectory?prompt=none&sample=0", "no prompt 'none' sample 0"),
-    ("/runs/w/0/trajectory?prompt=none&sample=x", "unknown sample 'x'"),
-    ("/runs/nope/0/trajectory?prompt=a&sample=0", "unknown run 'nope'"),
-    ("/runs/w/report/..%2F..%2Fcatalog.png", "no page at /runs/w/report/../../catalog.png"),
-    ("/runs/w/report/catalog.duckdb", "no report file 'catalog.duckdb'"),
-    ("/nowhere", "no page at /nowhere"),
-])
+@pytest.mark.parametrize(
+    "path, names",
+    [
+        ("/runs/nope", "unknown run 'nope'"),
+        ("/runs/w/99", "unknown iteration 99 of run 'w'"),
+        ("/runs/w/zero", "unknown iteration 'zero'"),
+        ("/runs/w/0/trajectory?prompt=none&sample=0", "no prompt 'none' sample 0"),
+        ("/runs/w/0/trajectory?prompt=none&sample=x", "unknown sample 'x'"),
+        ("/runs/nope/0/trajectory?prompt=a&sample=0", "unknown run 'nope'"),
+        ("/runs/w/report/..%2F..%2Fcatalog.png", "no page at /runs/w/report/../../catalog.png"),
+        ("/runs/w/report/catalog.duckdb", "no report file 'catalog.duckdb'"),
+        ("/nowhere", "no page at /nowhere"),
+    ],
+)
 def test_unknown_keys_are_a_404_page_that_links_back(client, path, names):
     r = client.get(path)
     assert r.status_code == 404, r.text[-1500:]
@@ -180,14 +219,17 @@ def test_the_report_files_address_leads_to_the_report_page(client):
     assert r.status_code in (302, 307) and r.headers["location"] == "/runs/w/report/", r.status_code
 
 
-@pytest.mark.parametrize("query, names", [
-    ("kind=bogus", "unknown kind 'bogus': one of clean, recovered"),
-    ("spliced=maybe", "unknown spliced 'maybe': one of yes, no"),
-    ("advantage=up", "unknown advantage 'up': one of positive, negative, zero"),
-    ("partition=bogus", "unknown partition 'bogus': one of "),
-    ("reward_min=abc", "reward_min 'abc' is not a number"),
-    ("reward_max=nan", "reward_max 'nan' is not a number"),
-])
+@pytest.mark.parametrize(
+    "query, names",
+    [
+        ("kind=bogus", "unknown kind 'bogus': one of clean, recovered"),
+        ("spliced=maybe", "unknown spliced 'maybe': one of yes, no"),
+        ("advantage=up", "unknown advantage 'up': one of positive, negative, zero"),
+        ("partition=bogus", "unknown partition 'bogus': one of "),
+        ("reward_min=abc", "reward_min 'abc' is not a number"),
+        ("reward_max=nan", "reward_max 'nan' is not a number"),
+    ],
+)
 def test_a_filter_value_the_table_does_not_know_is_a_400_that_says_which(client, query, names):
     """Ignored before: the page showed every row while saying it filtered them (or 0 rows, for an unknown kind)."""
     r = client.get(f"/runs/w/0?{query}")
@@ -203,16 +245,28 @@ def test_splices_with_no_partition_chosen_are_the_most_any_partition_made(client
     from storage.catalog import Catalog
 
     with Catalog(store) as cat:
-        want = {(r["prompt_id"], r["sample_idx"]): r["n"] for r in cat.query(
-            "SELECT prompt_id, sample_idx, max(splices) AS n FROM purified_summary WHERE run_id = 'w' AND iteration = 0 "
-            "GROUP BY ALL").to_pylist()}
-        partitions = cat.query("SELECT count(DISTINCT (mode, gamma, measure)) AS n FROM purified_summary WHERE "
-                               "run_id = 'w' AND iteration = 0").to_pylist()[0]["n"]
+        want = {
+            (r["prompt_id"], r["sample_idx"]): r["n"]
+            for r in cat.query(
+                "SELECT prompt_id, sample_idx, max(splices) AS n FROM purified_summary WHERE run_id = 'w' AND iteration = 0 "
+                "GROUP BY ALL"
+            ).to_pylist()
+        }
+        partitions = cat.query(
+            "SELECT count(DISTINCT (mode, gamma, measure)) AS n FROM purified_summary WHERE "
+            "run_id = 'w' AND iteration = 0"
+        ).to_pylist()[0]["n"]
     assert partitions > 1 and any(want.values())
     page = client.get("/runs/w/0").text
-    shown = {(p, int(s)): int(n) for p, s, n in re.findall(
-        r'<tr class="traj"><td><a class="open" href="[^"]*">([^<]+)</a></td><td class="num">(\d+)</td>.*?'
-        r'<td class="num">(\d+)</td><td class="num">[^<]*</td></tr>', page, flags=re.S)}
+    shown = {
+        (p, int(s)): int(n)
+        for p, s, n in re.findall(
+            r'<tr class="traj"><td><a class="open" href="[^"]*">([^<]+)</a></td><td class="num">(\d+)</td>.*?'
+            r'<td class="num">(\d+)</td><td class="num">[^<]*</td></tr>',
+            page,
+            flags=re.S,
+        )
+    }
     assert shown and all(shown[k] == want.get(k, 0) for k in shown), (shown, want)
     assert "Splices: the most any partition made" in page
 
@@ -251,8 +305,10 @@ def test_port_in_use_is_one_line(store):
     finally:
         busy.close()
     assert out.returncode != 0 and out.stdout == ""
-    assert out.stderr.strip().splitlines() == [f"cleaner view: port {port} on 127.0.0.1 is in use (another `cleaner "
-                                               "view`, or another server); choose another with --port"]
+    assert out.stderr.strip().splitlines() == [
+        f"cleaner view: port {port} on 127.0.0.1 is in use (another `cleaner "
+        "view`, or another server); choose another with --port"
+    ]
 
 
 @pytest.mark.parametrize("port", ["99999", "-5", "http"])
@@ -314,8 +370,9 @@ def test_the_viewer_follows_a_flow_that_writes(store, tmp_path):
     assert "not committed yet" in client.get("/").text and client.get("/runs/w/0").status_code == 200
     (writing / "part-00000.parquet").unlink()
     table = read_shard(layout.raw_dir(0), RAW)
-    table = table.set_column(table.schema.get_field_index("iteration"), "iteration",
-                             pc.cast(pc.add(table["iteration"], 1), "int32"))
+    table = table.set_column(
+        table.schema.get_field_index("iteration"), "iteration", pc.cast(pc.add(table["iteration"], 1), "int32")
+    )
     write_shard(writing, table, RAW, "next", inputs=[str(DEFAULT_POLICY)])
     publish(root, root / "catalog.duckdb")  # what the stage's commit does
     assert re.search(r'href="/runs/w/1"', client.get("/runs/w").text)

@@ -3,6 +3,7 @@ the checkpoint's, a trajectory's turns reuse the server's prefix cache, weights 
 update (prefix cache included), purify.recompute=vllm fills exactly the re-contexted tokens, and bad input
 (a server that is down, another model, too long a context, a temperature prompt log-probs cannot honour) is
 one line each."""
+
 from __future__ import annotations
 
 import random
@@ -60,7 +61,7 @@ def test_sampled_and_scored_log_probs_are_the_checkpoints(engine):
     refs = _forward(DEFAULT_POLICY, seqs)
     scored = engine.score(seqs, [len(c) for c in contexts])
     for c, g, ref, sc in zip(contexts, gens, refs, scored):
-        want = ref[len(c) - 1:]
+        want = ref[len(c) - 1 :]
         assert len(g.logprobs) == len(g.output_ids) == len(sc)
         assert max(abs(a - b) for a, b in zip(want, g.logprobs)) <= TOL
         assert max(abs(a - b) for a, b in zip(want, sc)) <= TOL
@@ -70,13 +71,23 @@ def test_sampled_and_scored_log_probs_are_the_checkpoints(engine):
 def test_a_trajectorys_turns_reuse_the_servers_prefix_cache(url):
     """Turn k+1's context extends turn k's: the server reports the earlier turns as cached (in 128-token blocks on
     the CPU build), and a key's turns all go to its one server."""
-    cfg = load_config(None, ["rollout.engine=vllm", f"rollout.vllm_urls=[{url}]", "rollout.samples_per_prompt=4",
-                             "rollout.max_response_tokens=512", "rollout.engine_tuning.max_in_flight=16"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            f"rollout.vllm_urls=[{url}]",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_response_tokens=512",
+            "rollout.engine_tuning.max_in_flight=16",
+        ],
+    )
     chat = load_chat(DEFAULT_POLICY)
     engine = connect(cfg.rollout, DEFAULT_POLICY, chat.tokenizer)
     try:
         with SandboxPool(cfg.rollout.sandbox) as sandbox:
-            trajs = AgentLoop(engine, sandbox, chat, cfg.rollout).run(eval_tasks(cfg.world)[:8], RolloutIdentity("c", 0, "v"))
+            trajs = AgentLoop(engine, sandbox, chat, cfg.rollout).run(
+                eval_tasks(cfg.world)[:8], RolloutIdentity("c", 0, "v")
+            )
     finally:
         engine.close()
     assert len(trajs) == 32 and not any(t.finish_reason.startswith("agent_error") for t in trajs)
@@ -97,7 +108,7 @@ def test_weights_follow_the_policy_and_the_prefix_cache_does_not_outlive_them(en
     (gen,) = engine.generate([context], params, [1], [len(context)])
     seq = context + gen.output_ids
     (ref_new,), (ref_old,) = _forward(new, [seq]), _forward(DEFAULT_POLICY, [seq])
-    sampled_new = ref_new[len(context) - 1:]
+    sampled_new = ref_new[len(context) - 1 :]
     assert max(abs(a - b) for a, b in zip(sampled_new, gen.logprobs)) <= TOL
     (scored,) = engine.score([seq], [1])
     assert max(abs(a - b) for a, b in zip(ref_new, scored)) <= TOL
@@ -112,8 +123,26 @@ def test_weights_follow_the_policy_and_the_prefix_cache_does_not_outlive_them(en
 def _row(prompt, response, needs, k=0, mask=None):
     mask = mask or [1] * len(response)
     valid = [0 if i in needs else 1 for i in range(len(response))]
-    return PurifiedTrajectory("r", 0, "p0", k, "saar", 0.5, f"k{k}", prompt, response, mask, [-123.0] * len(response),
-                              valid, 1.0, 0.5, [], min(needs, default=-1), 0, True)
+    return PurifiedTrajectory(
+        "r",
+        0,
+        "p0",
+        k,
+        "saar",
+        0.5,
+        f"k{k}",
+        prompt,
+        response,
+        mask,
+        [-123.0] * len(response),
+        valid,
+        1.0,
+        0.5,
+        [],
+        min(needs, default=-1),
+        0,
+        True,
+    )
 
 
 def test_vllm_recompute_fills_exactly_the_needed_tokens_and_agrees_with_the_cpu_recompute(url):
@@ -121,8 +150,12 @@ def test_vllm_recompute_fills_exactly_the_needed_tokens_and_agrees_with_the_cpu_
     prompt = chat.prompt_ids("What is 12 + 30?")
     rng = random.Random(0)
     resp = [[rng.randrange(5, 300) for _ in range(n)] for n in (9, 6, 7, 5)]
-    rows = [_row(prompt, resp[0], {2, 3, 6}), _row(prompt, resp[1], set(), k=1), _row(prompt, resp[2], {0, 4}, k=2),
-            _row(prompt, resp[3], {1, 2}, k=3, mask=[1, 0, 1, 1, 1])]
+    rows = [
+        _row(prompt, resp[0], {2, 3, 6}),
+        _row(prompt, resp[1], set(), k=1),
+        _row(prompt, resp[2], {0, 4}, k=2),
+        _row(prompt, resp[3], {1, 2}, k=3, mask=[1, 0, 1, 1, 1]),
+    ]
     backend = VLLMRecompute([url], DEFAULT_POLICY)
     try:
         got = backend.group(rows)
@@ -142,6 +175,7 @@ def test_vllm_recompute_fills_exactly_the_needed_tokens_and_agrees_with_the_cpu_
 
 
 # ---- bad input: one line each -----------------------------------------------------------------------------
+
 
 def _one_line(e: pytest.ExceptionInfo) -> str:
     msg = str(e.value)
@@ -177,8 +211,10 @@ def test_settings_vllm_cannot_honour_are_one_line(engine, url):
     with pytest.raises(VLLMMismatch, match="rollout.temperature=1.0") as e:
         engine.score([[1, 2, 3]], [1], temperature=0.7)
     _one_line(e)
-    cfg = load_config(None, ["rollout.engine=vllm", f"rollout.vllm_urls=[{url}]", "rollout.max_response_tokens=512",
-                             "rollout.top_p=0.9"])
+    cfg = load_config(
+        None,
+        ["rollout.engine=vllm", f"rollout.vllm_urls=[{url}]", "rollout.max_response_tokens=512", "rollout.top_p=0.9"],
+    )
     with pytest.raises(VLLMMismatch, match="rollout.top_p=0.9") as e:
         connect(cfg.rollout, DEFAULT_POLICY)
     _one_line(e)
@@ -195,4 +231,8 @@ def test_requests_carry_the_trajectory_key_to_one_server(engine):
     done = []
     while engine.busy():
         done += engine.step()
-    assert sorted(r.key for r, _ in done) == [("t", 0), ("t", 1), ("t", 2)] and {k for k, _ in seen} == {("t", 0), ("t", 1), ("t", 2)}
+    assert sorted(r.key for r, _ in done) == [("t", 0), ("t", 1), ("t", 2)] and {k for k, _ in seen} == {
+        ("t", 0),
+        ("t", 1),
+        ("t", 2),
+    }

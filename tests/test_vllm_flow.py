@@ -2,6 +2,7 @@
 purify.recompute=vllm, two iterations, in its own process like a user's. Its shards must decode to
 multi-turn tool conversations with SAAR splices, live SAAR must be relived exactly offline, the recomputed
 log-probs must be the model's, and iteration 1 must have sampled from the updated checkpoint."""
+
 from __future__ import annotations
 
 import math
@@ -31,19 +32,32 @@ TOL = 1e-4  # fp32 on both sides; vLLM's CPU kernels and transformers' eager att
 def flow(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-flow")
     # the tiny run (two iterations, saar and raw at γ 0.5) sampled and recomputed by the vLLM server
-    cfg_file = tiny_config(root, "flow.yaml", flow={"run_id": "v", "iterations": 2, "tensorboard": False},
-                           rollout={"engine": "vllm", "vllm_urls": [shared_url()], "tasks_per_iteration": 8,
-                                    "samples_per_prompt": 4, "max_response_tokens": 512, "max_prompt_tokens": 256,
-                                    "seed": 1},
-                           purify={"recompute": "vllm"}, train={"lr": 2.0e-4})
+    cfg_file = tiny_config(
+        root,
+        "flow.yaml",
+        flow={"run_id": "v", "iterations": 2, "tensorboard": False},
+        rollout={
+            "engine": "vllm",
+            "vllm_urls": [shared_url()],
+            "tasks_per_iteration": 8,
+            "samples_per_prompt": 4,
+            "max_response_tokens": 512,
+            "max_prompt_tokens": 256,
+            "seed": 1,
+        },
+        purify={"recompute": "vllm"},
+        train={"lr": 2.0e-4},
+    )
     p = cleaner(["train", "-c", str(cfg_file)], root)
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
     cfg = load_config(cfg_file, [])
     layout = RunLayout(root, "v")
     raws = {i: [trajectory_from_row(r) for r in read_shard(layout.raw_dir(i), RAW).to_pylist()] for i in (0, 1)}
-    saar = {i: [purified_from_row(r) for r in read_shard(layout.purified_dir(i, "saar", 0.5), PURIFIED).to_pylist()]
-            for i in (0, 1)}
+    saar = {
+        i: [purified_from_row(r) for r in read_shard(layout.purified_dir(i, "saar", 0.5), PURIFIED).to_pylist()]
+        for i in (0, 1)
+    }
     return cfg, layout, raws, saar, out
 
 
@@ -54,6 +68,7 @@ def _forward(checkpoint):
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0].double(), -1)
         return [lp[len(prompt) + i - 1, t].item() for i, t in enumerate(response)]
+
     return logp
 
 

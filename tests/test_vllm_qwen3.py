@@ -5,6 +5,7 @@ runs on an init-policy of the same layout with head_dim 32 and random weights (s
 ids above 65,535 go over HTTP and come back exact, sampled log-probs are the checkpoint's over the whole
 vocabulary, and a checkpoint loaded in place is served whole, its tied lm_head included (vLLM's CPU reload
 alone leaves that at the old weights)."""
+
 from __future__ import annotations
 
 import os
@@ -35,10 +36,21 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-qwen3")
     policy = root / "policy"
     init_policy(policy, InitPolicyConfig(head_dim=32, steps=0), log=lambda *_: None)
-    cfg = load_config(None, [
-        f"storage.root={root}", f"rollout.policy={policy}", "rollout.engine=vllm", "rollout.tasks_per_iteration=3",
-        "rollout.samples_per_prompt=4", "rollout.max_turn_tokens=80", "rollout.max_prompt_tokens=512",
-        "rollout.max_response_tokens=400", "rollout.saar.similarity_on=code", "rollout.seed=1"])
+    cfg = load_config(
+        None,
+        [
+            f"storage.root={root}",
+            f"rollout.policy={policy}",
+            "rollout.engine=vllm",
+            "rollout.tasks_per_iteration=3",
+            "rollout.samples_per_prompt=4",
+            "rollout.max_turn_tokens=80",
+            "rollout.max_prompt_tokens=512",
+            "rollout.max_response_tokens=400",
+            "rollout.saar.similarity_on=code",
+            "rollout.seed=1",
+        ],
+    )
     run_rollout_stage(cfg, "q3", 0, policy, show_progress=False)  # starts the server (rollout.vllm_urls empty)
     raw = [trajectory_from_row(r) for r in read_shard(RunLayout(root, "q3").raw_dir(0), RAW).to_pylist()]
     return cfg, policy, raw
@@ -78,8 +90,10 @@ def test_qwen3_sampled_log_probs_are_the_checkpoints(run):
     worst = 0.0
     for t in raw[:4]:
         valid = purify(t, t.gamma_live, "saar", chat.decode).logprob_valid
-        ref = _forward(policy, t.prompt_ids + t.lived_ids)[len(t.prompt_ids) - 1:]
-        worst = max([worst] + [abs(r - lp) for r, lp, m, v in zip(ref, t.lived_logprobs, t.lived_mask, valid) if m and v])
+        ref = _forward(policy, t.prompt_ids + t.lived_ids)[len(t.prompt_ids) - 1 :]
+        worst = max(
+            [worst] + [abs(r - lp) for r, lp, m, v in zip(ref, t.lived_logprobs, t.lived_mask, valid) if m and v]
+        )
     assert worst <= TOL
 
 

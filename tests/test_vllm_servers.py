@@ -2,6 +2,7 @@
 servers get work; a server killed mid-rollout (its command killed with SIGKILL, which takes the server with
 it) hands its trajectories to the other; the only server vanishing mid-rollout, or none answering at all,
 ends the stage in one line with nothing committed."""
+
 from __future__ import annotations
 
 import socket
@@ -42,21 +43,30 @@ def _prompt_tokens(url: str) -> float:
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prompt_tokens_total")
+    )
 
 
 def _roll(urls: list[str], on_route=None, n_tasks: int = 8):
-    cfg = load_config(None, ["rollout.samples_per_prompt=4", "rollout.max_response_tokens=512", "rollout.engine_tuning.deterministic=false",
-                             "rollout.engine_tuning.max_in_flight=16"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.samples_per_prompt=4",
+            "rollout.max_response_tokens=512",
+            "rollout.engine_tuning.deterministic=false",
+            "rollout.engine_tuning.max_in_flight=16",
+        ],
+    )
     chat = load_chat(DEFAULT_POLICY)
     engine = VLLMEngine(urls, DEFAULT_POLICY, tokenizer=chat.tokenizer, max_in_flight=16, deterministic=False)
     engine.serve(DEFAULT_POLICY)
     engine.on_route = on_route
     try:
         with SandboxPool(cfg.rollout.sandbox) as sandbox:
-            trajs = AgentLoop(engine, sandbox, chat, cfg.rollout).run(eval_tasks(cfg.world)[:n_tasks],
-                                                                      RolloutIdentity("m", 0, "v"))
+            trajs = AgentLoop(engine, sandbox, chat, cfg.rollout).run(
+                eval_tasks(cfg.world)[:n_tasks], RolloutIdentity("m", 0, "v")
+            )
     finally:
         engine.close()
     return engine, trajs
@@ -108,6 +118,7 @@ def test_the_only_server_vanishing_mid_rollout_fails_the_stage_in_one_line(serve
         while proxy.connections < 30 and time.monotonic() < deadline:
             time.sleep(0.01)
         proxy.cut()
+
     threading.Thread(target=cut_when_busy, daemon=True).start()
     cfg = load_config(None, overrides(tmp_path, [proxy.url]))
     with pytest.raises(VLLMUnavailable) as e:
@@ -122,14 +133,14 @@ def test_a_server_that_is_down_ends_the_command_in_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = cleaner(["rollout", "--run", "down", "--iteration", "0",
-                 *overrides(tmp_path, [f"http://127.0.0.1:{port}"])], tmp_path)
+    p = cleaner(
+        ["rollout", "--run", "down", "--iteration", "0", *overrides(tmp_path, [f"http://127.0.0.1:{port}"])], tmp_path
+    )
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0
     lines = [ln for ln in out.splitlines() if ln.strip() and "Warning" not in ln and "pynvml" not in ln]
     assert lines and f"vLLM server at http://127.0.0.1:{port} is unreachable" in lines[-1] and "Traceback" not in out
     assert read_manifest(RunLayout(tmp_path, "down").raw_dir(0)) is None
-
 
 
 def _group(pgid: int) -> list[int]:
@@ -161,8 +172,9 @@ def test_a_server_runs_from_a_folder_of_its_own_and_goes_with_its_group_when_its
 
     (tmp_path / "z3").mkdir()
     monkeypatch.chdir(tmp_path)
-    (s,) = start_servers(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_MODEL_LEN, SERVER_ARGS, 600.0,
-                         log=lambda line: None)
+    (s,) = start_servers(
+        DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_MODEL_LEN, SERVER_ARGS, 600.0, log=lambda line: None
+    )
     try:
         members = _group(s.pid)
         assert members and {os.readlink(f"/proc/{p}/cwd") for p in members} == {str(s.log.parent)}

@@ -1,4 +1,5 @@
 """The tool-use world: tasks, rewards, corpus, a short real bootstrap, and the committed policy."""
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,8 @@ def test_short_bootstrap_trains_saves_and_generates(tmp_path):
     chat = load_chat(out)
     with SandboxPool(cfg.rollout.sandbox) as sandbox:
         trajs = AgentLoop(make_engine(cfg, out, chat), sandbox, chat, cfg.rollout).run(
-            eval_tasks(cfg.world)[:2], RolloutIdentity("b", 0, "v"))
+            eval_tasks(cfg.world)[:2], RolloutIdentity("b", 0, "v")
+        )
     # the saved checkpoint is what generated: every sampled turn's log-probs are those of a plain forward of the
     # weights on disk (another model, or the weights before training, gives others), and every token is counted
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
@@ -85,7 +87,11 @@ def test_committed_policy_metrics_are_reproduced_and_in_range():
     fresh = evaluate_world(load_config(None), DEFAULT_POLICY, show_progress=False)
     for key in stored:
         if key not in TIMING_FIELDS:
-            assert fresh[key] == pytest.approx(stored[key]) if isinstance(stored[key], float) else fresh[key] == stored[key], key
+            assert (
+                fresh[key] == pytest.approx(stored[key])
+                if isinstance(stored[key], float)
+                else fresh[key] == stored[key]
+            ), key
     assert fresh["trajectories"] >= 200
     assert fresh["well_formed_call_rate"] >= 0.95
     assert 0.10 <= fresh["first_call_failure_rate"] <= 0.45

@@ -4,6 +4,7 @@ The store is the session's purified tiny-policy run (tests/conftest.py `purified
 saar γ=0.5) copied, purified again in mode raw, with its report written and its catalog published, plus a
 run `xss` whose one trajectory carries HTML in its question, code, tool output and sampled text.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,17 +47,29 @@ def write_xss_run(root: Path) -> None:
 
     tok = Tokenizer.from_file(str(DEFAULT_POLICY / "tokenizer.json"))
     with Catalog(root) as cat:
-        key = cat.query("SELECT prompt_id, sample_idx FROM raw_kinds WHERE kind = 'recovered' ORDER BY ALL LIMIT 1"
-                        ).to_pylist()[0]
-        row = cat.con.sql("SELECT * FROM raw_trajectories WHERE prompt_id = $p AND sample_idx = $s",
-                          params={"p": key["prompt_id"], "s": key["sample_idx"]}).to_arrow_table().to_pylist()[0]
+        key = cat.query(
+            "SELECT prompt_id, sample_idx FROM raw_kinds WHERE kind = 'recovered' ORDER BY ALL LIMIT 1"
+        ).to_pylist()[0]
+        row = (
+            cat.con.sql(
+                "SELECT * FROM raw_trajectories WHERE prompt_id = $p AND sample_idx = $s",
+                params={"p": key["prompt_id"], "s": key["sample_idx"]},
+            )
+            .to_arrow_table()
+            .to_pylist()[0]
+        )
     row.update(run_id="xss", prompt_id="xss-<b>0</b>", question=XSS_QUESTION)
     failed = next(a for p in row["positions"] for a in p["attempts"] if (a["result"] or {}).get("status") == "failure")
     ids = tok.encode(f"I will run {XSS_CODE} now.", add_special_tokens=False).ids
     failed.update(code=XSS_CODE, turn_ids=ids, logprobs=[-0.5] * len(ids), call_start=-1)
     failed["result"]["text"] = XSS_TOOL
-    write_shard(RunLayout(root, "xss").raw_dir(0), pa.Table.from_pylist([row], schema=RAW), RAW, "xss",
-                inputs=[str(DEFAULT_POLICY)])
+    write_shard(
+        RunLayout(root, "xss").raw_dir(0),
+        pa.Table.from_pylist([row], schema=RAW),
+        RAW,
+        "xss",
+        inputs=[str(DEFAULT_POLICY)],
+    )
 
 
 class Served:
@@ -70,8 +83,9 @@ class Served:
 
         self.sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(root, root / "catalog.duckdb"), log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(create_app(root, root / "catalog.duckdb"), log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
 
@@ -84,14 +98,22 @@ class Served:
 def chrome():
     """Debian's headless Chromium through its own chromedriver: nothing is downloaded at run time."""
     assert CHROMIUM.is_file() and CHROMEDRIVER.is_file(), (
-        "the viewer's browser tests need Debian's chromium and chromium-driver: run scripts/install_browser.sh")
+        "the viewer's browser tests need Debian's chromium and chromium-driver: run scripts/install_browser.sh"
+    )
     os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must not look for a browser or driver online
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1500,1000",
-                "--disable-extensions", "--no-first-run"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1500,1000",
+        "--disable-extensions",
+        "--no-first-run",
+    ):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)

@@ -3,6 +3,7 @@
 One server of the tiny policy serves every test in a pytest process: `shared_url()` starts it through
 cleaner's own server manager, whose per-process registry hands the same server to every later caller, so
 the vLLM tests pay one start-up (about 35–50 s here) however many modules use it."""
+
 from __future__ import annotations
 
 import os
@@ -23,22 +24,38 @@ SERVER_ARGS = ["--enforce-eager"]
 
 requires_vllm = pytest.mark.skipif(
     not (DEFAULT_VLLM_VENV / "bin" / "python").exists(),
-    reason=f"{DEFAULT_VLLM_VENV} is absent: build it with scripts/setup_vllm.sh (vLLM's CPU build, about 4 minutes)")
+    reason=f"{DEFAULT_VLLM_VENV} is absent: build it with scripts/setup_vllm.sh (vLLM's CPU build, about 4 minutes)",
+)
 
 
 def shared_url() -> str:
     from pipeline.engines.vllm_server import managed_urls
 
-    (url,) = managed_urls(DEFAULT_POLICY, 1, DEFAULT_VLLM_VENV, "float32", MAX_MODEL_LEN, SERVER_ARGS, 600.0,
-                          log=lambda line: print(line, file=sys.stderr, flush=True))
+    (url,) = managed_urls(
+        DEFAULT_POLICY,
+        1,
+        DEFAULT_VLLM_VENV,
+        "float32",
+        MAX_MODEL_LEN,
+        SERVER_ARGS,
+        600.0,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     return url
 
 
 def overrides(root: Path, urls: list[str], *extra: str) -> list[str]:
     """A small world rollout through the given vLLM servers: 8 tasks × 4 samples, contexts within 1024 tokens."""
-    return [f"storage.root={root}", "rollout.engine=vllm", f"rollout.vllm_urls=[{','.join(urls)}]",
-            "rollout.tasks_per_iteration=8", "rollout.samples_per_prompt=4", "rollout.max_response_tokens=512",
-            "rollout.max_prompt_tokens=256", *extra]
+    return [
+        f"storage.root={root}",
+        "rollout.engine=vllm",
+        f"rollout.vllm_urls=[{','.join(urls)}]",
+        "rollout.tasks_per_iteration=8",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_response_tokens=512",
+        "rollout.max_prompt_tokens=256",
+        *extra,
+    ]
 
 
 SERVER_CHILD = """
@@ -59,9 +76,21 @@ class ServerInAnotherCommand:
 
     def __init__(self, checkpoint: Path = DEFAULT_POLICY) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER_CHILD, str(checkpoint), str(DEFAULT_VLLM_VENV),
-                                      str(MAX_MODEL_LEN), *SERVER_ARGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SERVER_CHILD,
+                str(checkpoint),
+                str(DEFAULT_VLLM_VENV),
+                str(MAX_MODEL_LEN),
+                *SERVER_ARGS,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.url = ""
         self.guard_pid = 0
 
@@ -146,6 +175,9 @@ def perturbed_copy(policy: Path, dst: Path, scale: float) -> Path:
     shutil.copytree(policy, dst)
     weights = load_file(dst / "model.safetensors")
     g = torch.Generator().manual_seed(0)
-    save_file({k: v + scale * torch.randn(v.shape, generator=g) for k, v in weights.items()}, dst / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v + scale * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+        dst / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return dst

@@ -6,6 +6,7 @@ log-prob of sequences[t+1]; the group advantage is broadcast over the action tok
 purified shard of version 2 also carry `behaviour_logprobs` (what each token was sampled with): they
 become the micro-batch's `rollout_log_probs`, OpenRLHF's name for them (trainer/correction.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -70,29 +71,47 @@ class MicroBatch:
         return int(self.action_mask.sum())
 
 
-def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int,
-            device: torch.device = CPU) -> MicroBatch:
+def collate(rows: list[TrainingRow | PurifiedTrajectory], pad_id: int, device: torch.device = CPU) -> MicroBatch:
     """The rows as one padded micro-batch on `device`, each tensor made in one copy from host lists."""
     width = max(len(r.prompt_ids) + len(r.response_ids) for r in rows)
     behaviour = [behaviour_of(r) for r in rows]
 
     def padded(values, fill, dtype):  # per row: (prompt length − 1) fills, the row's values, fills to the width
-        return torch.tensor([[fill] * (len(r.prompt_ids) - 1) + list(v) + [fill] * (width - len(r.prompt_ids)
-                                                                                    - len(r.response_ids))
-                             for r, v in zip(rows, values)], dtype=dtype, device=device)
+        return torch.tensor(
+            [
+                [fill] * (len(r.prompt_ids) - 1) + list(v) + [fill] * (width - len(r.prompt_ids) - len(r.response_ids))
+                for r, v in zip(rows, values)
+            ],
+            dtype=dtype,
+            device=device,
+        )
 
-    seq = torch.tensor([r.prompt_ids + r.response_ids + [pad_id] * (width - len(r.prompt_ids) - len(r.response_ids))
-                        for r in rows], dtype=torch.long, device=device)
-    att = torch.tensor([[1] * (len(r.prompt_ids) + len(r.response_ids))
-                        + [0] * (width - len(r.prompt_ids) - len(r.response_ids)) for r in rows],
-                       dtype=torch.long, device=device)
+    seq = torch.tensor(
+        [r.prompt_ids + r.response_ids + [pad_id] * (width - len(r.prompt_ids) - len(r.response_ids)) for r in rows],
+        dtype=torch.long,
+        device=device,
+    )
+    att = torch.tensor(
+        [
+            [1] * (len(r.prompt_ids) + len(r.response_ids)) + [0] * (width - len(r.prompt_ids) - len(r.response_ids))
+            for r in rows
+        ],
+        dtype=torch.long,
+        device=device,
+    )
     act = padded([r.loss_mask for r in rows], 0.0, torch.float)
     old = padded([r.old_logprobs for r in rows], 0.0, torch.float)
     adv = padded([[float(r.advantage)] * len(r.response_ids) for r in rows], 0.0, torch.float)
     beh = padded(behaviour, 0.0, torch.float) if all(x is not None for x in behaviour) else None
-    return MicroBatch(sequences=seq, attention_mask=att, action_mask=act, old_log_probs=old * act,
-                      advantages=adv * act, rows=[r.raw_key for r in rows],
-                      rollout_log_probs=None if beh is None else beh * act)
+    return MicroBatch(
+        sequences=seq,
+        attention_mask=att,
+        action_mask=act,
+        old_log_probs=old * act,
+        advantages=adv * act,
+        rows=[r.raw_key for r in rows],
+        rollout_log_probs=None if beh is None else beh * act,
+    )
 
 
 def groups_of(rows: list[PurifiedTrajectory]) -> list[list[PurifiedTrajectory]]:
@@ -107,7 +126,7 @@ def mini_batches(rows: list[PurifiedTrajectory], n: int) -> list[list[list[Purif
     groups = groups_of(rows)
     n = max(1, min(n, len(groups)))
     size = -(-len(groups) // n)
-    return [groups[i: i + size] for i in range(0, len(groups), size)]
+    return [groups[i : i + size] for i in range(0, len(groups), size)]
 
 
 # What packing rows into micro-batches minimises: a micro-batch of n rows padded to width w costs
@@ -141,13 +160,14 @@ def pack_rows(rows: list, token_budget: int) -> list[list]:
                 best[j], cut[j] = cost, i
     runs, j = [], len(rows)
     while j > 0:
-        runs.append(rows[cut[j]: j])
+        runs.append(rows[cut[j] : j])
         j = cut[j]
     return runs[::-1]
 
 
-def micro_batches(groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int,
-                  device: torch.device = CPU) -> list[MicroBatch]:
+def micro_batches(
+    groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int, device: torch.device = CPU
+) -> list[MicroBatch]:
     """Pack the rows of whole groups into micro-batches whose padded size stays within the budget. Rows, not
     groups, are packed, by length (pack_rows): a group whose one row is 650 tokens long and the rest 100 no
     longer pads three rows to 650, and a long row stops costing its micro-batch-mates attention over its width

@@ -15,6 +15,7 @@ It applies when the actor wraps a plain transformers model (the local strategy).
 the actor's model is an engine whose ZeRO-3 hooks gather weights only inside its own forward, so
 there the wrapper calls `Actor.forward` itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,22 +33,32 @@ def positions_per_call(vocab: int) -> int:
 
 
 def supports_chunking(actor) -> bool:
-    return isinstance(actor.model, PreTrainedModel) and not actor.packing_samples and not getattr(actor, "is_vlm", False)
+    return (
+        isinstance(actor.model, PreTrainedModel) and not actor.packing_samples and not getattr(actor, "is_vlm", False)
+    )
 
 
-def action_log_probs(actor, sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor,
-                     return_entropy: bool = False, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def action_log_probs(
+    actor,
+    sequences: torch.Tensor,
+    action_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    return_entropy: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(action log-probs (B, T−1) masked by action_mask, entropy (B, T−1) at the action positions or None), as
     `Actor.forward`. chunk: positions per lm_head call (None: as many as LOGIT_BUDGET allows)."""
     if not supports_chunking(actor):
-        logp, out = actor(sequences, action_mask, attention_mask=attention_mask, return_output=True,
-                          return_entropy=return_entropy)
+        logp, out = actor(
+            sequences, action_mask, attention_mask=attention_mask, return_output=True, return_entropy=return_entropy
+        )
         return logp, (out.entropy if return_entropy else None)
     body, head = split_causal_lm(actor.model)
     position_ids = attention_mask.long().cumsum(-1) - 1
     position_ids.masked_fill_(attention_mask == 0, 1)
-    hidden = body(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # training keeps no KV cache
+    hidden = body(
+        input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state  # training keeps no KV cache
     rolled = torch.roll(sequences, shifts=-1, dims=1)
     width = action_mask.shape[1]
     where = action_mask != 0

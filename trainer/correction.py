@@ -22,6 +22,7 @@ on long rows (a 27-token splice whose log-ratios sum to −2.1 has product 0.12 
 and survivors of a mask keep their per-token ratio as weight (verl's sequence IS weights by the truncated
 product). `train.rollout_correction_bounds` replaces a preset's [lower, upper].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -41,8 +42,12 @@ class Correction:
 PRESETS: dict[str, Correction | None] = {
     "off": None,
     "token_tis": Correction("token", "clip", "ratio", (0.0, 2.0), "decoupled_token_is(threshold=2.0)"),
-    "token_mis": Correction("token", "mask", "ratio", (0.5, 5.0), "decoupled_token_icepop(threshold=5.0, threshold_lower=0.5)"),
-    "seq_mis": Correction("seq", "mask", "ratio", (0.5, 2.0), "decoupled_seq_is_rs(rs_threshold='0.5_2.0'), geometric mean"),
+    "token_mis": Correction(
+        "token", "mask", "ratio", (0.5, 5.0), "decoupled_token_icepop(threshold=5.0, threshold_lower=0.5)"
+    ),
+    "seq_mis": Correction(
+        "seq", "mask", "ratio", (0.5, 2.0), "decoupled_seq_is_rs(rs_threshold='0.5_2.0'), geometric mean"
+    ),
     "geo_rs": Correction("seq", "mask", "ratio", (0.999, 1.001), "decoupled_geo_rs(rs_threshold='0.999_1.001')"),
 }
 
@@ -60,5 +65,9 @@ def policy_loss_kwargs(cfg: TrainConfig) -> dict:
     c = correction_of(cfg)
     if c is None:
         return {}
-    return {"is_correction_level": c.level, "is_correction_mode": c.mode, "is_correction_gating": c.gating,
-            "is_correction_threshold": list(c.bounds)}
+    return {
+        "is_correction_level": c.level,
+        "is_correction_mode": c.mode,
+        "is_correction_gating": c.gating,
+        "is_correction_threshold": list(c.bounds),
+    }

@@ -15,6 +15,7 @@ DeepSpeed wheel (DS_BUILD_OPS=0) JIT-compiles with nvcc / a C++ compiler inside 
 train.offload_optimizer the float32 partitions and moments live in CPU memory (OpenRLHF's adam_offload) and the
 step is torch's AdamW there. The schedule is the local strategy's warmup schedule.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,16 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.devices import DeviceError, prepare_device, resolve_device
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.grpo import (DivergedError, GRPOUpdate, UpdateError, UpdateProgress, hyperparameters, keep_configured, load_schedule_state,
-                          warmup_schedule)
+from trainer.grpo import (
+    DivergedError,
+    GRPOUpdate,
+    UpdateError,
+    UpdateProgress,
+    hyperparameters,
+    keep_configured,
+    load_schedule_state,
+    warmup_schedule,
+)
 from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
@@ -45,8 +54,10 @@ def rank_device(cfg: TrainConfig) -> torch.device:
         return device
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank >= torch.cuda.device_count():
-        raise DeviceError(f"train.nproc: rank {local_rank} has no GPU of its own (this machine has "
-                          f"{torch.cuda.device_count()}); use train.nproc={torch.cuda.device_count()} or fewer")
+        raise DeviceError(
+            f"train.nproc: rank {local_rank} has no GPU of its own (this machine has "
+            f"{torch.cuda.device_count()}); use train.nproc={torch.cuda.device_count()} or fewer"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -66,11 +77,19 @@ def make_strategy(cfg: TrainConfig, device: torch.device):
     # bf16: gradients accumulate over a mini-batch's micro-batches in float32 (OpenRLHF's grad_accum_dtype;
     # DeepSpeed's default would accumulate them in bfloat16)
     args = SimpleNamespace(
-        local_rank=-1, optim="adam",
-        ds=SimpleNamespace(param_dtype=cfg.param_dtype, zero_stage=cfg.zero_stage, tensor_parallel_size=1,
-                           ring_attn_size=1, adam_offload=cfg.offload_optimizer, zpg=1,
-                           grad_accum_dtype="fp32" if cfg.param_dtype == "bf16" else None),
-        train=SimpleNamespace(dynamic_batch_enable=False))
+        local_rank=-1,
+        optim="adam",
+        ds=SimpleNamespace(
+            param_dtype=cfg.param_dtype,
+            zero_stage=cfg.zero_stage,
+            tensor_parallel_size=1,
+            ring_attn_size=1,
+            adam_offload=cfg.offload_optimizer,
+            zpg=1,
+            grad_accum_dtype="fp32" if cfg.param_dtype == "bf16" else None,
+        ),
+        train=SimpleNamespace(dynamic_batch_enable=False),
+    )
 
     class Strategy(ds_module.DeepspeedStrategy):
         def get_ds_train_config(self, optim_dict=None, *, max_norm=None):
@@ -81,8 +100,14 @@ def make_strategy(cfg: TrainConfig, device: torch.device):
                     config["optimizer"]["params"]["fused"] = True  # its partitions are on the GPU
             return config
 
-    strategy = Strategy(seed=cfg.seed, max_norm=cfg.grad_clip, micro_train_batch_size=1, train_batch_size=world,
-                        zero_stage=cfg.zero_stage, args=args)
+    strategy = Strategy(
+        seed=cfg.seed,
+        max_norm=cfg.grad_clip,
+        micro_train_batch_size=1,
+        train_batch_size=world,
+        zero_stage=cfg.zero_stage,
+        args=args,
+    )
     if not on_cpu:
         strategy.setup_distributed()  # torch.cuda.set_device(LOCAL_RANK), NCCL
         prepare_device(device)
@@ -106,14 +131,22 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # this rank's GPU on NCCL (DeepSpeed moves the model there), the CPU on gloo
         on_gpu = dist.get_backend() != "gloo"
-        super().__init__(model, cfg, temperature,
-                         torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+        super().__init__(
+            model,
+            cfg,
+            temperature,
+            torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"),
+        )
 
     def prepare(self, model: torch.nn.Module, actor) -> None:
         cfg = self.cfg
-        prep = {"optim": "adam", "adam": {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8,
-                                          "weight_decay": cfg.weight_decay},
-                "lr_scheduler": "constant", "scheduler_steps": 1, "max_norm": cfg.grad_clip}
+        prep = {
+            "optim": "adam",
+            "adam": {"lr": cfg.lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": cfg.weight_decay},
+            "lr_scheduler": "constant",
+            "scheduler_steps": 1,
+            "max_norm": cfg.grad_clip,
+        }
         self.actor, self.optimizer, _ = self.strategy.prepare((actor, prep))
         self.engine = self.actor.model
         self.model = self.engine  # train()/eval() reach the wrapped module
@@ -126,9 +159,11 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
 
     def my_groups(self, groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
         if len(groups) < self.world_size:
-            raise UpdateError(f"a mini-batch has {len(groups)} prompt groups for {self.world_size} ranks; use fewer "
-                              f"train.mini_batches or ranks (train.nproc) so every rank gets a whole group")
-        return groups[self.rank:: self.world_size]
+            raise UpdateError(
+                f"a mini-batch has {len(groups)} prompt groups for {self.world_size} ranks; use fewer "
+                f"train.mini_batches or ranks (train.nproc) so every rank gets a whole group"
+            )
+        return groups[self.rank :: self.world_size]
 
     def reduce(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces only GPU tensors
@@ -162,8 +197,9 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
     def load_state(self, folder: Path, tag: str | None = None) -> bool:
         if not (folder / "latest").is_file():
             return False
-        _, client = self.engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+        _, client = self.engine.load_checkpoint(
+            str(folder), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         self.global_step = client["global_step"]
         # a state saved before the schedule was transformers' counted steps done: moved on by one
         load_schedule_state(self.scheduler, self.scheduler.state_dict(), self.global_step)

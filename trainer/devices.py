@@ -1,5 +1,6 @@
 """What the stages' settings need of the machine, checked before a training flow (or an update) writes anything:
 each refusal one line naming the setting."""
+
 from __future__ import annotations
 
 from pipeline.config import CleanerConfig, TrainConfig
@@ -45,21 +46,26 @@ def check_train_device(train: TrainConfig) -> None:
         # rank's traceback
         from trainer.grpo import UpdateError
 
-        raise UpdateError("train.param_dtype=fp16 needs a GPU: DeepSpeed on CPU (gloo) trains in fp32 or bf16 "
-                          "(train.param_dtype=bf16)")
+        raise UpdateError(
+            "train.param_dtype=fp16 needs a GPU: DeepSpeed on CPU (gloo) trains in fp32 or bf16 "
+            "(train.param_dtype=bf16)"
+        )
     if train.strategy == "deepspeed" and on_gpu:
         if train.device.startswith("cuda:"):
-            raise DeviceError(f"train.device={train.device}: strategy=deepspeed puts rank r on GPU r (LOCAL_RANK); "
-                              "choose the GPUs with CUDA_VISIBLE_DEVICES and set train.device=cuda")
+            raise DeviceError(
+                f"train.device={train.device}: strategy=deepspeed puts rank r on GPU r (LOCAL_RANK); "
+                "choose the GPUs with CUDA_VISIBLE_DEVICES and set train.device=cuda"
+            )
         if train.nproc > torch.cuda.device_count():
-            raise DeviceError(f"train.nproc={train.nproc}: more ranks than this machine's {torch.cuda.device_count()} "
-                              f"GPU(s) (one rank per GPU under NCCL); use train.nproc={torch.cuda.device_count()} "
-                              "or fewer")
+            raise DeviceError(
+                f"train.nproc={train.nproc}: more ranks than this machine's {torch.cuda.device_count()} "
+                f"GPU(s) (one rank per GPU under NCCL); use train.nproc={torch.cuda.device_count()} "
+                "or fewer"
+            )
     if train.attn_implementation == "flash_attention_2":
         from trainer.openrlhf_compat import flash_attention_kernels
 
         missing = flash_attention_kernels()
         if missing or not on_gpu:
             why = missing or f"train.device resolves to {device.type}, and its kernels run on a GPU only"
-            raise DeviceError(f"train.attn_implementation=flash_attention_2: {why}; use "
-                              "train.attn_implementation=sdpa")
+            raise DeviceError(f"train.attn_implementation=flash_attention_2: {why}; use train.attn_implementation=sdpa")

@@ -10,6 +10,7 @@ that sets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT
 Checkpoint layout is the local strategy's (HF weights + tokenizer + `_CHECKPOINT.json`), with the
 ZeRO optimizer/scheduler state under `deepspeed/` instead of `trainer_state.pt`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError, first_line
 from storage.layout import RunLayout, record_path
 from trainer.grpo import UpdateError, UpdateProgress
-from trainer.inputs import (dpo_note, finish_checkpoint, load_policy, log_steps, staging_dir, start_checkpoint,
-                            update_inputs, write_update_metrics)
+from trainer.inputs import (
+    dpo_note,
+    finish_checkpoint,
+    load_policy,
+    log_steps,
+    staging_dir,
+    start_checkpoint,
+    update_inputs,
+    write_update_metrics,
+)
 from trainer.resume import partial_dir
 
 LOG_PREFIX = "[update]"
@@ -38,15 +47,27 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     frozen = target.with_name(target.name + ".config.yaml")
     frozen.parent.mkdir(parents=True, exist_ok=True)
     frozen.write_text(dump_config(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.train.nproc}",
-           "-m", "trainer.distributed", str(frozen), run_id, str(iteration)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cfg.train.nproc}",
+        "-m",
+        "trainer.distributed",
+        str(frozen),
+        run_id,
+        str(iteration),
+    ]
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.engine_tuning.threads)), "PYTHONUNBUFFERED": "1"}
     t = cfg.train
-    log(f"[update] strategy=deepspeed: {t.nproc} rank(s), ZeRO-{t.zero_stage}, {t.param_dtype}"
+    log(
+        f"[update] strategy=deepspeed: {t.nproc} rank(s), ZeRO-{t.zero_stage}, {t.param_dtype}"
         + (", optimizer offloaded to the CPU" if t.offload_optimizer else "")
-        + (", activation checkpointing" if t.gradient_checkpointing else ""))
+        + (", activation checkpointing" if t.gradient_checkpointing else "")
+    )
     tail: collections.deque[str] = collections.deque(maxlen=300)
     try:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -59,14 +80,16 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     if proc.returncode != 0:
         known = [t for t in tail if t.startswith("cleaner: ")]
         if known:  # an UpdateError & co. raised in a rank: its one line
-            raise UpdateError(known[-1][len("cleaner: "):])
+            raise UpdateError(known[-1][len("cleaner: ") :])
         traceback = [t for t in tail if t.startswith("[rank")] or list(tail)  # a rank's own traceback first
         for line in traceback[-25:]:  # for whoever reads the log; the error itself stays one line
             log(line)
         last = next((t for t in reversed(traceback) if t.strip()), "no output")
-        raise UpdateError(f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}: "
-                          f"{last.strip()[:300]}); nothing was committed, and running it again resumes after the "
-                          "last finished mini-batch")
+        raise UpdateError(
+            f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}: "
+            f"{last.strip()[:300]}); nothing was committed, and running it again resumes after the "
+            "last finished mini-batch"
+        )
     if stop_after is not None:
         return partial_dir(target)
     if not (target / DONE_MARKER).is_file():
@@ -97,8 +120,13 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if progress.minibatches_done:
         log(f"[update] resuming after mini-batch {progress.minibatches_done}")
     t0 = time.perf_counter()
-    update.run(inputs.rows, model.config.pad_token_id or 0, progress, stop_after=stop_after,
-               after_minibatch=lambda p: update.save_progress(partial, p, key))
+    update.run(
+        inputs.rows,
+        model.config.pad_token_id or 0,
+        progress,
+        stop_after=stop_after,
+        after_minibatch=lambda p: update.save_progress(partial, p, key),
+    )
     log_steps(progress.metrics, log)
     if stop_after is not None:
         return partial
@@ -110,9 +138,20 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     update.save_state(tmp / DS_STATE, STATE_TAG)  # every rank writes its optimizer partition
     dist.barrier()
     if rank == 0:
-        finish_checkpoint(tmp, inputs.target, {
-            "train_settings": train_settings(cfg.train), "source": record_path(cfg.storage.root, inputs.src), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, inputs.part), "strategy": "deepspeed",
-            "ranks": dist.get_world_size(), "zero_stage": cfg.train.zero_stage, "wall_s": time.perf_counter() - t0})
+        finish_checkpoint(
+            tmp,
+            inputs.target,
+            {
+                "train_settings": train_settings(cfg.train),
+                "source": record_path(cfg.storage.root, inputs.src),
+                "rows": len(inputs.rows),
+                "purified": record_path(cfg.storage.root, inputs.part),
+                "strategy": "deepspeed",
+                "ranks": dist.get_world_size(),
+                "zero_stage": cfg.train.zero_stage,
+                "wall_s": time.perf_counter() - t0,
+            },
+        )
         write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
@@ -134,9 +173,12 @@ def main(argv: list[str]) -> int:
         print(f"cleaner: {e}", flush=True)
         return 1
     except DistError as e:  # NCCL or gloo: a rank, a GPU or the network lost mid-update
-        print(f"cleaner: the update's ranks lost each other (rank {os.environ.get('RANK', '?')}: {type(e).__name__}: "
-              f"{first_line(e)}); nothing was committed, and running it again resumes after the last finished "
-              "mini-batch", flush=True)
+        print(
+            f"cleaner: the update's ranks lost each other (rank {os.environ.get('RANK', '?')}: {type(e).__name__}: "
+            f"{first_line(e)}); nothing was committed, and running it again resumes after the last finished "
+            "mini-batch",
+            flush=True,
+        )
         return 1
     return 0
 

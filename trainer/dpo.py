@@ -24,6 +24,7 @@ at ratio 1. The update logs the DPO loss itself (mean over pairs of −log σ(β
 of them whose chosen-side weight was capped. Pairs belong to the prompt group of their trajectory: a
 mini-batch trains the pairs of its groups, a rank those of the groups it holds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,9 +86,19 @@ def pairs_of(row: dict) -> tuple[list[CallPair], int]:
         if len(context) != first.context_len or fingerprint(context) != first.context_fingerprint:
             skipped += 1
             continue
-        pairs += [CallPair(prompt_id=row["prompt_id"], raw_key=key, position_idx=p["position_idx"], context=context,
-                           chosen=list(win.turn_ids), chosen_call=win.call_start,
-                           rejected=list(a.turn_ids), rejected_call=a.call_start) for a in losers]
+        pairs += [
+            CallPair(
+                prompt_id=row["prompt_id"],
+                raw_key=key,
+                position_idx=p["position_idx"],
+                context=context,
+                chosen=list(win.turn_ids),
+                chosen_call=win.call_start,
+                rejected=list(a.turn_ids),
+                rejected_call=a.call_start,
+            )
+            for a in losers
+        ]
     return pairs, skipped
 
 
@@ -102,8 +113,9 @@ def pair_rows(pairs: list[CallPair]) -> list[PairRow]:
     out = []
     for i, p in enumerate(pairs):
         for side, turn, call in (("chosen", p.chosen, p.chosen_call), ("rejected", p.rejected, p.rejected_call)):
-            out.append(PairRow(f"{i}/{side}", p.context, turn, [0] * call + [1] * (len(turn) - call),
-                               [0.0] * len(turn)))
+            out.append(
+                PairRow(f"{i}/{side}", p.context, turn, [0] * call + [1] * (len(turn) - call), [0.0] * len(turn))
+            )
     return out
 
 
@@ -115,12 +127,21 @@ class DPOWeights:
     capped: float  # share of pairs whose chosen-side weight hit the cap
 
 
-def dpo_weights(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, chosen_n: torch.Tensor,
-                rejected_n: torch.Tensor, beta: float, cap: float) -> DPOWeights:
+def dpo_weights(
+    chosen_mean: torch.Tensor,
+    rejected_mean: torch.Tensor,
+    chosen_n: torch.Tensor,
+    rejected_n: torch.Tensor,
+    beta: float,
+    cap: float,
+) -> DPOWeights:
     """The reference's per-token adjustment from the pairs' mean call log-probs (detached)."""
     delta = chosen_mean - rejected_mean
     grad = beta * torch.sigmoid(-beta * delta)  # −∂(−log σ(βΔ))/∂Δ
     raw_w, raw_l = grad / chosen_n, grad / rejected_n
-    return DPOWeights(raw_w.clamp(max=cap), raw_l.clamp(max=cap),
-                      float(-torch.nn.functional.logsigmoid(beta * delta).mean()) if len(delta) else 0.0,
-                      float((raw_w > cap).float().mean()) if len(delta) else 0.0)
+    return DPOWeights(
+        raw_w.clamp(max=cap),
+        raw_l.clamp(max=cap),
+        float(-torch.nn.functional.logsigmoid(beta * delta).mean()) if len(delta) else 0.0,
+        float((raw_w > cap).float().mean()) if len(delta) else 0.0,
+    )

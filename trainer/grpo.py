@@ -6,6 +6,7 @@ normalised by the mini-batch's token count (OpenRLHF's `batch_num_tokens`), so a
 one big token-mean batch; then grad-clip, AdamW step, warmup schedule step. Progress is saved after
 every mini-batch, so an interrupted update resumes to exactly the weights of an uninterrupted one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +37,10 @@ class DivergedError(UpdateError, FloatingPointError):
     """The loss or the gradient norm is not finite: nothing is committed (one line on the command line)."""
 
     def __init__(self, what: str) -> None:
-        super().__init__(f"{what}; no checkpoint written: lower train.lr (or check the purified rows' log-probs) "
-                         "and run the update again")
+        super().__init__(
+            f"{what}; no checkpoint written: lower train.lr (or check the purified rows' log-probs) "
+            "and run the update again"
+        )
 
 
 # Marks a StepMetrics field each rank measures on its own groups as a sum the ranks add up
@@ -139,9 +142,14 @@ def make_actor(model: torch.nn.Module, cfg: TrainConfig, temperature: float):
 def policy_loss(cfg: TrainConfig):
     """OpenRLHF's PolicyLoss: clip-higher, dual-clip, token-level mean; with train.rollout_correction its IS
     gate over π_old / π_behaviour (trainer/correction.py)."""
-    return openrlhf_models().PolicyLoss(clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                                        dual_clip=cfg.dual_clip, token_level_loss=cfg.loss_agg == "token_mean",
-                                        policy_loss_type=cfg.policy_loss_type, **policy_loss_kwargs(cfg))
+    return openrlhf_models().PolicyLoss(
+        clip_eps_low=cfg.clip_eps_low,
+        clip_eps_high=cfg.clip_eps_high,
+        dual_clip=cfg.dual_clip,
+        token_level_loss=cfg.loss_agg == "token_mean",
+        policy_loss_type=cfg.policy_loss_type,
+        **policy_loss_kwargs(cfg),
+    )
 
 
 def filtered_tokens(loss_fn, logp: torch.Tensor, m, is_filter_ratio: torch.Tensor) -> float:
@@ -154,8 +162,13 @@ def filtered_tokens(loss_fn, logp: torch.Tensor, m, is_filter_ratio: torch.Tenso
         total = 0.0
         for i in range(m.sequences.shape[0]):
             row = slice(i, i + 1)
-            *_, flagged = loss_fn(logp[row].detach(), m.old_log_probs[row], m.advantages[row],
-                                  action_mask=m.action_mask[row], rollout_log_probs=m.rollout_log_probs[row])
+            *_, flagged = loss_fn(
+                logp[row].detach(),
+                m.old_log_probs[row],
+                m.advantages[row],
+                action_mask=m.action_mask[row],
+                rollout_log_probs=m.rollout_log_probs[row],
+            )
             total += float(flagged) * float(m.action_mask[row].sum())
     return total
 
@@ -171,8 +184,9 @@ class GRPOUpdate:
     # (micro-batches done, micro-batches in the mini-batch), after each backward: the stage's progress
     on_micro_batch: Callable[[int, int], None] | None = None
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cfg: TrainConfig, temperature: float = 1.0, device: torch.device | None = None
+    ) -> None:
         """`device`: where the model is and every micro-batch is made (None: where the model's weights are)."""
         self.cfg = cfg
         self.device = device if device is not None else next(model.parameters()).device
@@ -230,8 +244,11 @@ class GRPOUpdate:
         return grad_norm
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "global_step": self.global_step}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "global_step": self.global_step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -245,8 +262,9 @@ class GRPOUpdate:
         for p in pairs:
             self.dpo_pairs.setdefault(p.prompt_id, []).append(p)
 
-    def dpo_batches(self, groups: list[list[PurifiedTrajectory]], pad_id: int,
-                    spare: MicroBatch) -> tuple[list, torch.Tensor, DPOWeights]:
+    def dpo_batches(
+        self, groups: list[list[PurifiedTrajectory]], pad_id: int, spare: MicroBatch
+    ) -> tuple[list, torch.Tensor, DPOWeights]:
         """The micro-batches of these groups' pairs (trainer/dpo.py), each row's side-loss weight (−c for a
         chosen call, +c' for a rejected one, by the row's index 2·pair + side), and the weights' summary: one
         forward without gradient scores every pair's calls with the current policy. Padded with `spare`
@@ -263,8 +281,14 @@ class GRPOUpdate:
                     at = _pair_index(m.rows, self.device)
                     sums[at], counts[at] = logp.sum(-1), m.action_mask.sum(-1)
         counts = counts.clamp(min=1)
-        w = dpo_weights(sums[0::2] / counts[0::2], sums[1::2] / counts[1::2], counts[0::2], counts[1::2],
-                        self.cfg.dpo_beta, self.cfg.dpo_max_adjustment_ratio)
+        w = dpo_weights(
+            sums[0::2] / counts[0::2],
+            sums[1::2] / counts[1::2],
+            counts[0::2],
+            counts[1::2],
+            self.cfg.dpo_beta,
+            self.cfg.dpo_max_adjustment_ratio,
+        )
         return micros, torch.stack([-w.chosen, w.rejected], 1).reshape(-1), w
 
     def minibatch(self, groups: list[list[PurifiedTrajectory]], pad_id: int) -> StepMetrics:
@@ -276,33 +300,51 @@ class GRPOUpdate:
         micros += [emptied(micros[-1])] * (self.most(len(micros)) - len(micros))
         # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
         # (train.loss_agg=seq_mean: a mean over the mini-batch's trained rows, whichever rank holds them)
-        tokens, rows = (int(v) for v in self.reduce([float(sum(m.num_actions for m in micros)),
-                                                      float(sum(int((m.action_mask.sum(-1) > 0).sum()) for m in micros))]))
+        tokens, rows = (
+            int(v)
+            for v in self.reduce(
+                [
+                    float(sum(m.num_actions for m in micros)),
+                    float(sum(int((m.action_mask.sum(-1) > 0).sum()) for m in micros)),
+                ]
+            )
+        )
         self.zero_grad()
-        dpo_micros, dpo_coef, dpo = (self.dpo_batches(mine, pad_id, micros[-1]) if self.cfg.use_dpo_on_tool_calls
-                                     else ([], None, None))
+        dpo_micros, dpo_coef, dpo = (
+            self.dpo_batches(mine, pad_id, micros[-1]) if self.cfg.use_dpo_on_tool_calls else ([], None, None)
+        )
         backwards = len(micros) + len(dpo_micros)
         sums = dict.fromkeys(SUMMED_METRICS, 0.0)  # this rank's share of each, reduced by name below
         for i, m in enumerate(micros):
             # Actor.forward's log-probs without its full-vocabulary logits (trainer/chunked_actor.py)
             with self.autocast():
-                logp, entropy = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask,
-                                                 return_entropy=self.cfg.log_entropy)
+                logp, entropy = action_log_probs(
+                    self.actor, m.sequences, m.action_mask, m.attention_mask, return_entropy=self.cfg.log_entropy
+                )
             if self.correction is not None and m.rollout_log_probs is None:
-                raise UpdateError(f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
-                                  f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
-                                  f"version 1); re-purify the iteration with this cleaner")
+                raise UpdateError(
+                    f"train.rollout_correction={self.cfg.rollout_correction} needs the rows' "
+                    f"behaviour_logprobs, which rows {m.rows[:3]} do not have (purified schema "
+                    f"version 1); re-purify the iteration with this cleaner"
+                )
             # PolicyLoss reads rollout_log_probs only when its correction is on
             loss, clip_ratio, ppo_kl, vllm_kl, is_filter = self.loss_fn(
-                logp, m.old_log_probs, m.advantages, action_mask=m.action_mask, rollout_log_probs=m.rollout_log_probs,
-                batch_num_tokens=max(1, tokens), global_batch_size=max(1, rows) if self.seq_mean else None,
-                dp_size=self.world_size)
+                logp,
+                m.old_log_probs,
+                m.advantages,
+                action_mask=m.action_mask,
+                rollout_log_probs=m.rollout_log_probs,
+                batch_num_tokens=max(1, tokens),
+                global_batch_size=max(1, rows) if self.seq_mean else None,
+                dp_size=self.world_size,
+            )
             if self.correction is not None and m.num_actions:  # an emptied micro-batch's ratios are 0/0
                 sums["correction_filtered"] += filtered_tokens(self.loss_fn, logp, m, is_filter)
                 sums["behaviour_kl"] += float(vllm_kl) * m.num_actions
             if not torch.isfinite(loss):
-                raise DivergedError(f"policy loss is {loss.item()} at optimizer step {self.global_step} "
-                                    f"(rows {m.rows[:3]}...)")
+                raise DivergedError(
+                    f"policy loss is {loss.item()} at optimizer step {self.global_step} (rows {m.rows[:3]}...)"
+                )
             self.backward(loss, last=i == backwards - 1)
             self._micro_batch_done(i + 1, backwards)
             if not m.num_actions:
@@ -317,8 +359,9 @@ class GRPOUpdate:
             with self.autocast():
                 logp, _ = action_log_probs(self.actor, m.sequences, m.action_mask, m.attention_mask)
             # an emptied micro-batch adds 0
-            weight = (dpo_coef[_pair_index(m.rows, self.device)] if m.rows
-                      else torch.zeros(logp.shape[0], device=self.device))
+            weight = (
+                dpo_coef[_pair_index(m.rows, self.device)] if m.rows else torch.zeros(logp.shape[0], device=self.device)
+            )
             side = (weight * logp.sum(-1)).sum() / max(1, tokens) * self.world_size
             self.backward(side, last=i == backwards - 1)
             self._micro_batch_done(i + 1, backwards)
@@ -334,21 +377,34 @@ class GRPOUpdate:
         self.model.eval()
         corrected, dpo_on = self.correction is not None, self.cfg.use_dpo_on_tool_calls
         return StepMetrics(
-            step=self.global_step, loss=sums["loss"], clip_ratio=sums["clip_ratio"], approx_kl=sums["approx_kl"],
-            grad_norm=grad_norm, entropy=sums["entropy"] if self.cfg.log_entropy else None, tokens=tokens, lr=lr,
+            step=self.global_step,
+            loss=sums["loss"],
+            clip_ratio=sums["clip_ratio"],
+            approx_kl=sums["approx_kl"],
+            grad_norm=grad_norm,
+            entropy=sums["entropy"] if self.cfg.log_entropy else None,
+            tokens=tokens,
+            lr=lr,
             seconds=time.perf_counter() - t0,
             correction_filtered=sums["correction_filtered"] / max(1, tokens) if corrected else None,
             behaviour_kl=sums["behaviour_kl"] / max(1, tokens) if corrected else None,
             dpo_loss=sums["dpo_loss"] / max(1, sums["dpo_pairs"]) if dpo_on else None,
             dpo_pairs=int(sums["dpo_pairs"]) if dpo_on else None,
-            dpo_capped=sums["dpo_capped"] / max(1, sums["dpo_pairs"]) if dpo_on else None)
+            dpo_capped=sums["dpo_capped"] / max(1, sums["dpo_pairs"]) if dpo_on else None,
+        )
 
     def _micro_batch_done(self, done: int, total: int) -> None:
         if self.on_micro_batch is not None:
             self.on_micro_batch(done, total)
 
-    def run(self, rows: list[PurifiedTrajectory], pad_id: int, progress: UpdateProgress,
-            after_minibatch: Callable[[UpdateProgress], None] | None = None, stop_after: int | None = None) -> UpdateProgress:
+    def run(
+        self,
+        rows: list[PurifiedTrajectory],
+        pad_id: int,
+        progress: UpdateProgress,
+        after_minibatch: Callable[[UpdateProgress], None] | None = None,
+        stop_after: int | None = None,
+    ) -> UpdateProgress:
         torch.manual_seed(self.cfg.seed)
         schedule = [mb for _ in range(self.cfg.epochs) for mb in mini_batches(rows, self.cfg.mini_batches)]
         done = progress.minibatches_done  # before an interruption
@@ -364,8 +420,15 @@ def emptied(m: MicroBatch) -> MicroBatch:
     """m with nothing to train (no action token, no row): a forward and backward that add 0, so that every
     rank makes the same number of them (trainer/deepspeed_update.py)."""
     zero = torch.zeros_like(m.action_mask)
-    return MicroBatch(sequences=m.sequences, attention_mask=m.attention_mask, action_mask=zero, old_log_probs=zero,
-                      advantages=zero, rows=[], rollout_log_probs=None if m.rollout_log_probs is None else zero)
+    return MicroBatch(
+        sequences=m.sequences,
+        attention_mask=m.attention_mask,
+        action_mask=zero,
+        old_log_probs=zero,
+        advantages=zero,
+        rows=[],
+        rollout_log_probs=None if m.rollout_log_probs is None else zero,
+    )
 
 
 def _pair_index(keys: list[str], device: torch.device) -> torch.Tensor:

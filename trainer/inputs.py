@@ -1,5 +1,6 @@
 """What an update of one iteration reads and how its checkpoint is written, the same for every
 strategy (trainer/stage.py: local; trainer/distributed.py: torchrun ranks)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,13 @@ from trainer.dpo import read_pairs
 from trainer.grpo import UpdateError
 
 TRAINER_STATE = "trainer_state.pt"  # the local strategy's optimizer/schedule state (DeepSpeed's: deepspeed/)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 @dataclass
@@ -51,19 +57,24 @@ def trained_partition(cfg: CleanerConfig, run_id: str, iteration: int) -> tuple[
     """The purified partition an update trains on (train.mode at its threshold, under the run's measure), its manifest,
     and the columns training reads from it."""
     variant = trained_variant(cfg)  # under the run's own measure (rollout.saar, frozen in run.json)
-    part = RunLayout(cfg.storage.root, run_id).purified_dir(iteration, variant.mode, variant.threshold,
-                                                           variant.measure_key)
+    part = RunLayout(cfg.storage.root, run_id).purified_dir(
+        iteration, variant.mode, variant.threshold, variant.measure_key
+    )
     manifest = read_manifest(part)
     if manifest is None:
-        raise ShardMissing(f"{part}: no purified shard for train.mode={cfg.train.mode} ({variant.partition}) "
-                           f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's "
-                           "-c and overrides)")
+        raise ShardMissing(
+            f"{part}: no purified shard for train.mode={cfg.train.mode} ({variant.partition}) "
+            f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's "
+            "-c and overrides)"
+        )
     # behaviour log-probs where the shard has them (purified schema version 2 on); older shards still train
     has_behaviour = BEHAVIOUR_COLUMN in getattr(readable_as(manifest.schema, PURIFIED), "names", ())
     if cfg.train.rollout_correction != "off" and not has_behaviour:
-        raise UpdateError(f"{part}: written as {manifest.schema}, without the behaviour_logprobs that "
-                          f"train.rollout_correction={cfg.train.rollout_correction} needs; re-purify it "
-                          f"(cleaner purify --iteration {iteration}) or set train.rollout_correction=off")
+        raise UpdateError(
+            f"{part}: written as {manifest.schema}, without the behaviour_logprobs that "
+            f"train.rollout_correction={cfg.train.rollout_correction} needs; re-purify it "
+            f"(cleaner purify --iteration {iteration}) or set train.rollout_correction=off"
+        )
     return part, manifest, TRAINING_COLUMNS + ([BEHAVIOUR_COLUMN] if has_behaviour else [])
 
 
@@ -76,12 +87,16 @@ def check_compatible(checkpoint: Path, model: torch.nn.Module, rows, raw_manifes
     vocab = model.get_input_embeddings().weight.shape[0]
     top = max((max(r.prompt_ids + r.response_ids) for r in rows), default=0)
     if top >= vocab:
-        raise UpdateError(f"{checkpoint}: token id {top} in the purified shard is outside the model's vocabulary "
-                          f"({vocab}); the shard was tokenized for another tokenizer")
+        raise UpdateError(
+            f"{checkpoint}: token id {top} in the purified shard is outside the model's vocabulary "
+            f"({vocab}); the shard was tokenized for another tokenizer"
+        )
     sampled_by = (raw_manifest.extra or {}).get("policy_version") if raw_manifest else None
     if sampled_by and sampled_by != policy_version(checkpoint):
-        raise UpdateError(f"{checkpoint}: weights {policy_version(checkpoint)} are not the policy that sampled this "
-                          f"iteration ({sampled_by}); GRPO's old log-probs would not match")
+        raise UpdateError(
+            f"{checkpoint}: weights {policy_version(checkpoint)} are not the policy that sampled this "
+            f"iteration ({sampled_by}); GRPO's old log-probs would not match"
+        )
 
 
 def update_source(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
@@ -89,8 +104,11 @@ def update_source(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
     raw = read_manifest(RunLayout(cfg.storage.root, run_id).raw_dir(iteration))
     # iteration 0 trains the policy that sampled it, as its raw shard records it (rollout.policy may be another
     # now: `cleaner update` without the override the rollout had); later ones, the run's own checkpoint
-    source = (resolve_recorded(cfg.storage.root, raw.inputs[0]) if iteration == 0 and raw is not None and raw.inputs
-              else checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy))
+    source = (
+        resolve_recorded(cfg.storage.root, raw.inputs[0])
+        if iteration == 0 and raw is not None and raw.inputs
+        else checkpoint_for(cfg.storage.root, run_id, iteration, cfg.rollout.policy)
+    )
     check_checkpoint(source)  # whole weight files before any is loaded
     return source
 
@@ -100,9 +118,11 @@ def check_trainer_state(cfg: CleanerConfig, src: Path) -> None:
     silently restart AdamW's moments and the LR warm-up in the middle of a run (the initial policy has none)."""
     path = src / TRAINER_STATE
     if not path.is_file() and (src / DONE_MARKER).is_file() and cfg.train.strategy == "local":
-        raise CheckpointError(f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
-                              f"schedule) mid-run; restore the file, or start a new run from these weights "
-                              f"(flow.run_id=NEW rollout.policy={src})")
+        raise CheckpointError(
+            f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
+            f"schedule) mid-run; restore the file, or start a new run from these weights "
+            f"(flow.run_id=NEW rollout.policy={src})"
+        )
 
 
 def trainer_state(src: Path) -> dict | None:
@@ -120,18 +140,30 @@ def update_inputs(cfg: CleanerConfig, run_id: str, iteration: int) -> UpdateInpu
     layout = RunLayout(cfg.storage.root, run_id)
     source = update_source(cfg, run_id, iteration)
     part, manifest, rows = load_rows(cfg, run_id, iteration)
-    inputs = UpdateInputs(target=layout.checkpoint_dir(iteration + 1), src=source, part=part, manifest=manifest,
-                          rows=rows, raw_manifest=read_manifest(layout.raw_dir(iteration)),
-                          metrics_dir=layout.metrics_dir(iteration, "update"))
+    inputs = UpdateInputs(
+        target=layout.checkpoint_dir(iteration + 1),
+        src=source,
+        part=part,
+        manifest=manifest,
+        rows=rows,
+        raw_manifest=read_manifest(layout.raw_dir(iteration)),
+        metrics_dir=layout.metrics_dir(iteration, "update"),
+    )
     if cfg.train.use_dpo_on_tool_calls:  # pairs of failed calls and working retries, from the raw shard
         inputs.dpo_pairs, inputs.dpo_skipped = read_pairs(layout.raw_dir(iteration))
     return inputs
 
 
 def dpo_note(inputs: UpdateInputs) -> str:
-    return (f"[update] DPO on tool calls: {len(inputs.dpo_pairs)} pairs of a failed call and its working retry from "
-            f"the raw shard" + (f" ({inputs.dpo_skipped} positions skipped: lived prefix is not their recorded "
-                                f"context)" if inputs.dpo_skipped else ""))
+    return (
+        f"[update] DPO on tool calls: {len(inputs.dpo_pairs)} pairs of a failed call and its working retry from "
+        f"the raw shard"
+        + (
+            f" ({inputs.dpo_skipped} positions skipped: lived prefix is not their recorded context)"
+            if inputs.dpo_skipped
+            else ""
+        )
+    )
 
 
 # The update trains with torch's scaled_dot_product_attention by default (train.attn_implementation): eager
@@ -153,11 +185,18 @@ def load_policy(cfg: CleanerConfig, inputs: UpdateInputs, device: torch.device |
 def log_steps(metrics: list, log) -> None:
     for m in metrics:
         entropy = "n/a" if m.entropy is None else f"{m.entropy:.3f}"  # not measured reads as such, never as 0
-        corrected = "" if m.correction_filtered is None else (
-            f" is-filtered {m.correction_filtered:.3f} behaviour-kl (k1 estimate, may be < 0) {m.behaviour_kl:+.4f}")
+        corrected = (
+            ""
+            if m.correction_filtered is None
+            else (
+                f" is-filtered {m.correction_filtered:.3f} behaviour-kl (k1 estimate, may be < 0) {m.behaviour_kl:+.4f}"
+            )
+        )
         dpo = "" if m.dpo_pairs is None else f" dpo {m.dpo_loss:.4f} ({m.dpo_pairs} pairs)"
-        log(f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
-            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}{corrected}{dpo}")
+        log(
+            f"[update] step {m.step}: loss {m.loss:+.4f} clip {m.clip_ratio:.3f} kl {m.approx_kl:+.4f} "
+            f"grad {m.grad_norm:.3f} entropy {entropy} tokens {m.tokens}{corrected}{dpo}"
+        )
 
 
 # metrics an update writes only when its option is on (train.rollout_correction, train.use_dpo_on_tool_calls)
@@ -166,13 +205,31 @@ OPTIONAL_METRICS = ("correction_filtered", "behaviour_kl", "dpo_loss", "dpo_pair
 
 def update_metric_records(run_id: str, iteration: int, metrics: list) -> list[dict]:
     """The METRICS rows of an update's steps."""
-    records = [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
-                "value": None if getattr(m, name) is None else float(getattr(m, name))}  # null: not measured
-               for m in metrics for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy",
-                                             "tokens", "lr", "seconds")]
-    records += [{"run_id": run_id, "iteration": iteration, "stage": "update", "step": m.step, "name": name,
-                 "value": float(getattr(m, name))}
-                for m in metrics for name in OPTIONAL_METRICS if getattr(m, name) is not None]
+    records = [
+        {
+            "run_id": run_id,
+            "iteration": iteration,
+            "stage": "update",
+            "step": m.step,
+            "name": name,
+            "value": None if getattr(m, name) is None else float(getattr(m, name)),
+        }  # null: not measured
+        for m in metrics
+        for name in ("loss", "clip_ratio", "approx_kl", "grad_norm", "entropy", "tokens", "lr", "seconds")
+    ]
+    records += [
+        {
+            "run_id": run_id,
+            "iteration": iteration,
+            "stage": "update",
+            "step": m.step,
+            "name": name,
+            "value": float(getattr(m, name)),
+        }
+        for m in metrics
+        for name in OPTIONAL_METRICS
+        if getattr(m, name) is not None
+    ]
     return records
 
 

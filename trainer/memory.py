@@ -21,6 +21,7 @@ several micro-batches), the optimizer state present (every update after the firs
 against peaks measured on the CPU (tests/test_memory_estimate.py, ±25%) and, by benchmarks/gpu_check.py,
 against torch.cuda.max_memory_allocated on a GPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from storage.errors import CleanerError
 
-GiB = 1024 ** 3
+GiB = 1024**3
 # trainer/chunked_actor.py's LOGIT_BUDGET (positions × vocabulary one lm_head call may hold): the same
 # number, restated here so that this module needs no torch (a test keeps the two equal)
 LOGIT_BUDGET = 512 * 151_936
@@ -72,12 +73,19 @@ class ModelShape:
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         head_dim = config.get("head_dim") or hidden // heads
-        return cls(vocab=need("vocab_size"), hidden=hidden, layers=need("num_hidden_layers"), heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-                   intermediate=need("intermediate_size"), tied=bool(config.get("tie_word_embeddings", False)),
-                   qk_norm=config.get("model_type", "qwen3") == "qwen3",
-                   attention_bias=bool(config.get("attention_bias", False)),
-                   name=str(config.get("_name_or_path") or config.get("model_type") or source))
+        return cls(
+            vocab=need("vocab_size"),
+            hidden=hidden,
+            layers=need("num_hidden_layers"),
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            intermediate=need("intermediate_size"),
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qk_norm=config.get("model_type", "qwen3") == "qwen3",
+            attention_bias=bool(config.get("attention_bias", False)),
+            name=str(config.get("_name_or_path") or config.get("model_type") or source),
+        )
 
     @classmethod
     def from_path(cls, path: Path) -> "ModelShape":
@@ -143,13 +151,18 @@ class Plan:
     def from_train(cls, train, trajectory_tokens: int, ranks: int | None = None, device: str = "cuda") -> "Plan":
         """The plan of a pipeline.config TrainConfig (settings it lacks keep their defaults)."""
         strategy = train.strategy
-        return cls(strategy=strategy, zero_stage=train.zero_stage,
-                   ranks=(ranks or train.nproc) if strategy == "deepspeed" else 1,
-                   param_dtype=getattr(train, "param_dtype", "fp32"),
-                   gradient_checkpointing=bool(getattr(train, "gradient_checkpointing", False)),
-                   offload_optimizer=bool(getattr(train, "offload_optimizer", False)),
-                   attn_implementation=getattr(train, "attn_implementation", "sdpa"),
-                   micro_batch_tokens=train.micro_batch_tokens, trajectory_tokens=trajectory_tokens, device=device)
+        return cls(
+            strategy=strategy,
+            zero_stage=train.zero_stage,
+            ranks=(ranks or train.nproc) if strategy == "deepspeed" else 1,
+            param_dtype=getattr(train, "param_dtype", "fp32"),
+            gradient_checkpointing=bool(getattr(train, "gradient_checkpointing", False)),
+            offload_optimizer=bool(getattr(train, "offload_optimizer", False)),
+            attn_implementation=getattr(train, "attn_implementation", "sdpa"),
+            micro_batch_tokens=train.micro_batch_tokens,
+            trajectory_tokens=trajectory_tokens,
+            device=device,
+        )
 
     @property
     def mixed(self) -> bool:
@@ -162,11 +175,19 @@ class Plan:
 
     def settings(self) -> dict[str, object]:
         """As train.* overrides (what a user types to get this plan)."""
-        out: dict[str, object] = {"train.strategy": self.strategy, "train.param_dtype": self.param_dtype,
-                                  "train.gradient_checkpointing": self.gradient_checkpointing}
+        out: dict[str, object] = {
+            "train.strategy": self.strategy,
+            "train.param_dtype": self.param_dtype,
+            "train.gradient_checkpointing": self.gradient_checkpointing,
+        }
         if self.strategy == "deepspeed":
-            out.update({"train.zero_stage": self.zero_stage, "train.nproc": self.ranks,
-                        "train.offload_optimizer": self.offload_optimizer})
+            out.update(
+                {
+                    "train.zero_stage": self.zero_stage,
+                    "train.nproc": self.ranks,
+                    "train.offload_optimizer": self.offload_optimizer,
+                }
+            )
         if self.attn_implementation != "sdpa":
             out["train.attn_implementation"] = self.attn_implementation
         return out
@@ -234,8 +255,12 @@ def _activations(shape: ModelShape, plan: Plan, casts: float) -> dict[str, float
     head = rows + 4.0 * min(tokens, step) * shape.vocab * 4
     casts_term = {"weights (bf16 copies for autocast)": casts} if casts else {}
     if not plan.gradient_checkpointing:  # the end of the forward, every layer's activations saved
-        return {**casts_term, "activations (saved for backward)": shape.layers * per_layer + body,
-                "log-prob head (logits)": head, "backward working set": working}
+        return {
+            **casts_term,
+            "activations (saved for backward)": shape.layers * per_layer + body,
+            "log-prob head (logits)": head,
+            "backward working set": working,
+        }
     inputs = shape.layers * shape.hidden * hidden_bytes * tokens + body  # what checkpointing keeps of each layer
     forward_end = casts + head
     backward = per_layer + working  # one layer recomputed, and its gradients
@@ -283,6 +308,7 @@ def estimate(shape: ModelShape, plan: Plan) -> Estimate:
 
 # ---- what would fit --------------------------------------------------------------------------------------
 
+
 def candidate_plans(plan: Plan, gpus: int) -> list[Plan]:
     """Plans from the given one: its own layout and DeepSpeed ZeRO-2/3 over 1, 2, 4, 8 or all the GPUs, with and
     without offload, each with mixed precision and checkpointing switched on or not (`suggestions` orders them)."""
@@ -298,8 +324,15 @@ def candidate_plans(plan: Plan, gpus: int) -> list[Plan]:
         for dtype in dtypes:
             for ckpt in ckpts:
                 strategy, stage, ranks, offload = layout
-                cand = replace(plan, strategy=strategy, zero_stage=stage, ranks=ranks, offload_optimizer=offload,
-                               param_dtype=dtype, gradient_checkpointing=ckpt)
+                cand = replace(
+                    plan,
+                    strategy=strategy,
+                    zero_stage=stage,
+                    ranks=ranks,
+                    offload_optimizer=offload,
+                    param_dtype=dtype,
+                    gradient_checkpointing=ckpt,
+                )
                 if cand not in seen:
                     seen.add(cand)
                     out.append(cand)
@@ -310,8 +343,14 @@ def _cost(base: Plan, cand: Plan) -> tuple:
     changed = sum(1 for k, v in cand.settings().items() if base.settings().get(k) != v)
     # slowdowns: offload (host ↔ GPU every step) > checkpointing (one more forward) > fewer of the GPUs at hand
     # (data parallel: more ranks, more tokens/s) > ZeRO-3's gathers > fp32 (bf16 runs on the tensor cores)
-    return (cand.offload_optimizer, cand.gradient_checkpointing, -cand.ranks, cand.zero_stage == 3, not cand.mixed,
-            changed)
+    return (
+        cand.offload_optimizer,
+        cand.gradient_checkpointing,
+        -cand.ranks,
+        cand.zero_stage == 3,
+        not cand.mixed,
+        changed,
+    )
 
 
 def suggestions(shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, limit: int = 3) -> list[Estimate]:
@@ -326,8 +365,9 @@ def suggestions(shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, limi
 def longest_fitting_tokens(shape: ModelShape, plan: Plan, gpu_bytes: float) -> int:
     """The longest trajectory this plan fits (0: not even 256 tokens), by bisection on powers of two."""
     lo, hi = 0, 256
-    while hi <= 1 << 20 and estimate(shape, replace(plan, trajectory_tokens=hi, micro_batch_tokens=min(
-            plan.micro_batch_tokens, hi))).fits(gpu_bytes):
+    while hi <= 1 << 20 and estimate(
+        shape, replace(plan, trajectory_tokens=hi, micro_batch_tokens=min(plan.micro_batch_tokens, hi))
+    ).fits(gpu_bytes):
         lo, hi = hi, hi * 2
     return lo
 
@@ -345,8 +385,6 @@ def model_flops_per_token(shape: ModelShape, tokens: int) -> float:
     return 6.0 * multiplying + 6.0 * shape.layers * tokens * shape.q_dim
 
 
-
-
 class DoesNotFit(MemoryEstimateError):
     """The update's estimate exceeds the GPUs' memory: refused before anything runs."""
 
@@ -360,8 +398,13 @@ def check_fits(shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, card:
     if est.fits(gpu_bytes):
         return est
     found = suggestions(shape, plan, gpus, gpu_bytes, limit=1)
-    would = (f"would fit: {describe(found[0].plan)} ({found[0].peak / GiB:.1f} GiB)" if found else
-             f"no settings fit {gpus} such GPU(s): more GPUs or shorter trajectories")
-    raise DoesNotFit(f"{describe(plan)} at {plan.trajectory_tokens} tokens needs ≈ {est.peak / GiB:.1f} GiB per GPU "
-                     f"(estimate) of {gpu_bytes * (1 - HEADROOM) / GiB:.1f} GiB usable on {card}; {would}; "
-                     f"`cleaner fit` shows the breakdown")
+    would = (
+        f"would fit: {describe(found[0].plan)} ({found[0].peak / GiB:.1f} GiB)"
+        if found
+        else f"no settings fit {gpus} such GPU(s): more GPUs or shorter trajectories"
+    )
+    raise DoesNotFit(
+        f"{describe(plan)} at {plan.trajectory_tokens} tokens needs ≈ {est.peak / GiB:.1f} GiB per GPU "
+        f"(estimate) of {gpu_bytes * (1 - HEADROOM) / GiB:.1f} GiB usable on {card}; {would}; "
+        f"`cleaner fit` shows the breakdown"
+    )

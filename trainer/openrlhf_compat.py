@@ -6,6 +6,7 @@ real module is absent, a stand-in with a proper ModuleSpec is registered whose e
 access raises and is counted: cleaner never calls flash-attn kernels (eager/SDPA attention,
 packing off), and `SHIM.touched` lets a test prove it.
 """
+
 from __future__ import annotations
 
 import importlib.machinery

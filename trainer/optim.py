@@ -2,6 +2,7 @@
 SFT): weight decay on matrices, none on norms, biases and other 1-D parameters. For the Qwen3-shaped
 policies this is the split OpenRLHF's DeepSpeed strategy makes by name (bias, *norm.weight), which is
 why the ZeRO update reproduces the local one's weights (tests/test_trainer_deepspeed.py)."""
+
 from __future__ import annotations
 
 import torch

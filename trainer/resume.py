@@ -3,6 +3,7 @@
 and the tag of the state saved after the last of them) and that state under `<tag>/` (the local
 strategy's `state.pt`; DeepSpeed's ZeRO partitions, one per rank). A partial update of other inputs
 or settings (another key) is ignored: the update starts over."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ def tag_of(progress: UpdateProgress) -> str:
 def write_progress(folder: Path, key: str, progress: UpdateProgress) -> None:
     """Name the state just saved under tag_of(progress) as the one to resume from; drop older states."""
     tag = tag_of(progress)
-    atomic_write_json(folder / PROGRESS, {"key": key, "tag": tag, "minibatches_done": progress.minibatches_done,
-                                          "metrics": [asdict(m) for m in progress.metrics]})
+    atomic_write_json(
+        folder / PROGRESS,
+        {
+            "key": key,
+            "tag": tag,
+            "minibatches_done": progress.minibatches_done,
+            "metrics": [asdict(m) for m in progress.metrics],
+        },
+    )
     for old in folder.glob("mb*"):
         if old.name != tag:
             shutil.rmtree(old, ignore_errors=True)

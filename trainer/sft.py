@@ -6,6 +6,7 @@ bootstrapped: in the same 10 minutes, batch 8 reached 93% accuracy and batch 16 
 into the code appears only after ~1.5–2.5k steps); the schedule warms up,
 holds, and only decays over the last part of training so it does not kill that late jump.
 """
+
 from __future__ import annotations
 
 import math

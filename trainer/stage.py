@@ -8,6 +8,7 @@ appears whole or not at all, and an existing one is never overwritten.
 Torch and the trainer (seconds of OpenRLHF and transformers) are imported only once there is something to train: a
 committed update is kept, by the flow and by `cleaner update`, without them.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -73,8 +74,10 @@ class UpdatePlan:
         if self.outcome == "kept":
             return f"checkpoint {self.target.name} already committed: kept"
         if self.outcome == "removed":
-            return (f"checkpoint {self.target.name} was removed (cleaner gc); the run went on to checkpoint "
-                    f"{self.newest}: kept as done")
+            return (
+                f"checkpoint {self.target.name} was removed (cleaner gc); the run went on to checkpoint "
+                f"{self.newest}: kept as done"
+            )
         return f"loading the trainer (torch, OpenRLHF) and checkpoint {self.iteration}"
 
 
@@ -139,10 +142,21 @@ def _carried_over(cfg: CleanerConfig, plan: UpdatePlan, log: Callable[[str], Non
 
     state = trainer_state(plan.source)
     log(f"[update] {plan.part}: all {plan.filtered_groups} groups were filtered; policy carried over")
-    skipped = {"run_id": plan.run_id, "iteration": plan.iteration, "stage": "update", "step": 0, "name": "skipped",
-               "value": 1.0}
-    return _Work(model=None, trainer_state=state, record={"skipped": "all groups filtered", **_provenance(cfg, plan)},
-                 metrics=[skipped], metrics_hash="skip")
+    skipped = {
+        "run_id": plan.run_id,
+        "iteration": plan.iteration,
+        "stage": "update",
+        "step": 0,
+        "name": "skipped",
+        "value": 1.0,
+    }
+    return _Work(
+        model=None,
+        trainer_state=state,
+        record={"skipped": "all groups filtered", **_provenance(cfg, plan)},
+        metrics=[skipped],
+        metrics_hash="skip",
+    )
 
 
 def _trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str], None]) -> tuple:
@@ -164,8 +178,13 @@ def _trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str], None
     return model, update
 
 
-def _train(cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None, log: Callable[[str], None],
-           progress_log: Callable[[str], None] | None) -> _Work | None:
+def _train(
+    cfg: CleanerConfig,
+    plan: UpdatePlan,
+    stop_after: int | None,
+    log: Callable[[str], None],
+    progress_log: Callable[[str], None] | None,
+) -> _Work | None:
     """GRPO on the planned partition, saved after every mini-batch so that a rerun resumes after the last one;
     None when stopped after `stop_after` of them."""
     from pipeline.progress import StageProgress
@@ -183,11 +202,15 @@ def _train(cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None, log: Ca
         log_steps(progress.metrics, log)
     t0 = time.perf_counter()
     total, resumed = total_minibatches(inputs.rows, cfg.train), progress.minibatches_done
-    with StageProgress(f"update it {plan.iteration}", "mini-batches", total - resumed, log=progress_log,
-                       every_s=PROGRESS_EVERY_S) as bar:
+    with StageProgress(
+        f"update it {plan.iteration}", "mini-batches", total - resumed, log=progress_log, every_s=PROGRESS_EVERY_S
+    ) as bar:
+
         def micro_batch_done(done: int, of: int) -> None:
-            bar.update(progress.minibatches_done - resumed,
-                       note=f"mini-batch {progress.minibatches_done + 1}/{total}: micro-batch {done}/{of}")
+            bar.update(
+                progress.minibatches_done - resumed,
+                note=f"mini-batch {progress.minibatches_done + 1}/{total}: micro-batch {done}/{of}",
+            )
 
         def minibatch_done(p: UpdateProgress) -> None:
             save_local(partial, model, update, p, key)
@@ -195,14 +218,24 @@ def _train(cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None, log: Ca
             bar.update(p.minibatches_done - resumed)
 
         update.on_micro_batch = micro_batch_done
-        update.run(inputs.rows, model.config.pad_token_id or 0, progress, after_minibatch=minibatch_done,
-                   stop_after=stop_after)
+        update.run(
+            inputs.rows, model.config.pad_token_id or 0, progress, after_minibatch=minibatch_done, stop_after=stop_after
+        )
     if stop_after is not None:
         return None
-    record = {**_provenance(cfg, plan), "rows": len(inputs.rows), "purified": record_path(cfg.storage.root, plan.part),
-              "wall_s": time.perf_counter() - t0}
-    return _Work(model=model, trainer_state=update.state_dict(), record=record,
-                 metrics=update_metric_records(plan.run_id, plan.iteration, progress.metrics), metrics_hash=key)
+    record = {
+        **_provenance(cfg, plan),
+        "rows": len(inputs.rows),
+        "purified": record_path(cfg.storage.root, plan.part),
+        "wall_s": time.perf_counter() - t0,
+    }
+    return _Work(
+        model=model,
+        trainer_state=update.state_dict(),
+        record=record,
+        metrics=update_metric_records(plan.run_id, plan.iteration, progress.metrics),
+        metrics_hash=key,
+    )
 
 
 def _commit(plan: UpdatePlan, work: _Work) -> Path:
@@ -216,8 +249,9 @@ def _commit(plan: UpdatePlan, work: _Work) -> Path:
     return plan.target
 
 
-def run_update_plan(cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None = None,
-                    log: Callable[[str], None] | None = None) -> Path:
+def run_update_plan(
+    cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None = None, log: Callable[[str], None] | None = None
+) -> Path:
     """The planned update and its commit: checkpoint I+1 (the partial update when stopped after `stop_after`
     mini-batches, as tests do). `log`: where its lines and progress go (a flow's run logger); None: stderr, with a
     bar on a terminal."""
@@ -238,7 +272,12 @@ def run_update_plan(cfg: CleanerConfig, plan: UpdatePlan, stop_after: int | None
     return _commit(plan, work)
 
 
-def run_update_stage(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None,
-                     log: Callable[[str], None] | None = None) -> Path:
+def run_update_stage(
+    cfg: CleanerConfig,
+    run_id: str,
+    iteration: int,
+    stop_after: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Checkpoint `iteration` + 1: plan, train, commit (run_update_plan)."""
     return run_update_plan(cfg, plan_update(cfg, run_id, iteration), stop_after, log)

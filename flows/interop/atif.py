@@ -14,6 +14,7 @@ A purified row is one trajectory too: its response cut into sampled turns (agent
 observations), each step with the partition's loss mask, old and behaviour log-probs and token origins, the
 splices, and `extra.cleaner.raw_trajectory` naming the raw trajectory (id and file) it was purified from.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,9 @@ def parse_version(text: Any, where: str) -> tuple[int, int]:
     """(major, minor) of an ATIF schema_version this package reads; one line naming `where` otherwise."""
     m = _VERSION.match(text) if isinstance(text, str) else None
     if m is None or (int(m[1]), int(m[2])) > NEWEST or int(m[1]) != 1:
-        raise InteropError(f"{where}: schema_version {text!r} is not an ATIF version cleaner reads (ATIF-v1.0 to "
-                           f"{ATIF_VERSION})")
+        raise InteropError(
+            f"{where}: schema_version {text!r} is not an ATIF version cleaner reads (ATIF-v1.0 to {ATIF_VERSION})"
+        )
     return int(m[1]), int(m[2])
 
 
@@ -79,8 +81,11 @@ def encode_lived(ids: list[int], mask: list[int], logprobs: list[float], pieces:
             n, offset = int(owner[at]), int(offset_of[at])
             _, _, p_ids, p_mask, p_lps = pieces[n]
             k = min(len(p_ids) - offset, total - c)
-            same = ((p_ids[offset:offset + k] == ids_a[c:c + k]) & (p_mask[offset:offset + k] == mask_a[c:c + k])
-                    & (p_lps[offset:offset + k] == lps_a[c:c + k]))
+            same = (
+                (p_ids[offset : offset + k] == ids_a[c : c + k])
+                & (p_mask[offset : offset + k] == mask_a[c : c + k])
+                & (p_lps[offset : offset + k] == lps_a[c : c + k])
+            )
             length = k if same.all() else int(np.argmin(same))
             if length > best_len:
                 best, best_len = (n, offset), length
@@ -111,8 +116,10 @@ def decode_lived(segments: list[Any], pieces: dict[tuple[int, str], Piece], wher
         step_id, part, start, end = seg
         piece = pieces.get((step_id, part))
         if piece is None or end > len(piece[2]):
-            raise InteropError(f"{where}: extra.cleaner.lived refers to step {step_id} {part} [{start}:{end}], "
-                               "which the trajectory does not hold")
+            raise InteropError(
+                f"{where}: extra.cleaner.lived refers to step {step_id} {part} [{start}:{end}], "
+                "which the trajectory does not hold"
+            )
         ids += piece[2][start:end].tolist()
         mask += piece[3][start:end].tolist()
         lps += piece[4][start:end].tolist()
@@ -130,48 +137,98 @@ def _piece(step_id: int, part: str, ids: list[int], logprobs: list[float] | None
 
 ATTEMPT_FIELDS = ("attempt_idx", "call_start", "call_status", "context_len", "context_fingerprint", "finish_reason")
 RESULT_FIELDS = ("status", "error_label", "error_class", "exit_code", "duration_s", "timed_out")
-RAW_FIELDS = ("run_id", "iteration", "prompt_id", "sample_idx", "policy_version", "seed", "task_source", "question",
-              "ground_truth", "saar_gate", "gate_p", "live_mode", "gamma_live", "max_retries", "final_answer",
-              "reward", "finish_reason", "stats", "reward_reason")
+RAW_FIELDS = (
+    "run_id",
+    "iteration",
+    "prompt_id",
+    "sample_idx",
+    "policy_version",
+    "seed",
+    "task_source",
+    "question",
+    "ground_truth",
+    "saar_gate",
+    "gate_p",
+    "live_mode",
+    "gamma_live",
+    "max_retries",
+    "final_answer",
+    "reward",
+    "finish_reason",
+    "stats",
+    "reward_reason",
+)
 
 
 def agent_of(policy_version: str, checkpoint: str | None, version: str) -> dict[str, Any]:
-    return {"name": "cleaner", "version": version, "model_name": policy_version,
-            "tool_definitions": [CODE_TOOL_SCHEMA], "extra": {KEY: {"checkpoint": checkpoint}}}
+    return {
+        "name": "cleaner",
+        "version": version,
+        "model_name": policy_version,
+        "tool_definitions": [CODE_TOOL_SCHEMA],
+        "extra": {KEY: {"checkpoint": checkpoint}},
+    }
 
 
-def _attempt_step(step_id: int, a: dict[str, Any], text: str | None, extra: dict[str, Any],
-                  prompt_ids: list[int] | None) -> dict[str, Any]:
+def _attempt_step(
+    step_id: int, a: dict[str, Any], text: str | None, extra: dict[str, Any], prompt_ids: list[int] | None
+) -> dict[str, Any]:
     call_id = f"call-{step_id}"
     result = a["result"]
     attempt = {k: a[k] for k in ATTEMPT_FIELDS}
     attempt["result"] = None if result is None else {k: result[k] for k in RESULT_FIELDS}
     step: dict[str, Any] = {
-        "step_id": step_id, "source": "agent",
+        "step_id": step_id,
+        "source": "agent",
         "message": "" if text is None else assistant_text(text),
-        "metrics": {"prompt_tokens": a["context_len"], "completion_tokens": len(a["turn_ids"]),
-                    "completion_token_ids": list(a["turn_ids"]), "logprobs": _f(a["logprobs"]),
-                    **({"prompt_token_ids": list(prompt_ids)} if prompt_ids is not None else {})},
+        "metrics": {
+            "prompt_tokens": a["context_len"],
+            "completion_tokens": len(a["turn_ids"]),
+            "completion_token_ids": list(a["turn_ids"]),
+            "logprobs": _f(a["logprobs"]),
+            **({"prompt_token_ids": list(prompt_ids)} if prompt_ids is not None else {}),
+        },
         "extra": {KEY: {**extra, **attempt, "feedback_token_ids": list(a["feedback_ids"])}},
     }
     if a["code"] is not None:
-        step["tool_calls"] = [{"tool_call_id": call_id, "function_name": TOOL_NAME, "arguments": {"code": a["code"]},
-                               "extra": {KEY: {"call_status": a["call_status"]}}}]
+        step["tool_calls"] = [
+            {
+                "tool_call_id": call_id,
+                "function_name": TOOL_NAME,
+                "arguments": {"code": a["code"]},
+                "extra": {KEY: {"call_status": a["call_status"]}},
+            }
+        ]
     if result is not None:
-        step["observation"] = {"results": [{
-            "source_call_id": call_id if a["code"] is not None else None, "content": result["text"],
-            "extra": {KEY: {"status": result["status"], "error_label": result["error_label"],
-                            "error_class": result["error_class"]}}}]}
+        step["observation"] = {
+            "results": [
+                {
+                    "source_call_id": call_id if a["code"] is not None else None,
+                    "content": result["text"],
+                    "extra": {
+                        KEY: {
+                            "status": result["status"],
+                            "error_label": result["error_label"],
+                            "error_class": result["error_class"],
+                        }
+                    },
+                }
+            ]
+        }
     return step
 
 
-def raw_trajectory(row: dict[str, Any], decode: Decode | None, agent: dict[str, Any],
-                   splices: dict[tuple[int, int], dict[str, Any]] | None = None) -> dict[str, Any]:
+def raw_trajectory(
+    row: dict[str, Any],
+    decode: Decode | None,
+    agent: dict[str, Any],
+    splices: dict[tuple[int, int], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One raw row as an ATIF trajectory (a dict the `atif` models validate). `splices` maps (position, attempt)
     to the splice SAAR decides there at γ_live ({kind, similarity}), when known."""
     attempts = [(p["position_idx"], p["outcome"], a) for p in row["positions"] for a in p["attempts"]]
     final = row["final_turn"]
-    turns = [a["turn_ids"][:a["call_start"]] if a["call_start"] >= 0 else a["turn_ids"] for _, _, a in attempts]
+    turns = [a["turn_ids"][: a["call_start"]] if a["call_start"] >= 0 else a["turn_ids"] for _, _, a in attempts]
     texts = decode(turns + ([final["turn_ids"]] if final else [])) if decode else [None] * (len(turns) + bool(final))
     steps: list[dict[str, Any]] = [{"step_id": 1, "source": "user", "message": row["question"]}]
     pieces: list[Piece] = []
@@ -182,27 +239,38 @@ def raw_trajectory(row: dict[str, Any], decode: Decode | None, agent: dict[str, 
             extra["retry_of_step"] = step_id - 1
             extra.update((splices or {}).get((pos, a["attempt_idx"]), {}))
         steps.append(_attempt_step(step_id, a, texts[n], extra, row["prompt_ids"] if n == 0 else None))
-        pieces += [_piece(step_id, "turn", a["turn_ids"], a["logprobs"]),
-                   _piece(step_id, "feedback", a["feedback_ids"], None)]
+        pieces += [
+            _piece(step_id, "turn", a["turn_ids"], a["logprobs"]),
+            _piece(step_id, "feedback", a["feedback_ids"], None),
+        ]
     if final is not None:
         step_id = len(steps) + 1
-        steps.append(_attempt_step(step_id, final, texts[-1], {"final_turn": True},
-                                   row["prompt_ids"] if not attempts else None))
-        pieces += [_piece(step_id, "turn", final["turn_ids"], final["logprobs"]),
-                   _piece(step_id, "feedback", final["feedback_ids"], None)]
+        steps.append(
+            _attempt_step(step_id, final, texts[-1], {"final_turn": True}, row["prompt_ids"] if not attempts else None)
+        )
+        pieces += [
+            _piece(step_id, "turn", final["turn_ids"], final["logprobs"]),
+            _piece(step_id, "feedback", final["feedback_ids"], None),
+        ]
     fields = {k: row[k] for k in RAW_FIELDS}
     fields["final_answer"] = row["final_answer"]
     if len(steps) == 1:  # nothing sampled (a prompt too long): the prompt's ids have no agent step to sit on
         fields["prompt_token_ids"] = list(row["prompt_ids"])
     lived = encode_lived(row["lived_ids"], row["lived_mask"], row["lived_logprobs"], pieces)
     key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
-    return {"schema_version": ATIF_VERSION, "session_id": row["run_id"], "trajectory_id": key, "agent": agent,
-            "steps": steps, "extra": {KEY: {"format": RAW_FORMAT, **fields, "lived": lived}},
-            "final_metrics": {"total_completion_tokens": row["stats"]["generated_tokens"],
-                              "total_steps": len(steps)}}
+    return {
+        "schema_version": ATIF_VERSION,
+        "session_id": row["run_id"],
+        "trajectory_id": key,
+        "agent": agent,
+        "steps": steps,
+        "extra": {KEY: {"format": RAW_FORMAT, **fields, "lived": lived}},
+        "final_metrics": {"total_completion_tokens": row["stats"]["generated_tokens"], "total_steps": len(steps)},
+    }
 
 
 # ---- ATIF -> raw rows (what raw_trajectory wrote) ----------------------------------------------------------------
+
 
 def is_cleaner_raw(doc: dict[str, Any]) -> bool:
     return ((doc.get("extra") or {}).get(KEY) or {}).get("format") == RAW_FORMAT
@@ -232,9 +300,14 @@ def _raw_row(doc: dict[str, Any], run_id: str, where: str) -> dict[str, Any]:
         if result is not None:
             result = {**{k: result.get(k) for k in RESULT_FIELDS}, "text": obs[0].get("content") if obs else ""}
         calls = step.get("tool_calls") or []
-        attempt = {**{k: x.get(k) for k in ATTEMPT_FIELDS}, "turn_ids": list(metrics["completion_token_ids"]),
-                   "logprobs": _f(metrics["logprobs"]), "code": calls[0]["arguments"]["code"] if calls else None,
-                   "result": result, "feedback_ids": list(x["feedback_token_ids"])}
+        attempt = {
+            **{k: x.get(k) for k in ATTEMPT_FIELDS},
+            "turn_ids": list(metrics["completion_token_ids"]),
+            "logprobs": _f(metrics["logprobs"]),
+            "code": calls[0]["arguments"]["code"] if calls else None,
+            "result": result,
+            "feedback_ids": list(x["feedback_token_ids"]),
+        }
         if prompt_ids is None:
             prompt_ids = metrics.get("prompt_token_ids")
         pieces[(step["step_id"], "turn")] = _piece(step["step_id"], "turn", attempt["turn_ids"], attempt["logprobs"])
@@ -242,8 +315,9 @@ def _raw_row(doc: dict[str, Any], run_id: str, where: str) -> dict[str, Any]:
         if x.get("final_turn"):
             final = attempt
             continue
-        pos = positions.setdefault(x["position_idx"], {"position_idx": x["position_idx"], "attempts": [],
-                                                       "outcome": x["position_outcome"]})
+        pos = positions.setdefault(
+            x["position_idx"], {"position_idx": x["position_idx"], "attempts": [], "outcome": x["position_outcome"]}
+        )
         pos["attempts"].append(attempt)
     if prompt_ids is None:
         raise InteropError(f"{where}: no prompt_token_ids (neither on the first agent step nor in extra.cleaner)")
@@ -256,8 +330,10 @@ def _raw_row(doc: dict[str, Any], run_id: str, where: str) -> dict[str, Any]:
 
 # ---- purified rows -> ATIF ---------------------------------------------------------------------------------------
 
-def purified_trajectory(row: dict[str, Any], question: str, decode: Decode | None, agent: dict[str, Any],
-                        partition: str, raw_file: str) -> dict[str, Any]:
+
+def purified_trajectory(
+    row: dict[str, Any], question: str, decode: Decode | None, agent: dict[str, Any], partition: str, raw_file: str
+) -> dict[str, Any]:
     """One purified row as an ATIF trajectory pointing at the raw trajectory it was purified from."""
     runs = response_runs(row["token_origin"], row["loss_mask"])
     ids = row["response_ids"]
@@ -269,31 +345,74 @@ def purified_trajectory(row: dict[str, Any], question: str, decode: Decode | Non
         cut = {c: (row[c] or [])[start:end] for c in columns}
         if not sampled and len(steps) > 1:  # a tool response: the observation of the turn before it
             last = steps[-1]
-            last["observation"] = {"results": [{
-                "source_call_id": (last.get("tool_calls") or [{}])[0].get("tool_call_id"),
-                "content": "" if text is None else tool_text(text),
-                "extra": {KEY: {"token_ids": ids[start:end], "response_start": start, **cut}}}]}
+            last["observation"] = {
+                "results": [
+                    {
+                        "source_call_id": (last.get("tool_calls") or [{}])[0].get("tool_call_id"),
+                        "content": "" if text is None else tool_text(text),
+                        "extra": {KEY: {"token_ids": ids[start:end], "response_start": start, **cut}},
+                    }
+                ]
+            }
             continue
         step_id = len(steps) + 1
         step: dict[str, Any] = {
-            "step_id": step_id, "source": "agent", "message": "" if text is None else assistant_text(text),
-            "metrics": {"completion_tokens": end - start, "completion_token_ids": ids[start:end],
-                        "logprobs": _f((row["behaviour_logprobs"] or row["old_logprobs"])[start:end]),
-                        **({"prompt_token_ids": list(row["prompt_ids"])} if step_id == 2 else {})},
-            "extra": {KEY: {"response_start": start, **cut, "sampled": sampled,
-                            "splices": [s for s in splices if start <= s["first_recomputed"] < end]}},
+            "step_id": step_id,
+            "source": "agent",
+            "message": "" if text is None else assistant_text(text),
+            "metrics": {
+                "completion_tokens": end - start,
+                "completion_token_ids": ids[start:end],
+                "logprobs": _f((row["behaviour_logprobs"] or row["old_logprobs"])[start:end]),
+                **({"prompt_token_ids": list(row["prompt_ids"])} if step_id == 2 else {}),
+            },
+            "extra": {
+                KEY: {
+                    "response_start": start,
+                    **cut,
+                    "sampled": sampled,
+                    "splices": [s for s in splices if start <= s["first_recomputed"] < end],
+                }
+            },
         }
         if text is not None:
             call = parse_tool_call(text)
             if call.code is not None:
-                step["tool_calls"] = [{"tool_call_id": f"call-{step_id}", "function_name": TOOL_NAME,
-                                       "arguments": {"code": call.code}}]
+                step["tool_calls"] = [
+                    {"tool_call_id": f"call-{step_id}", "function_name": TOOL_NAME, "arguments": {"code": call.code}}
+                ]
         steps.append(step)
-    meta = {k: _finite(row[k]) if isinstance(row[k], float) else row[k]
-            for k in ("run_id", "iteration", "prompt_id", "sample_idx", "mode", "gamma", "is_threshold", "reward",
-                      "advantage", "recompute_from", "tokens_forwarded", "gate")}
-    return {"schema_version": ATIF_VERSION, "session_id": row["run_id"],
-            "trajectory_id": f"{row['raw_key']}@{partition}", "agent": agent, "steps": steps,
-            "extra": {KEY: {"format": PURIFIED_FORMAT, "partition": partition, **meta, "splices": splices,
-                            "raw_trajectory": {"trajectory_id": row["raw_key"], "path": raw_file}}},
-            "final_metrics": {"total_completion_tokens": sum(row["loss_mask"]), "total_steps": len(steps)}}
+    meta = {
+        k: _finite(row[k]) if isinstance(row[k], float) else row[k]
+        for k in (
+            "run_id",
+            "iteration",
+            "prompt_id",
+            "sample_idx",
+            "mode",
+            "gamma",
+            "is_threshold",
+            "reward",
+            "advantage",
+            "recompute_from",
+            "tokens_forwarded",
+            "gate",
+        )
+    }
+    return {
+        "schema_version": ATIF_VERSION,
+        "session_id": row["run_id"],
+        "trajectory_id": f"{row['raw_key']}@{partition}",
+        "agent": agent,
+        "steps": steps,
+        "extra": {
+            KEY: {
+                "format": PURIFIED_FORMAT,
+                "partition": partition,
+                **meta,
+                "splices": splices,
+                "raw_trajectory": {"trajectory_id": row["raw_key"], "path": raw_file},
+            }
+        },
+        "final_metrics": {"total_completion_tokens": sum(row["loss_mask"]), "total_steps": len(steps)},
+    }

@@ -2,6 +2,7 @@
 `datasets.load_dataset(DIR)` reads (offline: the files are local), then what each column is and where the rows
 come from (run, iterations, the partition's mode, γ or τ and similarity measure, the policy versions that sampled
 them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,13 +25,31 @@ class Card:
     def render(self) -> str:
         header: dict = {"tags": self.tags}
         if self.data_files:
-            header["configs"] = [{"config_name": name, "data_files": [{"split": "train", "path": glob}],
-                                  **({"default": True} if n == 0 else {})}
-                                 for n, (name, glob) in enumerate(self.data_files.items())]
-        lines = ["---", yaml.safe_dump(header, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
-                 f"# {self.title}", "", self.summary, "", f"Format: `{self.format}`. Token-exact: "
-                 + ("yes (the token ids the policy sampled and trains on)." if self.token_exact else
-                    "no (text: a consumer re-tokenizes it)."), ""]
+            header["configs"] = [
+                {
+                    "config_name": name,
+                    "data_files": [{"split": "train", "path": glob}],
+                    **({"default": True} if n == 0 else {}),
+                }
+                for n, (name, glob) in enumerate(self.data_files.items())
+            ]
+        lines = [
+            "---",
+            yaml.safe_dump(header, sort_keys=False, allow_unicode=True).rstrip(),
+            "---",
+            "",
+            f"# {self.title}",
+            "",
+            self.summary,
+            "",
+            f"Format: `{self.format}`. Token-exact: "
+            + (
+                "yes (the token ids the policy sampled and trains on)."
+                if self.token_exact
+                else "no (text: a consumer re-tokenizes it)."
+            ),
+            "",
+        ]
         if self.provenance:
             lines += ["## Where the rows come from", "", "| | |", "|---|---|"]
             lines += [f"| {k} | {v} |" for k, v in self.provenance.items()] + [""]
@@ -38,8 +57,16 @@ class Card:
             lines += ["## Columns", "", "| column | what it is |", "|---|---|"]
             lines += [f"| `{k}` | {v} |" for k, v in self.columns.items()] + [""]
         if self.data_files:
-            lines += ["## Loading", "", "```python", "from datasets import load_dataset", "",
-                      "rows = load_dataset(\"path/to/this/folder\", split=\"train\")  # works offline", "```", ""]
+            lines += [
+                "## Loading",
+                "",
+                "```python",
+                "from datasets import load_dataset",
+                "",
+                'rows = load_dataset("path/to/this/folder", split="train")  # works offline',
+                "```",
+                "",
+            ]
         if self.notes:
             lines += ["## Notes", ""] + [f"- {n}" for n in self.notes] + [""]
         lines.append("Written by `cleaner export` (docs/formats.md says what each format keeps and loses).")

@@ -11,6 +11,7 @@ ids are exact when the steps carry prompt_token_ids (≥ 1.4) that extend each o
 (trl-completions, verl-jsonl, ATIF without ids) are re-tokenized with the named tokenizer, their log-probs unknown
 (0), and the shard's manifest says `token_exact: false`: purifying them is refused unless the import allowed it.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ from flows.interop import atif as atif_format
 from flows.interop.source import InteropError
 from flows.interop.trl import unframed
 from pipeline.answers import last_boxed
-from pipeline.chat import EOS, IM_END, IM_START, RESPONSE_CLOSE, RESPONSE_OPEN, ChatFormat, parse_tool_call, \
-    render_tool_call
+from pipeline.chat import (
+    EOS,
+    IM_END,
+    IM_START,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    ChatFormat,
+    parse_tool_call,
+    render_tool_call,
+)
 from pipeline.trajectory import fingerprint
 from storage.errors import first_line
 from storage.schemas import STATS
@@ -35,6 +44,7 @@ _ERROR_NAME = re.compile(r"\b([A-Z]\w*(?:Error|Exception))\b")
 
 
 # ---- reading the files ------------------------------------------------------------------------------------------
+
 
 def documents(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, object) for each JSON object of a file: each line of a .jsonl file, or the document of a .json file
@@ -88,6 +98,7 @@ def validated_atif(doc: dict[str, Any], where: str):
 
 # ---- turns -> a raw row -----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Turn:
     """One assistant turn of a foreign trajectory and the tool response after it."""
@@ -113,9 +124,22 @@ def failure_of(text: str | None, explicit: bool | None = None) -> tuple[bool, st
     return True, names[-1] if names else "tool_error"
 
 
-def raw_row(*, run_id: str, iteration: int, prompt_id: str, sample_idx: int, policy_version: str, source: str,
-            question: str, ground_truth: str, reward: float, prompt_ids: list[int], turns: list[Turn],
-            chat: ChatFormat | None, final_text: str | None) -> dict[str, Any]:
+def raw_row(
+    *,
+    run_id: str,
+    iteration: int,
+    prompt_id: str,
+    sample_idx: int,
+    policy_version: str,
+    source: str,
+    question: str,
+    ground_truth: str,
+    reward: float,
+    prompt_ids: list[int],
+    turns: list[Turn],
+    chat: ChatFormat | None,
+    final_text: str | None,
+) -> dict[str, Any]:
     """A raw row of turns as lived in context: a call after a failed call is its retry (same position)."""
     lived: list[int] = []
     mask: list[int] = []
@@ -128,14 +152,28 @@ def raw_row(*, run_id: str, iteration: int, prompt_id: str, sample_idx: int, pol
         context = prompt_ids + lived
         result = None
         if t.result_text is not None:
-            result = {"status": "failure" if t.failed else "success", "text": t.result_text,
-                      "error_label": t.error_label, "error_class": "model" if t.failed else None, "exit_code": None,
-                      "duration_s": 0.0, "timed_out": False}
-        attempt = {"attempt_idx": 0, "turn_ids": t.ids, "logprobs": t.logprobs,
-                   "call_start": chat.call_start(t.ids) if chat is not None and t.code is not None else -1,
-                   "call_status": "ok" if t.code is not None else "no_call", "context_len": len(context),
-                   "context_fingerprint": fingerprint(context), "code": t.code, "result": result,
-                   "feedback_ids": t.feedback_ids, "finish_reason": "stop"}
+            result = {
+                "status": "failure" if t.failed else "success",
+                "text": t.result_text,
+                "error_label": t.error_label,
+                "error_class": "model" if t.failed else None,
+                "exit_code": None,
+                "duration_s": 0.0,
+                "timed_out": False,
+            }
+        attempt = {
+            "attempt_idx": 0,
+            "turn_ids": t.ids,
+            "logprobs": t.logprobs,
+            "call_start": chat.call_start(t.ids) if chat is not None and t.code is not None else -1,
+            "call_status": "ok" if t.code is not None else "no_call",
+            "context_len": len(context),
+            "context_fingerprint": fingerprint(context),
+            "code": t.code,
+            "result": result,
+            "feedback_ids": t.feedback_ids,
+            "finish_reason": "stop",
+        }
         lived += t.ids + t.feedback_ids
         mask += [1] * len(t.ids) + [0] * len(t.feedback_ids)
         lps += list(t.logprobs) + [0.0] * len(t.feedback_ids)
@@ -166,16 +204,36 @@ def raw_row(*, run_id: str, iteration: int, prompt_id: str, sample_idx: int, pol
         stats["recovered"] += p["outcome"] == "recovered"
         stats["exhausted"] += p["outcome"] == "exhausted"
     stats["response_tokens"] = len(lived)
-    return {"run_id": run_id, "iteration": iteration, "prompt_id": prompt_id, "sample_idx": sample_idx,
-            "policy_version": policy_version, "seed": 0, "task_source": source, "question": question,
-            "ground_truth": ground_truth, "saar_gate": False, "gate_p": 0.0, "live_mode": "raw", "gamma_live": 0.0,
-            "max_retries": max([len(p["attempts"]) - 1 for p in positions], default=0), "prompt_ids": prompt_ids,
-            "lived_ids": lived, "lived_mask": mask, "lived_logprobs": lps, "positions": positions,
-            "final_turn": final, "final_answer": last_boxed(final_text) if final_text else None,
-            "reward": float(reward), "finish_reason": "stop", "stats": stats}
+    return {
+        "run_id": run_id,
+        "iteration": iteration,
+        "prompt_id": prompt_id,
+        "sample_idx": sample_idx,
+        "policy_version": policy_version,
+        "seed": 0,
+        "task_source": source,
+        "question": question,
+        "ground_truth": ground_truth,
+        "saar_gate": False,
+        "gate_p": 0.0,
+        "live_mode": "raw",
+        "gamma_live": 0.0,
+        "max_retries": max([len(p["attempts"]) - 1 for p in positions], default=0),
+        "prompt_ids": prompt_ids,
+        "lived_ids": lived,
+        "lived_mask": mask,
+        "lived_logprobs": lps,
+        "positions": positions,
+        "final_turn": final,
+        "final_answer": last_boxed(final_text) if final_text else None,
+        "reward": float(reward),
+        "finish_reason": "stop",
+        "stats": stats,
+    }
 
 
 # ---- text sources: messages re-tokenized ------------------------------------------------------------------------
+
 
 def _content(message: dict[str, Any], where: str) -> str:
     content = message.get("content")
@@ -215,8 +273,11 @@ def text_turns(messages: list[Any], chat: ChatFormat, where: str) -> tuple[list[
             calls = m.get("tool_calls") or []
             code = _call_code(calls[0], f"{where}: message {n}") if calls else None
             body = text.replace(IM_END, "").replace(EOS, "")
-            rendered = body + (("\n" if body else "") + render_tool_call(code) if code is not None
-                               and "<tool_call>" not in body else "")
+            rendered = body + (
+                ("\n" if body else "") + render_tool_call(code)
+                if code is not None and "<tool_call>" not in body
+                else ""
+            )
             if code is None:
                 code = parse_tool_call(rendered).code
             ids = chat.encode(rendered + IM_END)
@@ -227,12 +288,15 @@ def text_turns(messages: list[Any], chat: ChatFormat, where: str) -> tuple[list[
                 raise InteropError(f"{where}: message {n} is a tool response before any assistant turn")
             t = turns[-1]
             t.result_text = text if t.result_text is None else t.result_text + "\n" + text
-            t.failed, t.error_label = failure_of(t.result_text, m.get("error") if isinstance(m.get("error"), bool)
-                                                 else None)
+            t.failed, t.error_label = failure_of(
+                t.result_text, m.get("error") if isinstance(m.get("error"), bool) else None
+            )
             t.feedback_ids = chat.feedback_ids(t.result_text)
         elif role == "user" and turns:  # a user turn between calls: shown to the model like a tool response
-            raise InteropError(f"{where}: message {n}: a user message after the first assistant turn (cleaner "
-                               "rows have one question and tool responses after it)")
+            raise InteropError(
+                f"{where}: message {n}: a user message after the first assistant turn (cleaner "
+                "rows have one question and tool responses after it)"
+            )
     return turns, last_text
 
 
@@ -253,9 +317,13 @@ def prompt_ids_of(chat: ChatFormat, messages: list[dict[str, Any]]) -> list[int]
 
     if not any(m.get("role") == "system" for m in messages):
         messages = [{"role": "system", "content": chat.system_prompt}, *messages]
-    out = chat.tokenizer.apply_chat_template([{"role": m["role"], "content": _content(m, "")} for m in messages],
-                                             tools=[CODE_TOOL_SCHEMA], add_generation_prompt=True, tokenize=True,
-                                             **chat.template_kwargs)
+    out = chat.tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": _content(m, "")} for m in messages],
+        tools=[CODE_TOOL_SCHEMA],
+        add_generation_prompt=True,
+        tokenize=True,
+        **chat.template_kwargs,
+    )
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
@@ -280,10 +348,10 @@ def split_rendered(output: str) -> list[dict[str, Any]]:
         end = len(rest) if end < 0 else end
         turn = _TOOL_TURN_OPENING.sub("", rest[:start])  # the assistant turn ends where the tool turn opens
         messages.append({"role": "assistant", "content": turn.removesuffix(IM_END)})
-        messages.append({"role": "tool", "content": unframed(rest[start + len(RESPONSE_OPEN):end])})
-        rest = rest[end + len(RESPONSE_CLOSE):]
+        messages.append({"role": "tool", "content": unframed(rest[start + len(RESPONSE_OPEN) : end])})
+        rest = rest[end + len(RESPONSE_CLOSE) :]
         opening = _NEXT_TURN_OPENING.search(rest)
-        rest = rest[opening.end():] if opening else ""
+        rest = rest[opening.end() :] if opening else ""
     return [m for m in messages if m["role"] == "tool" or m["content"].strip()]
 
 
@@ -304,6 +372,7 @@ def renders_special_tokens(text: str) -> bool:
 
 # ---- foreign ATIF with token ids --------------------------------------------------------------------------------
 
+
 def atif_turns(traj, chat: ChatFormat | None, where: str) -> tuple[list[int] | None, list[Turn], bool, str | None]:
     """(prompt ids, turns, token-exact, last agent text) of a foreign ATIF trajectory: each agent step's sampled
     ids and log-probs; prompt and tool-response ids from prompt_token_ids that extend each other, else
@@ -323,8 +392,10 @@ def atif_turns(traj, chat: ChatFormat | None, where: str) -> tuple[list[int] | N
             code = args["code"] if isinstance(args.get("code"), str) else json.dumps(args)
         if ids is None:
             if chat is None:
-                raise InteropError(f"{where}: step {step.step_id} has no completion_token_ids; name the tokenizer "
-                                   "to re-tokenize its text (--tokenizer)")
+                raise InteropError(
+                    f"{where}: step {step.step_id} has no completion_token_ids; name the tokenizer "
+                    "to re-tokenize its text (--tokenizer)"
+                )
             exact = False
             body = message + (("\n" if message else "") + render_tool_call(code) if code is not None else "")
             ids = chat.encode(body + IM_END)
@@ -346,14 +417,16 @@ def atif_turns(traj, chat: ChatFormat | None, where: str) -> tuple[list[int] | N
         nxt = agents[n + 1].metrics.prompt_token_ids if n + 1 < len(agents) and agents[n + 1].metrics else None
         grown = context + t.ids
         if text is not None:
-            if nxt is not None and prompt_ids is not None and nxt[:len(grown)] == grown:
-                t.feedback_ids = list(nxt[len(grown):])
+            if nxt is not None and prompt_ids is not None and nxt[: len(grown)] == grown:
+                t.feedback_ids = list(nxt[len(grown) :])
             elif chat is not None:
                 t.feedback_ids = chat.feedback_ids(text)
                 exact = False
             else:
-                raise InteropError(f"{where}: step {step.step_id}: its tool response has no token ids (no "
-                                   "prompt_token_ids on the next step); name the tokenizer (--tokenizer)")
+                raise InteropError(
+                    f"{where}: step {step.step_id}: its tool response has no token ids (no "
+                    "prompt_token_ids on the next step); name the tokenizer (--tokenizer)"
+                )
         context = grown + t.feedback_ids
         turns.append(t)
     last = agents[-1].message if agents and isinstance(agents[-1].message, str) else None
@@ -372,8 +445,10 @@ def check_tokenizer(doc: dict[str, Any], chat: ChatFormat, tokenizer: Path, wher
             continue
         big = max(ids)
         if big >= size:
-            raise InteropError(f"{where}: step {step.get('step_id')}: completion_token_ids holds id {big}, beyond "
-                               f"the {size:,} ids of tokenizer {tokenizer}: it is not the tokenizer that sampled them")
+            raise InteropError(
+                f"{where}: step {step.get('step_id')}: completion_token_ids holds id {big}, beyond "
+                f"the {size:,} ids of tokenizer {tokenizer}: it is not the tokenizer that sampled them"
+            )
         message = step.get("message")
         if isinstance(message, str) and message.strip():
             checked += 1
@@ -384,5 +459,7 @@ def check_tokenizer(doc: dict[str, Any], chat: ChatFormat, tokenizer: Path, wher
                 first_miss = (step.get("step_id"), text[:40], message.strip()[:40])
     if checked and not matched:
         step_id, got, want = first_miss
-        raise InteropError(f"{where}: tokenizer {tokenizer} does not match the token ids: step {step_id}'s ids decode "
-                           f"to {got!r}…, its message says {want!r}…")
+        raise InteropError(
+            f"{where}: tokenizer {tokenizer} does not match the token ids: step {step_id}'s ids decode "
+            f"to {got!r}…, its message says {want!r}…"
+        )

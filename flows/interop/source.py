@@ -1,6 +1,7 @@
 """What an export reads and where it writes: the committed shards of a run that a selection names (iterations, a
 purified partition), their rows a row group at a time, the tokenizer of the checkpoint that sampled them, and the
 output folder, staged beside its final name and renamed into place whole."""
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,10 @@ def parse_partition(text: str) -> Partition:
     path = text.strip().strip("/")
     m = PARTITION.match(path)
     if m is None:
-        raise InteropError(f"--partition {text!r}: expected a purified partition such as mode=saar/gamma=0.50 or "
-                           "mode=saar_is/tau=0.30 (the folder under an iteration's purified/)")
+        raise InteropError(
+            f"--partition {text!r}: expected a purified partition such as mode=saar/gamma=0.50 or "
+            "mode=saar_is/tau=0.30 (the folder under an iteration's purified/)"
+        )
     return Partition(path, m["mode"], m["kind"], float(m["value"]), m["measure"] or DEFAULT_MEASURE_KEY)
 
 
@@ -87,8 +90,11 @@ class Selection:
 
 
 def _partitions_of(iteration_dir: Path) -> list[str]:
-    return sorted(p.relative_to(iteration_dir / "purified").as_posix()
-                  for p in (iteration_dir / "purified").glob("mode=*/*") if read_manifest(p) is not None)
+    return sorted(
+        p.relative_to(iteration_dir / "purified").as_posix()
+        for p in (iteration_dir / "purified").glob("mode=*/*")
+        if read_manifest(p) is not None
+    )
 
 
 def select(root: Path, run_id: str, iterations: list[int] | None, partition: Partition | None) -> Selection:
@@ -97,8 +103,10 @@ def select(root: Path, run_id: str, iterations: list[int] | None, partition: Par
     layout = RunLayout(root, run_id)
     if not layout.run_dir.is_dir():
         runs = sorted(p.name for p in layout.run_dir.parent.glob("*") if p.is_dir())
-        raise InteropError(f"run {run_id!r} does not exist under {root} (runs there: {', '.join(runs) or 'none'}); "
-                           "check --run and storage.root")
+        raise InteropError(
+            f"run {run_id!r} does not exist under {root} (runs there: {', '.join(runs) or 'none'}); "
+            "check --run and storage.root"
+        )
     known = [i for i in layout.iterations() if read_manifest(layout.raw_dir(i)) is not None]
     if iterations is None:
         chosen = known
@@ -108,13 +116,17 @@ def select(root: Path, run_id: str, iterations: list[int] | None, partition: Par
         chosen = list(dict.fromkeys(iterations))
         for i in chosen:
             if i not in known:
-                raise InteropError(f"run {run_id!r} has no iteration {i} with a committed raw shard (no "
-                                   f"{layout.raw_dir(i) / '_MANIFEST.json'}); its iterations: "
-                                   f"{', '.join(map(str, known)) or 'none'}")
+                raise InteropError(
+                    f"run {run_id!r} has no iteration {i} with a committed raw shard (no "
+                    f"{layout.raw_dir(i) / '_MANIFEST.json'}); its iterations: "
+                    f"{', '.join(map(str, known)) or 'none'}"
+                )
     if not chosen and partition is not None and known:
         have = sorted({p for i in known for p in _partitions_of(layout.iteration_dir(i))})
-        raise InteropError(f"run {run_id!r} has no committed partition {partition.path} in any iteration under {root} "
-                           f"(its partitions: {', '.join(have) or 'none'})")
+        raise InteropError(
+            f"run {run_id!r} has no committed partition {partition.path} in any iteration under {root} "
+            f"(its partitions: {', '.join(have) or 'none'})"
+        )
     if not chosen:
         raise InteropError(f"run {run_id!r} has no committed iteration under {root}")
     raw, purified = [], []
@@ -125,8 +137,10 @@ def select(root: Path, run_id: str, iterations: list[int] | None, partition: Par
         where = layout.iteration_dir(i) / "purified" / partition.path
         if read_manifest(where) is None:
             have = _partitions_of(layout.iteration_dir(i))
-            raise InteropError(f"run {run_id!r} iteration {i} has no committed partition {partition.path} (no "
-                               f"{where / '_MANIFEST.json'}); its partitions: {', '.join(have) or 'none'}")
+            raise InteropError(
+                f"run {run_id!r} iteration {i} has no committed partition {partition.path} (no "
+                f"{where / '_MANIFEST.json'}); its partitions: {', '.join(have) or 'none'}"
+            )
         purified.append(Shard(i, where, PURIFIED, committed_manifest(where, PURIFIED)))
     return Selection(run_id, raw, purified, partition)
 

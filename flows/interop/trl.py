@@ -7,6 +7,7 @@ The pre-tokenized form is token-exact: `input_ids` is the prompt followed by the
 text: a trainer re-renders and re-tokenizes it with its own template, so it keeps the turns, the calls and the tool
 outputs but neither the token boundaries nor a mask inside a turn (docs/formats.md).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,32 +16,77 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.chat import CALL_OPEN, CODE_TOOL_SCHEMA, EOS, IM_END, RESPONSE_CLOSE, RESPONSE_OPEN, TOOL_NAME, \
-    parse_tool_call
+from pipeline.chat import (
+    CALL_OPEN,
+    CODE_TOOL_SCHEMA,
+    EOS,
+    IM_END,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    TOOL_NAME,
+    parse_tool_call,
+)
 from pipeline.trajectory import TokenOrigin
 
 # identity and outcome columns kept beside the training columns (TRL ignores columns it does not know)
-ROW_COLUMNS = [("run_id", pa.string()), ("iteration", pa.int32()), ("prompt_id", pa.string()),
-               ("sample_idx", pa.int32()), ("reward", pa.float64()), ("advantage", pa.float64())]
+ROW_COLUMNS = [
+    ("run_id", pa.string()),
+    ("iteration", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_idx", pa.int32()),
+    ("reward", pa.float64()),
+    ("advantage", pa.float64()),
+]
 SFT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("completion_mask", pa.list_(pa.int8())), *ROW_COLUMNS])
 
-TOOL_CALL = pa.struct([("type", pa.string()), ("function", pa.struct([
-    ("name", pa.string()), ("arguments", pa.struct([("code", pa.string())]))]))])
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL)),
-                     ("name", pa.string())])
-TOOLS = pa.list_(pa.struct([("type", pa.string()), ("function", pa.struct([
-    ("name", pa.string()), ("description", pa.string()), ("parameters", pa.struct([
+TOOL_CALL = pa.struct(
+    [
         ("type", pa.string()),
-        ("properties", pa.struct([("code", pa.struct([("type", pa.string()), ("description", pa.string())]))])),
-        ("required", pa.list_(pa.string()))]))]))]))
+        ("function", pa.struct([("name", pa.string()), ("arguments", pa.struct([("code", pa.string())]))])),
+    ]
+)
+MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL)), ("name", pa.string())]
+)
+TOOLS = pa.list_(
+    pa.struct(
+        [
+            ("type", pa.string()),
+            (
+                "function",
+                pa.struct(
+                    [
+                        ("name", pa.string()),
+                        ("description", pa.string()),
+                        (
+                            "parameters",
+                            pa.struct(
+                                [
+                                    ("type", pa.string()),
+                                    (
+                                        "properties",
+                                        pa.struct(
+                                            [("code", pa.struct([("type", pa.string()), ("description", pa.string())]))]
+                                        ),
+                                    ),
+                                    ("required", pa.list_(pa.string())),
+                                ]
+                            ),
+                        ),
+                    ]
+                ),
+            ),
+        ]
+    )
+)
 MESSAGES_SCHEMA = pa.schema([("messages", pa.list_(MESSAGE)), ("tools", TOOLS), *ROW_COLUMNS])
 
 COLUMN_DOCS = {
     "input_ids": "prompt token ids followed by the purified response's (int32; the policy's tokenizer)",
     "completion_mask": "0 on the prompt, the partition's loss mask on the response (1 = trained): TRL's "
-                       "completion_only_loss trains exactly these tokens",
+    "completion_only_loss trains exactly these tokens",
     "messages": "the conversation: the user's question, each assistant turn (text before its call, the call in "
-                "`tool_calls`), each tool response as a `tool` message",
+    "`tool_calls`), each tool response as a `tool` message",
     "tools": "the tool the policy was shown, as its JSON schema",
     "run_id": "the cleaner run the row comes from",
     "iteration": "the training iteration that sampled it",
@@ -59,14 +105,15 @@ def _lists(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return values, np.concatenate([[0], np.cumsum(lengths)])
 
 
-def _joined(first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray],
-            kind: pa.DataType) -> pa.ListArray:
+def _joined(
+    first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray], kind: pa.DataType
+) -> pa.ListArray:
     """Per row, the first list followed by the second."""
     (a, ao), (b, bo) = first, second
     rows = len(ao) - 1
     pieces = []
     for r in range(rows):
-        pieces += [a[ao[r]:ao[r + 1]], b[bo[r]:bo[r + 1]]]
+        pieces += [a[ao[r] : ao[r + 1]], b[bo[r] : bo[r + 1]]]
     values = np.concatenate(pieces) if pieces else np.zeros(0)
     offsets = np.concatenate([[0], np.cumsum(np.diff(ao) + np.diff(bo))]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, kind.value_type))
@@ -77,8 +124,10 @@ def sft_table(purified: pa.Table) -> pa.Table:
     prompt, response = _lists(purified["prompt_ids"]), _lists(purified["response_ids"])
     mask = _lists(purified["loss_mask"])
     zeros = (np.zeros(len(prompt[0]), dtype=np.int8), prompt[1])
-    columns = {"input_ids": _joined(prompt, response, SFT_SCHEMA.field("input_ids").type),
-               "completion_mask": _joined(zeros, mask, SFT_SCHEMA.field("completion_mask").type)}
+    columns = {
+        "input_ids": _joined(prompt, response, SFT_SCHEMA.field("input_ids").type),
+        "completion_mask": _joined(zeros, mask, SFT_SCHEMA.field("completion_mask").type),
+    }
     columns.update({name: purified[name] for name, _ in ROW_COLUMNS})
     return pa.table([columns[f.name] for f in SFT_SCHEMA], schema=SFT_SCHEMA)
 
@@ -110,7 +159,7 @@ def tool_text(text: str) -> str:
     start, end = text.find(RESPONSE_OPEN), text.rfind(RESPONSE_CLOSE)
     if start < 0 or end < start:
         return text
-    return unframed(text[start + len(RESPONSE_OPEN):end])
+    return unframed(text[start + len(RESPONSE_OPEN) : end])
 
 
 def unframed(body: str) -> str:
@@ -124,16 +173,23 @@ def tool_call(code: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"code": code}}}
 
 
-def conversation(question: str, response_ids: list[int], runs: list[tuple[int, int, bool]],
-                 decode: Any) -> list[dict[str, Any]]:
+def conversation(
+    question: str, response_ids: list[int], runs: list[tuple[int, int, bool]], decode: Any
+) -> list[dict[str, Any]]:
     """The messages of one purified response: the question, then per run an assistant or a tool message."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": question, "tool_calls": None, "name": None}]
     texts = decode([response_ids[s:e] for s, e, _ in runs]) if runs else []
     for (_, _, sampled), text in zip(runs, texts):
         if sampled:
             call = parse_tool_call(text.replace(IM_END, "").replace(EOS, ""))
-            messages.append({"role": "assistant", "content": assistant_text(text), "name": None,
-                             "tool_calls": [tool_call(call.code)] if call.code is not None else None})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": assistant_text(text),
+                    "name": None,
+                    "tool_calls": [tool_call(call.code)] if call.code is not None else None,
+                }
+            )
         else:
             messages.append({"role": "tool", "content": tool_text(text), "tool_calls": None, "name": TOOL_NAME})
     return messages
@@ -144,6 +200,11 @@ def messages_table(purified: pa.Table, questions: dict[str, str], decode: Any) -
     rows = []
     for r in purified.to_pylist():
         runs = response_runs(r["token_origin"], r["loss_mask"])
-        rows.append({"messages": conversation(questions[r["raw_key"]], r["response_ids"], runs, decode),
-                     "tools": [CODE_TOOL_SCHEMA], **{name: r[name] for name, _ in ROW_COLUMNS}})
+        rows.append(
+            {
+                "messages": conversation(questions[r["raw_key"]], r["response_ids"], runs, decode),
+                "tools": [CODE_TOOL_SCHEMA],
+                **{name: r[name] for name, _ in ROW_COLUMNS},
+            }
+        )
     return pa.Table.from_pylist(rows, schema=MESSAGES_SCHEMA)

@@ -14,6 +14,7 @@ Found by dynamic programming over (segment, response offset) — linear in the s
 reachable, a few milliseconds at 16k tokens. A response that is no such cover (a mode that inserts text) is
 aligned with difflib instead, and what it added shows as inserted spans.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -35,8 +36,14 @@ class Segment:
 
     @property
     def label(self) -> str:
-        where = "final turn" if self.position_idx < 0 else (
-            f"position {self.position_idx} · " + ("attempt 0" if self.attempt_idx == 0 else f"retry {self.attempt_idx}"))
+        where = (
+            "final turn"
+            if self.position_idx < 0
+            else (
+                f"position {self.position_idx} · "
+                + ("attempt 0" if self.attempt_idx == 0 else f"retry {self.attempt_idx}")
+            )
+        )
         return f"{where} · " + ("tool response" if self.kind == "tool" else self.kind)
 
 
@@ -51,7 +58,7 @@ class Span:
 
     @property
     def seg_ids(self) -> tuple[int, ...]:
-        return () if self.segment is None else self.segment.ids[self.seg_lo: self.seg_hi if self.seg_hi >= 0 else None]
+        return () if self.segment is None else self.segment.ids[self.seg_lo : self.seg_hi if self.seg_hi >= 0 else None]
 
 
 def segments(raw: dict[str, Any]) -> list[Segment]:
@@ -63,19 +70,32 @@ def segments(raw: dict[str, Any]) -> list[Segment]:
             ids, lps, cut = a["turn_ids"] or [], a["logprobs"] or [], a["call_start"]
             result = a.get("result") or {}
             failed = result.get("status") == "failure" and k < len(attempts) - 1
-            pieces = ([("reasoning", 0, cut), ("call", cut, len(ids))] if cut is not None and cut >= 0
-                      else [("turn", 0, len(ids))])
+            pieces = (
+                [("reasoning", 0, cut), ("call", cut, len(ids))]
+                if cut is not None and cut >= 0
+                else [("turn", 0, len(ids))]
+            )
             for kind, lo, hi in pieces:
                 if hi > lo:
-                    out.append(Segment(p["position_idx"], a["attempt_idx"], kind, tuple(ids[lo:hi]),
-                                       tuple(lps[lo:hi]), failed))
+                    out.append(
+                        Segment(p["position_idx"], a["attempt_idx"], kind, tuple(ids[lo:hi]), tuple(lps[lo:hi]), failed)
+                    )
             if a["feedback_ids"]:
-                out.append(Segment(p["position_idx"], a["attempt_idx"], "tool", tuple(a["feedback_ids"]),
-                                   (0.0,) * len(a["feedback_ids"]), failed))
+                out.append(
+                    Segment(
+                        p["position_idx"],
+                        a["attempt_idx"],
+                        "tool",
+                        tuple(a["feedback_ids"]),
+                        (0.0,) * len(a["feedback_ids"]),
+                        failed,
+                    )
+                )
     final = raw.get("final_turn")
     if final and final["turn_ids"]:
-        out.append(Segment(-1, final["attempt_idx"], "final", tuple(final["turn_ids"]), tuple(final["logprobs"] or ()),
-                           False))
+        out.append(
+            Segment(-1, final["attempt_idx"], "final", tuple(final["turn_ids"]), tuple(final["logprobs"] or ()), False)
+        )
     return out
 
 
@@ -108,8 +128,9 @@ def splice_preference(splices: Iterable[dict[str, Any]]) -> Callable[[Segment], 
     return prefer
 
 
-def align(segs: list[Segment], response: list[int], prefer: Callable[[Segment], bool] = default_preference
-          ) -> list[Span]:
+def align(
+    segs: list[Segment], response: list[int], prefer: Callable[[Segment], bool] = default_preference
+) -> list[Span]:
     """Each segment kept or removed, in tree order, covering `response` exactly (or difflib's alignment); where
     both cover, `prefer(segment)` says keep."""
     n, total = len(segs), len(response)
@@ -128,7 +149,7 @@ def align(segs: list[Segment], response: list[int], prefer: Callable[[Segment], 
     spans, j = [], 0
     for i, seg in enumerate(segs):
         size = len(seg.ids)
-        keep = (j + size in reach[i + 1] and tuple(response[j:j + size]) == seg.ids)
+        keep = j + size in reach[i + 1] and tuple(response[j : j + size]) == seg.ids
         remove = j in reach[i + 1]
         if keep and (not remove or prefer(seg)):
             spans.append(Span("kept", seg, j, j + size))

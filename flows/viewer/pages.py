@@ -1,6 +1,7 @@
 """Rendering: Jinja2 templates (flows/viewer/templates) with autoescaping on for every template, so any text a
 page shows — model output, code, tool output, error messages, SQL results — is escaped; only the token HTML
 built with html.escape (flows/viewer/trajectory.py) and the run's own report body are passed as Markup."""
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,10 @@ def _cell(v: Any) -> str:
     return text if len(text) <= 2000 else text[:2000] + f"… ({len(text)} characters)"
 
 
-ENV = Environment(loader=FileSystemLoader(str(TEMPLATES)), autoescape=select_autoescape(default=True,
-                  default_for_string=True, enabled_extensions=("jinja", "html")))
+ENV = Environment(
+    loader=FileSystemLoader(str(TEMPLATES)),
+    autoescape=select_autoescape(default=True, default_for_string=True, enabled_extensions=("jinja", "html")),
+)
 ENV.filters["num"] = cell
 ENV.filters["cell"] = _cell
 

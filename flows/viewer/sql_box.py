@@ -11,6 +11,7 @@ Four locks, each DuckDB's own or the parser's, none a check on the query's text:
   inside the root, which external access allows.
 A query is interrupted after `timeout_s` and returns at most `max_rows` rows.
 """
+
 from __future__ import annotations
 
 import threading
@@ -80,8 +81,10 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 1000, time
             raise SqlRefused("no statement to run")
         for s in statements:
             if s.type not in ALLOWED:
-                raise SqlRefused(f"only SELECT (and EXPLAIN) queries run here: the catalog is read-only; "
-                                 f"this is a {s.type.name} statement")
+                raise SqlRefused(
+                    f"only SELECT (and EXPLAIN) queries run here: the catalog is read-only; "
+                    f"this is a {s.type.name} statement"
+                )
         timer.start()
         try:
             for s in statements:  # the last statement's rows are shown
@@ -96,5 +99,3 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, max_rows: int = 1000, time
     finally:
         timer.cancel()
         cur.close()
-
-

@@ -9,6 +9,7 @@ views and validation, scanned under `runs/R/iteration=N`): its cost does not gro
 shard as soon as it is committed, and it names a shard that fails validation while the others are shown.
 Only committed shards are read either way, so the viewer works while a flow writes.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,15 +110,25 @@ class Store:
             return []
 
     def runs(self) -> list[dict[str, Any]]:
-        rows = {r["run_id"]: r for r in self.query(
-            "SELECT run_id, count(DISTINCT iteration) AS iterations, max(iteration) AS last_iteration, "
-            "count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy "
-            "FROM raw_summary GROUP BY run_id")}
+        rows = {
+            r["run_id"]: r
+            for r in self.query(
+                "SELECT run_id, count(DISTINCT iteration) AS iterations, max(iteration) AS last_iteration, "
+                "count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy "
+                "FROM raw_summary GROUP BY run_id"
+            )
+        }
         runs_dir = self.root / "runs"
-        for name in (sorted(os.listdir(runs_dir)) if runs_dir.is_dir() else []):
+        for name in sorted(os.listdir(runs_dir)) if runs_dir.is_dir() else []:
             if name not in rows and not name.startswith(".") and (runs_dir / name).is_dir():
-                rows[name] = {"run_id": name, "iterations": 0, "last_iteration": None, "trajectories": 0,
-                              "mean_reward": None, "accuracy": None}
+                rows[name] = {
+                    "run_id": name,
+                    "iterations": 0,
+                    "last_iteration": None,
+                    "trajectories": 0,
+                    "mean_reward": None,
+                    "accuracy": None,
+                }
         return [rows[k] for k in sorted(rows)]
 
     def check_run(self, run_id: str) -> RunLayout:
@@ -130,10 +141,14 @@ class Store:
             "SELECT iteration, count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy, "
             "avg(stats.first_attempt_failures) AS first_call_failures, sum(stats.recovered)::BIGINT AS recovered, "
             "avg(response_tokens) AS response_tokens FROM raw_summary WHERE run_id = $run GROUP BY iteration "
-            "ORDER BY iteration", run=run_id)
+            "ORDER BY iteration",
+            run=run_id,
+        )
         parts = self.query(
             "SELECT iteration, mode, gamma, is_threshold, measure, count(*) AS rows, sum(splices)::BIGINT AS splices "
-            "FROM purified_summary WHERE run_id = $run GROUP BY ALL ORDER BY ALL", run=run_id)
+            "FROM purified_summary WHERE run_id = $run GROUP BY ALL ORDER BY ALL",
+            run=run_id,
+        )
         for it in its:
             it["partitions"] = [p for p in parts if p["iteration"] == it["iteration"]]
         return its
@@ -142,16 +157,22 @@ class Store:
         return self.query(
             "SELECT iteration, prompt_id, sample_idx, mode, gamma, is_threshold, measure, splices, shallow, deep "
             "FROM purified_summary WHERE run_id = $run AND splices > 0 ORDER BY iteration DESC, prompt_id, sample_idx, "
-            "mode LIMIT $n", run=run_id, n=limit)
+            "mode LIMIT $n",
+            run=run_id,
+            n=limit,
+        )
 
     # ---- one iteration ---------------------------------------------------------------------------------------
     def scope(self, run_id: str, iteration: int) -> Scope:
         layout = self.check_run(run_id)
         folder = layout.iteration_dir(iteration)
         if iteration < 0 or not (layout.raw_dir(iteration) / "_MANIFEST.json").is_file():
-            raise NotFound(f"unknown iteration {iteration} of run {run_id!r}: " + (
-                f"{folder} holds no committed raw shard yet" if folder.is_dir() else f"there is no {folder.name}"),
-                f"/runs/{run_id}", f"run {run_id}")
+            raise NotFound(
+                f"unknown iteration {iteration} of run {run_id!r}: "
+                + (f"{folder} holds no committed raw shard yet" if folder.is_dir() else f"there is no {folder.name}"),
+                f"/runs/{run_id}",
+                f"run {run_id}",
+            )
         key = (run_id, iteration)
         signature = self._signature(folder)
         with self._lock:
@@ -178,17 +199,28 @@ class Store:
                     out.append((dirpath, name, st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns))
         return tuple(sorted(out))
 
-    def trajectory(self, run_id: str, iteration: int, prompt_id: str, sample_idx: int
-                   ) -> tuple[Scope, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    def trajectory(
+        self, run_id: str, iteration: int, prompt_id: str, sample_idx: int
+    ) -> tuple[Scope, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
         """(scope, raw row, purified rows of every partition, dead letters) of one trajectory."""
         scope = self.scope(run_id, iteration)
-        raw = scope.rows("SELECT * FROM raw_trajectories WHERE prompt_id = $p AND sample_idx = $s", p=prompt_id,
-                         s=sample_idx)
+        raw = scope.rows(
+            "SELECT * FROM raw_trajectories WHERE prompt_id = $p AND sample_idx = $s", p=prompt_id, s=sample_idx
+        )
         if not raw:
-            raise NotFound(f"unknown trajectory: run {run_id!r} iteration {iteration} has no prompt {prompt_id!r} "
-                           f"sample {sample_idx}", f"/runs/{run_id}/{iteration}", f"iteration {iteration}")
-        purified = scope.rows("SELECT * FROM purified WHERE prompt_id = $p AND sample_idx = $s "
-                              "ORDER BY mode = 'raw', mode, gamma, is_threshold, measure", p=prompt_id, s=sample_idx)
-        dead = scope.rows("SELECT * FROM dead_letters WHERE raw_key = $k",
-                          k=row_key(run_id, iteration, prompt_id, sample_idx))
+            raise NotFound(
+                f"unknown trajectory: run {run_id!r} iteration {iteration} has no prompt {prompt_id!r} "
+                f"sample {sample_idx}",
+                f"/runs/{run_id}/{iteration}",
+                f"iteration {iteration}",
+            )
+        purified = scope.rows(
+            "SELECT * FROM purified WHERE prompt_id = $p AND sample_idx = $s "
+            "ORDER BY mode = 'raw', mode, gamma, is_threshold, measure",
+            p=prompt_id,
+            s=sample_idx,
+        )
+        dead = scope.rows(
+            "SELECT * FROM dead_letters WHERE raw_key = $k", k=row_key(run_id, iteration, prompt_id, sample_idx)
+        )
         return scope, raw[0], purified, dead

@@ -4,6 +4,7 @@ Every filter value reaches DuckDB as a bound parameter, never as SQL text. Kinds
 catalog's `raw_kinds` (each row's GRPO advantage in its prompt group; every mode's but roc's); with a
 partition chosen, its rows' own advantage and splices are used instead.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,13 +32,27 @@ class Filters:
     q: str = ""
 
 
-def filters(parts: list[dict[str, Any]], *, kind: str = "", label: str = "", partition: str = "", spliced: str = "",
-            reward_min: str = "", reward_max: str = "", advantage: str = "", q: str = "") -> Filters:
+def filters(
+    parts: list[dict[str, Any]],
+    *,
+    kind: str = "",
+    label: str = "",
+    partition: str = "",
+    spliced: str = "",
+    reward_min: str = "",
+    reward_max: str = "",
+    advantage: str = "",
+    q: str = "",
+) -> Filters:
     """The table's filters from a page's query string: ValueError naming the first value the table does not know
     (a value ignored would show rows the page says it filtered). An error label unseen in this iteration is no
     error: no row has it."""
-    for name, value, known in (("kind", kind, KINDS), ("spliced", spliced, SPLICED), ("advantage", advantage, ADVANTAGES),
-                               ("partition", partition, [p["key"] for p in parts])):
+    for name, value, known in (
+        ("kind", kind, KINDS),
+        ("spliced", spliced, SPLICED),
+        ("advantage", advantage, ADVANTAGES),
+        ("partition", partition, [p["key"] for p in parts]),
+    ):
         if value and value not in known:
             raise ValueError(f"unknown {name} {value!r}: one of {', '.join(known) or '(none in this iteration)'}")
     bounds: dict[str, float | None] = {}
@@ -62,8 +77,10 @@ def partitions(scope: Scope) -> list[dict[str, Any]]:
 
 
 def labels(scope: Scope) -> list[str]:
-    return [r["error_label"] for r in scope.rows(
-        "SELECT DISTINCT error_label FROM raw_attempts WHERE error_label IS NOT NULL ORDER BY 1")]
+    return [
+        r["error_label"]
+        for r in scope.rows("SELECT DISTINCT error_label FROM raw_attempts WHERE error_label IS NOT NULL ORDER BY 1")
+    ]
 
 
 TABLE_SQL = """
@@ -120,10 +137,19 @@ def trajectories(scope: Scope, f: Filters, parts: list[dict[str, Any]]) -> tuple
     """(rows matching the filters, at most MAX_ROWS; how many match in all)."""
     chosen = next((p for p in parts if p["key"] == f.partition), None)
     rows = scope.rows(
-        TABLE_SQL, kind=f.kind, label=f.label, partition=f.partition if chosen else "",
-        mode=chosen["mode"] if chosen else "", gamma=chosen["gamma"] if chosen else 0.0,
+        TABLE_SQL,
+        kind=f.kind,
+        label=f.label,
+        partition=f.partition if chosen else "",
+        mode=chosen["mode"] if chosen else "",
+        gamma=chosen["gamma"] if chosen else 0.0,
         tau=chosen["is_threshold"] if chosen else None,
-        measure=chosen["measure"] if chosen else None, spliced=f.spliced, reward_min=f.reward_min,
-        reward_max=f.reward_max, advantage=f.advantage, q=f.q.lower().strip(),
-        limit=MAX_ROWS)
+        measure=chosen["measure"] if chosen else None,
+        spliced=f.spliced,
+        reward_min=f.reward_min,
+        reward_max=f.reward_max,
+        advantage=f.advantage,
+        q=f.q.lower().strip(),
+        limit=MAX_ROWS,
+    )
     return rows, (rows[0]["matching"] if rows else 0)

@@ -7,6 +7,7 @@ token may hold half of a UTF-8 character, so each token's bytes are read from th
 incrementally: a token shows the characters it completes, and the pieces of a sequence join to exactly its
 decoded text.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -82,8 +83,10 @@ def find_source(root: Path, run_id: str, iteration: int) -> TokenizerSource | No
     if manifest is not None:
         checkpoint = checkpoint_of(Path(root).resolve(), manifest.inputs)
         if checkpoint is not None and (checkpoint / TOKENIZER_FILE).is_file():
-            return TokenizerSource(checkpoint / TOKENIZER_FILE, f"the checkpoint that sampled it ({checkpoint}, "
-                                   "recorded in the raw shard's manifest)")
+            return TokenizerSource(
+                checkpoint / TOKENIZER_FILE,
+                f"the checkpoint that sampled it ({checkpoint}, recorded in the raw shard's manifest)",
+            )
     try:
         policy = json.loads(layout.run_json.read_text())["rollout"]["policy"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -1,4 +1,5 @@
 """The engine protocol every rollout backend implements (CPU transformers, SGLang)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,15 +46,21 @@ class ScoreRequest:
 
 
 class Engine(Protocol):
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        shared_prefix: list[int] | None = None,
+    ) -> list[Generation]:
         """Sample one continuation per context. `seeds` make each row reproducible whatever the
         batch; `shared_prefix[i]` says how many leading tokens row i shares with the rows that
         have the same ones (the prompt of a group), so an engine may compute them once."""
         ...
 
-    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0,
-                   key: Hashable | None = None) -> list[float]:
+    def score_turn(
+        self, context: list[int], turn: list[int], temperature: float = 1.0, key: Hashable | None = None
+    ) -> list[float]:
         """log softmax(logits / temperature) of each turn token after the context and the turn tokens before
         it: what a live importance-ratio rollback scores a retry with in the context without its failed turn.
         `key`: the trajectory (as in `Request`) whose cached prefix the engine may reuse."""

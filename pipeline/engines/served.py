@@ -5,6 +5,7 @@ Turns are blocking HTTP calls on a bounded thread pool: the server batches whate
 continuously, so the client needs no event loop of its own, and `rollout_gen/scheduler.py` drives
 it like any continuously batching engine (add / step / busy / release).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -27,9 +28,17 @@ class ServerRefused(CleanerError, RuntimeError):
     """A server answered a request with an error status."""
 
 
-def http_json(url: str, route: str, payload: Any = None, method: str = "POST", timeout: float = 600.0, *,
-              name: str = "server", hint: str = "",
-              unavailable: type[ServerUnavailable] | type[RuntimeError] = ServerUnavailable) -> Any:
+def http_json(
+    url: str,
+    route: str,
+    payload: Any = None,
+    method: str = "POST",
+    timeout: float = 600.0,
+    *,
+    name: str = "server",
+    hint: str = "",
+    unavailable: type[ServerUnavailable] | type[RuntimeError] = ServerUnavailable,
+) -> Any:
     """`payload` as JSON to url+route; the parsed answer (None when empty). An error status raises
     ServerRefused with the server's own message, no answer at all raises `unavailable`."""
     data = None if payload is None else json.dumps(payload).encode()
@@ -122,8 +131,11 @@ class ConcurrentTurns:
         return bool(self.flying)
 
     def step(self) -> list[tuple[Request, Generation]]:
-        done, _ = cf.wait(self.flying, timeout=None if self.wait_all else 0.02,
-                          return_when=cf.ALL_COMPLETED if self.wait_all else cf.FIRST_COMPLETED)
+        done, _ = cf.wait(
+            self.flying,
+            timeout=None if self.wait_all else 0.02,
+            return_when=cf.ALL_COMPLETED if self.wait_all else cf.FIRST_COMPLETED,
+        )
         order = [f for f in self.flying if f in done]  # submission order
         return [(self.flying.pop(f), f.result()) for f in order]
 

@@ -5,6 +5,7 @@ front of several servers) or in-process with `sglang.Engine` where sglang is ins
 the same dicts: `output_ids` (stop token included), `meta_info.output_token_logprobs` as
 `(logprob, token_id, text|None)` and `meta_info.finish_reason` {"type": "stop"|"length", ...}.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,11 @@ class SGLangUnavailable(ServerUnavailable):
 def sampling_params(params: SamplingParams, seed: int | None = None) -> dict:
     sp: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature, "top_p": params.top_p,
-        "stop_token_ids": list(params.stop_ids), "skip_special_tokens": False, "no_stop_trim": True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop_token_ids": list(params.stop_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
     }
     if seed is not None:
         sp["sampling_seed"] = seed  # honoured when the server runs with deterministic inference
@@ -54,8 +58,14 @@ class SGLangEngine:
     # each trajectory's prefix between turns; `generate` is thread-safe (one HTTP call per call).
     concurrent_requests = True
 
-    def __init__(self, url: str | None = None, checkpoint: Path | None = None, timeout_s: float = 600.0,
-                 in_process: bool = False, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        checkpoint: Path | None = None,
+        timeout_s: float = 600.0,
+        in_process: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
         self.url = (url or "").rstrip("/")
         self.timeout_s = timeout_s
         self.checkpoint = checkpoint
@@ -64,15 +74,25 @@ class SGLangEngine:
             try:
                 import sglang  # noqa: F401  (optional extra; not installable beside openrlhf)
             except ImportError as e:
-                raise SGLangUnavailable("in-process SGLang needs the `sglang` extra (pip install cleaner[sglang])") from e
+                raise SGLangUnavailable(
+                    "in-process SGLang needs the `sglang` extra (pip install cleaner[sglang])"
+                ) from e
             self._engine = sglang.Engine(model_path=str(checkpoint), **engine_kwargs)
         else:
             self.health()
 
     # ---- transport ----------------------------------------------------------------------------
     def _post(self, route: str, payload: dict | None = None, method: str = "POST", timeout: float | None = None) -> Any:
-        return http_json(self.url, route, payload, method, timeout or self.timeout_s, name="SGLang", hint=LAUNCH_HINT,
-                         unavailable=SGLangUnavailable)
+        return http_json(
+            self.url,
+            route,
+            payload,
+            method,
+            timeout or self.timeout_s,
+            name="SGLang",
+            hint=LAUNCH_HINT,
+            unavailable=SGLangUnavailable,
+        )
 
     def health(self) -> None:
         try:
@@ -88,13 +108,21 @@ class SGLangEngine:
         return out if isinstance(out, list) else [out]
 
     # ---- the engine protocol ------------------------------------------------------------------
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        shared_prefix: list[int] | None = None,
+    ) -> list[Generation]:
         if not contexts:
             return []
         # RadixAttention shares prompt prefixes by itself; shared_prefix needs no handling here.
-        payload = {"input_ids": contexts, "sampling_params": [sampling_params(params, s) for s in seeds],
-                   "return_logprob": True}
+        payload = {
+            "input_ids": contexts,
+            "sampling_params": [sampling_params(params, s) for s in seeds],
+            "return_logprob": True,
+        }
         return [parse_generation(r, params.stop_ids) for r in self._generate(payload)]
 
     def score(self, sequences: list[list[int]], starts: list[int], temperature: float = 1.0) -> list[list[float]]:
@@ -102,12 +130,14 @@ class SGLangEngine:
         payload = {
             "input_ids": sequences,
             "sampling_params": [{"max_new_tokens": 0, "temperature": temperature} for _ in sequences],
-            "return_logprob": True, "logprob_start_len": [max(0, s - 1) for s in starts],
+            "return_logprob": True,
+            "logprob_start_len": [max(0, s - 1) for s in starts],
         }
         return [parse_scores(r, s) for r, s in zip(self._generate(payload), starts)]
 
-    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0,
-                   key: Hashable | None = None) -> list[float]:
+    def score_turn(
+        self, context: list[int], turn: list[int], temperature: float = 1.0, key: Hashable | None = None
+    ) -> list[float]:
         """log π(turn | context) per token (live importance-ratio rollbacks): a prefill on the prefix the
         server's radix cache holds (whatever `key`)."""
         return self.score([list(context) + list(turn)], [len(context)], temperature)[0]

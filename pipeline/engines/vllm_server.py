@@ -8,6 +8,7 @@ the whole group. It is needed because vLLM's engine-core and worker processes ou
 server (tried: both kept running after kill -9 of the API server). Started servers are kept for the
 life of the process (a flow's rollout, purification and next rollout share them) and stopped at exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -77,8 +78,10 @@ def cpu_head_problem(checkpoint: Path) -> str | None:
     d = head_dim(checkpoint)
     if d is None or d in CPU_HEAD_SIZES:
         return None
-    return (f"{checkpoint} has head_dim {d}, which vLLM's CPU attention does not serve (it serves "
-            f"{', '.join(map(str, CPU_HEAD_SIZES))}); use rollout.engine=cpu for it, or a GPU build of vLLM")
+    return (
+        f"{checkpoint} has head_dim {d}, which vLLM's CPU attention does not serve (it serves "
+        f"{', '.join(map(str, CPU_HEAD_SIZES))}); use rollout.engine=cpu for it, or a GPU build of vLLM"
+    )
 
 
 def is_cpu_build(venv: Path) -> bool:
@@ -143,19 +146,36 @@ _lock = threading.Lock()
 _starting = threading.Lock()
 
 
-def server_command(python: Path, checkpoint: Path, port: int, dtype: str, max_model_len: int | None,
-                   extra_args: list[str]) -> list[str]:
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server",  # `vllm serve` looks for a `vllm` dist
-           "--model", str(Path(checkpoint).resolve()), "--host", HOST, "--port", str(port), "--dtype", dtype,
-           "--enable-prefix-caching",
-           "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: the prefix reuse
-           "--logprobs-mode", "processed_logprobs",  # log softmax(logits / T), as the engine protocol reports
-           "--generation-config", "vllm",  # no sampling defaults from the checkpoint's generation_config.json
-           "--disable-uvicorn-access-log",
-           # vLLM 0.32's CPU runner crashes its engine on a seeded request whose prefill is split across steps
-           # (gpu_model_runner._bookkeeping_sync: "CPU Generator does not use offset"): prefill whole prompts.
-           "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len or 0, 4096)),
-           "--worker-extension-cls", WORKER_EXTENSION]  # load_checkpoint: reload that also refreshes a tied lm_head
+def server_command(
+    python: Path, checkpoint: Path, port: int, dtype: str, max_model_len: int | None, extra_args: list[str]
+) -> list[str]:
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # `vllm serve` looks for a `vllm` dist
+        "--model",
+        str(Path(checkpoint).resolve()),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: the prefix reuse
+        "--logprobs-mode",
+        "processed_logprobs",  # log softmax(logits / T), as the engine protocol reports
+        "--generation-config",
+        "vllm",  # no sampling defaults from the checkpoint's generation_config.json
+        "--disable-uvicorn-access-log",
+        # vLLM 0.32's CPU runner crashes its engine on a seeded request whose prefill is split across steps
+        # (gpu_model_runner._bookkeeping_sync: "CPU Generator does not use offset"): prefill whole prompts.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        str(max(max_model_len or 0, 4096)),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]  # load_checkpoint: reload that also refreshes a tied lm_head
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(extra_args)
@@ -173,7 +193,7 @@ def _env(index: int, count: int, max_model_len: int | None, model_max: int) -> d
     if count > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # By default every CPU server binds its threads to the same first core: split the cores instead.
         cores = sorted(os.sched_getaffinity(0))
-        share = cores[index * len(cores) // count: (index + 1) * len(cores) // count] or [cores[index % len(cores)]]
+        share = cores[index * len(cores) // count : (index + 1) * len(cores) // count] or [cores[index % len(cores)]]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     return env
@@ -193,15 +213,25 @@ def _last_line(log: Path) -> str:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    errors = [re.sub(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^]]+\] ", "", ln).strip()
-              for ln in lines if re.search(r"\w+(Error|Exception): ", ln)]
+    errors = [
+        re.sub(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^]]+\] ", "", ln).strip()
+        for ln in lines
+        if re.search(r"\w+(Error|Exception): ", ln)
+    ]
     root = [ln for ln in errors if "root cause" not in ln and "initialization failed" not in ln]
     return (root or errors or lines or ["(no output)"])[-1].strip()[:300]
 
 
-def start_servers(checkpoint: Path, count: int, venv: Path, dtype: str = "float32", max_model_len: int | None = None,
-                  extra_args: list[str] | None = None, timeout_s: float = 600.0,
-                  log: Callable[[str], None] | None = None) -> list[ManagedServer]:
+def start_servers(
+    checkpoint: Path,
+    count: int,
+    venv: Path,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    extra_args: list[str] | None = None,
+    timeout_s: float = 600.0,
+    log: Callable[[str], None] | None = None,
+) -> list[ManagedServer]:
     """Start `count` servers of `checkpoint` at once and return when every one answers /health, printing a
     progress line at least every PROGRESS_EVERY_S seconds; one line naming the log if one fails."""
     global _keeper
@@ -220,8 +250,12 @@ def start_servers(checkpoint: Path, count: int, venv: Path, dtype: str = "float3
     try:
         for i in range(count):
             port = free_port()
-            cmd = [sys.executable, "-c", GUARD, *server_command(python, checkpoint, port, dtype, max_model_len,
-                                                                 extra_args or [])]
+            cmd = [
+                sys.executable,
+                "-c",
+                GUARD,
+                *server_command(python, checkpoint, port, dtype, max_model_len, extra_args or []),
+            ]
             path = logs / f"server-{port}.log"
             env = _env(i, count, max_model_len, model_max)
 
@@ -230,9 +264,16 @@ def start_servers(checkpoint: Path, count: int, venv: Path, dtype: str = "float3
                     # SIGTERM to the guard (GUARD), which then kills the server's whole group
                     # run from the log folder: `python -m` puts its working directory first on the import path, and
                     # a folder of the user's named like a module vLLM imports (z3/, vllm/) would shadow it
-                    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                            cwd=path.parent, start_new_session=True,
-                                            preexec_fn=dies_with(os.getpid(), signal.SIGTERM))
+                    return subprocess.Popen(
+                        cmd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env,
+                        cwd=path.parent,
+                        start_new_session=True,
+                        preexec_fn=dies_with(os.getpid(), signal.SIGTERM),
+                    )
 
             proc = _keeper.call(launch)
             servers.append(ManagedServer(proc.pid, f"http://{HOST}:{port}", path, proc))
@@ -255,12 +296,15 @@ def _wait(servers: list[ManagedServer], checkpoint: Path, timeout_s: float, say:
                 waiting.remove(s)
                 say(f"[vllm] {s.url} ready after {time.monotonic() - t0:.0f} s")
             elif not s.running():
-                raise VLLMServerError(f"the vLLM server for {checkpoint} exited while starting: {_last_line(s.log)} "
-                                      f"(log: {s.log})")
+                raise VLLMServerError(
+                    f"the vLLM server for {checkpoint} exited while starting: {_last_line(s.log)} (log: {s.log})"
+                )
         now = time.monotonic()
         if waiting and now - t0 > timeout_s:
-            raise VLLMServerError(f"the vLLM server at {waiting[0].url} did not answer /health within {timeout_s:.0f} s "
-                                  f"(rollout.engine_tuning.vllm_start_timeout_s; log: {waiting[0].log})")
+            raise VLLMServerError(
+                f"the vLLM server at {waiting[0].url} did not answer /health within {timeout_s:.0f} s "
+                f"(rollout.engine_tuning.vllm_start_timeout_s; log: {waiting[0].log})"
+            )
         if waiting and now - last >= PROGRESS_EVERY_S:
             last = now
             say(f"[vllm] waiting for {len(waiting)} server(s) to load the model, {now - t0:.0f} s")
@@ -278,12 +322,22 @@ def _identity(checkpoint: Path) -> tuple:
     cfg = checkpoint_config(checkpoint)
     if cfg is None:
         return (str(Path(checkpoint).resolve()),)
-    return tuple(json.dumps(cfg.get(k), sort_keys=True) for k in
-                 ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"))
+    return tuple(
+        json.dumps(cfg.get(k), sort_keys=True)
+        for k in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    )
 
 
-def managed_urls(checkpoint: Path, count: int, venv: Path, dtype: str, max_model_len: int | None,
-                 extra_args: list[str], timeout_s: float, log: Callable[[str], None] | None = None) -> list[str]:
+def managed_urls(
+    checkpoint: Path,
+    count: int,
+    venv: Path,
+    dtype: str,
+    max_model_len: int | None,
+    extra_args: list[str],
+    timeout_s: float,
+    log: Callable[[str], None] | None = None,
+) -> list[str]:
     """The URLs of `count` servers started by this process for this kind of checkpoint (started now if none
     run; one that died is replaced)."""
     key = (str(Path(venv).resolve()), count, dtype, max_model_len, tuple(extra_args), _identity(checkpoint))
@@ -294,8 +348,16 @@ def managed_urls(checkpoint: Path, count: int, venv: Path, dtype: str, max_model
             return [s.url for s in servers]
         for s in servers or []:
             s.stop()
-        servers = start_servers(checkpoint, count=count, venv=venv, dtype=dtype, max_model_len=max_model_len,
-                                extra_args=extra_args, timeout_s=timeout_s, log=log)
+        servers = start_servers(
+            checkpoint,
+            count=count,
+            venv=venv,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            extra_args=extra_args,
+            timeout_s=timeout_s,
+            log=log,
+        )
         with _lock:
             _started[key] = servers
         return [s.url for s in servers]

@@ -1,6 +1,7 @@
 """The running batch's KV cache on the CPU engine: one buffer per layer with spare rows and columns,
 so decoding steps, rows that join and rows that leave touch only their own rows and columns; the
 batch is copied only when a buffer runs out of room (`stack`)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class _GrowingLayer(DynamicLayer):
 
     def _view(self) -> None:
         b, c0, n = self._b, self._c0, self._n
-        self.keys, self.values = self._k[:b, :, c0:c0 + n], self._v[:b, :, c0:c0 + n]
+        self.keys, self.values = self._k[:b, :, c0 : c0 + n], self._v[:b, :, c0 : c0 + n]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         b, n, q = self._b, self._n, key_states.shape[2]
@@ -36,11 +37,12 @@ class _GrowingLayer(DynamicLayer):
 
             def grow(t: torch.Tensor) -> torch.Tensor:
                 bigger = t.new_zeros(t.shape[0], t.shape[1], left + room, t.shape[3])
-                bigger[:, :, left:left + n] = t[:, :, self._c0:self._c0 + n]
+                bigger[:, :, left : left + n] = t[:, :, self._c0 : self._c0 + n]
                 return bigger
+
             self._k, self._v, self._c0 = grow(self._k), grow(self._v), left
         end = self._c0 + n
-        self._k[:b, :, end:end + q], self._v[:b, :, end:end + q] = key_states, value_states
+        self._k[:b, :, end : end + q], self._v[:b, :, end : end + q] = key_states, value_states
         self._n = n + q
         self._view()
         return self.keys, self.values
@@ -53,7 +55,7 @@ class _GrowingLayer(DynamicLayer):
         extra = width - self._n
         if extra > 0:
             c0 = self._c0 - extra
-            self._k[:self._b, :, c0:self._c0], self._v[:self._b, :, c0:self._c0] = 0, 0
+            self._k[: self._b, :, c0 : self._c0], self._v[: self._b, :, c0 : self._c0] = 0, 0
             self._c0, self._n = c0, width
             self._view()
 
@@ -61,8 +63,8 @@ class _GrowingLayer(DynamicLayer):
         """Append rows (KV [j, H, m, D], m <= n) right-aligned with the batch, in spare rows."""
         b, j, m, end = self._b, keys.shape[0], keys.shape[2], self._c0 + self._n
         for buf, kv in ((self._k, keys), (self._v, values)):
-            buf[b:b + j, :, self._c0:end - m] = 0
-            buf[b:b + j, :, end - m:end] = kv
+            buf[b : b + j, :, self._c0 : end - m] = 0
+            buf[b : b + j, :, end - m : end] = kv
         self._b = b + j
         self._view()
 
@@ -82,15 +84,16 @@ def growing(layers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, c0: int,
     return cache
 
 
-def left_pad(rows: list[list[int]], pad_id: int,
-             device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows right-aligned in one batch behind `pad_id`s: (ids [B, W], mask [B, W], 0 on the padding), on
     `device`, each made in one copy from host lists."""
     width = max((len(r) for r in rows), default=0)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long,
-                       device=device).reshape(len(rows), width)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long,
-                        device=device).reshape(len(rows), width)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device).reshape(
+        len(rows), width
+    )
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device).reshape(
+        len(rows), width
+    )
     return ids, mask
 
 
@@ -111,7 +114,9 @@ def _spare_rows(rows: int) -> int:
     return max(8, rows // 4)
 
 
-def stack(parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]) -> tuple[list, torch.Tensor, int, int, int]:
+def stack(
+    parts: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]],
+) -> tuple[list, torch.Tensor, int, int, int]:
     """Rows of several batches (per layer KV [B, H, W, D] and mask [B, W]) in one, right-aligned, with
     spare rows and columns: (per-layer buffers, mask, rows, first column, width)."""
     width = max(m.shape[1] for _, m in parts)

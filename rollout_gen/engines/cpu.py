@@ -13,6 +13,7 @@ Prefills go through the cache in chunks of positions and keep only the last posi
 Qwen3 checkpoints are forwarded by rollout_gen/engines/qwen3_forward.py: the model's own floats with
 a fraction of its per-call work, which is most of a step when few rows are running.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -34,7 +35,9 @@ from rollout_gen.engines.kv_store import KV, KVStore, common_prefix
 from rollout_gen.engines.qwen3_forward import Forward, engine_forward
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token per row and its log-prob under softmax(logits / T)."""
     temperature = params.temperature if params.temperature > 0 else 1.0
     z = logits.float() / temperature
@@ -82,7 +85,7 @@ def _kept_batch(pasts: list[KV | None], lens: list[int], device: torch.device) -
         values = torch.zeros_like(keys)
         for i, p in enumerate(pasts):
             if p is not None:
-                keys[i, :, width - lens[i]:], values[i, :, width - lens[i]:] = p[li]
+                keys[i, :, width - lens[i] :], values[i, :, width - lens[i] :] = p[li]
         layers.append((keys, values))
     return DynamicCache(ddp_cache_data=layers), past_mask
 
@@ -101,9 +104,16 @@ class _Row:
 
 
 class CPUEngine:
-    def __init__(self, checkpoint: Path, threads: int | None = None, pad_id: int | None = None,
-                 chunk_tokens: int = 1024, kv_cache_tokens: int = 1 << 20, reuse_kv: bool = True,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        threads: int | None = None,
+        pad_id: int | None = None,
+        chunk_tokens: int = 1024,
+        kv_cache_tokens: int = 1 << 20,
+        reuse_kv: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(device, "rollout.device")
@@ -143,8 +153,9 @@ class CPUEngine:
         self.kept.clear()
         self.model = self.forward = None
 
-    def score_turn(self, context: list[int], turn: list[int], temperature: float = 1.0,
-                   key: Hashable | None = None) -> list[float]:
+    def score_turn(
+        self, context: list[int], turn: list[int], temperature: float = 1.0, key: Hashable | None = None
+    ) -> list[float]:
         """log π(turn | context) per token (live importance-ratio rollbacks). The trajectory `key`'s kept KV
         holds the context's prefix (it ends with the failed turn this context leaves out): only the rest and
         the turn are forwarded. Without it, the purifier's own scoring function on the whole sequence."""
@@ -155,11 +166,27 @@ class CPUEngine:
             return score_turn(body, head, context, turn, temperature, self.chunk_tokens)
         cache = DynamicCache(ddp_cache_data=[(k[None, :, :n], v[None, :, :n]) for k, v in kept.kv])
         fast = getattr(self.forward, "hidden_states", None)  # the engine's own Qwen3 forward, when it runs one
-        hidden = (lambda ids, pos, c: fast(ids, torch.ones((1, int(pos[0, -1]) + 1), dtype=torch.long,
-                                                           device=self.device), pos, c)) if fast else None
+        hidden = (
+            (
+                lambda ids, pos, c: fast(
+                    ids, torch.ones((1, int(pos[0, -1]) + 1), dtype=torch.long, device=self.device), pos, c
+                )
+            )
+            if fast
+            else None
+        )
         self.prefill_tokens += len(context) + len(turn) - 1 - n
-        return score_turn(body, head, context, turn, temperature=temperature, chunk_tokens=self.chunk_tokens,
-                          cache=cache, cached=n, hidden_states=hidden)
+        return score_turn(
+            body,
+            head,
+            context,
+            turn,
+            temperature=temperature,
+            chunk_tokens=self.chunk_tokens,
+            cache=cache,
+            cached=n,
+            hidden_states=hidden,
+        )
 
     @torch.inference_mode()
     def score_turns(self, requests: list[ScoreRequest]) -> list[list[float]]:
@@ -192,11 +219,14 @@ class CPUEngine:
                 by_temperature.setdefault(requests[i].temperature, []).append(j)
             for temperature, js in by_temperature.items():  # a row's last len(turn) positions predict its turn
                 turns = [requests[rows[j][0]].turn for j in js]
-                lps = token_logprobs(torch.cat([hidden[j, hidden.shape[1] - len(t):] for j, t in zip(js, turns)]),
-                                     torch.tensor([x for t in turns for x in t], device=self.device), head,
-                                     temperature).tolist()
+                lps = token_logprobs(
+                    torch.cat([hidden[j, hidden.shape[1] - len(t) :] for j, t in zip(js, turns)]),
+                    torch.tensor([x for t in turns for x in t], device=self.device),
+                    head,
+                    temperature,
+                ).tolist()
                 for j, t in zip(js, turns):
-                    out[rows[j][0]], lps = lps[:len(t)], lps[len(t):]
+                    out[rows[j][0]], lps = lps[: len(t)], lps[len(t) :]
             for j, (i, _, _) in enumerate(rows):
                 m = torch.cat([past_mask[j], mask[j]]).bool()
                 self.kept.offer(requests[i].key, seqs[j][:-1], [(k[j][:, m], v[j][:, m]) for k, v in _layers(cache)])
@@ -225,8 +255,13 @@ class CPUEngine:
             done += self._decode()
         return done
 
-    def generate(self, contexts: list[list[int]], params: SamplingParams, seeds: list[int],
-                 shared_prefix: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self,
+        contexts: list[list[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        shared_prefix: list[int] | None = None,
+    ) -> list[Generation]:
         """One batch, start to end (no KV kept afterwards): the lockstep loop and the SGLang double."""
         if self.busy():
             raise RuntimeError("generate() while continuous requests are running")
@@ -241,23 +276,34 @@ class CPUEngine:
         return [got[id(r)] for r in reqs]
 
     # ---- steps -------------------------------------------------------------------------------
-    def _chunked(self, forward: Forward, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
-                 past_mask: torch.Tensor, cache: DynamicCache) -> Iterator[torch.Tensor]:
+    def _chunked(
+        self,
+        forward: Forward,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        past_mask: torch.Tensor,
+        cache: DynamicCache,
+    ) -> Iterator[torch.Tensor]:
         """`forward` of `ids` through the cache, chunk by chunk of positions, each chunk's output yielded as it
         is computed: the chunks bound the attention scores, so memory does not grow with the square of the
         context. A prefill needs only the last chunk's logits (of its last position: `logits_to_keep=1`) to
         start sampling, and keeps no other (_last): at Qwen3's vocabulary each is rows × 151,936 floats."""
         step = max(1, self.chunk_tokens // max(1, ids.shape[0]))
         for a in range(0, ids.shape[1], step):
-            yield forward(ids[:, a:a + step], torch.cat([past_mask, mask[:, :a + step]], dim=-1), pos[:, a:a + step],
-                          cache)
+            yield forward(
+                ids[:, a : a + step], torch.cat([past_mask, mask[:, : a + step]], dim=-1), pos[:, a : a + step], cache
+            )
 
     def _prefill_prefixes(self, prefixes: list[list[int]]) -> list[KV]:
         """The unpadded KV of each prefix (computed together, each once)."""
         ids, mask = left_pad(prefixes, self.pad_id, self.device)
         cache = DynamicCache()
         _last(self._chunked(self.forward, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), mask[:, :0], cache))
-        return [[(layer.keys[i][:, -len(p):], layer.values[i][:, -len(p):]) for layer in cache.layers] for i, p in enumerate(prefixes)]
+        return [
+            [(layer.keys[i][:, -len(p) :], layer.values[i][:, -len(p) :]) for layer in cache.layers]
+            for i, p in enumerate(prefixes)
+        ]
 
     def _admit(self, reqs: list[Request]) -> list[tuple[Request, Generation]]:
         rows = [_Row(r, generator(self.device, r.seed & 0x7FFFFFFFFFFFFFFF), list(r.context)) for r in reqs]
@@ -271,8 +317,11 @@ class CPUEngine:
                 n = common_prefix(kept.ids, r.context, len(r.context) - 1)
                 pasts[i] = [(k[:, :n], v[:, :n]) for k, v in kept.kv] if n else None
         # Rows with nothing kept and a shared prompt: each distinct prompt's KV is computed once.
-        shared = {i: tuple(r.context[:min(r.shared_prefix, len(r.context) - 1)])
-                  for i, r in enumerate(reqs) if pasts[i] is None and r.shared_prefix > 0 and len(r.context) > 1}
+        shared = {
+            i: tuple(r.context[: min(r.shared_prefix, len(r.context) - 1)])
+            for i, r in enumerate(reqs)
+            if pasts[i] is None and r.shared_prefix > 0 and len(r.context) > 1
+        }
         unique = list(dict.fromkeys(shared.values()))
         if unique:
             kvs = dict(zip(unique, self._prefill_prefixes([list(u) for u in unique])))

@@ -10,6 +10,7 @@ rollback's scoring forward computed for the retry in the context without its fai
 replaces that turn is decided after the scoring; `take` hands the next turn whichever of the two shares more
 of its context, so a replacing retry is not forwarded a second time.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -5,6 +5,7 @@ factories). On the tiny policy that machinery is most of a decoding step: rows f
 time, which is what bounds an asynchronous rollout, spend more time in it than in arithmetic.
 
 Other architectures go through the model's own forward (`model_forward`)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -19,17 +20,28 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], tor
 
 def model_forward(model: torch.nn.Module) -> Forward:
     def forward(ids, mask, pos, cache):
-        return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                     use_cache=True, logits_to_keep=1).logits[:, -1, :]
+        return model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+
     return forward
 
 
 def engine_forward(model: torch.nn.Module) -> Forward:
     """The fastest forward that gives this model's own logits bit for bit."""
     cfg = model.config
-    plain = (cfg.model_type == "qwen3" and cfg._attn_implementation == "eager"
-             and set(cfg.layer_types) == {"full_attention"} and cfg.hidden_act == "silu"
-             and (cfg.rope_parameters or {}).get("rope_type", "default") == "default")
+    plain = (
+        cfg.model_type == "qwen3"
+        and cfg._attn_implementation == "eager"
+        and set(cfg.layer_types) == {"full_attention"}
+        and cfg.hidden_act == "silu"
+        and (cfg.rope_parameters or {}).get("rope_type", "default") == "default"
+    )
     return Qwen3Forward(model) if plain else model_forward(model)
 
 
@@ -53,7 +65,7 @@ class Qwen3Forward:
         self.hidden = cfg.hidden_size
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight
         self.lm_head = model.lm_head.weight
@@ -64,11 +76,21 @@ class Qwen3Forward:
         self.layers = []
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.heads, -1),
-                                 a.k_norm.weight.detach().expand(self.kv_heads, -1)])
-            self.layers.append((layer.input_layernorm.weight, *((p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)),
-                                qk_norm, (a.o_proj.weight, a.o_proj.bias), layer.post_attention_layernorm.weight,
-                                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight))
+            qk_norm = torch.cat(
+                [a.q_norm.weight.detach().expand(self.heads, -1), a.k_norm.weight.detach().expand(self.kv_heads, -1)]
+            )
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    *((p.weight, p.bias) for p in (a.q_proj, a.k_proj, a.v_proj)),
+                    qk_norm,
+                    (a.o_proj.weight, a.o_proj.bias),
+                    layer.post_attention_layernorm.weight,
+                    m.gate_proj.weight,
+                    m.up_proj.weight,
+                    m.down_proj.weight,
+                )
+            )
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(pos.max()) + 1
@@ -88,7 +110,9 @@ class Qwen3Forward:
         return F.linear(F.rms_norm(h[:, -1:], (self.hidden,), self.norm, self.eps), self.lm_head)[:, -1, :]
 
     @torch.inference_mode()
-    def hidden_states(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def hidden_states(
+        self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
         """The final (normalised) hidden state of every position: what lm_head turns into each one's logits."""
         return F.rms_norm(self._residual(ids, mask, pos, cache), (self.hidden,), self.norm, self.eps)
 
@@ -103,7 +127,7 @@ class Qwen3Forward:
         allowed = mask.bool()[:, None, None, :]
         if q > 1:
             columns = torch.arange(k_len, device=ids.device)
-            causal = columns[None, :] <= columns[k_len - q:, None]
+            causal = columns[None, :] <= columns[k_len - q :, None]
             allowed = allowed & causal[None, None]
         bias = torch.where(allowed, torch.tensor(0.0, device=ids.device), torch.finfo(torch.float32).min)
         for i, (norm_in, wq, wk, wv, qk_norm, o, norm_post, gate, up, down) in enumerate(self.layers):

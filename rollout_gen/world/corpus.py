@@ -3,6 +3,7 @@ the code in the project's sandbox. About a third of first calls carry a realisti
 the real failure response and a retry that is a near-copy fix (same reasoning: what SAAR splices
 shallowly) or a rewrite with new reasoning (deep); retries sometimes fail again.
 """
+
 from __future__ import annotations
 
 import random
@@ -65,10 +66,15 @@ def inject_bug(code: str, bug: str, rng: random.Random) -> str:
     if bug == "undefined_name":
         if "result" in code:
             return code.replace("print(result)", rng.choice(["print(reslt)", "print(res)", "print(answer)"]))
-        return code.replace("print(", "print(value + 0 * (", 1) + ")" if "=" not in code else code.replace(
-            "print(", "print(z + ", 1)
-    return code.replace("print(", "print((", 1).replace(")", ").compute())", 1) if code.startswith("print(") else (
-        code.replace("print(", "print(int.evaluate(", 1) + ")"
+        return (
+            code.replace("print(", "print(value + 0 * (", 1) + ")"
+            if "=" not in code
+            else code.replace("print(", "print(z + ", 1)
+        )
+    return (
+        code.replace("print(", "print((", 1).replace(")", ").compute())", 1)
+        if code.startswith("print(")
+        else (code.replace("print(", "print(int.evaluate(", 1) + ")")
     )
 
 
@@ -81,8 +87,9 @@ def _stdout_value(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _position(rng: random.Random, pool: SandboxPool, t: Transcript, expr: str, reasoning: str,
-              bug_rate: float, first: bool) -> str | None:
+def _position(
+    rng: random.Random, pool: SandboxPool, t: Transcript, expr: str, reasoning: str, bug_rate: float, first: bool
+) -> str | None:
     """Calls until one succeeds (or gives up); returns the printed value."""
     style = rng.randrange(3)
     bugged = rng.random() < bug_rate

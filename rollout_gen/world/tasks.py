@@ -1,4 +1,5 @@
 """Arithmetic tasks solved with the Python tool: the embedded default world."""
+
 from __future__ import annotations
 
 import itertools

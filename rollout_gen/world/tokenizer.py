@@ -1,4 +1,5 @@
 """The tool-use world's tokenizer: byte-level BPE trained by the project, saved as a HF fast tokenizer."""
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -9,8 +10,9 @@ from transformers import PreTrainedTokenizerFast
 from pipeline.chat import CHAT_TEMPLATE, EOS, IM_END, SPECIAL_TOKENS
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, single_token_markers: bool = True,
-                    merge_across_words: bool = True) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, single_token_markers: bool = True, merge_across_words: bool = True
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE with digits split one per token.
 
     Merges may cross word boundaries by default: the fixed system prompt and tool-call wrapper then
@@ -20,10 +22,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, single_token_ma
     tokens), which is how the boundary search is tested for tokenizers that do not reserve them.
     """
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not merge_across_words),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not merge_across_words),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     specials = SPECIAL_TOKENS if single_token_markers else [EOS, IM_END, "<|im_start|>"]
     trainer = trainers.BpeTrainer(

@@ -7,6 +7,7 @@ GEMM packs its own copy of each linear weight when the layer is prepared (dispat
 reload only layers that receive weights are prepared again, and a tied lm_head receives none (its weight is
 the embedding's). Measured here: after a reload the logits were those of the new body with the old head.
 """
+
 from __future__ import annotations
 
 
@@ -20,8 +21,13 @@ class CleanerWorkerExtension:
         config = getattr(model, "config", None)
         head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
         embed = getattr(inner, "embed_tokens", None)
-        if not (getattr(config, "tie_word_embeddings", False) and head is not None and embed is not None
-                and hasattr(head, "quant_method") and hasattr(embed, "weight")):
+        if not (
+            getattr(config, "tie_word_embeddings", False)
+            and head is not None
+            and embed is not None
+            and hasattr(head, "quant_method")
+            and hasattr(embed, "weight")
+        ):
             return "reloaded"
         with set_current_vllm_config(self.vllm_config):
             if head.weight is not embed.weight:
