@@ -16,12 +16,24 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import quote, urlencode
 
-from flows.premise import NOT_A_REMOVAL, RULE, TOKEN_RULE, WRITEUP, cell, removals, token_rule_by_mode, verdict
+from flows.premise import (
+    ANSWER,
+    ANSWER_WRITEUP,
+    NOT_A_REMOVAL,
+    RULE,
+    TOKEN_RULE,
+    WRITEUP,
+    cell,
+    removals,
+    token_rule_by_mode,
+    verdict,
+)
 from pipeline.modes import SPLICING_MODES
 from storage.layout import DEFAULT_MEASURE_KEY
 
 VIEWER_PORT = 8765  # `cleaner view`'s default port (flows/view_cmd.py)
 WRITEUP_FILE = Path(__file__).resolve().parent.parent / WRITEUP
+ANSWER_FILE = Path(__file__).resolve().parent.parent / ANSWER_WRITEUP
 
 # Tables fit a 1000-px-wide page: headers wrap (at spaces and after underscores), text cells wrap, numbers do
 # not; a table wider than the page scrolls inside its own box with its key column pinned, never the page.
@@ -208,7 +220,15 @@ def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: l
     skipped = [m for m in present if m in NOT_A_REMOVAL and m != "raw"]
     if skipped:
         stated += "<p>" + " ".join(f"{esc(m)}: {esc(NOT_A_REMOVAL[m])}." for m in skipped) + "</p>"
-    rule = esc(TOKEN_RULE[0].upper() + TOKEN_RULE[1:]).replace(esc(WRITEUP), writeup)
+    answer_link = (
+        link(ANSWER_FILE.as_uri(), ANSWER_WRITEUP) if ANSWER_FILE.is_file() else f"<code>{esc(ANSWER_WRITEUP)}</code>"
+    )
+    answer = esc(ANSWER).replace(esc(ANSWER_WRITEUP), answer_link)
+    rule = (
+        esc(TOKEN_RULE[0].upper() + TOKEN_RULE[1:])
+        .replace(esc(WRITEUP), writeup)
+        .replace(esc(ANSWER_WRITEUP), answer_link)
+    )
     coarse = esc(RULE[0].upper() + RULE[1:]).replace(esc(WRITEUP), writeup)
     links = {"iteration": lambda r: iteration_href(r["iteration"], partition=r["_key"], kind="recovered")}
     kind_links = {
@@ -216,6 +236,7 @@ def rule_section(run_id: str, kinds: list[dict], failed: list[dict], examples: l
         "kind": lambda r: iteration_href(r["iteration"], kind=r["kind"]),
     }
     return f"""<h2 id="rule">Does purification help? A hypothesis to check</h2>
+<p class="answer" id="should-i">{answer}.</p>
 <p class="rule">{rule}.</p>
 {stated}
 <p class="disproved" id="coarse-rule">{coarse}. In that experiment it said “help” on the recovery world, where SAAR left

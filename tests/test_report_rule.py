@@ -113,9 +113,11 @@ def test_the_section_states_the_token_rule_per_mode_with_its_numbers():
     )
     assert "roc: drops whole rows" in _text(html)
     rule = _text(re.search(r'<p class="rule">(.*?)</p>', html, re.S).group(1))
-    assert rule.startswith("Token-level rule, a hypothesis the project's data does not establish") and "point 2" in rule
-    assert "four correlated signs" in rule and "never tested where it predicts that saar is not slower" in rule
-    assert "when_purification_helps_writeup.md" in rule
+    assert rule.startswith("Token-level rule, a hypothesis the pre-registered experiment did not bear out")
+    assert "[−0.068, +0.016], n = 8 seeds" in rule and "four correlated signs" in rule and "point 2" in rule
+    assert "when_purification_helps_writeup.md" in rule and "should_i_turn_saar_on_writeup.md" in rule
+    answer = _text(re.search(r'<p class="answer" id="should-i">(.*?)</p>', html, re.S).group(1))
+    assert answer.startswith("Should I turn SAAR on?") and "not distinguishable from raw on any metric" in answer
 
 
 def test_the_coarse_rule_is_only_stated_as_disproved():
