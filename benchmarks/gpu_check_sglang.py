@@ -873,7 +873,13 @@ class Check:
             with self.stage("purify", i):
                 results = run_purify_stage(cfg, self.run_id, i)
             it["purify"] = {
-                "partitions": {f"{r.mode} γ={r.gamma:g}": {"rows": r.rows, "dead": r.dead} for r in results}
+                "partitions": {
+                    f"{r.mode} {'γ' if r.variant.tau is None else 'τ'}={r.threshold:g}": {
+                        "rows": r.rows,
+                        "dead": r.dead,
+                    }
+                    for r in results
+                }
             }
             # the update's dtype: fp32 for the local strategy, train.param_dtype under DeepSpeed
             dtype = "fp32" if cfg.train.strategy == "local" else cfg.train.param_dtype

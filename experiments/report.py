@@ -350,8 +350,9 @@ def _token_rule_table(
     'not slower' only by one whose upper end is below the declared margin (non-inferiority)."""
     margin = analysis.margins.get(metric)
     level = f"{100 * (1 - analysis.alpha):g}%"
+    raw_runs = ", ".join(sorted(r["run_id"] for r in results if r["arm"] == "raw"))
     lines = [
-        f"Prediction from the raw arm's shards only ({', '.join(sorted(r['run_id'] for r in results if r['arm'] == 'raw'))}): "
+        f"Prediction from the raw arm's shards only ({raw_runs}): "
         "failed-call tokens each mode would stop training, compared with raw, by the sign of their advantage "
         f"(negative / positive). Checked against the arm's paired final gap to raw in {METRIC_LABELS[metric]}, "
         f"SAAR off at test (positive = slower error reduction): mean ± s.e. between seeds, {level} t-interval, n "

@@ -185,6 +185,16 @@ def check(exp: dict, where: str) -> list[str]:
     return lines
 
 
+def run_order(exp: dict, only: list[str] | None = None) -> list[tuple[str, int, dict]]:
+    """(arm, seed, spec) of every run, seed by seed: an experiment stopped part-way has every arm on its first
+    seeds, hence paired contrasts, rather than some arms complete and others not started."""
+    arms = [
+        (name, spec) for name, spec in exp["arms"].items() if (not only or name in only) and not spec.get("pending")
+    ]
+    seeds = list(dict.fromkeys(seed for _, spec in arms for seed in spec["seeds"]))
+    return [(name, seed, spec) for seed in seeds for name, spec in arms if seed in spec["seeds"]]
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--eval-run"]:  # internal: evaluate one run's checkpoints in a fresh process
         print(json.dumps(eval_run(argv[1], int(argv[2]), int(argv[3]), argv[4:])))
@@ -220,13 +230,7 @@ def main(argv: list[str]) -> int:
         results = json.loads((OUT / f"{args.experiment.stem}.json").read_text())
         print(f"[experiment] wrote {write(results, exp, args.experiment.stem, args.report * 60, where)}")
         return 0
-    jobs = [
-        (name, seed, spec)
-        for name, spec in exp["arms"].items()
-        if not args.only or name in args.only
-        if not spec.get("pending")
-        for seed in spec["seeds"]
-    ]
+    jobs = run_order(exp, args.only)
     OUT.mkdir(parents=True, exist_ok=True)
     results_file = OUT / f"{args.experiment.stem}.json"
     done = json.loads(results_file.read_text()) if results_file.exists() else []

@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.write and (args.tasks or args.flow):  # it would be ignored
         raise EvalError(
-            f"--write records the world's one-sample evaluation beside the policy; {'--flow' if args.flow else '--tasks'} "
-            "writes no metrics.json (use --json for a copy of the numbers)"
+            "--write records the world's one-sample evaluation beside the policy; "
+            f"{'--flow' if args.flow else '--tasks'} writes no metrics.json (use --json for a copy of the numbers)"
         )
     if args.flow:  # as a Prefect flow, SAAR at test time on and off
         if args.export_lcb:

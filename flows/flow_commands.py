@@ -15,11 +15,14 @@ from flows.console import working
 from pipeline.config import CleanerConfig, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-QUERIES = """\
-  cleaner inspect{args} --sql "SELECT iteration, avg(reward) AS reward, avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"
-  cleaner inspect{args} --sql "SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' GROUP BY 1 ORDER BY 2 DESC"
-  cleaner inspect{args} --sql "SELECT * FROM purify_compare"
-  duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"""
+QUERIES = (
+    '  cleaner inspect{args} --sql "SELECT iteration, avg(reward) AS reward, '
+    'avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"\n'
+    "  cleaner inspect{args} --sql \"SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' "
+    'GROUP BY 1 ORDER BY 2 DESC"\n'
+    '  cleaner inspect{args} --sql "SELECT * FROM purify_compare"\n'
+    "  duckdb -readonly {db}    # the same views from the duckdb CLI (read-only: a running flow is unaffected)"
+)
 
 
 def _load(args: argparse.Namespace, check: Callable[[CleanerConfig], None] | None = None):
@@ -87,14 +90,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # the follow-up commands printed below look at the same workspace and settings
     again = "".join(f" {shlex.quote(p)}" for p in ["-c", str(config), *args.overrides])
     print("\n" + markdown_table(iteration_table(cfg.storage.root, cfg.flow.run_id)) + "\n")
-    print(f"""Where to look:
-  report      {page}
-  shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*
-  checkpoints {run_dir}/checkpoints/
-  viewer      cleaner view{again}   (then open the URL it prints: trajectories beside their purified variants)
-  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 --gamma {" ".join(map(str, cfg.flow.replay_gammas))}
-Try these queries:
-{QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}""")
+    print(
+        "Where to look:\n"
+        f"  report      {page}\n"
+        f"  shards      {run_dir}/iteration=*/raw, purified/mode=*/gamma=*\n"
+        f"  checkpoints {run_dir}/checkpoints/\n"
+        f"  viewer      cleaner view{again}   "
+        "(then open the URL it prints: trajectories beside their purified variants)\n"
+        f"  replay      cleaner replay{again} --run {cfg.flow.run_id} --iteration 0 "
+        f"--gamma {' '.join(map(str, cfg.flow.replay_gammas))}\n"
+        "Try these queries:\n"
+        f"{QUERIES.format(args=again, db=shlex.quote(str((cfg.storage.root / cfg.storage.catalog).resolve())))}"
+    )
     return 0
 
 

@@ -309,13 +309,16 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         for n in figs
     )
     it_links = {"iteration": lambda r: iteration_href(r["iteration"])}
+    per_iteration_links = " · ".join(
+        link(iteration_href(i), i) + " (" + link(iteration_href(i, spliced="yes"), "spliced") + ")" for i in x
+    )
     page = f"""<!doctype html><html><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>cleaner report: {html.escape(run_id)}</title>
 <style>{STYLE}</style></head><body>
 <h1>cleaner run <code>{html.escape(run_id)}</code></h1>
 {viewer_note(root, run_id)}
 <p>In the viewer: {link(f"../../{quote(run_id, safe='')}", "the run's iterations")}; per iteration
-{" · ".join(link(iteration_href(i), i) + " (" + link(iteration_href(i, spliced="yes"), "spliced") + ")" for i in x)}.</p>
+{per_iteration_links}.</p>
 {rule_section(run_id, kinds, failed_calls, examples)}
 <h2>Per iteration</h2>{table(its, it_links, "iterations")}
 <h2>Plots</h2>{plots}
@@ -325,10 +328,12 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
 <p>Per trained token, Δ = old log-prob (the policy in the context it is trained in) − behaviour log-prob (as
 sampled); origins: in_place (same context), shallow / deep (moved by a splice), moved (a later turn of a row
 purified otherwise than lived). kl_k3 estimates KL(π_b‖π); beyond_bounds is the share with e^Δ outside
-[0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>{table(off_policy, None, "off-policy")}
+[0.5, 2]. Plan B (mode saar_is) decides each rollback by the importance ratio (docs/saar.md).</p>
+{table(off_policy, None, "off-policy")}
 <h2>Run config as the run started (run.json)</h2>
 <p>What the run trains on (world, rollout, purify, train) is fixed when it starts; flow.iterations and the other
-sections are those of its first start: the iterations it has trained are in the table above.</p><pre>{html.escape(config, quote=False)}</pre>
+sections are those of its first start: the iterations it has trained are in the table above.</p>
+<pre>{html.escape(config, quote=False)}</pre>
 </body></html>"""
     (out / "index.html").write_text(page)
     return out / "index.html"

@@ -36,7 +36,7 @@ def _frozen(data: dict) -> dict:
     for key in PURIFY_REPLAY_SETTINGS:
         out["purify"].pop(key, None)
     rollout = out["rollout"]
-    rollout.pop("loop", None)  # a setting no cleaner reads now: every run rolls out on the asynchronous loop
+    rollout.pop("loop", None)  # a setting nothing reads: every run rolls out on the asynchronous loop
     tuning = dict(rollout.get("engine_tuning") or {})
     # a run frozen before rollout.engine_tuning held them
     tuning.update({key: rollout.pop(key) for key in MOVED_TO_ENGINE_TUNING if key in rollout})

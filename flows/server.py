@@ -2,10 +2,10 @@
 the temporary server of one command.
 
 The temporary server (`start_temporary_server`, used by train/demo/eval when PREFECT_API_URL is
-unset) dies with its command, even under kill -9, so it cannot schedule anything. `cleaner schedule` and `cleaner server start`
-therefore run `prefect server start` with the project's Prefect home (`<root>/.prefect`), record its
-pid, port and URL in `<root>/.prefect/server.json`, and reuse it while it answers. Only that pid (and
-its process group) is ever signalled.
+unset) dies with its command, even under kill -9, so it cannot schedule anything. `cleaner schedule`
+and `cleaner server start` therefore run `prefect server start` with the project's Prefect home
+(`<root>/.prefect`), record its pid, port and URL in `<root>/.prefect/server.json`, and reuse it
+while it answers. Only that pid (and its process group) is ever signalled.
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ def value(result: object) -> object:
 
 
 def describe_purified(purified: list[tuple[str, float, int, int]]) -> str:
-    """`saar γ=0.50: 60 rows (4 dead letters), raw: 64 rows` from the purify task's (mode, γ, rows, dead)."""
+    """`saar γ=0.50: 60 rows (4 dead letters), raw: 64 rows` from the purify task's (mode, threshold, rows, dead):
+    the threshold is γ for saar, the only mode the line names it for."""
     parts = []
-    for mode, gamma, rows, dead in purified:
-        name = f"{mode} γ={gamma:.2f}" if mode == "saar" else mode
+    for mode, threshold, rows, dead in purified:
+        name = f"{mode} γ={threshold:.2f}" if mode == "saar" else mode
         parts.append(f"{name}: {rows} rows" + (f" ({dead} dead letters)" if dead else ""))
     return ", ".join(parts) or "nothing"
 
@@ -67,7 +68,7 @@ def purify_task(cfg: CleanerConfig, run_id: str, iteration: int, variants: list 
     variants = variants or plan_variants(cfg)  # the flow's: the trained partition among them
     log(f"[purify it {iteration}] {describe(variants)} on Beam ({cfg.purify.runner})")
     results = run_purify_stage(cfg, run_id, iteration, variants)
-    purified, skipped = [(r.mode, r.gamma, r.rows, r.dead) for r in results], all(r.skipped for r in results)
+    purified, skipped = [(r.mode, r.threshold, r.rows, r.dead) for r in results], all(r.skipped for r in results)
     log(f"[purify it {iteration}] {describe_purified(purified)}" + (": already committed, kept" if skipped else ""))
     return as_state(purified, skipped)
 

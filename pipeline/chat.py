@@ -80,7 +80,7 @@ class ParsedCall:
 
 # How a malformed call block (never closed, or JSON that json_repair cannot make into a call) is lived:
 # "no_call" — the reference: the turn is the final answer, no feedback, no retry (docs/saar.md);
-# "failure" — this project's earlier rule, kept as an option: a failed call, shown to the model and retried.
+# "failure" — cleaner's alternative: a failed call, shown to the model and retried.
 MalformedCall = Literal["no_call", "failure"]
 # json_repair parses recursively: a payload nested deeper than this would end in RecursionError,
 # so it is treated as unparseable before the parser sees it (no real call nests this deep).

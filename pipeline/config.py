@@ -118,7 +118,9 @@ def _holds_numbers(annotation: Any) -> bool:
 class StorageConfig(Section):
     root: Path = Field(
         Path("workspace"),
-        description="the workspace: runs, shards, checkpoints and the catalog (relative: to the directory a command runs in)",
+        description=(
+            "the workspace: runs, shards, checkpoints and the catalog (relative: to the directory a command runs in)"
+        ),
     )
     catalog: str = Field("catalog.duckdb", description="the published DuckDB catalog file, under storage.root")
     rows_per_part: int = Field(50_000, gt=0, description="rows per Parquet part of a shard")
@@ -180,7 +182,9 @@ class SaarConfig(Section):
         1.0,
         ge=0.0,
         le=1.0,
-        description="share of trajectories SAAR retries in (a coin per trajectory); the others keep every error, no retry",
+        description=(
+            "share of trajectories SAAR retries in (a coin per trajectory); the others keep every error, no retry"
+        ),
     )
     max_retries: int = Field(3, ge=0, description="K: retries per position")
     gamma_live: Gamma = Field(
@@ -188,7 +192,10 @@ class SaarConfig(Section):
     )
     live_mode: Literal["purified", "raw"] = Field(
         "purified",
-        description="what the model continues from after a retry: the spliced (purified) context, or everything as sampled (raw)",
+        description=(
+            "what the model continues from after a retry: the spliced (purified) context, or everything as sampled "
+            "(raw)"
+        ),
     )
     safety_cap: int = Field(
         30,
@@ -198,7 +205,8 @@ class SaarConfig(Section):
     similarity: Literal["rapidfuzz", "difflib"] = Field(
         "rapidfuzz",
         description=(
-            "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); docs/saar.md"
+            "shallow/deep measure: rapidfuzz (optimal LCS) or difflib (the reference's SequenceMatcher ratio); "
+            "docs/saar.md"
         ),
     )
     similarity_on: Literal["segment", "code"] = Field(
@@ -291,11 +299,17 @@ class RolloutConfig(Section):
     )
     engine: Literal["cpu", "sglang", "vllm"] = Field(
         "cpu",
-        description="what samples: cpu (transformers here), sglang (rollout.sglang_url) or vllm (rollout.vllm_urls, or servers cleaner starts)",
+        description=(
+            "what samples: cpu (transformers here), sglang (rollout.sglang_url) or vllm (rollout.vllm_urls, or servers "
+            "cleaner starts)"
+        ),
     )
     tasks: str = Field(
         "world",
-        description="what the rollout solves: 'world' (the arithmetic tool-use world) or a task Parquet file (docs/eval.md's layouts)",
+        description=(
+            "what the rollout solves: 'world' (the arithmetic tool-use world) or a task Parquet file (docs/eval.md's "
+            "layouts)"
+        ),
     )
     tasks_per_iteration: int = Field(16, gt=0, description="prompts rolled out per iteration")
     samples_per_prompt: int = Field(4, gt=0, description="trajectories per prompt: the GRPO group")
@@ -555,9 +569,9 @@ class TrainConfig(Section):
         "token_mean",
         description=(
             "how policy_loss_type=ppo's per-token losses become the mini-batch loss (OpenRLHF's token_level_loss): "
-            "token_mean (every trained token of the mini-batch weighs the same; DAPO) or seq_mean (each row's mean over "
-            "its trained tokens, then the mean over rows: GRPO's original normalisation, which weighs a long row's "
-            "tokens less)"
+            "token_mean (every trained token of the mini-batch weighs the same; DAPO) or seq_mean (each row's mean "
+            "over its trained tokens, then the mean over rows: GRPO's original normalisation, which weighs a long "
+            "row's tokens less)"
         ),
     )
     epochs: int = Field(1, ge=1, description="passes over the purified shard per update")
@@ -576,9 +590,9 @@ class TrainConfig(Section):
         description=(
             "train-time correction for tokens trained in another context than they were sampled in: verl's presets on "
             "OpenRLHF's PolicyLoss gate over pi_old/pi_behaviour (the purified rows' behaviour_logprobs). token_tis: "
-            "token weights truncated at 2 (verl decoupled_token_is); token_mis: tokens outside [0.5, 5] masked (IcePop, "
-            "verl decoupled_token_icepop); seq_mis: rows whose per-token geometric-mean ratio is outside [0.5, 2] "
-            "masked (verl's sequence MIS band, gated on OpenRLHF's geometric mean); geo_rs: the same gate at "
+            "token weights truncated at 2 (verl decoupled_token_is); token_mis: tokens outside [0.5, 5] masked "
+            "(IcePop, verl decoupled_token_icepop); seq_mis: rows whose per-token geometric-mean ratio is outside "
+            "[0.5, 2] masked (verl's sequence MIS band, gated on OpenRLHF's geometric mean); geo_rs: the same gate at "
             "[0.999, 1.001] (verl decoupled_geo_rs). trainer/correction.py; saar + token_tis is the reference's Plan C"
         ),
     )
@@ -694,7 +708,9 @@ class FlowConfig(Section):
     iterations: int = Field(
         3,
         ge=1,
-        description="iterations a training flow trains (a rerun resumes them; a schedule's firing trains this many more)",
+        description=(
+            "iterations a training flow trains (a rerun resumes them; a schedule's firing trains this many more)"
+        ),
     )
     task_retries: int = Field(
         1, ge=0, description="Prefect retries of a failed stage task (a user error is never retried)"
@@ -846,10 +862,11 @@ def _unknown_key(dotted: str) -> str:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as the 1.2 core schema reads scalars, and a mapping may not name a key twice (the later one silently
-    won: a second `rollout:` block dropped the first's settings). YAML 1.1's other readings were each a value
-    silently changed or refused: `off`/`yes`/`on` as booleans, `010` as octal 8, `2024-06-01` as a date, while
-    `2e5` stayed a string; here they are text (which a boolean setting still reads as yes/no), 10, text, 200000.0."""
+    """YAML as the 1.2 core schema reads scalars, and a mapping may not name a key twice (PyYAML's SafeLoader lets
+    the later one silently win: a second `rollout:` block would drop the first's settings). YAML 1.1's other
+    readings would each change or refuse a value silently: `off`/`yes`/`on` as booleans, `010` as octal 8,
+    `2024-06-01` as a date, while `2e5` stays a string; here they are text (which a boolean setting still reads as
+    yes/no), 10, text, 200000.0."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}

@@ -1,8 +1,9 @@
 """Purification over Arrow batches: the pure core the Beam pipeline applies per batch and per group
 bucket (and that a plain loop can call directly).
 
-`purify_batch`: raw rows → purified rows per variant (pipeline.modes.Variant) plus dead letters; rows with nothing to splice
-are built column-wise (purifier/unspliced.py), the others go through `purify()` one by one.
+`purify_batch`: raw rows → purified rows per variant (pipeline.modes.Variant) plus dead letters; rows
+with nothing to splice are built column-wise (purifier/unspliced.py), the others go through `purify()`
+one by one.
 `with_advantages`: whole prompt groups → GRPO advantages (`group_plan`), dynamic filtering; for `roc`,
 GRPO-RoC's down-sampling first (purifier/roc.py), so advantages are those of the kept group.
 `buckets`: split a batch by a stable hash of the prompt, so one prompt's rows always meet in one group.

@@ -21,13 +21,13 @@ everything ends in one last transform, and the counts the stage needs are staged
 read from Beam metrics. Beam 2.77's DaskRunner does not keep tagged outputs apart (its ParDo returns one
 bag of every output and each consumer of any tag reads that whole bag), drops finish_bundle output and
 branches not upstream of the last transform, and its result's metrics() raises NotImplementedError
-(tests/test_dask_purify.py checks both, so a Beam that fixes them shows up as a failing test). Objects that are costly to build (the
-recompute model, the tokenizer) are held per process (`per_process`), since some runners (Dask) call
-`setup` for every bundle. docs/scale_out.md says how to run it on Dask (`purify.runner=dask`, tested)
-and on Beam's other runners (`--runner=FlinkRunner --flink_master=…`, `--runner=SparkRunner`,
-`--runner=DataflowRunner …` in purify.beam_options; untested here). On a distributed runner the bucket
-count bounds the group stage's parallelism, and the staging folder must be on a file system that every
-worker and the driver share.
+(tests/test_dask_purify.py checks both, so a Beam that fixes them shows up as a failing test). Objects
+that are costly to build (the recompute model, the tokenizer) are held per process (`per_process`),
+since some runners (Dask) call `setup` for every bundle. docs/scale_out.md says how to run it on Dask
+(`purify.runner=dask`, tested) and on Beam's other runners (`--runner=FlinkRunner --flink_master=…`,
+`--runner=SparkRunner`, `--runner=DataflowRunner …` in purify.beam_options; untested here). On a
+distributed runner the bucket count bounds the group stage's parallelism, and the staging folder must be
+on a file system that every worker and the driver share.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def running_address(directory: Path) -> str:
 
 def worker_env(threads: int, extra: dict[str, str]) -> dict[str, str]:
     """The environment of every cluster process (this one's with `extra`): the checkout importable, one BLAS/torch
-    thread per task thread, and a fixed hash seed (Beam and Dask key by tokenize/crc32, but user code may use hash())."""
+    thread per task thread, and a fixed hash seed (Beam and Dask key by tokenize/crc32, but user code may use
+    hash())."""
     env = {**os.environ, **extra}
     env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env.update(

@@ -3,14 +3,14 @@
 A token keeps its sampled log-prob iff the purified sequence before it equals the context it was
 sampled under (decided in purifier/saar.py). The others are recomputed under the purified context:
 
-- CPU backend (transformers, on purify.device: the CPU or a GPU): the group's prompt is forwarded once and its
-  KV cache copied to every row; each row
-  then forwards its response only up to its last token that needs a log-prob. Rows that need none
-  are not forwarded at all. Positions go through the cache in chunks of `chunk_tokens` (over all
-  rows), and log-probs come from `pipeline.logprobs.token_logprobs` (only for chunks that hold a token
-  needing one: a late splice pays the body, not the lm_head, before it), so memory stays bounded at
-  any length: no full-vocabulary logits for a whole sequence, no T×T attention scores. (Tokens between the prompt and the splice are forwarded to rebuild
-  their KV: no cache survives from the rollout process on CPU.)
+- CPU backend (transformers, on purify.device: the CPU or a GPU): the group's prompt is forwarded once
+  and its KV cache copied to every row; each row then forwards its response only up to its last token
+  that needs a log-prob. Rows that need none are not forwarded at all. Positions go through the cache in
+  chunks of `chunk_tokens` (over all rows), and log-probs come from `pipeline.logprobs.token_logprobs`
+  (only for chunks that hold a token needing one: a late splice pays the body, not the lm_head, before
+  it), so memory stays bounded at any length: no full-vocabulary logits for a whole sequence, no T×T
+  attention scores. (Tokens between the prompt and the splice are forwarded to rebuild their KV: no cache
+  survives from the rollout process on CPU.)
 - SGLang backend: prefill with max_new_tokens=0 and logprob_start_len=P−1; RadixAttention reuses
   the KV of the unchanged prefix that the rollout left in its cache.
 - vLLM backend: prefill with prompt_logprobs (vLLM 0.32 skips its prefix cache for such requests).

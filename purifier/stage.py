@@ -62,7 +62,8 @@ class VariantResult:
         return self.variant.mode
 
     @property
-    def gamma(self) -> float:
+    def threshold(self) -> float:
+        """What names the partition: γ (splicing modes), τ (importance-ratio modes), else 0."""
         return self.variant.threshold
 
 

@@ -41,9 +41,9 @@ def check_samples(cfg: CleanerConfig, samples: int, name: str = "--samples") -> 
         raise EvalError(f"{name} {samples!r}: the number of samples per task must be an integer >= 1")
     if samples > cfg.rollout.engine_tuning.max_in_flight:
         raise EvalError(
-            f"{name} {samples}: above rollout.engine_tuning.max_in_flight ({cfg.rollout.engine_tuning.max_in_flight}), the most "
-            f"requests the engine runs at once (a task's samples are batched together); lower {name} "
-            "or raise rollout.engine_tuning.max_in_flight"
+            f"{name} {samples}: above rollout.engine_tuning.max_in_flight "
+            f"({cfg.rollout.engine_tuning.max_in_flight}), the most requests the engine runs at once (a task's "
+            f"samples are batched together); lower {name} or raise rollout.engine_tuning.max_in_flight"
         )
 
 

@@ -238,8 +238,8 @@ _TAU_SQL = "TRY_CAST(nullif(regexp_extract(filename, '/tau=([^/]+)/[^/]+$', 1), 
 SUMMARY_SQL = {
     "raw_trajectories": (
         "run_id, iteration, prompt_id, sample_idx, reward, stats, len(lived_ids)::BIGINT AS response_tokens, "
-        "coalesce(list_sum(list_transform(flatten(list_transform(positions, lambda p: p.attempts)), lambda a: CASE WHEN "
-        "a.result.status = 'failure' THEN len(a.turn_ids) + len(a.feedback_ids) ELSE 0 END)), 0)::BIGINT "
+        "coalesce(list_sum(list_transform(flatten(list_transform(positions, lambda p: p.attempts)), lambda a: "
+        "CASE WHEN a.result.status = 'failure' THEN len(a.turn_ids) + len(a.feedback_ids) ELSE 0 END)), 0)::BIGINT "
         "AS failed_attempt_tokens"
     ),
     "purified": (
@@ -291,12 +291,13 @@ class Catalog:
             here, root = (str(p).replace("'", "''") for p in (self.published_as, self.root))
             self.con.execute(
                 # any database of the connection: a notebook may ATTACH it under a name of its own
-                "CREATE OR REPLACE MACRO cleaner_catalog_in_place() AS (SELECT CASE WHEN count(*) > 0 THEN true ELSE "
-                "error('this catalog was published as {here}, which no database open here is (a copied or moved "
-                "workspace?): its views read the shards under {root}. Run `cleaner inspect storage.root=<the "
-                "workspace it is in now>` to publish it there') END FROM duckdb_databases() WHERE path = '{here}')".format(
-                    here=here, root=root
-                )
+                (
+                    "CREATE OR REPLACE MACRO cleaner_catalog_in_place() AS (SELECT CASE WHEN count(*) > 0 THEN true "
+                    "ELSE error('this catalog was published as {here}, which no database open here is (a copied or "
+                    "moved workspace?): its views read the shards under {root}. Run `cleaner inspect "
+                    "storage.root=<the workspace it is in now>` to publish it there') END FROM duckdb_databases() "
+                    "WHERE path = '{here}')"
+                ).format(here=here, root=root)
             )
         # VIEWS_SQL's views are bound when created, each binding the views they name (thousands of files at 2,000
         # iterations) again: created over empty stand-ins (temporary: never in the file), they cost what they

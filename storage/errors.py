@@ -51,7 +51,9 @@ def describe_os_error(e: OSError, doing: str = "") -> str:
     what = f"{doing}: " if doing else ""
     reason = e.strerror or str(e)
     fix = {
-        errno.ENOSPC: "the disk is full; free space (or point storage.root elsewhere) and rerun — nothing was committed",
+        errno.ENOSPC: (
+            "the disk is full; free space (or point storage.root elsewhere) and rerun — nothing was committed"
+        ),
         errno.EDQUOT: "the disk quota is exhausted; free space and rerun — nothing was committed",
         errno.EROFS: "the file system is read-only; point storage.root at a writable folder",
         errno.EACCES: "permission denied; point storage.root at a folder you can write",

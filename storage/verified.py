@@ -1,13 +1,13 @@
 """Verification paid once: which parts of a shard were fully checked, recorded beside the shard.
 
 Checking a part means reading all its bytes (crc32 against the manifest) and its Parquet footer (schema
-version, columns, rows): linear in everything ever committed, and every new process used to pay it again.
-A part that passed is recorded in `_VERIFIED.json` in its shard's folder with the file's identity —
+version, columns, rows): linear in everything ever committed, and without a record every new process would pay
+it again. A part that passed is recorded in `_VERIFIED.json` in its shard's folder with the file's identity —
 size, mtime and ctime in nanoseconds, inode and device, as taken before its bytes were read (a change during
-or after the read then no longer matches) — and the manifest's crc32. A later reader (another
-process too) that finds the same identity and crc32 trusts the part without reading it. Any write to the
-file changes its ctime (which no unprivileged process can set back) and a copy or move to another folder
-changes its inode, so a changed, replaced or relocated part is checked in full again.
+or after the read then no longer matches) — and the manifest's crc32. A later reader (another process too)
+that finds the same identity and crc32 trusts the part without reading it. Any write to the file changes its
+ctime (which no unprivileged process can set back) and a copy or move to another folder changes its inode, so
+a changed, replaced or relocated part is checked in full again.
 
 The record only ever saves work: it is written atomically with a digest of its own content; a record that
 is missing, unreadable, of another version or whose digest does not match is ignored (the parts are checked

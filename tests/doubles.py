@@ -52,7 +52,10 @@ class ScriptedEngineDouble:
 def call(code: str, reasoning: str = "Let me compute.") -> str:
     import json
 
-    return f"{reasoning}\n<tool_call>\n{json.dumps({'name': 'code_interpreter', 'arguments': {'code': code}})}\n</tool_call>"
+    return (
+        f"{reasoning}\n<tool_call>\n"
+        f"{json.dumps({'name': 'code_interpreter', 'arguments': {'code': code}})}\n</tool_call>"
+    )
 
 
 ANSWER = "The answer is \\boxed{{{}}}."

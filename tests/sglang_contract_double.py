@@ -1,6 +1,7 @@
 """CONTRACT DOUBLE of an SGLang server: the documented `/generate` shape, backed by the real tiny
 model through the CPU engine. Real SGLang needs a CUDA GPU and its own environment; this double
-lets the client's request/response handling be tested here (SGLang's /generate request and response fields are the contract).
+lets the client's request/response handling be tested here (SGLang's /generate request and response
+fields are the contract).
 
 Like a server, it takes requests concurrently: each handler thread queues its rows and waits, and one
 engine thread batches whatever is queued continuously (rows join and leave between decoding steps),

@@ -223,7 +223,8 @@ OLD_PAGE = """# Experiment `x` — results (generated)
 
 Purification is predicted to help when recovered trajectories' mean advantage is positive.
 
-| run | iteration | recovered / all | recovered correct | recovered mean advantage | not recovered / all | clean correct |
+| run | iteration | recovered / all | recovered correct | recovered mean advantage \
+| not recovered / all | clean correct |
 |---|---|---|---|---|---|---|
 | raw-s0 | 0 | 20/64 | 0.90 | +0.108 | 3/64 | 0.76 |
 
@@ -231,7 +232,8 @@ Purification is predicted to help when recovered trajectories' mean advantage is
 
 Prediction from the raw arm's shards only (raw-s0): …
 
-| arm | mode | removed at iteration 0 (neg / pos) | removed, all iterations (neg / pos) | predicted | measured gap ± s.e. | held |
+| arm | mode | removed at iteration 0 (neg / pos) | removed, all iterations (neg / pos) | predicted \
+| measured gap ± s.e. | held |
 |---|---|---|---|---|---|---|
 | saar | saar | 287 / 92 | 4066 / 1242 | slower | +0.022 ± 0.017 (+1.3 s.e.) | yes |
 | saar_correct | saar_correct | 0 / 92 | 0 / 1242 | not slower | -0.010 ± 0.016 (-0.6 s.e.) | yes |

@@ -116,7 +116,7 @@ def test_dask_commits_what_fnapi_commits_with_work_in_both_workers(world_rollout
         assert sorted(pid_of.values()) == sorted(cluster.worker_pids)
         with get_task_stream(client) as stream:
             results = run_purify_stage(_cfg(world_rollout, root, "dask", cluster.address), "w", 0)
-        assert {(r.mode, r.gamma, r.rows, r.dead, r.skipped) for r in results} == {
+        assert {(r.mode, r.threshold, r.rows, r.dead, r.skipped) for r in results} == {
             ("saar", 0.5, 62, 2, False),
             ("raw", 0.0, 62, 2, False),
         }

@@ -5,6 +5,9 @@ to get wrong.
    many parameters is called by keyword).
 2. The trainer's metrics are accumulated and summed over the ranks by field name, so a metric added to
    StepMetrics and measured in the update is reduced with the others, nothing else touched.
+
+And one style: `ruff check .` and `ruff format --check .` pass on the whole tree (line length included), so a
+diff holds what changed, not what a formatter would move.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import ast
 import dataclasses
 import math
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -194,3 +199,24 @@ def test_every_metric_of_two_ranks_is_the_one_process_metric():
         for name, value in alone.items():
             if name != "seconds":
                 assert got[rank][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (rank, name)
+
+
+# ---- one style ---------------------------------------------------------------------------------------------------
+
+RUFF = Path(sys.executable).parent / "ruff"  # the dev extra's, which `make test-env` installs into the venv
+
+
+def _ruff(*args: str) -> subprocess.CompletedProcess:
+    if not RUFF.exists():
+        pytest.skip(f"no ruff beside {sys.executable} (the dev extra installs it: make test-env)")
+    return subprocess.run([str(RUFF), *args, "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_ruff_check_passes():
+    r = _ruff("check")
+    assert r.returncode == 0, f"ruff check . exited {r.returncode}:\n{r.stdout}{r.stderr}"
+
+
+def test_the_tree_is_ruff_formatted():
+    r = _ruff("format", "--check")
+    assert r.returncode == 0, f"ruff format --check . exited {r.returncode} (run ruff format .):\n{r.stdout}{r.stderr}"

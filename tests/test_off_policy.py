@@ -138,7 +138,7 @@ def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
     cfg = world_copy
     cfg.purify.modes, cfg.purify.is_thresholds = ["saar_is", "saar"], [0.5, 2.0]
     results = run_purify_stage(cfg, "w", 0)
-    assert {(r.mode, r.gamma) for r in results} == {("saar_is", 0.5), ("saar_is", 2.0), ("saar", 0.5)}
+    assert {(r.mode, r.threshold) for r in results} == {("saar_is", 0.5), ("saar_is", 2.0), ("saar", 0.5)}
     layout = RunLayout(cfg.storage.root, "w")
     assert layout.purified_dir(0, "saar_is", 0.5).name == "tau=0.50"
     with Catalog(cfg.storage.root) as cat:
@@ -419,9 +419,10 @@ def test_cpu_engine_scores_a_retry_on_the_kept_prefix(chat, backend):
 
 def test_cpu_engine_scores_rollbacks_together_and_keeps_a_replacing_retry_kv(chat, backend):
     """Rollbacks gathered by the scheduler are scored in one forward: each retry's log-probs are its own full
-    forward's (float32 rounding: 1e-5, relative for the unlikely tokens). The forward's KV is kept as the trajectory's branch: a turn after a retry that replaced its
-    failed turn forwards only what follows the retry (its log-probs those of a fresh prefill), and a turn after
-    an appended retry still continues from the failed turn's KV."""
+    forward's (float32 rounding: 1e-5, relative for the unlikely tokens). The forward's KV is kept as the
+    trajectory's branch: a turn after a retry that replaced its failed turn forwards only what follows the retry
+    (its log-probs those of a fresh prefill), and a turn after an appended retry still continues from the failed
+    turn's KV."""
     from pipeline.engines.base import Request, ScoreRequest, SamplingParams
     from rollout_gen.engines.cpu import CPUEngine
 

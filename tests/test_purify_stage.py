@@ -49,7 +49,7 @@ def stage(world_rollout, tmp_path_factory):
 
 def test_partitions_committed_with_advantages(stage):
     cfg, results = stage
-    assert {(r.mode, r.gamma) for r in results} == {("saar", 0.5), ("raw", 0.0)}
+    assert {(r.mode, r.threshold) for r in results} == {("saar", 0.5), ("raw", 0.0)}
     rows = purified(cfg, "saar", 0.5)
     assert len(rows) == 64 and [(r.prompt_id, r.sample_idx) for r in rows] == sorted(
         (r.prompt_id, r.sample_idx) for r in rows

@@ -322,7 +322,10 @@ def test_files_only_root_may_read_stay_unreadable(pool, tmp_path):
     secret_dir.mkdir(mode=0o700)
     (secret_dir / "key").write_text("top-secret")
     (secret_dir / "key").chmod(0o600)
-    code = "for p in PATHS:\n    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
+    code = (
+        "for p in PATHS:\n    try:\n        print(open(p).read())\n"
+        "    except OSError as e:\n        print(type(e).__name__)\n"
+    )
     home_file = Path.home() / ".bashrc"
     r = run(pool, code, PATHS=[str(secret_dir / "key"), "/etc/shadow", str(home_file)])
     assert "top-secret" not in r.text and "root:" not in r.text
@@ -371,7 +374,8 @@ import json, os
 from pipeline.config import SandboxConfig
 from rollout_gen.sandbox import SandboxPool
 with SandboxPool(SandboxConfig(workers=1, timeout_s=3.0)) as pool:
-    code = "import os\\nfd = os.open(%r, os.O_RDONLY)\\nos.close(os.open('x', os.O_CREAT | os.O_WRONLY, 0o666, dir_fd=fd))"
+    code = "import os\\nfd = os.open(%r, os.O_RDONLY)\\n\
+os.close(os.open('x', os.O_CREAT | os.O_WRONLY, 0o666, dir_fd=fd))"
     r = pool.run(code % os.environ['OUT'])
     print(json.dumps({'iso': pool.isolation, 'status': r.status, 'class': r.error_class, 'text': r.text}))
 """

@@ -37,7 +37,10 @@ def _reads(fn) -> int:
 def test_a_part_verified_by_one_process_is_not_read_by_the_next(store):
     d, part = _raw(store)
     (d / verified.RECORD).unlink()  # as if committed by a cleaner without records: the first reader pays
-    code = "import sys; from storage.catalog import Catalog; from storage import shards; Catalog(sys.argv[1]).close(); print(shards.FULL_READS)"
+    code = (
+        "import sys; from storage.catalog import Catalog; from storage import shards; "
+        "Catalog(sys.argv[1]).close(); print(shards.FULL_READS)"
+    )
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     first = subprocess.run(
         [sys.executable, "-c", code, str(store)], capture_output=True, text=True, env=env, check=True

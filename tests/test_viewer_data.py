@@ -248,8 +248,8 @@ def test_splices_with_no_partition_chosen_are_the_most_any_partition_made(client
         want = {
             (r["prompt_id"], r["sample_idx"]): r["n"]
             for r in cat.query(
-                "SELECT prompt_id, sample_idx, max(splices) AS n FROM purified_summary WHERE run_id = 'w' AND iteration = 0 "
-                "GROUP BY ALL"
+                "SELECT prompt_id, sample_idx, max(splices) AS n FROM purified_summary "
+                "WHERE run_id = 'w' AND iteration = 0 GROUP BY ALL"
             ).to_pylist()
         }
         partitions = cat.query(

@@ -9,7 +9,7 @@ whose log-prob is not multiplied by 0), so the PolicyLoss that consumes them, an
 unchanged (tested). Those positions go through lm_head in one call when their logits fit
 LOGIT_BUDGET (positions × vocabulary), else through `pipeline.logprobs.token_logprobs` in chunks of
 that size, each checkpointed: chunking is paid only where the vocabulary needs it (the tiny policy's
-1,024 ids: one call; Qwen3's 151,936: 512 positions a chunk, as before).
+1,024 ids: one call; Qwen3's 151,936: 512 positions a chunk).
 
 It applies when the actor wraps a plain transformers model (the local strategy). Under DeepSpeed
 the actor's model is an engine whose ZeRO-3 hooks gather weights only inside its own forward, so

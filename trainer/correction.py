@@ -1,4 +1,4 @@
-"""Train-time rollout correction (issue 29 §3): verl's presets mapped onto OpenRLHF's own PolicyLoss gate.
+"""Train-time rollout correction: verl's presets mapped onto OpenRLHF's own PolicyLoss gate.
 
 A purified row trains some tokens in another context than they were sampled in (a spliced retry, a turn
 a replay moved). Its `old_logprobs` are recomputed in the purified context (π_old), its
@@ -7,13 +7,16 @@ the latter as `rollout_log_probs` and gates the importance ratio π_old / π_beh
 (`is_correction_level`, `is_correction_mode`, `is_correction_gating`, `is_correction_threshold`); nothing
 here recomputes what it does.
 
-| preset | OpenRLHF PolicyLoss(level, mode, gating, threshold) | per trained token | verl's name |
-|---|---|---|---|
-| `off` | level `off` (the constructor as before: no correction argument) | PPO loss as is | `disabled` |
-| `token_tis` | `token`, `clip`, `ratio`, (0.0, 2.0) | loss × min(ρ_t, 2) (truncated IS; the lower bound 0 never binds) | `decoupled_token_is(threshold=2.0)` |
-| `token_mis` | `token`, `mask`, `ratio`, (0.5, 5.0) | ρ_t ∉ [0.5, 5]: dropped; else loss × ρ_t (IcePop) | `decoupled_token_icepop(5.0, 0.5)` |
-| `seq_mis` | `seq`, `mask`, `ratio`, (0.5, 2.0) | the row's geometric-mean ratio exp(mean_t log ρ_t) ∉ [0.5, 2]: row dropped; else loss × ρ_t | the sequence MIS band `0.5_2.0` of `decoupled_seq_is_rs` |
-| `geo_rs` | `seq`, `mask`, `ratio`, (0.999, 1.001) | the same gate at ±0.1% | `decoupled_geo_rs("0.999_1.001")` |
+Each preset: its OpenRLHF PolicyLoss(level, mode, gating, threshold) → what each trained token gets; verl's name.
+
+- `off`: level `off` (no correction argument to the constructor) → PPO loss as is; `disabled`.
+- `token_tis`: `token`, `clip`, `ratio`, (0.0, 2.0) → loss × min(ρ_t, 2) (truncated IS; the lower bound 0
+  never binds); `decoupled_token_is(threshold=2.0)`.
+- `token_mis`: `token`, `mask`, `ratio`, (0.5, 5.0) → ρ_t ∉ [0.5, 5]: dropped; else loss × ρ_t (IcePop);
+  `decoupled_token_icepop(5.0, 0.5)`.
+- `seq_mis`: `seq`, `mask`, `ratio`, (0.5, 2.0) → the row's geometric-mean ratio exp(mean_t log ρ_t) ∉ [0.5, 2]:
+  row dropped; else loss × ρ_t; the sequence MIS band `0.5_2.0` of `decoupled_seq_is_rs`.
+- `geo_rs`: `seq`, `mask`, `ratio`, (0.999, 1.001) → the same gate at ±0.1%; `decoupled_geo_rs("0.999_1.001")`.
 
 ρ_t = π_old(t) / π_behaviour(t). Where OpenRLHF differs from verl, cleaner follows OpenRLHF and says so:
 its sequence gate reads the per-token geometric mean (verl's `seq_mean_k1`, "geometric"), not the product
@@ -61,7 +64,7 @@ def correction_of(cfg: TrainConfig) -> Correction | None:
 
 
 def policy_loss_kwargs(cfg: TrainConfig) -> dict:
-    """The PolicyLoss arguments of the correction: none at all when it is off, so the loss is built exactly as before."""
+    """The PolicyLoss arguments of the correction: none at all when it is off, so the loss is OpenRLHF's default."""
     c = correction_of(cfg)
     if c is None:
         return {}

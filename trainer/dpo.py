@@ -1,4 +1,4 @@
-"""Negative-sample DPO on tool calls (issue 29 §5; Open-CLEANER's `use_dpo_on_tool_calls`, `dpo_beta`,
+"""Negative-sample DPO on tool calls (Open-CLEANER's `use_dpo_on_tool_calls`, `dpo_beta`,
 `dpo_max_adjustment_ratio`, off by default: the paper's appendix reports it destabilised training).
 
 Pairs need no extra rollout: the raw shard keeps, at every position where a retry recovered, each failed

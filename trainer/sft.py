@@ -1,10 +1,10 @@
 """Supervised fine-tuning on (token ids, loss mask) pairs: how the tiny bootstrap policy is trained.
 
-Loss only on mask-1 (assistant) tokens. Many small optimizer steps on one torch thread: on this
-2-core machine that is what makes the copy skill appear (measured before the policy was
-bootstrapped: in the same 10 minutes, batch 8 reached 93% accuracy and batch 16 none — copying operands
-into the code appears only after ~1.5–2.5k steps); the schedule warms up,
-holds, and only decays over the last part of training so it does not kill that late jump.
+Loss only on mask-1 (assistant) tokens. Many small optimizer steps on one torch thread: on this 2-core
+machine that is what makes the copy skill appear (measured on the bootstrap task: in the same 10 minutes,
+batch 8 reached 93% accuracy and batch 16 none — copying operands into the code appears only after
+~1.5–2.5k steps); the schedule warms up, holds, and only decays over the last part of training so it does
+not kill that late jump.
 """
 
 from __future__ import annotations

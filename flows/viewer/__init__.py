@@ -1,2 +1,2 @@
-"""`cleaner view`: the trajectory viewer (issue 32 §1). app.py routes, store.py and table.py read the catalog,
+"""`cleaner view`: the trajectory viewer. app.py routes, store.py and table.py read the catalog,
 tokens.py and align.py turn token ids into aligned text, trajectory.py and pages.py render, serve.py serves."""

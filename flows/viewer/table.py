@@ -112,7 +112,8 @@ WITH att AS (
     SELECT k.prompt_id, k.sample_idx, k.kind, k.reward,
            CASE WHEN $partition = '' THEN k.advantage ELSE p.advantage END AS advantage,
            coalesce(a.attempts, 0) AS attempts, coalesce(a.failures, 0) AS failures, a.labels,
-           coalesce(a.has_label, false) AS has_label, coalesce(p.splices, 0) AS splices, p.prompt_id IS NOT NULL AS in_part,
+           coalesce(a.has_label, false) AS has_label, coalesce(p.splices, 0) AS splices,
+           p.prompt_id IS NOT NULL AS in_part,
            s.response_tokens
     FROM raw_kinds k LEFT JOIN att a USING (prompt_id, sample_idx) LEFT JOIN part p USING (prompt_id, sample_idx)
     LEFT JOIN raw_summary s USING (prompt_id, sample_idx)

@@ -279,7 +279,8 @@ CASES = [
         "compare",
         "trailing spaces and blank lines",
         PAIRS,
-        "import sys\nfor _ in range(2):\n    a, b = map(int, input().split())\n    print(a + b, '  ')\nprint()\nprint()",
+        "import sys\nfor _ in range(2):\n    a, b = map(int, input().split())\n"
+        "    print(a + b, '  ')\nprint()\nprint()",
     ),
     ("compare", "a blank line inside the output counts", WORDS, "input()\nprint('YES')\nprint()\nprint(1, 2)"),
     ("compare", "a missing blank line inside the output", WORDS, "input()\nprint('YES')\nprint(1, 2)"),
@@ -346,7 +347,8 @@ CASES = [
         "call",
         "from __future__ import annotations",
         TOP,
-        "from __future__ import annotations\nclass Solution:\n    def top(self, nums: list[int], k: int) -> list[int]:\n"
+        "from __future__ import annotations\nclass Solution:\n"
+        "    def top(self, nums: list[int], k: int) -> list[int]:\n"
         "        return sorted(nums, reverse=True)[:k]",
     ),
     (

@@ -1,0 +1,24 @@
+"""The experiment runner's order of runs (experiments/run.py)."""
+
+from __future__ import annotations
+
+from experiments.run import run_order
+
+
+def test_runs_go_seed_by_seed_so_a_stopped_experiment_has_paired_seeds():
+    exp = {
+        "arms": {
+            "raw": {"seeds": [0, 1, 2], "overrides": []},
+            "plan_b": {"seeds": [0, 1, 2], "overrides": []},
+            "later": {"seeds": [0, 1, 2], "overrides": [], "pending": "not built"},
+            "plan_b_lived_raw": {"seeds": [0, 1, 2], "overrides": []},
+        }
+    }
+    order = [(arm, seed) for arm, seed, _ in run_order(exp)]
+    assert order[:3] == [("raw", 0), ("plan_b", 0), ("plan_b_lived_raw", 0)]
+    assert len(order) == 9 and ("later", 0) not in order
+    # whatever prefix ran, no arm is more than one seed ahead of another
+    for k in range(1, len(order) + 1):
+        done = {arm: sum(1 for a, _ in order[:k] if a == arm) for arm in ("raw", "plan_b", "plan_b_lived_raw")}
+        assert max(done.values()) - min(done.values()) <= 1, order[:k]
+    assert [(a, s) for a, s, _ in run_order(exp, ["plan_b"])] == [("plan_b", 0), ("plan_b", 1), ("plan_b", 2)]
