@@ -175,16 +175,22 @@ def steps_sentence(results: list[dict], arm: str, baseline: str, metric: str, sa
 
 
 def probe_sentences(probe: dict, alpha: float) -> list[str]:
-    """The probe's contrasts as written by experiments/probe.py (each with its mean, interval, n and Holm p)."""
+    """The probe's contrasts as experiments/probe.py stores them (analysis.contrasts: arm, baseline, mean, t-interval,
+    n and Holm p, with the probe's verdict), one sentence each."""
     out = []
-    for c in probe.get("contrasts", []):
+    for c in probe["analysis"]["contrasts"]:
         p = _p(float("nan") if c.get("p_holm") is None else c["p_holm"])
         out.append(
-            f"`{c['name']}`, Δ log-odds of the injected bug after one update: {c['mean']:+.3f} "
-            f"({100 * (1 - alpha):g}% t-interval [{c['low']:+.3f}, {c['high']:+.3f}], n = {c['n']} seeds; "
-            f"Holm p = {p}): {c.get('verdict', 'see the probe page')}."
+            f"`{c['arm']} − {c['baseline']}`, Δ log-odds of the injected bug after one update: {c['mean']:+.4f} "
+            f"({100 * (1 - alpha):g}% t-interval [{c['low']:+.4f}, {c['high']:+.4f}], n = {c['n']} seeds; "
+            f"Holm p = {p}): {c['verdict']}."
         )
     return out
+
+
+def probe_verdict(probe: dict) -> str:
+    """The probe's overall verdict: the paragraph of its verdict text that says it."""
+    return next((t for t in probe.get("verdict_text", []) if t.startswith("Overall")), "")
 
 
 # -- the page ----------------------------------------------------------------------------------------------------
@@ -301,9 +307,16 @@ def write(repo: Path = REPO) -> Path:
         lines.append(f"  (docs/results/{PLAN_B}.json is missing: `python -m experiments.run {plan_b.where}`)")
     lines += ["", "## The mechanism: a one-update gradient probe", ""]
     if probe:
-        lines += [f"- {s}" for s in probe_sentences(probe, alpha)]
-        if probe.get("verdict"):
-            lines += ["", f"Verdict on the explanation: {probe['verdict']}"]
+        lines += [
+            'The explanation tested: purification deletes the only direct "do not write this" signal raw GRPO '
+            "has (its failed calls trained under a negative advantage). One update from the start policy per "
+            "partition of each seed's iteration-0 raw shard; readout the change in the log-odds of an injected "
+            f"bug over {probe['bank_items']} labelled first calls ([page](gradient_probe.md)).",
+            "",
+            *[f"- {s}" for s in probe_sentences(probe, alpha)],
+            "",
+            probe_verdict(probe),
+        ]
     else:
         lines.append(
             f"- `partition − raw` probe: not run, docs/results/{PROBE}.json is missing (n = 0): "

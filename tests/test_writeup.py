@@ -109,16 +109,29 @@ def test_the_whole_writeup_carries_its_numbers_and_the_check_catches_a_bare_clai
     plan_b = yaml.safe_load(PLAN_B_CFG.read_text())
     (out / "plan_b_slowdown.json").write_text(json.dumps(_results(plan_b, {"plan_b": 0.05}, seeds=6)))
     probe = {
-        "contrasts": [
-            {"name": "splice_neg − raw", "mean": 0.4, "low": 0.1, "high": 0.7, "n": 8, "p_holm": 0.01, "verdict": "x"}
-        ],
-        "verdict": "confirmed",
+        "bank_items": 800,
+        "analysis": {
+            "contrasts": [
+                {
+                    "arm": "splice_neg",
+                    "baseline": "raw",
+                    "mean": 0.4,
+                    "low": 0.1,
+                    "high": 0.7,
+                    "n": 8,
+                    "p_holm": 0.01,
+                    "verdict": "confirmed",
+                }
+            ]
+        },
+        "verdict_text": ["Raw's own update ...", "Overall, the explanation is confirmed."],
     }
     (out / "gradient_probe.json").write_text(json.dumps(probe))
     text = writeup.write(tmp_path).read_text()
     assert writeup.unsupported_sentences(text) == []
     assert "`plan_b − raw`, very-first-call failure rate" in text and "plan_b is higher (worse) than raw" in text
     assert "`splice_neg − raw`, Δ log-odds" in text and "n = 8 seeds" in text
+    assert "Overall, the explanation is confirmed." in text
     # a finding typed in by hand without its numbers is caught
     assert writeup.unsupported_sentences(text + "\n## Extra\n\n- SAAR is slower.\n") == ["- SAAR is slower."]
 

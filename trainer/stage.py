@@ -159,7 +159,7 @@ def _carried_over(cfg: CleanerConfig, plan: UpdatePlan, log: Callable[[str], Non
     )
 
 
-def _trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str], None]) -> tuple:
+def build_trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str], None]) -> tuple:
     """The policy on its device and its GRPO update, optimizer and schedule continued from checkpoint I."""
     from pipeline.devices import prepare_device, resolve_device
     from trainer.grpo import GRPOUpdate
@@ -193,7 +193,7 @@ def _train(
     from trainer.resume import load_local, partial_dir, save_local
 
     inputs = update_inputs(cfg, plan.run_id, plan.iteration)
-    model, update = _trainer(cfg, inputs, log)
+    model, update = build_trainer(cfg, inputs, log)
     key = inputs.key(cfg)
     partial = partial_dir(plan.target)
     progress = load_local(partial, model, update, key) or UpdateProgress()
