@@ -37,8 +37,8 @@ from storage.shards import read_manifest
 raw, staging, policy, mode, threshold = sys.argv[1:6]
 parts = tuple((raw, dataclasses.asdict(p)) for p in read_manifest(Path(raw)).parts)
 t0 = time.perf_counter()
-beam_pipeline.run(beam_pipeline.PurifyJob(parts, (Variant.of(mode, float(threshold)),), staging, policy, recompute="cpu",
-                                          checkpoint=policy))
+beam_pipeline.run(beam_pipeline.PurifyJob(parts, (Variant.of(mode, float(threshold)),), staging, policy,
+                                          recompute="cpu", checkpoint=policy))
 print(json.dumps({"wall": time.perf_counter() - t0}))
 """
 _OLD = """
@@ -155,7 +155,8 @@ def run(repeat: int = 3) -> BenchResult:
         )
         notes.append(
             f"live: {TASKS} tasks × 4 samples, best of {repeat} interleaved (by wall; 1-minute load "
-            f"average {os.getloadavg()[0]:.1f} at the end); {n_scored} rollbacks scored in {forwards} batched forwards, {scoring:.2f} s: a "
+            f"average {os.getloadavg()[0]:.1f} at the end); {n_scored} rollbacks scored in {forwards} batched "
+            f"forwards, {scoring:.2f} s: a "
             "rollback is scored once its retry's tool result is back, together with every rollback asked by "
             "then, each row on its trajectory's kept KV. The share counts those forwards in full; their KV is "
             f"kept, and the turns after the retries that replaced their failed turn reused {saved} of the "

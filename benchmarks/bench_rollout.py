@@ -1,15 +1,21 @@
 """Rollout phase: CPU engine vs transformers `generate`, the sandbox pool vs a fresh process per
 call, the wall-time overhead of live SAAR retries (live mode `purified` vs `raw`), and the
 asynchronous loop vs the lockstep one (issue 17; `benchmarks/lockstep_engine.py` is the engine the
-lockstep loop ran on before, frozen as the baseline)."""
+lockstep loop ran on before, frozen as the baseline). And the CPU engine's generation and the rollout stage
+vs the same in the tree of commit BEFORE_STAGES (before the stages became plan → execute → commit),
+extracted with `git archive` and driven through its own API by `worker` below, alternated with this tree's
+in the same run."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -30,13 +36,24 @@ from flows.eval_cmd import TIMING_FIELDS
 from rollout_gen.evaluate import world_metrics
 
 
-def _engine_vs_generate(rows: list[Row], notes: list[str]) -> None:
+BEFORE_STAGES = "e76a902"  # the last commit before the stages as plan → execute → commit (#43)
+ROUNDS = 4  # this tree's worker and BEFORE_STAGES's alternate this many times, the first swapped every round
+ENGINE_REPS = 5  # timed engine batches per worker (~1 s each), after one warm-up
+STAGE_REPS = 2  # timed rollout stages per worker (~10 s each), after one warm-up
+STAGE_TASKS = 32  # × 4 samples: the rollout stage's trajectories in the comparison with BEFORE_STAGES
+
+
+def _engine_inputs():
+    """The engine-vs-generate batch: 16 training tasks × 4 samples, at most 96 new tokens, stop on <|im_end|>."""
     cfg = load_config(None)
     chat = load_chat(DEFAULT_POLICY)
     tasks = training_tasks(cfg.world, 16, seed=7)
     prompts = [chat.prompt_ids(t.question) for t in tasks for _ in range(4)]
-    stop = tuple(sorted(chat.stop_ids))
-    max_new = 96
+    return chat, prompts, tuple(sorted(chat.stop_ids)), 96
+
+
+def _engine_vs_generate(rows: list[Row], notes: list[str]) -> None:
+    chat, prompts, stop, max_new = _engine_inputs()
     engine = CPUEngine(DEFAULT_POLICY)
     model = engine.model
     counted = {}
@@ -346,7 +363,8 @@ def _async_rollout(rows: list[Row], notes: list[str]) -> None:
                     best["lockstep"],
                     "s",
                     higher_is_better=False,
-                    target=f"reported: lockstep / this = the most any loop could gain ({best['lockstep'] / chain:.2f}×)",
+                    target="reported: lockstep / this = the most any loop could gain "
+                    f"({best['lockstep'] / chain:.2f}×)",
                 )
             )
             rows.append(
@@ -368,7 +386,8 @@ def _async_rollout(rows: list[Row], notes: list[str]) -> None:
                     best["lockstep"],
                     "s",
                     higher_is_better=False,
-                    target=f"reported: the most any loop with these workers could gain ({best['lockstep'] / capacity:.2f}×)",
+                    target="reported: the most any loop with these workers could gain "
+                    f"({best['lockstep'] / capacity:.2f}×)",
                 )
             )
         same = all(ids[k] == ids["lockstep"] for k in kinds)
@@ -466,6 +485,158 @@ def _eval_world(rows: list[Row], notes: list[str], cfg) -> None:
     )
 
 
+def worker(work: Path, engine_reps: int = ENGINE_REPS, stage_reps: int = STAGE_REPS) -> dict:
+    """With the code on the path, this tree's or BEFORE_STAGES's in its own tree (benchmarks.common.tree_worker;
+    every name used here is in both): the engine-vs-generate batch on CPUEngine.generate, one warm-up and
+    `engine_reps` timed; then the rollout stage (run_rollout_stage on the CPU engine, STAGE_TASKS tasks × 4
+    samples, its own storage root each time, model load, sandbox and commit included), one warm-up and
+    `stage_reps` timed."""
+    from rollout_gen.stage import run_rollout_stage
+    from storage.layout import RunLayout
+    from storage.schemas import RAW
+    from storage.shards import read_shard
+
+    torch.set_num_threads(1)
+    _, prompts, stop, max_new = _engine_inputs()
+    engine = CPUEngine(DEFAULT_POLICY)
+    counted = []
+
+    def generate() -> None:
+        gens = engine.generate(
+            prompts,
+            SamplingParams(max_new, 1.0, 1.0, stop),
+            seeds=list(range(len(prompts))),
+            shared_prefix=[len(p) for p in prompts],
+        )
+        counted.append(sum(len(g.output_ids) for g in gens))
+
+    generate()
+    t_engine, cpu_engine = [], []
+    for _ in range(engine_reps):
+        c0 = time.process_time()
+        t_engine.append(best_of(generate, 1))
+        cpu_engine.append(time.process_time() - c0)
+    engine.close()
+    stage = []
+    for k in range(stage_reps + 1):
+        root = work / f"stage-{k}"
+        cfg = load_config(
+            None,
+            [
+                f"storage.root={root}",
+                f"rollout.tasks_per_iteration={STAGE_TASKS}",
+                "rollout.samples_per_prompt=4",
+                "rollout.seed=11",
+            ],
+        )
+        t0, c0 = time.perf_counter(), time.process_time()
+        run_rollout_stage(cfg, "bench", 0, DEFAULT_POLICY, show_progress=False)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        raw = read_shard(RunLayout(root, "bench").raw_dir(0), RAW).to_pylist()
+        tokens = sum(r["stats"]["generated_tokens"] for r in raw)
+        stage.append({"s": wall, "cpu_s": cpu, "traj": len(raw), "tokens": tokens})
+        shutil.rmtree(root, ignore_errors=True)
+    timed = stage[1:]
+    fastest = max(timed, key=lambda r: r["tokens"] / r["s"])
+    return {
+        "engine_tokens_per_s": counted[-1] / min(t_engine),
+        "engine_tokens_per_cpu_s": counted[-1] / min(cpu_engine),
+        "engine_tokens": sorted(set(counted)),
+        "engine_s": t_engine,
+        "stage_tokens_per_s": fastest["tokens"] / fastest["s"],
+        "stage_tokens_per_cpu_s": max(r["tokens"] / r["cpu_s"] for r in timed),
+        "stage": timed,
+    }
+
+
+def _vs_before(rows: list[Row], notes: list[str]) -> None:
+    """This tree's worker and BEFORE_STAGES's, alternated ROUNDS times (the order swapped every round), each in a
+    process of its own; each side's best."""
+    import tempfile
+
+    from benchmarks.common import archived_tree, cpu_counters, load_note, swing, tree_worker
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    try:
+        here, before = Path(__file__).resolve().parent.parent, archived_tree(BEFORE_STAGES, tmp)
+        since = cpu_counters()
+        got: dict[str, list[dict]] = {"ours": [], "before": []}
+        for k in range(ROUNDS):
+            for side, tree in ((("ours", here), ("before", before)) * 2)[k % 2 : k % 2 + 2]:
+                work = tmp / f"worker-{side}-{k}"
+                work.mkdir()
+                got[side].append(tree_worker(tree, Path(__file__).resolve(), "worker", str(work)))
+        load = load_note(since)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_round = {
+        key: [a[key] / b[key] for a, b in zip(got["ours"], got["before"])]
+        for key in ("engine_tokens_per_s", "stage_tokens_per_s", "engine_tokens_per_cpu_s", "stage_tokens_per_cpu_s")
+    }
+    best = {side: {key: max(r[key] for r in runs) for key in per_round} for side, runs in got.items()}
+    o, b = best["ours"], best["before"]
+    rows.append(
+        Row(
+            f"CPU engine generation (64 rows, single turn, with log-probs) vs cleaner before the stages' plan → "
+            f"execute → commit ({BEFORE_STAGES}, same run)",
+            o["engine_tokens_per_s"],
+            b["engine_tokens_per_s"],
+            "tokens/s",
+            target=">= 0.95×",
+            passed=o["engine_tokens_per_s"] >= 0.95 * b["engine_tokens_per_s"],
+        )
+    )
+    rows.append(
+        Row(
+            f"rollout stage on the CPU engine ({STAGE_TASKS} tasks × 4 samples, end to end) vs cleaner before the "
+            f"stages' plan → execute → commit ({BEFORE_STAGES}, same run)",
+            o["stage_tokens_per_s"],
+            b["stage_tokens_per_s"],
+            "generated tokens/s",
+            target=">= 0.95×",
+            passed=o["stage_tokens_per_s"] >= 0.95 * b["stage_tokens_per_s"],
+        )
+    )
+
+    def tokens(side: str) -> str:
+        runs = [s for r in got[side] for s in r["stage"]]
+        counts = sorted({(s["traj"], s["tokens"]) for s in runs})
+        return "; ".join(f"{t} trajectories, {n:,} generated tokens" for t, n in counts)
+
+    engine_tokens = {side: sorted({n for r in runs for n in r["engine_tokens"]}) for side, runs in got.items()}
+    notes.append(
+        f"vs {BEFORE_STAGES}: `worker` run in this tree and in {BEFORE_STAGES}'s (git archive; its own code on "
+        f"PYTHONPATH, through its own API), each in a process of its own, alternated {ROUNDS} times (this tree "
+        f"first in odd rounds, {BEFORE_STAGES} first in even ones), each process "
+        f"one warm-up and {ENGINE_REPS} timed runs of the engine batch, {STAGE_REPS} of the stage; each side's "
+        f"best. Engine: the engine-vs-generate batch above, {engine_tokens['ours']} tokens here, "
+        f"{engine_tokens['before']} before"
+        + (" (the same sampled tokens)" if engine_tokens["ours"] == engine_tokens["before"] else "")
+        + "; ratio per round "
+        + ", ".join(f"{r:.2f}×" for r in per_round["engine_tokens_per_s"])
+        + f" ({swing(per_round['engine_tokens_per_s'])})"
+        + "; by the process's CPU time instead of wall time "
+        + f"{o['engine_tokens_per_cpu_s'] / b['engine_tokens_per_cpu_s']:.2f}× (best per side; per round "
+        + ", ".join(f"{r:.2f}×" for r in per_round["engine_tokens_per_cpu_s"])
+        + ")"
+        + f". Stage: run_rollout_stage on a fresh storage root (training tasks, seed 11; model load, sandbox pool, "
+        f"agent loop and the raw shard's commit), generated tokens over its wall time: here {tokens('ours')}, "
+        f"before {tokens('before')}"
+        + (
+            " (the same)"
+            if tokens("ours") == tokens("before")
+            else f" (they differ: a retry's seed is its own since {BEFORE_STAGES}, rollout_gen.agent.SEEDING)"
+        )
+        + "; ratio per round "
+        + ", ".join(f"{r:.2f}×" for r in per_round["stage_tokens_per_s"])
+        + f" ({swing(per_round['stage_tokens_per_s'])})"
+        + f"; by the stage process's CPU time {o['stage_tokens_per_cpu_s'] / b['stage_tokens_per_cpu_s']:.2f}× "
+        "(the sandbox's processes not counted; per round "
+        + ", ".join(f"{r:.2f}×" for r in per_round["stage_tokens_per_cpu_s"])
+        + f"). The machine (2 cores) was shared: {load}; the ratio is the measure, not the absolute figures"
+    )
+
+
 def run() -> BenchResult:
     torch.set_num_threads(1)
     rows: list[Row] = []
@@ -473,6 +644,7 @@ def run() -> BenchResult:
     _engine_vs_generate(rows, notes)
     _sandbox(rows, notes)
     _saar_overhead(rows, notes)
+    _vs_before(rows, notes)
     return BenchResult("rollout", "Rollout phase on the committed tiny policy (one torch thread).", rows, notes)
 
 
@@ -494,3 +666,7 @@ def run_async() -> BenchResult:
         rows,
         notes,
     )
+
+
+if __name__ == "__main__":  # python -P benchmarks/bench_rollout.py worker WORK (see worker)
+    print(json.dumps(worker(Path(sys.argv[2]))))

@@ -62,9 +62,11 @@ def run(n: int = 100_000) -> BenchResult:
     ]
     return BenchResult(
         name="storage",
-        description=f"Writing and reading {n:,} synthetic raw trajectories (nested attempt tree, {size / 2**20:.0f} MiB "
+        description=f"Writing and reading {n:,} synthetic raw trajectories (nested attempt tree, "
+        f"{size / 2**20:.0f} MiB "
         "zstd Parquet) through storage/ (temp-name parts, fsync, rename, crc32 manifest; validating reader) vs plain "
-        "`pyarrow.parquet.write_table`/`read_table` of the same table with the same compression. Interleaved runs, best of 5 each.",
+        "`pyarrow.parquet.write_table`/`read_table` of the same table with the same compression. Interleaved runs, "
+        "best of 5 each.",
         rows=rows_out,
         notes=[f"building the Arrow table from dataclasses took {build_s:.1f} s (not timed in either side)"],
     )

@@ -39,9 +39,13 @@ def run() -> BenchResult:
         ),
     ]
     notes = [
-        f"bootstrap figures are those recorded in policies/tiny-tool-policy/PROVENANCE.json by `{prov['command'].strip()}` "
+        "bootstrap figures are those recorded in policies/tiny-tool-policy/PROVENANCE.json by "
+        f"`{prov['command'].strip()}` "
         f"({prov['config']['sft']['steps']} SFT steps, "
         f"{prov['corpus']['transcripts']} transcripts); rerun it with `cleaner bootstrap --out DIR` (about 18 min).",
-        f"the evaluation episode metrics: {json.dumps({k: metrics[k] for k in ('well_formed_call_rate', 'first_call_failure_rate', 'retry_success_rate')})}",
+        "the evaluation episode metrics: "
+        + json.dumps(
+            {k: metrics[k] for k in ("well_formed_call_rate", "first_call_failure_rate", "retry_success_rate")}
+        ),
     ]
     return BenchResult("world", "The committed tiny policy: bootstrap cost and generation speed.", rows, notes)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -102,6 +104,70 @@ def interleaved_best(a: Callable[[], object], b: Callable[[], object], repeat: i
         ta = min(ta, best_of(a, 1))
         tb = min(tb, best_of(b, 1))
     return ta, tb
+
+
+def archived_tree(commit: str, into: Path) -> Path:
+    """The repository's tree at `commit`, extracted under `into` with `git archive` (the repository is only
+    read): an earlier cleaner to run a benchmark's worker in, in the same run as today's."""
+    tree = Path(into) / f"tree-{commit}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", commit], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def tree_worker(tree: Path, script: Path, *args: str) -> dict:
+    """Run `script` (a benchmark file of today's tree) as a program with `tree`'s code alone on the path
+    (PYTHONPATH=tree, `-P`: not the script's folder), in `tree`; its last stdout line, as JSON. The script's
+    imports resolve in `tree`, so an earlier tree is driven through its own API."""
+    out = subprocess.run(
+        [sys.executable, "-P", str(script), *args],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+    if out.returncode:
+        raise RuntimeError(f"{script.name} {' '.join(args)} in {tree} exited {out.returncode}:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def cpu_counters() -> list[int]:
+    """/proc/stat's all-CPU jiffies (user, nice, system, idle, iowait, irq, softirq, steal); [] where absent."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def load_note(since: list[int]) -> str:
+    """How busy the machine was since `cpu_counters()` returned `since`: the load average now, and the
+    share of all cores' time that niced (background) processes took meanwhile."""
+    load = "load average " + " / ".join(f"{v:.2f}" for v in os.getloadavg()) + " (1/5/15 min)"
+    now = cpu_counters()
+    if not since or not now:
+        return f"{load} on {os.cpu_count()} cores"
+    delta = [b - a for a, b in zip(since, now)]
+    total = sum(delta) or 1
+    return (
+        f"{load} on {os.cpu_count()} cores at the end; meanwhile niced processes (nice > 0) took "
+        f"{delta[1] / total:.0%} of all cores' time, processes not niced (this benchmark's included) "
+        f"{(delta[0] + delta[2]) / total:.0%}, idle "
+        f"{(delta[3] + delta[4]) / total:.0%}"
+    )
+
+
+def swing(ratios: list[float], band: float = 0.1) -> str:
+    """What ratios measured in alternated rounds say about noise: steady, or a swing (max/min over 1 + band)
+    inside which a ratio is not a measured change."""
+    lo, hi = min(ratios), max(ratios)
+    if hi <= lo * (1 + band):
+        return f"steady across rounds: {lo:.2f}–{hi:.2f}×"
+    return (
+        f"it SWINGS from {lo:.2f}× to {hi:.2f}× between rounds: at this load a ratio inside that band is noise, not a "
+        "measured change"
+    )
 
 
 def record(result: BenchResult) -> None:

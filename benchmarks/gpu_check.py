@@ -823,7 +823,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         prog="scripts/gpu_check.sh",
         description=(
             "The GPU check for an air-gapped CUDA machine: rollout, recompute, log-prob gap, local and DeepSpeed "
-            "updates at Qwen3-0.6B and Qwen3-4B shapes; report.json + report.md (RESULTS.md's gpu section) under --out. "
+            "updates at Qwen3-0.6B and Qwen3-4B shapes; report.json + report.md (RESULTS.md's gpu section) "
+            "under --out. "
             "`scripts/gpu_check.sh --sglang --help`: the SGLang path for connected machines."
         ),
     )

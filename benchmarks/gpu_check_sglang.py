@@ -1120,7 +1120,8 @@ def render_markdown(r: dict) -> str:
             lines.append(
                 f"| {it['iteration']} | `{Path(rl['checkpoint']).name}` | {_v(rl['wall_s'])} | "
                 f"{_v(rl['server_vs_new']['mean'])} | {_v(rl['server_vs_old']['mean'])} | "
-                f"{_v(rl['moved_fraction'])} | {_v(rl['verified'])} | {_v(rl['model_info'].get('model_path', rl['model_info']))} |"
+                f"{_v(rl['moved_fraction'])} | {_v(rl['verified'])} | "
+                f"{_v(rl['model_info'].get('model_path', rl['model_info']))} |"
             )
     lines += ["", "## Wall time per stage (s)", "", "| stage | iteration | status | wall s |", "|---|---|---|---|"]
     for s in r.get("stages", []):

@@ -69,7 +69,9 @@ ANSWER = (
     "failure rate −0.026, 95% t-interval [−0.068, +0.016]; on pass@1 +0.002 [−0.003, +0.008]. Outcome-aware "
     "saar_correct lowered that failure rate against raw by 0.061 ([−0.089, −0.033]), and the reference's DPO on "
     "tool calls (train.use_dpo_on_tool_calls=true) lowered it against saar by 0.099 ([−0.114, −0.084]); no arm "
-    "changed pass@1 detectably. One small synthetic world: check on your own tasks before relying on it"
+    "changed pass@1 detectably. One small synthetic world: check on your own tasks before relying on it. For γ, "
+    "sweep your own first raw shard (cleaner replay --run R --iteration 0 --sweep): in this world every γ up to "
+    "0.6–0.84 gives the same training data, so it gives no γ advice"
 )
 TOKEN_RULE = (
     "token-level rule, a hypothesis the pre-registered experiment did not bear out (" + ANSWER_WRITEUP + "): "
