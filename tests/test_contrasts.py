@@ -349,13 +349,15 @@ def test_the_saar_experiment_file_checks_without_running(capsys):
     from experiments.run import REPO, main
 
     path = REPO / "configs" / "experiments" / "should_i_turn_saar_on.yaml"
+    store = REPO / "workspace" / "experiments-should-i-turn-saar-on"
+    before = sorted(store.iterdir()) if store.exists() else None  # a finished experiment's store may be there
     assert main([str(path), "--check"]) == 0
     out = capsys.readouterr().out
     for arm in ("raw", "saar", "saar_lived_raw", "saar_correct", "saar_dpo", "raw_seq_mean"):
         assert f"[experiment] {arm}: seeds [0, 1, 2, 3, 4, 5, 6, 7]" in out
     assert "pending" not in out and Path(path).read_text().count("train.loss_agg=seq_mean") == 1
     assert "12 contrasts (pre-registered), Holm at alpha 0.05" in out
-    assert not (REPO / "workspace" / "experiments-should-i-turn-saar-on").exists()  # nothing ran
+    assert (sorted(store.iterdir()) if store.exists() else None) == before  # nothing ran
     assert Path(path).read_text().count("train.use_dpo_on_tool_calls=true") == 1
 
 
