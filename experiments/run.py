@@ -80,7 +80,19 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
             text=True,
         ).stdout.splitlines()[-1]
     )
-    return {"arm": name, "seed": seed, "run_id": run_id, "train_s": train_s, "evals": evals}
+    return {"arm": name, "seed": seed, "run_id": run_id, "commit": code_commit(), "train_s": train_s, "evals": evals}
+
+
+def code_commit() -> str | None:
+    """The commit the runs' code is at ("+dirty" with uncommitted changes), None outside a git checkout: each
+    result says which code made it."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True
+    )
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def eval_iterations(iterations: int, every: int) -> list[int]:

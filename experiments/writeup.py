@@ -200,6 +200,10 @@ def _design(e: Experiment) -> list[str]:
     seeds = sorted({r["seed"] for r in e.results})
     arms = list(dict.fromkeys(r["arm"] for r in e.results))
     lines = [f"- `{e.where}`: arms {', '.join(f'`{a}`' for a in arms)}; seeds {seeds} (n = {len(seeds)} per arm)."]
+    lines += [f"  - {b.strip()}" for b in e.exp.get("banners", [])]
+    commits = sorted({r["commit"] for r in e.results if r.get("commit")})
+    if commits:
+        lines.append(f"  - code: {', '.join(commits)} (recorded by each run)")
     for name, spec in e.exp["arms"].items():
         lines.append(f"  - `{name}`: {' '.join(spec['overrides'])}")
     return lines

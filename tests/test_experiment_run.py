@@ -22,3 +22,14 @@ def test_runs_go_seed_by_seed_so_a_stopped_experiment_has_paired_seeds():
         done = {arm: sum(1 for a, _ in order[:k] if a == arm) for arm in ("raw", "plan_b", "plan_b_lived_raw")}
         assert max(done.values()) - min(done.values()) <= 1, order[:k]
     assert [(a, s) for a, s, _ in run_order(exp, ["plan_b"])] == [("plan_b", 0), ("plan_b", 1), ("plan_b", 2)]
+
+
+def test_each_result_says_which_code_made_it(tmp_path, monkeypatch):
+    import subprocess
+
+    import experiments.run as run
+
+    head = subprocess.run(["git", "-C", str(run.REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert run.code_commit().split("+")[0] == head.stdout.strip()
+    monkeypatch.setattr(run, "REPO", tmp_path)  # a copy of the tree without git: nothing to say, not a guess
+    assert run.code_commit() is None

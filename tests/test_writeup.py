@@ -129,6 +129,7 @@ def test_the_whole_writeup_carries_its_numbers_and_the_check_catches_a_bare_clai
     (out / "gradient_probe.json").write_text(json.dumps(probe))
     text = writeup.write(tmp_path).read_text()
     assert writeup.unsupported_sentences(text) == []
+    assert "  - Run on code ba15f11" in text  # the experiment file's banner: which code made the results
     assert "`plan_b − raw`, very-first-call failure rate" in text and "plan_b is higher (worse) than raw" in text
     assert "`splice_neg − raw`, Δ log-odds" in text and "n = 8 seeds" in text
     assert "Overall, the explanation is confirmed." in text
