@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         # the interrupt is handled: one delivered again while the command's threads and servers wind down (a
         # terminal's Ctrl-C reaches the whole process group) must not end it by the signal instead of exit 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A Ctrl-C that landed in code run from a string (dataclasses and namedtuple build their methods with
+        # exec at import) leaves CPython's mark of an unhandled Ctrl-C set, and under `python -m` it then ends
+        # the process by SIGINT at exit, handled or not; running a string again clears that mark.
+        exec("None")
         return 130
 
 
