@@ -3,15 +3,13 @@ batch, each side in its own process (for a clean peak-memory reading); and vs cl
 before issue 29 (`before`: whole groups per micro-batch, lm_head at every position in checkpointed
 512-position chunks), run in the same invocation, interleaved with `ours`, since this machine's speed varies
 by up to 2x between hours. And vs the same update before each stage had a device of its own (`pre_devices`:
-the code at commit PRE_DEVICES, extracted with `git archive` into a temporary folder and run there by its own
-worker), the cost of the device plumbing on the CPU."""
+the code at commit PRE_DEVICES, extracted with `git archive` into a temporary folder, where this file's worker
+runs on that tree's code), the cost of the device plumbing on the CPU."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,24 +71,27 @@ def _before_action_log_probs(actor, sequences, action_mask, attention_mask, retu
     return log_probs[:, -action_mask.shape[1] :] * action_mask.float(), None
 
 
-def _rows(root: Path):
+def _rows(purified_file: Path):
+    """The batch, from a plain Parquet file of purified rows, read as this code's purified schema: PRE_DEVICES's
+    (purified/2) has today's columns and types, but refuses a committed purified/3 shard."""
+    import pyarrow.parquet as pq
+
     from pipeline.trajectory import purified_from_row
-    from storage.layout import RunLayout
     from storage.schemas import PURIFIED
-    from storage.shards import read_shard
 
-    d = RunLayout(root, "bench").purified_dir(0, "saar", 0.5)
-    return [purified_from_row(r) for r in read_shard(d, PURIFIED).to_pylist()]
+    table = pq.read_table(purified_file).select(PURIFIED.names).cast(PURIFIED)
+    return [purified_from_row(r) for r in table.to_pylist()]
 
 
-def worker(side: str, root: Path) -> dict:
+def worker(side: str, purified_file: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.config import DEFAULT_POLICY, TrainConfig
 
     torch.set_num_threads(1)
-    rows = _rows(root)
+    rows = _rows(purified_file)
+    root = purified_file.parent
     tokens = sum(sum(r.loss_mask) for r in rows)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
     cfg = TrainConfig(mini_batches=1, lr=1e-5, warmup_steps=0)  # default micro-batch budget
@@ -170,21 +171,17 @@ def worker(side: str, root: Path) -> dict:
     }
 
 
-def _pre_devices_tree(tmp: Path) -> Path:
-    """The checkout at PRE_DEVICES, extracted (git archive: the repository is only read)."""
-    repo = Path(__file__).resolve().parent.parent
-    tree = tmp / "pre-devices"
-    tree.mkdir()
-    archive = subprocess.run(["git", "-C", str(repo), "archive", PRE_DEVICES], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return tree
-
-
 def run() -> BenchResult:
+    import pyarrow.parquet as pq
+
+    from benchmarks.common import archived_tree, tree_worker
     from pipeline.config import load_config
     from purifier.stage import run_purify_stage
     from rollout_gen.stage import run_rollout_stage
     from pipeline.config import DEFAULT_POLICY
+    from storage.layout import RunLayout
+    from storage.schemas import PURIFIED
+    from storage.shards import read_shard
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     try:
@@ -200,20 +197,14 @@ def run() -> BenchResult:
         )
         run_rollout_stage(cfg, "bench", 0, DEFAULT_POLICY, show_progress=False)
         run_purify_stage(cfg, "bench", 0)
+        batch = tmp / "purified.parquet"  # plain Parquet: each tree reads it as its own purified schema
+        pq.write_table(read_shard(RunLayout(tmp, "bench").purified_dir(0, "saar", 0.5), PURIFIED), batch)
         res: dict[str, dict] = {}
-        here, pre = Path(__file__).resolve().parent.parent, _pre_devices_tree(tmp)
+        here, pre = Path(__file__).resolve().parent.parent, archived_tree(PRE_DEVICES, tmp)
         for side in ["ours", "before", "pre_devices"] * ROUNDS + ["trl"]:
-            # pre_devices: the same worker's `ours`, in the tree of PRE_DEVICES (its own code on PYTHONPATH)
+            # pre_devices: this file's `ours`, on the code of PRE_DEVICES's tree
             tree, arg = (pre, "ours") if side == "pre_devices" else (here, side)
-            out = subprocess.run(
-                [sys.executable, "-m", "benchmarks.bench_trainer", arg, str(tmp)],
-                capture_output=True,
-                text=True,
-                check=True,
-                cwd=tree,
-                env={**os.environ, "PYTHONPATH": str(tree)},
-            )
-            got = json.loads(out.stdout.strip().splitlines()[-1])
+            got = tree_worker(tree, Path(__file__).resolve(), arg, str(batch))
             if side not in res or got["tokens_per_s"] > res[side]["tokens_per_s"]:
                 res[side] = got
     finally:
@@ -261,12 +252,11 @@ def run() -> BenchResult:
             f"batch: {o['rows']} purified trajectories, {o['tokens']} trained tokens; mean of {STEPS} steps "
             "after one warm-up, one torch thread. cleaner packs the mini-batch's rows by length into micro-batches "
             f"(train.micro_batch_tokens, default 8192) with exact token-mean accumulation; TRL's step is "
-            "one padded batch. Before issue 29 (baseline of the last two rows): whole groups per micro-batch, "
-            "so the batch's one 650-token and one 428-token row padded their micro-batch-mates to that width "
-            "(15,320 padded tokens for 7,911 real; packed as rows by length: 8,344), and lm_head at every position in "
+            "one padded batch. Before issue 29 (baseline of the middle two rows): whole groups per micro-batch, "
+            "so a group's longest row set the width its short rows were padded to, and lm_head at every position in "
             f"checkpointed 512-position chunks. ours and before alternate {ROUNDS} times; each reports its "
             "faster run",
-            f"the last row: the same worker in the tree of commit {PRE_DEVICES} (git archive), before the "
+            f"the last row: this file's worker on the code of commit {PRE_DEVICES} (git archive), before the "
             "stages had rollout/purify/train.device: micro-batches built row by row on the CPU; now "
             "built from host lists in one copy per tensor on train.device (the CPU here), with the "
             "update's model and optimizer at the fp32 default; alternated with ours",
