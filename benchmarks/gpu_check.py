@@ -639,6 +639,8 @@ def card(device: str) -> dict:
 
 
 def drive(args) -> dict:
+    from benchmarks.common import machine_info
+
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.out / "work"
     work.mkdir(exist_ok=True)
@@ -650,6 +652,7 @@ def drive(args) -> dict:
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": args.device,
         "card": card(args.device),
+        "machine": machine_info(),  # the host the card sits in, for RESULTS.md wherever the report is recorded
         "versions": versions(),
         "tokens": args.tokens,
         "budget_s": args.budget,
@@ -814,8 +817,34 @@ def record_results(r: dict) -> None:
             "trajectories at Qwen3-0.6B and Qwen3-4B shapes (random weights, the real tokenizer)",
             rows,
             notes=[ln for ln in render_markdown(r).splitlines() if ln.startswith("Peak:")] + failed,
+            # the machine and time of the run, not of the checkout that records it (`--record-from`)
+            machine=r.get("machine") or {k: r["versions"].get(k) for k in ("python", "torch")},
+            when=r["when"],
         )
     )
+
+
+def _refuse(message: str) -> int:
+    print(f"gpu_check: {message}", file=sys.stderr)
+    return 2
+
+
+def record_from(path: Path) -> int:
+    """`--record-from`: a GPU machine's report.json into RESULTS.md here; one line and exit 2 for a file that is not
+    one (missing, not JSON, without its card or sections, or a CPU run's, which has no GPU figures)."""
+    try:
+        report = json.loads(path.read_text())
+        name, sections = report["card"]["name"], report["sections"]
+    except KeyError as e:
+        return _refuse(f"--record-from {path}: not a GPU check's report.json (no field {e})")
+    except (OSError, ValueError, TypeError) as e:
+        return _refuse(f"--record-from {path}: not a GPU check's report.json ({e})")
+    if name == "cpu":
+        return _refuse(f"--record-from {path}: a --device cpu run's report has no GPU figures")
+    record_results(report)
+    ok = sum(bool(s.get("ok")) for s in sections)
+    log(f"wrote the gpu section of benchmarks/RESULTS.md from {path} ({name}, {ok}/{len(sections)} sections ok)")
+    return 0
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -851,6 +880,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; sections after it are skipped (default 330)")
     ap.add_argument("--out", type=Path, default=ROOT / "workspace" / "gpu-check")
     ap.add_argument("--record", action="store_true", help="write the report into benchmarks/RESULTS.md (gpu section)")
+    ap.add_argument(
+        "--record-from",
+        type=Path,
+        metavar="REPORT_JSON",
+        help="write a report.json that a GPU machine wrote into this checkout's benchmarks/RESULTS.md (gpu section) "
+        "and run nothing: for a check run elsewhere whose report came back as a file",
+    )
     args = ap.parse_args(argv)
     if args.record and args.device == "cpu":
         ap.error("--record writes GPU figures into benchmarks/RESULTS.md; a --device cpu run has none")
@@ -867,6 +903,8 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--measure-cpu"]:
         return measure_cpu(Path(argv[1]), Path(argv[2]))
     args = parse(argv)
+    if args.record_from:
+        return record_from(args.record_from)
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -414,3 +414,45 @@ def test_the_wheelhouse_is_installed_with_no_index_and_openrlhfs_tests_package_r
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and last.startswith(f"gpu_check: the wheels in {wheels} do not install with")
     assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.slow
+def test_a_gpu_machines_report_is_recorded_here_and_a_cpu_report_is_refused(device_checked, tmp_path, monkeypatch):
+    """The device machine's files come back as files (its RESULTS.md does not): `--record-from report.json` writes
+    the gpu section here. The report is the CPU run's with a card put in its place (no GPU here); its own card
+    is refused, as are files that are not a report."""
+    import benchmarks.common
+    from benchmarks import gpu_check
+
+    report, out, _ = device_checked
+    monkeypatch.setattr(benchmarks.common, "RESULTS_JSON", tmp_path / "results.json")
+    monkeypatch.setattr(benchmarks.common, "RESULTS_MD", tmp_path / "RESULTS.md")
+    assert gpu_check.main(["--record-from", str(out / "report.json")]) == 2
+    missing, not_json, no_card = tmp_path / "missing.json", tmp_path / "not.json", tmp_path / "no-card.json"
+    not_json.write_text("{")
+    no_card.write_text(json.dumps({"sections": []}))
+    for bad in (missing, not_json, no_card):
+        assert gpu_check.main(["--record-from", str(bad)]) == 2
+    assert not (tmp_path / "RESULTS.md").exists()
+
+    card = {"name": "NVIDIA H200", "memory_bytes": 150_122_774_528, "cuda": "13.0", "peak_bf16_flops": 989e12}
+    gpu = tmp_path / "report.json"
+    gpu.write_text(json.dumps({**report, "card": card}))
+    assert gpu_check.main(["--record-from", str(gpu)]) == 0
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "## gpu" in md and "on NVIDIA H200 (CUDA 13.0)" in md
+    m = report["machine"]  # the run's machine and time, not this checkout's clock
+    assert f"Machine: {m['cpu']} · {m['cores']} cores" in md and f"measured {report['when']}" in md
+    rated = [s["name"] for s in report["sections"] if s.get("tokens_per_s")]
+    assert len(rated) == 5 and all(f"| {name} tokens/s (tokens/s) |" in md for name in rated)
+    assert "| gap tiny gap sampled vs bf16, mean (nats/token) |" in md
+
+
+def test_record_from_names_the_file_and_what_is_wrong(tmp_path):
+    bad = tmp_path / "r.json"
+    for text, why in (("{", "(Expecting property name"), (json.dumps({"sections": []}), "(no field 'card')")):
+        bad.write_text(text)
+        done = _device_check("--record-from", str(bad))
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert lines[0].startswith(f"gpu_check: --record-from {bad}: not a GPU check's report.json {why}"), lines
