@@ -522,28 +522,49 @@ def measure_mismatch(cfg, run_id: str, iteration: int, fwd: TrainerForward) -> d
     return {"partitions": partitions}
 
 
+MAX_SLOPE_SE = 0.05  # a moved fraction is read only this sure: 0 (old weights) and 1 (new) are 20 errors apart
+MIN_MOVE = 1e-3  # nats at the probe's most moved token: some 1,000× an fp32 log-prob's rounding
+
+
 def verify_reload(url: str, probe: list, before: list[list[float]], after: list[list[float]]) -> dict:
     """Score the probe on the server and compare with the trainer's forward of the old and the new checkpoint.
 
     `moved_fraction` is the least-squares slope of (server − old) on (new − old) over the probe's tokens:
     1 when the server serves the new weights, 0 when it still serves the old ones. Precision noise (a bf16
     server against an fp32 trainer) is not correlated with the update's direction, so the slope reads
-    through noise larger than the update's own change, where comparing mean distances would not."""
+    through noise larger than the update's own change, where comparing mean distances would not. It cannot
+    where the update barely moved the probe: a batch whose groups all scored alike has no advantage to train
+    on, its step is at rounding level, and rounding is correlated with such a step (the slope read 0.67–1.02
+    over runs at ± 0.03). The reload is then undecided (None), neither verified nor refuted: decided only when
+    the slope's standard error is at most MAX_SLOPE_SE and some probe token moved by MIN_MOVE or more."""
     from pipeline.engines.sglang import SGLangEngine
 
     seqs = [list(r.prompt_ids) + list(r.response_ids) for r in probe]
     served = SGLangEngine(url).score(seqs, [len(r.prompt_ids) for r in probe])
+    return reload_verdict(served, before, after)
+
+
+def reload_verdict(served: list[list[float]], before: list[list[float]], after: list[list[float]]) -> dict:
+    """verify_reload's reading of the probe's per-token log-probs: as the server scores them, and as the
+    trainer's forward does with the checkpoint before and after the update."""
     triples = [(s, o, n) for ss, os_, ns in zip(served, before, after) for s, o, n in zip(ss, os_, ns)]
     num = sum((s - o) * (n - o) for s, o, n in triples)
     den = sum((n - o) ** 2 for _, o, n in triples)
     moved = None if den == 0.0 else num / den
+    slope_se = None
+    if moved is not None and len(triples) > 1:
+        residual = sum(((s - o) - moved * (n - o)) ** 2 for s, o, n in triples)
+        slope_se = math.sqrt(residual / (len(triples) - 1) / den)
+    moved_most = max((abs(n - o) for _, o, n in triples), default=0.0)
+    decided = slope_se is not None and slope_se <= MAX_SLOPE_SE and moved_most >= MIN_MOVE
     return {
         "probe_tokens": len(triples),
         "server_vs_new": stats([abs(s - n) for s, _, n in triples]),
         "server_vs_old": stats([abs(s - o) for s, o, _ in triples]),
-        "new_vs_old_max": max((abs(n - o) for _, o, n in triples), default=0.0),
+        "new_vs_old_max": moved_most,
         "moved_fraction": moved,
-        "verified": None if moved is None else 0.5 < moved < 1.5,
+        "slope_se": slope_se,
+        "verified": (0.5 < moved < 1.5) if decided else None,
     }
 
 
@@ -1108,7 +1129,9 @@ def render_markdown(r: dict) -> str:
         "## Weight reloads",
         "",
         "Scored on the server after each reload against the trainer's forward of the "
-        "checkpoint before and after the update; moved fraction 1 = the server serves the new weights, 0 = the old.",
+        "checkpoint before and after the update; moved fraction 1 = the server serves the new weights, 0 = the old "
+        f"(± its standard error; verified None: an update too small to tell, no token moved {MIN_MOVE} nats or "
+        f"an error over {MAX_SLOPE_SE}).",
         "",
         "| iteration | checkpoint | wall s | server vs new (mean) | server vs old (mean) | moved fraction | "
         "verified | server's model_path |",
@@ -1120,7 +1143,7 @@ def render_markdown(r: dict) -> str:
             lines.append(
                 f"| {it['iteration']} | `{Path(rl['checkpoint']).name}` | {_v(rl['wall_s'])} | "
                 f"{_v(rl['server_vs_new']['mean'])} | {_v(rl['server_vs_old']['mean'])} | "
-                f"{_v(rl['moved_fraction'])} | {_v(rl['verified'])} | "
+                f"{_v(rl['moved_fraction'])} ± {_v(rl.get('slope_se'))} | {_v(rl['verified'])} | "
                 f"{_v(rl['model_info'].get('model_path', rl['model_info']))} |"
             )
     lines += ["", "## Wall time per stage (s)", "", "| stage | iteration | status | wall s |", "|---|---|---|---|"]
