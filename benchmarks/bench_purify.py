@@ -130,17 +130,16 @@ def worker(raw_file: Path, work: Path, reps: int = REPS) -> dict:
 def _vs_before(raw_file: Path, tmp: Path, n: int, rows_out: list[Row], notes: list[str]) -> None:
     """This tree's worker and BEFORE_STAGES's, alternated ROUNDS times on the same rows, each in a process of
     its own (the order swapped every round); each side's best pipeline."""
-    from benchmarks.common import archived_tree, cpu_counters, load_note, swing, tree_worker
+    from benchmarks.common import alternated, archived_tree, cpu_counters, load_note, swing, tree_worker, vs_earlier
 
     here, before = Path(__file__).resolve().parent.parent, archived_tree(BEFORE_STAGES, tmp)
     since = cpu_counters()
     got: dict[str, list[dict]] = {"ours": [], "before": []}
-    for k in range(ROUNDS):
-        for side, tree in ((("ours", here), ("before", before)) * 2)[k % 2 : k % 2 + 2]:
-            work = tmp / f"worker-{side}-{k}"
-            work.mkdir()
-            got[side].append(tree_worker(tree, Path(__file__).resolve(), "worker", str(raw_file), str(work)))
-            shutil.rmtree(work, ignore_errors=True)
+    for k, side, tree in alternated(ROUNDS, here, before):
+        work = tmp / f"worker-{side}-{k}"
+        work.mkdir()
+        got[side].append(tree_worker(tree, Path(__file__).resolve(), "worker", str(raw_file), str(work)))
+        shutil.rmtree(work, ignore_errors=True)
     load = load_note(since)
     best = {side: max(r["traj_per_s"] for r in runs) for side, runs in got.items()}
     per_round = [a["traj_per_s"] / b["traj_per_s"] for a, b in zip(got["ours"], got["before"])]
@@ -148,14 +147,12 @@ def _vs_before(raw_file: Path, tmp: Path, n: int, rows_out: list[Row], notes: li
     same = {(r["rows_out"], r["trained_tokens"]) for runs in got.values() for r in runs}
     o, b = got["ours"][0], got["before"][0]
     rows_out.append(
-        Row(
+        vs_earlier(
             f"purification throughput on Beam FnApiRunner vs cleaner before the stages' plan → execute → commit "
             f"({BEFORE_STAGES}, same run)",
             best["ours"],
             best["before"],
             "traj/s",
-            target=">= 0.95×",
-            passed=best["ours"] >= 0.95 * best["before"],
         )
     )
     notes.append(

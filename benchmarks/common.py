@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 HERE = Path(__file__).resolve().parent
 RESULTS_JSON = HERE / "results.json"
@@ -114,6 +114,20 @@ def archived_tree(commit: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", commit], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
+
+
+def alternated(rounds: int, ours: Path, before: Path) -> Iterator[tuple[int, str, Path]]:
+    """(round, side, tree) for `rounds` rounds of this tree's worker and an earlier tree's, which goes first
+    swapped every round (this tree in even rounds), so that drift in the machine's speed hits both sides alike."""
+    for k in range(rounds):
+        pair = [("ours", ours), ("before", before)]
+        yield from ((k, side, tree) for side, tree in (pair if k % 2 == 0 else pair[::-1]))
+
+
+def vs_earlier(metric: str, value: float, baseline: float, unit: str) -> Row:
+    """A figure beside the same figure of an earlier commit measured in the same run: unchanged within noise
+    down to 0.95×."""
+    return Row(metric, value, baseline, unit, target=">= 0.95×", passed=value >= 0.95 * baseline)
 
 
 def tree_worker(tree: Path, script: Path, *args: str) -> dict:
