@@ -429,7 +429,8 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
     check_device(CleanerConfig(train=cfg))  # the update stage's own preflight: its refusals are findings too
     shape = ModelShape.from_config(config, name)
     plan = Plan.from_train(cfg, tokens, ranks=1, device=device.type)
-    rows = training_rows(groups=2, samples=2, tokens=tokens, prompt=min(256, tokens // 4), vocab=shape.vocab)
+    # a short prompt, as in agentic rows (a few hundred tokens of 8k): the estimate assumes every position trained
+    rows = training_rows(groups=2, samples=2, tokens=tokens, prompt=min(256, tokens // 8), vocab=shape.vocab)
     mem = PeakMemory(device)
     full = {**QWEN3_COMMON, **config}
     if full["pad_token_id"] >= shape.vocab:  # a test's small vocabulary
@@ -441,6 +442,14 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
             return Qwen3ForCausalLM._from_config(
                 Qwen3Config(**full), attn_implementation=cfg.attn_implementation, dtype=torch.float32
             )
+
+    widest: list[int] = []  # positions per lm_head call: the log-prob head's chunking, seen from the model
+
+    def watched(model):
+        model.get_output_embeddings().register_forward_hook(
+            lambda _m, args, _o: widest.append(args[0].numel() // args[0].shape[-1])
+        )
+        return model
 
     if cfg.strategy == "deepspeed":
         from trainer.deepspeed_update import DeepSpeedGRPOUpdate, make_strategy
@@ -455,12 +464,13 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
         )
         strategy = make_strategy(cfg, device)
         mem.start()
-        update = DeepSpeedGRPOUpdate(model_on("cpu"), cfg, strategy, 1.0)  # DeepSpeed moves it to the rank's device
+        # DeepSpeed moves the model to the rank's device
+        update = DeepSpeedGRPOUpdate(watched(model_on("cpu")), cfg, strategy, 1.0)
     else:
         from trainer.grpo import GRPOUpdate
 
         mem.start()
-        update = GRPOUpdate(model_on(device), cfg, 1.0, device)
+        update = GRPOUpdate(watched(model_on(device)), cfg, 1.0, device)
     progress = update.run(rows, full["pad_token_id"], UpdateProgress())
     last = progress.metrics[-1]
     peak = mem.peak()
@@ -480,6 +490,7 @@ def measure_update(config: dict, name: str, settings: dict, tokens: int, device)
         "step_s": last.seconds,
         "tokens_per_s": tokens_per_s,
         "loss_finite": all(m.loss == m.loss for m in progress.metrics),
+        "widest_head_call": max(widest, default=0),
         "peak_bytes": peak,
         "peak_how": mem.how,
         "estimate_bytes": est.peak,

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from transformers import PreTrainedModel
 
 from pipeline.config import TrainConfig
 from pipeline.devices import DeviceError, prepare_device, resolve_device
@@ -39,6 +40,7 @@ from trainer.grpo import (
     load_schedule_state,
     warmup_schedule,
 )
+from trainer.chunked_actor import serve_through_engine
 from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
@@ -147,6 +149,8 @@ class DeepSpeedGRPOUpdate(GRPOUpdate):
             "scheduler_steps": 1,
             "max_norm": cfg.grad_clip,
         }
+        if isinstance(model, PreTrainedModel):
+            serve_through_engine(model)  # log-probs without full-vocabulary logits (trainer/chunked_actor.py)
         self.actor, self.optimizer, _ = self.strategy.prepare((actor, prep))
         self.engine = self.actor.model
         self.model = self.engine  # train()/eval() reach the wrapped module

@@ -11,8 +11,8 @@ Pure arithmetic (no torch): what the update's code keeps alive at its peak, term
   for every layer, or, with activation checkpointing, each layer's input plus one layer recomputed;
 - the log-prob head as trainer/chunked_actor.py runs it: the trained positions' logits in one lm_head call
   when they fit its budget (kept for backward), else chunks of LOGIT_BUDGET / vocabulary positions, each
-  recomputed in backward (pipeline/logprobs.py), with logsumexp's transient copies; under DeepSpeed OpenRLHF's
-  Actor.forward, whose fp32 logits cover every position of the micro-batch;
+  recomputed in backward (pipeline/logprobs.py), with logsumexp's transient copies (under DeepSpeed too: the
+  engine's forward runs the same chunks);
 - the optimizer step's temporaries (none for the fused AdamW the local strategy runs on a GPU).
 
 The worst micro-batch is assumed: `max(train.micro_batch_tokens, trajectory tokens)` tokens (a longer row
@@ -246,11 +246,10 @@ def _activations(shape: ModelShape, plan: Plan, casts: float) -> dict[str, float
     body = (2 * hidden_bytes * shape.hidden + 8 * shape.head_dim + 12) * tokens  # embeddings, final norm, rotary
     # backward: the gradient of the residual stream and of one layer's largest intermediates
     working = (2 * shape.hidden + 3 * shape.intermediate) * 4 * tokens
-    # trainer/chunked_actor.py (local): every position trained, in one lm_head call when its logits fit the budget;
-    # one call: its fp32 logits kept, plus logsumexp's transient copies; chunked: one chunk recomputed in backward,
-    # its copies and its gradient. Under DeepSpeed the wrapper calls OpenRLHF's Actor.forward, whose logits are
-    # the whole micro-batch's, cast to fp32 and kept (the same four copies, at every position)
-    step = max(1, LOGIT_BUDGET // shape.vocab) if plan.strategy == "local" else tokens
+    # trainer/chunked_actor.py (both strategies): every position trained, in one lm_head call when its logits fit
+    # the budget; one call: its fp32 logits kept, plus logsumexp's transient copies; chunked: one chunk recomputed
+    # in backward, its copies and its gradient
+    step = max(1, LOGIT_BUDGET // shape.vocab)
     rows = tokens * shape.hidden * 4  # the trained positions' hidden states, gathered
     head = rows + 4.0 * min(tokens, step) * shape.vocab * 4
     casts_term = {"weights (bf16 copies for autocast)": casts} if casts else {}
