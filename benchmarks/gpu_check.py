@@ -743,19 +743,19 @@ def render_markdown(r: dict) -> str:
         f"{r['tokens']}-token trajectories, random weights at Qwen3 shapes with the real tokenizer; versions: "
         + ", ".join(f"{k} {v}" for k, v in r["versions"].items() if v),
         "",
-        "| section | result | tokens/s | MFU | peak GiB | estimate GiB | estimate / peak |",
-        "|---|---|---|---|---|---|---|",
+        "| section | result | tokens/s | MFU | peak GiB | estimate GiB | estimate / peak | widest lm_head call |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in r["sections"]:
         if not s.get("ok"):
-            lines.append(f"| {s['name']} | {s.get('error', '?')} | | | {_gib(s.get('peak_bytes'))} | | |")
+            lines.append(f"| {s['name']} | {s.get('error', '?')} | | | {_gib(s.get('peak_bytes'))} | | | |")
             continue
         mfu = f"{s['mfu']:.1%}" if s.get("mfu") else "—"
         ratio = f"{s['estimate_ratio']:.2f}" if s.get("estimate_ratio") else "—"
         rate = f"{s['tokens_per_s']:.0f}" if s.get("tokens_per_s") else "—"
         lines.append(
             f"| {s['name']} | ok | {rate} | {mfu} | {_gib(s.get('peak_bytes'))} | "
-            f"{_gib(s.get('estimate_bytes'))} | {ratio} |"
+            f"{_gib(s.get('estimate_bytes'))} | {ratio} | {s.get('widest_head_call') or '—'} |"
         )
     gaps = [s for s in r["sections"] if s.get("ok") and ("trainer_vs_sampled" in s or "gap_vs_sampled" in s)]
     if gaps:
@@ -773,7 +773,8 @@ def render_markdown(r: dict) -> str:
         "",
         "Peak: " + next((s["peak_how"] for s in r["sections"] if s.get("peak_how")), "—") + "; estimate: "
         "trainer/memory.py (`cleaner fit`). MFU: (6 × parameters + causal attention) FLOPs per trained token × "
-        "tokens/s over the card's dense bf16 peak; recomputed (checkpointed) forwards not counted.",
+        "tokens/s over the card's dense bf16 peak; recomputed (checkpointed) forwards not counted. Widest lm_head "
+        "call: the most positions one call of the update's log-prob head took (chunks of 512 at Qwen3's vocabulary).",
         "",
     ]
     return "\n".join(lines)

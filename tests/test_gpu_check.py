@@ -291,6 +291,7 @@ def test_device_check_runs_every_section_on_the_cpu_and_measures_each(device_che
         # trainer/memory.py's estimate beside each measured peak (local, ZeRO-2, ZeRO-3), within ±25%
         assert 0.75 <= u["estimate_ratio"] <= 1.25, (name, u["estimate_ratio"], u["estimate_terms"])
         assert u["mfu"] is None  # no card, no peak rate
+        assert 0 < u["widest_head_call"] <= u["trained_tokens"]  # one micro-batch's trained positions at most
     assert by["update deepspeed ZeRO-3 bf16 tiny"]["zero_stage"] == 3
     assert report["card"]["name"] == "cpu" and report["versions"]["torch"] and report["versions"]["transformers"]
 
@@ -303,7 +304,7 @@ def test_device_check_writes_the_results_section(device_checked):
     for s in report["sections"]:
         assert f"| {s['name']} | ok |" in md
     assert "| update forward bf16 (tiny) |" in md and "| recompute (tiny) |" in md
-    assert "estimate / peak" in md and "6 × parameters" in md
+    assert "estimate / peak" in md and "6 × parameters" in md and "widest lm_head call" in md
 
 
 @pytest.mark.slow
