@@ -127,11 +127,11 @@ def experiment_runs(experiment: Path, root: Path | None, arm: str = ARM) -> tupl
 
 def run_config(root: Path, run_id: str):
     """The run's frozen config (run.json), storage.root pointed at `root` and every stage on the CPU."""
-    from pipeline.config import CleanerConfig, upgrade_frozen
+    from pipeline.config import RECORD, CleanerConfig, upgrade_frozen
     from storage.layout import RunLayout
 
     frozen = upgrade_frozen(json.loads(RunLayout(root, run_id).run_json.read_text()))
-    cfg = CleanerConfig.model_validate(frozen)
+    cfg = CleanerConfig.model_validate(frozen, context=RECORD)
     cfg.storage.root = root
     cfg.train.device = cfg.purify.device = cfg.rollout.device = "cpu"
     return cfg

@@ -7,7 +7,7 @@ import json
 
 from flows.command import command_parser, config_of
 from flows.stage_cmds import published
-from pipeline.config import CleanerConfig, upgrade_frozen
+from pipeline.config import RECORD, CleanerConfig, upgrade_frozen
 from pipeline.modes import partition_threshold, partition_measure
 from storage.layout import RunLayout
 from storage.retention import empty_trash, partitions_of, plan, remove
@@ -22,7 +22,8 @@ def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
     if layout.run_json.is_file():
         frozen = upgrade_frozen(json.loads(layout.run_json.read_text()))
         cfg = CleanerConfig.model_validate(
-            {**cfg.model_dump(mode="json"), **{k: v for k, v in frozen.items() if k in ("purify", "train", "rollout")}}
+            {**cfg.model_dump(mode="json"), **{k: v for k, v in frozen.items() if k in ("purify", "train", "rollout")}},
+            context=RECORD,
         )
     p, t = cfg.purify, cfg.train
     measure = live_measure(cfg.rollout.saar)

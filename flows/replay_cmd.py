@@ -15,7 +15,7 @@ from pathlib import Path
 from flows.command import config_of
 from flows.console import working
 from flows.stage_cmds import check_thresholds, published, purify_parser
-from pipeline.config import CleanerConfig, SaarConfig
+from pipeline.config import RECORD, CleanerConfig, SaarConfig
 from pipeline.modes import IS_MODES, live_measure
 from pipeline.similarity import REFERENCE_MEASURE
 
@@ -29,7 +29,7 @@ def lived_saar(run_json: Path, raw_extra: dict) -> SaarConfig | None:
         saar = raw_extra["saar"]
     else:
         return None
-    return SaarConfig(**{k: v for k, v in saar.items() if k in SaarConfig.model_fields})
+    return SaarConfig.model_validate({k: v for k, v in saar.items() if k in SaarConfig.model_fields}, context=RECORD)
 
 
 def print_is_replay(

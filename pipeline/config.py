@@ -16,7 +16,16 @@ import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.modes import IS_MODES, Mode
 from storage.errors import CleanerError
@@ -177,6 +186,22 @@ class SandboxConfig(Section):
     )
 
 
+# validation context of a config read back from what a run recorded (run.json, a shard's manifest): it is read as
+# it was lived, whatever later rules a new config must follow
+RECORD = {"record": True}
+
+
+def inert(section: BaseModel, info: ValidationInfo, prefix: str, name: str, applies: bool, needs: str) -> None:
+    """Refuse a setting given another value than its default where nothing reads it: a user who sets it expects
+    it to change the run, and it would not. A record (RECORD) is read as it stands."""
+    value, default = getattr(section, name), type(section).model_fields[name].default
+    if not applies and value != default and not (info.context or {}).get("record"):
+        shown = list(value) if isinstance(value, tuple) else value
+        raise ValueError(
+            f"{prefix}.{name}={shown} has no effect without {needs}: set that too, or leave {prefix}.{name} out"
+        )
+
+
 class SaarConfig(Section):
     gate_p: float = Field(
         1.0,
@@ -224,6 +249,20 @@ class SaarConfig(Section):
         ),
     )
     is_threshold: IsThreshold = Field(0.5, description="τ of rollback=importance")
+
+    @model_validator(mode="after")
+    def _settings_that_apply(self, info: ValidationInfo) -> "SaarConfig":
+        # the agent reads rollback only for a purified live sequence, and is_threshold only for rollback=importance
+        inert(self, info, "rollout.saar", "rollback", self.live_mode == "purified", "rollout.saar.live_mode=purified")
+        inert(
+            self,
+            info,
+            "rollout.saar",
+            "is_threshold",
+            self.live_mode == "purified" and self.rollback == "importance",
+            "rollout.saar.rollback=importance with rollout.saar.live_mode=purified",
+        )
+        return self
 
 
 class EngineTuning(Section):
@@ -650,6 +689,14 @@ class TrainConfig(Section):
                 "train.param_dtype=fp16 needs a loss scale, which strategy=local does not keep: use "
                 "train.param_dtype=bf16, or train.strategy=deepspeed (DeepSpeed's dynamic loss scale)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _settings_that_apply(self, info: ValidationInfo) -> "TrainConfig":
+        correcting = self.rollout_correction != "off"
+        inert(self, info, "train", "rollout_correction_bounds", correcting, "a train.rollout_correction preset")
+        for name in ("dpo_beta", "dpo_max_adjustment_ratio"):
+            inert(self, info, "train", name, self.use_dpo_on_tool_calls, "train.use_dpo_on_tool_calls=true")
         return self
 
     @model_validator(mode="after")

@@ -343,3 +343,51 @@ def test_config_describe_says_what_every_setting_does(capsys):
     assert capsys.readouterr().out.startswith("rollout.saar.gate_p: 0.5  # share of trajectories SAAR retries in")
     assert main(["config", "--describe", "nope"]) == 2
     assert "--describe nope: no setting starts so" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["train.rollout_correction_bounds=[1,5]"], "train.rollout_correction_bounds=[1.0, 5.0] has no effect without"),
+        (["train.dpo_beta=3"], "train.dpo_beta=3.0 has no effect without train.use_dpo_on_tool_calls=true"),
+        (["train.dpo_max_adjustment_ratio=0.5"], "train.dpo_max_adjustment_ratio=0.5 has no effect without"),
+        (
+            ["rollout.saar.rollback=importance", "rollout.saar.live_mode=raw"],
+            "rollout.saar.rollback=importance has no effect without rollout.saar.live_mode=purified",
+        ),
+        (["rollout.saar.is_threshold=0.3"], "rollout.saar.is_threshold=0.3 has no effect without"),
+    ],
+)
+def test_a_setting_nothing_reads_is_refused_naming_what_it_needs(overrides, needle):
+    """A non-default value where its switch is off would change nothing in the run: one line, not silence."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value) and needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.rollout_correction=token_mis", "train.rollout_correction_bounds=[1,5]"],
+        ["train.use_dpo_on_tool_calls=true", "train.dpo_beta=3", "train.dpo_max_adjustment_ratio=0.5"],
+        ["rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.3"],
+        ["rollout.saar.live_mode=raw", "rollout.saar.is_threshold=0.5"],  # its default: nothing changed
+    ],
+)
+def test_the_same_settings_with_their_switch_on_are_accepted(overrides):
+    load_config(None, overrides)
+
+
+def test_a_record_is_read_as_it_was_lived_whatever_later_rules_say(tmp_path):
+    """run.json and manifests written before these refusals (or by another tool) still read: replay, gc and the
+    experiments' probe read what a run lived, not a new config."""
+    from flows.replay_cmd import lived_saar
+    from pipeline.config import RECORD
+
+    run_json = tmp_path / "run.json"
+    run_json.write_text('{"rollout": {"saar": {"live_mode": "raw", "rollback": "importance", "is_threshold": 0.3}}}')
+    saar = lived_saar(run_json, {})
+    assert (saar.live_mode, saar.rollback, saar.is_threshold) == ("raw", "importance", 0.3)
+    assert CleanerConfig.model_validate({"train": {"dpo_beta": 3}}, context=RECORD).train.dpo_beta == 3
+    with pytest.raises(ValueError, match="has no effect"):
+        CleanerConfig.model_validate({"train": {"dpo_beta": 3}})
