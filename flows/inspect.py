@@ -172,6 +172,27 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         ),
         Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
         Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),
+        Column("entropy", "entropy", "mean policy entropy at the trained tokens (train.log_entropy)", wide=True),
+        Column(
+            "correction_filtered",
+            "correction filtered",
+            "train.rollout_correction: mean share of trained tokens its gate masked or clipped",
+            wide=True,
+        ),
+        Column(
+            "behaviour_kl",
+            "behaviour KL",
+            "train.rollout_correction: mean log(π_behaviour / π_old) over the trained tokens (k1, may be < 0)",
+            wide=True,
+        ),
+        Column("dpo_loss", "DPO loss", "train.use_dpo_on_tool_calls: mean side loss −log σ(β·Δ)", wide=True),
+        Column("dpo_pairs", "DPO pairs", "train.use_dpo_on_tool_calls: tool-call pairs trained, summed", wide=True),
+        Column(
+            "dpo_capped",
+            "DPO capped",
+            "train.use_dpo_on_tool_calls: mean share of pairs whose weight hit train.dpo_max_adjustment_ratio",
+            wide=True,
+        ),
     ),
 }
 PER_RUN = {"purified shards"}  # summary tables printed once per run ("per iteration" is per run anyway)

@@ -38,15 +38,24 @@ WITH raw AS (
   FROM raw_summary WHERE run_id = $run GROUP BY iteration
 ), upd AS (
   SELECT iteration, avg(value) FILTER (WHERE name = 'loss') AS update_loss,
-         avg(value) FILTER (WHERE name = 'clip_ratio') AS clip_ratio
+         avg(value) FILTER (WHERE name = 'clip_ratio') AS clip_ratio,
+         avg(value) FILTER (WHERE name = 'entropy') AS entropy,
+         avg(value) FILTER (WHERE name = 'correction_filtered') AS correction_filtered,
+         avg(value) FILTER (WHERE name = 'behaviour_kl') AS behaviour_kl,
+         avg(value) FILTER (WHERE name = 'dpo_loss') AS dpo_loss,
+         sum(value) FILTER (WHERE name = 'dpo_pairs') AS dpo_pairs,
+         avg(value) FILTER (WHERE name = 'dpo_capped') AS dpo_capped
   FROM metrics WHERE run_id = $run AND stage = 'update' GROUP BY iteration
 )
 SELECT raw.* EXCLUDE (failed_attempt_tokens),
        raw.failed_attempt_tokens / raw.generated_tokens AS failed_tokens_per_generated,
-       upd.update_loss, upd.clip_ratio
+       upd.* EXCLUDE (iteration)
 FROM raw LEFT JOIN upd USING (iteration)
 ORDER BY iteration
 """
+# update metrics written only when their option was on (trainer/inputs.py OPTIONAL_METRICS, train.log_entropy): a
+# column no iteration has is left out of the table
+OPTIONAL_COLUMNS = ("entropy", "correction_filtered", "behaviour_kl", "dpo_loss", "dpo_pairs", "dpo_capped")
 
 
 def _q(cat: Catalog, sql: str, run_id: str) -> list[dict]:
@@ -55,7 +64,14 @@ def _q(cat: Catalog, sql: str, run_id: str) -> list[dict]:
 
 def iteration_table(root: Path, run_id: str) -> list[dict]:
     with Catalog(root) as cat:
-        return _q(cat, ITERATIONS_SQL, run_id)
+        return iteration_rows(cat, run_id)
+
+
+def iteration_rows(cat: Catalog, run_id: str) -> list[dict]:
+    """One row per iteration: the rollout's figures and the update's means (optional ones when measured)."""
+    rows = _q(cat, ITERATIONS_SQL, run_id)
+    absent = [c for c in OPTIONAL_COLUMNS if all(r[c] is None for r in rows)]
+    return [{k: v for k, v in r.items() if k not in absent} for r in rows]
 
 
 # Example trajectories per purified partition and advantage sign (two each) whose failed calls the partition
@@ -123,6 +139,9 @@ CAPTIONS = {
     "SAAR at test time on and off; bars: ± one standard error over tasks.",
     "eval_tool_errors": "Failed tool executions (retries included) per held-out trajectory of checkpoint i, SAAR at "
     "test time on and off.",
+    "update_options": "What the update's options did, per iteration (means over its optimizer steps): "
+    "train.rollout_correction's share of trained tokens masked or clipped and log(π_behaviour / π_old) over them "
+    "(k1, may be < 0); train.use_dpo_on_tool_calls' side loss −log σ(β·Δ) and the share of pairs at its cap.",
     "is_ratio": "Importance ratio of every splice: π(moved retry | purified context) / π_b(retry | as sampled), "
     "log10; left of the dashed line a splice trains its retry at less than half the probability it "
     "was sampled with (Plan B, mode saar_is, would append it at τ = 0.5; the dashed line is the run's τ).",
@@ -143,6 +162,15 @@ def _variant(r: dict) -> str:
     return partition_label(r)
 
 
+# the update_options plot's curves, drawn for the metrics the run measured
+UPDATE_CURVES = (
+    ("correction_filtered", "correction: tokens filtered"),
+    ("behaviour_kl", "correction: behaviour KL (k1)"),
+    ("dpo_loss", "DPO side loss"),
+    ("dpo_capped", "DPO: pairs at the cap"),
+)
+
+
 def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
     import matplotlib
 
@@ -161,7 +189,7 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         corrupt = [p for p in cat.problems if p.committed and run_dir in p.path.parents]
         if corrupt:  # plots without a damaged shard would misreport the run
             raise ShardError(f"{corrupt[0]} (the report would leave this shard out; restore or remove it)")
-        its = _q(cat, ITERATIONS_SQL, run_id)
+        its = iteration_rows(cat, run_id)
         sims = _q(
             cat,
             "SELECT iteration, gamma, measure, kind, similarity FROM splices WHERE run_id = $run AND mode = 'saar'",
@@ -280,6 +308,13 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
     with plot("failed_tokens", "tokens spent on failed attempts", "per generated token") as ax:
         ax.plot(x, [r["failed_tokens_per_generated"] for r in its], "o-", color="tab:purple")
         ax.set_ylim(0, max(0.1, max(r["failed_tokens_per_generated"] or 0 for r in its) * 1.1))
+    trained = [(key, label) for key, label in UPDATE_CURVES if key in its[0]]
+    if trained:
+        with plot("update_options", "train-time correction and DPO side loss", "per iteration (mean of steps)") as ax:
+            for key, label in trained:
+                pts = [r for r in its if r[key] is not None]
+                ax.plot([r["iteration"] for r in pts], [r[key] for r in pts], "o-", label=label)
+            ax.legend(fontsize=8)
     for name, title, ylabel, key in (
         ("eval_pass1", "held-out pass@1 (avg@k)", "pass@1", "pass@1"),
         ("eval_tool_errors", "held-out tool failures", "failed executions / trajectory", "tool failures/traj"),

@@ -146,3 +146,13 @@ def test_update_stage_trains_with_the_side_loss_and_logs_it(purified_run, tmp_pa
     by_name = {m["name"]: m["value"] for m in metrics}
     assert by_name["dpo_pairs"] > 0 and math.isfinite(by_name["dpo_loss"]) and 0 <= by_name["dpo_capped"] <= 1
     assert "correction_filtered" not in by_name  # an option's metrics only when it is on
+    # `cleaner report` and the flow's table show them (and leave out the options that were off)
+    from flows.report import iteration_table, write_report
+
+    (row,) = iteration_table(tmp_path, "w")
+    steps = [m for m in metrics if m["name"] == "dpo_pairs"]
+    assert row["dpo_pairs"] == sum(m["value"] for m in steps) and math.isfinite(row["dpo_loss"])
+    assert "correction_filtered" not in row and "behaviour_kl" not in row
+    page = write_report(tmp_path, "w")
+    html = page.read_text()
+    assert (page.parent / "update_options.png").is_file() and "dpo_<wbr>loss" in html and "correction_<wbr>" not in html
