@@ -118,7 +118,6 @@ def run(args: argparse.Namespace) -> int:
         from flows.server import start_temporary_server
 
         start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9
-        from flows.console import print_metrics
         from flows.side_flows import eval_flow
 
         result = eval_flow(
@@ -128,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             samples=args.samples,
             limit=args.limit,
         )
-        print_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.json)
+        print_flow_metrics(f"{cfg.rollout.policy}: SAAR at test time on vs off", result, args.samples, args.json)
         return 0
     return run_eval(
         cfg,
@@ -139,6 +138,20 @@ def run(args: argparse.Namespace) -> int:
         export_lcb=args.export_lcb,
         as_json=args.json,
         write=args.write,
+    )
+
+
+def print_flow_metrics(title: str, result: dict, samples: int, as_json: bool) -> None:
+    """The eval flow's result: SAAR on vs off overall, then per benchmark as `cleaner eval` prints it."""
+    from flows.console import print_metrics
+
+    if as_json:
+        print_metrics(title, result, True)
+        return
+    print_metrics(title, {k: v for k, v in result.items() if k != "benchmarks"})
+    print_metrics(
+        f"avg@{samples} (pass@1), pass@k ± standard error over tasks, per benchmark and SAAR at test time",
+        result["benchmarks"],
     )
 
 

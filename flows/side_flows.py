@@ -64,10 +64,12 @@ def eval_flow(
     """avg@k pass@1, pass@k, tool errors and latency of a checkpoint, with SAAR at test time on and off."""
     cfg = load_config(config_file, overrides or [])
     ckpt = checkpoint or str(cfg.rollout.policy)
-    result = {}
+    result: dict = {}
+    benchmarks: dict[str, dict] = {}  # per setting: avg@k, pass@k ± se per task source, as eval prints them
     for saar in (True, False):
         m = eval_task(cfg, ckpt, saar, tasks_file, samples, limit)
         overall = m["benchmarks"]["all"]
+        benchmarks["on" if saar else "off"] = m["benchmarks"]
         result["saar_on" if saar else "saar_off"] = {
             "pass@1": m["accuracy"],
             **{k: v for k, v in overall.items() if k.startswith("pass@") and k != "pass@1"},
@@ -81,6 +83,11 @@ def eval_flow(
         }
     on, off = result["saar_on"], result["saar_off"]
     result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
+    result["benchmarks"] = {  # each source's SAAR on beside its SAAR off, "all" first
+        f"{source} · SAAR {setting}": benchmarks[setting][source]
+        for source in benchmarks["on"]
+        for setting in benchmarks
+    }
     create_markdown_artifact(
         key="cleaner-eval",
         markdown="| setting | pass@1 | tool failures / trajectory | "
@@ -91,7 +98,14 @@ def eval_flow(
             f"{v['very_first_call_failure_rate']:.3f} | "
             f"{v['first_call_failure_rate']:.3f} | {v['wall_s']:.1f} |"
             for k, v in result.items()
-            if isinstance(v, dict)
+            if k in ("saar_on", "saar_off")
+        )
+        + "\n\n| benchmark · SAAR at test time | tasks | pass@1 | ± se | tool failures / trajectory |\n"
+        "|---|---|---|---|---|\n"
+        + "\n".join(
+            f"| {k} | {v['tasks']} | {v['pass@1']:.3f} | {v['pass@1_se']:.3f} | "
+            f"{v['tool_failures_per_trajectory']:.3f} |"
+            for k, v in result["benchmarks"].items()
         ),
     )
     return result

@@ -129,7 +129,7 @@ def test_wrong_key_missing_checkpoint_and_unreachable_sglang_each_say_one_thing(
         assert "Traceback" not in out
 
 
-def test_eval_flow_compares_saar_on_and_off(tmp_path):
+def test_eval_flow_compares_saar_on_and_off(tmp_path, capsys):
     import json
 
     from flows.eval_cmd import evaluate_world
@@ -141,7 +141,7 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout)  # --json: stdout is one JSON document, logs and progress go to stderr
-    assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead"}
+    assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead", "benchmarks"}
     # SAAR off at test time is the plain evaluation of the same tasks (gate_p 0), computed here on its own
     cfg = load_config(None, [f"storage.root={tmp_path}", "world.eval_size=12", "rollout.saar.gate_p=0"])
     plain = evaluate_world(cfg, cfg.rollout.policy, limit=4, show_progress=False)
@@ -152,6 +152,15 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path):
         plain["generated_tokens"],
     )
     assert off["tool_failures_per_trajectory"] == plain["benchmarks"]["all"]["tool_failures_per_trajectory"]
+    # per benchmark (task source), as `cleaner eval` prints them: each source's SAAR on beside its SAAR off
+    sources = list(plain["benchmarks"])
+    assert set(result["benchmarks"]) == {f"{s} · SAAR {o}" for s in sources for o in ("on", "off")}  # sorted keys
+    assert all(result["benchmarks"][f"{s} · SAAR off"] == plain["benchmarks"][s] for s in sources)
+    from flows.eval_cmd import print_flow_metrics
+
+    print_flow_metrics("flow", result, 1, as_json=False)
+    printed = capsys.readouterr().out
+    assert "per benchmark" in printed and all(f"{s} · SAAR on" in printed for s in sources) and "{" not in printed
     table = run_cleaner(["eval", "--world", "--limit", "3", f"storage.root={tmp_path}"], tmp_path)
     assert table.returncode == 0, table.stderr[-3000:]
     assert "accuracy" in table.stdout and "┃ metric" in table.stdout and "{" not in table.stdout
