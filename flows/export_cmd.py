@@ -230,11 +230,11 @@ def run_export(
             done = _parquet_export(sel, staging, lambda raw, batch: trl.sft_table(batch), trl.SFT_SCHEMA, batch_rows)
             card = dataset_card.Card(
                 title=f"cleaner run {sel.run_id}: purified trajectories for TRL SFT (pre-tokenized)",
-                format="TRL SFT, pre-tokenized (input_ids + completion_mask)",
+                format="TRL SFT, pre-tokenized (input_ids + labels + completion_mask)",
                 summary=(
                     "Each row is one purified trajectory: its prompt and response token ids as the policy sampled "
-                    "and the partition trains them. TRL's SFTTrainer (completion_only_loss, its default) trains "
-                    "exactly the tokens whose completion_mask is 1."
+                    "and the partition trains them. TRL's SFTTrainer (whatever its completion_only_loss) and "
+                    "transformers' Trainer train exactly the tokens whose label is not -100 (completion_mask 1)."
                 ),
                 data_files={"default": "data/*.parquet"},
                 columns={c: trl.COLUMN_DOCS[c] for c in trl.SFT_SCHEMA.names},
@@ -378,7 +378,8 @@ def add_parser(sub) -> None:
         "  cleaner export --run demo --iteration 3 --format atif --out atif/\n"
         "  cleaner filter --run demo --out tasks.parquet && cleaner export --format verl --tasks tasks.parquet "
         "--out verl/",
-        "Formats: trl-sft (input_ids + completion_mask, token-exact: TRL trains exactly the partition's loss mask), "
+        "Formats: trl-sft (input_ids + labels + completion_mask, token-exact: TRL trains exactly the partition's loss "
+        "mask), "
         "trl-messages (messages with tool calls, tool messages and the tools' JSON schema; text), atif (one ATIF "
         "trajectory per raw row, and per purified row with --partition; token ids and log-probs in step metrics; "
         "`cleaner import --format atif` reads it back exactly), verl (RL prompt Parquet from --tasks FILE, e.g. "

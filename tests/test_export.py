@@ -78,33 +78,36 @@ def test_trl_sft_is_what_trl_trains(purified_run, tmp_path, offline):
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_POLICY)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY)
-    trainer = SFTTrainer(
-        model=model,
-        processing_class=tokenizer,
-        train_dataset=ds,
-        args=SFTConfig(
-            output_dir=str(tmp_path / "trl"),
-            max_length=None,
-            report_to="none",
-            completion_only_loss=True,
-            per_device_train_batch_size=4,
-            use_cpu=True,
-        ),
-    )
-    prepared = trainer.train_dataset
-    examples = [prepared[i] for i in range(len(prepared))]
-    batch = trainer.data_collator(examples)
-    trained = batch["labels"] != -100
-    masked_somewhere = False
-    for i, got in enumerate(examples):
-        want = by_key[(got["prompt_id"], got["sample_idx"])]
-        expected = [0] * len(want["prompt_ids"]) + want["loss_mask"]
-        n = len(expected)
-        assert trained[i, :n].tolist() == [bool(m) for m in expected], i
-        assert not trained[i, n:].any()  # padding never trains
-        assert batch["input_ids"][i, :n].tolist() == want["prompt_ids"] + want["response_ids"]
-        masked_somewhere |= 0 in want["loss_mask"]
-    assert masked_somewhere  # tool responses are in the responses and must not train
+    # TRL's default settings (completion_only_loss None: it reads completion_mask only for prompt-completion
+    # datasets, so the export's labels are what holds the mask) and completion_only_loss=True
+    for completion_only_loss in (None, True):
+        trainer = SFTTrainer(
+            model=model,
+            processing_class=tokenizer,
+            train_dataset=ds,
+            args=SFTConfig(
+                output_dir=str(tmp_path / "trl"),
+                max_length=None,
+                report_to="none",
+                completion_only_loss=completion_only_loss,
+                per_device_train_batch_size=4,
+                use_cpu=True,
+            ),
+        )
+        prepared = trainer.train_dataset
+        examples = [prepared[i] for i in range(len(prepared))]
+        batch = trainer.data_collator(examples)
+        trained = batch["labels"] != -100
+        masked_somewhere = False
+        for i, got in enumerate(examples):
+            want = by_key[(got["prompt_id"], got["sample_idx"])]
+            expected = [0] * len(want["prompt_ids"]) + want["loss_mask"]
+            n = len(expected)
+            assert trained[i, :n].tolist() == [bool(m) for m in expected], (completion_only_loss, i)
+            assert not trained[i, n:].any()  # padding never trains
+            assert batch["input_ids"][i, :n].tolist() == want["prompt_ids"] + want["response_ids"]
+            masked_somewhere |= 0 in want["loss_mask"]
+        assert masked_somewhere  # tool responses are in the responses and must not train
 
 
 def test_trl_messages_render_with_the_policy_template(purified_run, tmp_path, offline):

@@ -1,9 +1,12 @@
-"""TRL's SFT layouts from purified rows: pre-tokenized (`input_ids`, `completion_mask`) and conversational
+"""TRL's SFT layouts from purified rows: pre-tokenized (`input_ids`, `labels`, `completion_mask`) and conversational
 (`messages` with `tool_calls` and tool messages, `tools` as the JSON schema).
 
-The pre-tokenized form is token-exact: `input_ids` is the prompt followed by the purified response, and
-`completion_mask` is 0 on the prompt and the partition's loss mask on the response, so TRL's SFTTrainer
-(`completion_only_loss`, the default) trains exactly the tokens the partition trains. The conversational form is
+The pre-tokenized form is token-exact: `input_ids` is the prompt followed by the purified response,
+`completion_mask` is 0 on the prompt and the partition's loss mask on the response, and `labels` is `input_ids`
+with -100 where that mask is 0. TRL's SFTTrainer uses a dataset's `labels` as they are whatever its settings (its
+`completion_only_loss` reads `completion_mask` only for prompt-completion datasets, so a pre-tokenized one without
+`labels` would train every token), as does transformers' Trainer: either trains exactly the tokens the partition
+trains. The conversational form is
 text: a trainer re-renders and re-tokenizes it with its own template, so it keeps the turns, the calls and the tool
 outputs but neither the token boundaries nor a mask inside a turn (docs/formats.md).
 """
@@ -37,7 +40,15 @@ ROW_COLUMNS = [
     ("reward", pa.float64()),
     ("advantage", pa.float64()),
 ]
-SFT_SCHEMA = pa.schema([("input_ids", pa.list_(pa.int32())), ("completion_mask", pa.list_(pa.int8())), *ROW_COLUMNS])
+SFT_SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("completion_mask", pa.list_(pa.int8())),
+        *ROW_COLUMNS,
+    ]
+)
+IGNORED = -100  # the label of a token no loss is taken on (transformers' and TRL's ignore index)
 
 TOOL_CALL = pa.struct(
     [
@@ -83,8 +94,9 @@ MESSAGES_SCHEMA = pa.schema([("messages", pa.list_(MESSAGE)), ("tools", TOOLS), 
 
 COLUMN_DOCS = {
     "input_ids": "prompt token ids followed by the purified response's (int32; the policy's tokenizer)",
-    "completion_mask": "0 on the prompt, the partition's loss mask on the response (1 = trained): TRL's "
-    "completion_only_loss trains exactly these tokens",
+    "labels": "input_ids with -100 where completion_mask is 0: TRL's SFTTrainer and transformers' Trainer train "
+    "exactly the tokens whose label is not -100, whatever their settings",
+    "completion_mask": "0 on the prompt, the partition's loss mask on the response (1 = trained)",
     "messages": "the conversation: the user's question, each assistant turn (text before its call, the call in "
     "`tool_calls`), each tool response as a `tool` message",
     "tools": "the tool the policy was shown, as its JSON schema",
@@ -124,10 +136,11 @@ def sft_table(purified: pa.Table) -> pa.Table:
     prompt, response = _lists(purified["prompt_ids"]), _lists(purified["response_ids"])
     mask = _lists(purified["loss_mask"])
     zeros = (np.zeros(len(prompt[0]), dtype=np.int8), prompt[1])
-    columns = {
-        "input_ids": _joined(prompt, response, SFT_SCHEMA.field("input_ids").type),
-        "completion_mask": _joined(zeros, mask, SFT_SCHEMA.field("completion_mask").type),
-    }
+    input_ids = _joined(prompt, response, SFT_SCHEMA.field("input_ids").type)
+    completion_mask = _joined(zeros, mask, SFT_SCHEMA.field("completion_mask").type)
+    ids, trained = input_ids.values.to_numpy(), completion_mask.values.to_numpy(zero_copy_only=False)
+    labels = pa.ListArray.from_arrays(input_ids.offsets, pa.array(np.where(trained == 1, ids, IGNORED), pa.int32()))
+    columns = {"input_ids": input_ids, "labels": labels, "completion_mask": completion_mask}
     columns.update({name: purified[name] for name, _ in ROW_COLUMNS})
     return pa.table([columns[f.name] for f in SFT_SCHEMA], schema=SFT_SCHEMA)
 
