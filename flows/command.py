@@ -66,10 +66,12 @@ def command_parser(
     *,
     func: Callable,
     config_default: str = "embedded defaults",
+    positionals: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> Parser:
     """A command's parser: its help, description and examples, the function it runs (`func`), its first
-    positional ACTION if it has `actions`, and when it reads the config, -c FILE and the KEY=VALUE positional
-    with their epilog."""
+    positional ACTION if it has `actions`, its own `positionals` (added before KEY=VALUE: argparse fills
+    positionals in order, so a variable-length one after KEY=VALUE would get only the last value), and when it
+    reads the config, -c FILE and the KEY=VALUE positional with their epilog."""
     p = subparsers.add_parser(
         name,
         help=help,
@@ -80,6 +82,8 @@ def command_parser(
     p.set_defaults(func=func)
     if actions:
         p.add_argument("action", choices=actions)
+    if positionals is not None:
+        positionals(p)
     if config:
         p.add_argument("-c", "--config", type=Path, help=f"YAML config file (default: {config_default})")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")

@@ -289,6 +289,7 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
     if tasks is not None:
         from rollout_gen.tasks import load_task_parquet
 
+        task_rows = load_task_parquet(tasks)  # a file that is not a task file: one line, before anything is read
         extra = {}
         names = pq.read_schema(tasks).names
         if "pass_rate" in names:  # `cleaner filter`'s task file: keep what the filter saw
@@ -307,7 +308,7 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
                 ability=t.kind,
                 **extra.get(t.question, {}),
             )
-            for t in load_task_parquet(tasks)
+            for t in task_rows
         ]
         provenance = {"task file": str(tasks)}
     else:

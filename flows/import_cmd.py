@@ -39,14 +39,37 @@ def _digest(
     return h.hexdigest()
 
 
-def _check_row(row: dict[str, Any], where: str, arrow: bool = False) -> None:
-    """A raw row is whole before it is written: lists that go together have one length, and it converts to the
-    data model (pipeline.trajectory) and (`arrow`) to the raw schema, which its batch is converted to anyway."""
+def _check_row(row: dict[str, Any], where: str, arrow: bool = False, vocab: int | None = None) -> None:
+    """A raw row is whole before it is written: a finite reward, an iteration, token ids within the vocabulary
+    (`vocab`, when the sampling checkpoint is known) and never below 0, lists that go together of one length, and it
+    converts to the data model (pipeline.trajectory) and (`arrow`) to the raw schema, which its batch is converted
+    to anyway. What replay, purify and the viewer would otherwise crash on later is refused here."""
+    import math
+
     import pyarrow as pa
 
     from flows.interop.source import InteropError
     from pipeline.trajectory import trajectory_from_row
     from storage.schemas import RAW
+
+    reward = row.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise InteropError(
+            f"{where}: the reward is {'missing' if reward is None else repr(reward)}: a finite number is needed"
+        )
+    it = row.get("iteration")
+    if isinstance(it, bool) or not isinstance(it, int) or it < 0:
+        raise InteropError(f"{where}: the iteration is {it!r}: a whole number, 0 or more")
+    turns = [a["turn_ids"] for p in row["positions"] for a in p["attempts"]]
+    for name, ids in [("prompt_ids", row["prompt_ids"]), ("lived_ids", row["lived_ids"])] + [
+        ("a turn's token ids", t) for t in turns
+    ]:
+        if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise InteropError(
+                f"{where}: {name} hold id {bad}, outside the "
+                + (f"{vocab:,} ids of the checkpoint that sampled them" if vocab is not None else "token ids (≥ 0)")
+            )
 
     lived = {k: len(row[k]) for k in ("lived_ids", "lived_mask", "lived_logprobs")}
     if len(set(lived.values())) != 1:
@@ -77,9 +100,9 @@ def _rows(
     tokenizer: Path | None,
     iteration: int | None,
     root: Path,
-    state: dict[str, Any],
 ):
-    """(iteration, raw row, token-exact, where) per source line, in file order."""
+    """(iteration, raw row, token-exact, where, the checkpoint it records as its sampler or None) per source line,
+    in file order."""
     from flows.interop import atif as atif_format
     from flows.interop import importers
     from flows.interop.source import InteropError
@@ -87,6 +110,7 @@ def _rows(
     from storage.layout import resolve_recorded
 
     samples: dict[tuple[int, str], int] = {}
+    trajectory_ids: dict[str, str] = {}  # another framework's ATIF trajectory_id -> where it was read
 
     def next_sample(it: int, prompt_id: str) -> int:
         n = samples.get((it, prompt_id), 0)
@@ -110,12 +134,10 @@ def _rows(
                         importers.check_tokenizer(doc, chat, tokenizer, where)
                     row = atif_format.raw_row(doc, run_id, where)
                     recorded = ((doc.get("agent") or {}).get("extra") or {}).get(atif_format.KEY, {}).get("checkpoint")
-                    if recorded and state.get("checkpoint") is None:
-                        found = resolve_recorded(root, recorded)
-                        state["checkpoint"] = found if found.is_dir() else None
+                    found = resolve_recorded(root, recorded) if isinstance(recorded, str) and recorded else None
                     if iteration is not None:
                         row["iteration"] = iteration
-                    yield row["iteration"], row, True, where
+                    yield row["iteration"], row, True, where, found if found is not None and found.is_dir() else None
                     continue
                 if (traj.extra or {}).get(atif_format.KEY, {}).get("format") == atif_format.PURIFIED_FORMAT:
                     raise InteropError(
@@ -126,6 +148,13 @@ def _rows(
                     need_chat(f"{where} (ATIF v{version[0]}.{version[1]}, before token ids)")
                 if chat is not None:
                     importers.check_tokenizer(doc, chat, tokenizer, where)
+                if traj.trajectory_id:
+                    if traj.trajectory_id in trajectory_ids:
+                        raise InteropError(
+                            f"{where}: trajectory_id {traj.trajectory_id!r} was already read at "
+                            f"{trajectory_ids[traj.trajectory_id]} (a file named twice, or one trajectory twice)"
+                        )
+                    trajectory_ids[traj.trajectory_id] = where
                 prompt_ids, turns, exact, last = importers.atif_turns(traj, chat, where)
                 users = [s.message for s in traj.steps if s.source == "user" and isinstance(s.message, str)]
                 question = users[0] if users else ""
@@ -150,7 +179,7 @@ def _rows(
                     chat=chat,
                     final_text=last,
                 )
-                yield it, row, exact, where
+                yield it, row, exact, where, None
                 continue
             chat_ = need_chat(where)
             if fmt == "trl-completions":
@@ -206,7 +235,7 @@ def _rows(
                 chat=chat_,
                 final_text=last,
             )
-            yield it, row, False, where
+            yield it, row, False, where, None
 
 
 def run_import(
@@ -241,9 +270,34 @@ def run_import(
         if not f.is_file():
             raise InteropError(f"{f}: " + ("is a folder, not a file" if f.is_dir() else "does not exist"))
     check_writable_root(root)
+    if layout.run_json.is_file() or (layout.run_dir / "checkpoints").is_dir():
+        raise InteropError(
+            f"run {run_id} under {root} is a training run (it has "
+            f"{'run.json' if layout.run_json.is_file() else 'checkpoints'}): its iterations are its own rollouts; "
+            "import into a new --run"
+        )
     chat = load_chat(Path(tokenizer)) if tokenizer is not None else None
     config_hash = _digest(files, fmt, run_id, tokenizer, iteration, allow_purify)
-    state: dict[str, Any] = {"checkpoint": Path(tokenizer) if tokenizer is not None else None}
+    # per iteration, the checkpoint that sampled it (a raw shard records one): what cleaner ATIF names, else
+    # --tokenizer; replay and purify recompute with it
+    checkpoint_of: dict[int, Path | None] = {}
+    vocab_of: dict[Path | None, int | None] = {}
+
+    def vocab(checkpoint: Path | None) -> int | None:
+        """The ids a row's checkpoint can read: its config's vocab_size, else its tokenizer's; None: not known."""
+        if checkpoint not in vocab_of:
+            size = None
+            config = checkpoint / "config.json" if checkpoint is not None else None
+            if config is not None and config.is_file():
+                try:
+                    size = int(json.loads(config.read_text()).get("vocab_size") or 0) or None
+                except (ValueError, TypeError, AttributeError):
+                    size = None
+            if size is None and chat is not None:
+                size = len(chat.tokenizer)
+            vocab_of[checkpoint] = size
+        return vocab_of[checkpoint]
+
     writers: dict[int, ShardWriter | None] = {}  # None: already imported with these files and settings
     pending: dict[int, list[tuple[dict[str, Any], str]]] = {}
     exact: dict[int, bool] = {}
@@ -262,7 +316,7 @@ def run_import(
                     "other files or settings made; import into a new --run (raw shards are never "
                     "overwritten)"
                 )
-            checkpoint = state.get("checkpoint")
+            checkpoint = checkpoint_of.get(it)
             writers[it] = (
                 None
                 if committed is not None
@@ -290,10 +344,18 @@ def run_import(
         pending[it] = []
 
     try:
-        for it, row, row_exact, where in _rows(
-            files, fmt, run_id, chat=chat, tokenizer=tokenizer, iteration=iteration, root=root, state=state
+        for it, row, row_exact, where, sampler in _rows(
+            files, fmt, run_id, chat=chat, tokenizer=tokenizer, iteration=iteration, root=root
         ):
-            _check_row(row, where)
+            sampler = sampler or (Path(tokenizer) if tokenizer is not None else None)
+            if it in checkpoint_of and checkpoint_of[it] != sampler:
+                raise InteropError(
+                    f"{where}: sampled by {sampler or 'an unnamed checkpoint'}, but iteration {it}'s earlier rows by "
+                    f"{checkpoint_of[it] or 'an unnamed checkpoint'}: an iteration is sampled by one policy (import "
+                    "each into its own --iteration)"
+                )
+            checkpoint_of[it] = sampler
+            _check_row(row, where, vocab=vocab(sampler))
             key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
             if key in seen:
                 raise InteropError(
@@ -363,6 +425,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _iteration(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"invalid iteration {text!r}: a whole number, 0 or more")
+    return n
+
+
 def add_parser(sub) -> None:
     p = command_parser(
         sub,
@@ -377,8 +449,10 @@ def add_parser(sub) -> None:
         "purifying them is refused unless --allow-purify (their token boundaries are not the sampled ones). A "
         "rerun with the same files is a no-op; docs/formats.md.",
         func=run,
+        positionals=lambda p: p.add_argument(
+            "files", nargs="+", type=Path, metavar="FILE", help=".jsonl (one object a line) or .json files"
+        ),
     )
-    p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl (one object a line) or .json files")
     p.add_argument("--format", required=True, choices=FORMATS, help="what the files are")
     p.add_argument("--run", required=True, help="the run to import into (its own: raw shards are never overwritten)")
     p.add_argument(
@@ -388,7 +462,9 @@ def add_parser(sub) -> None:
         "text sources) or checks ATIF ids; recorded as the policy that sampled the rows",
     )
     p.add_argument(
-        "--iteration", type=int, help="iteration to import into (default: cleaner ATIF keeps its own, other sources 0)"
+        "--iteration",
+        type=_iteration,
+        help="iteration to import into (default: cleaner ATIF keeps its own, other sources 0)",
     )
     p.add_argument(
         "--allow-purify",

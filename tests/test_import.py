@@ -355,3 +355,121 @@ def test_an_import_never_overwrites_another_one(chat, tmp_path, capsys):
     with pytest.raises(InteropError, match="already imported from .*ours.jsonl: line 1"):
         run_import(cfg, [ours, ours], "atif", "r2")
     assert run_import(cfg, [ours], "atif", "r3").rows == 3
+
+
+def _ours(tmp_path, name: str, checkpoints: dict[int, str | None], n: int = 2) -> Path:
+    """cleaner's own ATIF of `n` synthetic raw rows per iteration, each iteration naming its checkpoint."""
+    from flows.interop.atif import agent_of, raw_trajectory
+    from pipeline.trajectory import trajectory_to_row
+    from tests.synthetic import synthetic_trajectories
+
+    docs = []
+    for it, checkpoint in checkpoints.items():
+        for t in synthetic_trajectories(n):
+            row = trajectory_to_row(t)
+            row["iteration"] = it
+            docs.append(raw_trajectory(row, None, agent_of(f"v{it}", checkpoint, "test")))
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def test_several_files_on_the_command_line_are_all_imported(chat, tmp_path, capsys):
+    """`cleaner import --format atif a.jsonl b.jsonl --run R` (docs/formats.md's example): argparse gave every file
+    but the last to the KEY=VALUE positional, which refused the first as an override."""
+    from flows.cli import main
+    from pipeline.config import DEFAULT_POLICY
+
+    doc, _ = _foreign_atif(chat)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps(doc) + "\n")
+    b.write_text(json.dumps({**doc, "extra": {**doc["extra"], "reward": 0.0}}) + "\n")
+    root = tmp_path / "ws"
+    argv = ["import", "--format", "atif", str(a), str(b), "--run", "two", "--tokenizer", str(DEFAULT_POLICY)]
+    assert main([*argv, f"storage.root={root}"]) == 0, capsys.readouterr().err
+    assert "imported 2 trajectories" in capsys.readouterr().out
+    assert sorted(r["reward"] for r in _rows(root, "two")) == [0.0, 1.0]
+
+
+def test_each_iteration_records_the_checkpoint_that_sampled_it(tmp_path):
+    """A file of several iterations recorded iteration 0's checkpoint for all of them, so replay recomputed later
+    iterations with the wrong policy. Two checkpoints named in one iteration are refused."""
+    import shutil
+
+    from flows.import_cmd import run_import
+    from flows.interop.source import InteropError
+    from pipeline.config import DEFAULT_POLICY
+    from storage.layout import RunLayout, resolve_recorded
+    from storage.shards import read_manifest
+
+    later = tmp_path / "later-policy"
+    shutil.copytree(DEFAULT_POLICY, later)
+    path = _ours(tmp_path, "two.jsonl", {0: str(DEFAULT_POLICY), 1: str(later)})
+    cfg = _store(tmp_path)
+    assert run_import(cfg, [path], "atif", "both").iterations == {0: "written", 1: "written"}
+    layout = RunLayout(cfg.storage.root, "both")
+    for it, want in ((0, DEFAULT_POLICY), (1, later)):
+        (recorded,) = read_manifest(layout.raw_dir(it)).inputs
+        assert resolve_recorded(cfg.storage.root, recorded).resolve() == Path(want).resolve()
+    with pytest.raises(InteropError, match="iteration is sampled by one policy"):
+        run_import(cfg, [path], "atif", "forced", iteration=3)
+    assert not RunLayout(cfg.storage.root, "forced").raw_dir(3).exists()
+
+
+def test_rows_that_would_break_later_stages_are_refused_in_one_line(chat, tmp_path, capsys):
+    """Each was stored and crashed replay, purify or the viewer later (a traceback), or was stored as something it
+    never was; now one line naming the file and line, and nothing written."""
+    from pipeline.config import DEFAULT_POLICY
+    from storage.layout import RunLayout
+
+    root = tmp_path / "ws"
+    doc, _ = _foreign_atif(chat)
+    tok = ["--tokenizer", str(DEFAULT_POLICY)]
+
+    def lines(name: str, *items: object) -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(i) + "\n" for i in items))
+        return str(path)
+
+    def refuse(fmt: str, path: str, *words: str, extra: tuple[str, ...] = ()) -> None:
+        refused(["import", "--run", "bad", f"storage.root={root}", "--format", fmt, path, *extra], capsys, 2, *words)
+
+    ours = json.loads(_ours(tmp_path, "ours.jsonl", {0: str(DEFAULT_POLICY)}, n=1).read_text())
+    no_reward = json.loads(json.dumps(ours))
+    del no_reward["extra"]["cleaner"]["reward"]
+    refuse("atif", lines("no-reward.jsonl", no_reward), "line 1", "reward is missing")
+    word = json.loads(json.dumps(ours))
+    word["extra"]["cleaner"]["iteration"] = "zero"
+    refuse("atif", lines("word.jsonl", word), "line 1", "iteration is 'zero'")
+    big = json.loads(json.dumps(ours))  # no --tokenizer: the checkpoint it names has 1,024 ids
+    big["steps"][1]["metrics"]["completion_token_ids"][0] = 10_000_000
+    refuse("atif", lines("big.jsonl", big), "line 1", "id 10000000", "1,024 ids")
+    negative = json.loads(json.dumps(doc))
+    negative["steps"][1]["metrics"]["completion_token_ids"][0] = -5
+    refuse("atif", lines("negative.jsonl", negative), "line 1", "id -5", extra=tuple(tok))
+    twice = {**doc, "trajectory_id": "t-1"}
+    refuse("atif", lines("twice.jsonl", twice, twice), "line 2", "trajectory_id 't-1'", "line 1", extra=tuple(tok))
+    search = {"type": "function", "function": {"name": "web_search", "arguments": {"query": "world cup"}}}
+    completion = [{"role": "assistant", "content": "", "tool_calls": [search]}, {"role": "tool", "content": "x"}]
+    path = lines("search.jsonl", {"prompt": QUESTION, "completion": completion, "reward": 0.0})
+    refuse("trl-completions", path, "line 1", "'web_search'", "no `code`", extra=tuple(tok))
+    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(1)"}}}
+    completion = [{"role": "assistant", "content": "", "tool_calls": [call, call]}, {"role": "tool", "content": "1"}]
+    path = lines("parallel.jsonl", {"prompt": QUESTION, "completion": completion, "reward": 0.0})
+    refuse("trl-completions", path, "line 1", "2 tool calls in one message", extra=tuple(tok))
+    nan = lines("nan.jsonl", {"input": QUESTION, "output": "\\boxed{42}", "score": float("nan")})
+    refuse("verl-jsonl", nan, "line 1", "reward is nan", extra=tuple(tok))
+    raw = RunLayout(root, "bad").raw_dir(0)
+    assert not raw.exists() or not any(raw.iterdir())
+
+    # a training run's next iteration is its own rollout: resuming it would find an import there
+    RunLayout(root, "trained").run_dir.mkdir(parents=True)
+    RunLayout(root, "trained").run_json.write_text("{}")
+    ok = lines("ok.jsonl", doc)
+    argv = ["import", "--run", "trained", f"storage.root={root}", "--format", "atif", ok, *tok]
+    refused(argv, capsys, 2, "training run", "new --run")
+    with pytest.raises(SystemExit):
+        from flows.cli import main
+
+        main(["import", "--run", "x", "--iteration", "-1", "--format", "atif", ok, f"storage.root={root}"])
+    assert "0 or more" in capsys.readouterr().err

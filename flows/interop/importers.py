@@ -30,6 +30,7 @@ from pipeline.chat import (
     IM_START,
     RESPONSE_CLOSE,
     RESPONSE_OPEN,
+    TOOL_NAME,
     ChatFormat,
     parse_tool_call,
     render_tool_call,
@@ -256,8 +257,28 @@ def _call_code(call: Any, where: str) -> str:
             raise InteropError(f"{where}: a tool call's arguments are not JSON") from None
     if not isinstance(args, dict):
         raise InteropError(f"{where}: a tool call without arguments (expected function.arguments)")
+    return code_argument(args, function.get("name"), where)
+
+
+def code_argument(args: dict[str, Any], name: Any, where: str) -> str:
+    """The Python a call runs: cleaner's policy has one tool, an interpreter taking `code`; a call to another tool
+    would be stored as code it never was."""
     code = args.get("code")
-    return code if isinstance(code, str) else json.dumps(args)
+    if not isinstance(code, str):
+        raise InteropError(
+            f"{where}: a call to tool {name!r} with arguments {sorted(args)} has no `code` string: cleaner rows hold "
+            f"calls to one Python tool ({TOOL_NAME!r}, argument `code`)"
+        )
+    return code
+
+
+def one_call(calls: list[Any], where: str) -> Any:
+    if len(calls) > 1:
+        raise InteropError(
+            f"{where}: {len(calls)} tool calls in one message: cleaner rows hold one call per assistant turn, its "
+            "result in the next tool message"
+        )
+    return calls[0]
 
 
 def text_turns(messages: list[Any], chat: ChatFormat, where: str) -> tuple[list[Turn], str | None]:
@@ -271,7 +292,7 @@ def text_turns(messages: list[Any], chat: ChatFormat, where: str) -> tuple[list[
         role, text = m.get("role"), _content(m, f"{where}: message {n}")
         if role == "assistant":
             calls = m.get("tool_calls") or []
-            code = _call_code(calls[0], f"{where}: message {n}") if calls else None
+            code = _call_code(one_call(calls, f"{where}: message {n}"), f"{where}: message {n}") if calls else None
             body = text.replace(IM_END, "").replace(EOS, "")
             rendered = body + (
                 ("\n" if body else "") + render_tool_call(code)
@@ -388,8 +409,8 @@ def atif_turns(traj, chat: ChatFormat | None, where: str) -> tuple[list[int] | N
         message = step.message if isinstance(step.message, str) else ""
         code = None
         if step.tool_calls:
-            args = step.tool_calls[0].arguments
-            code = args["code"] if isinstance(args.get("code"), str) else json.dumps(args)
+            call = one_call(step.tool_calls, f"{where}: step {step.step_id}")
+            code = code_argument(call.arguments, call.function_name, f"{where}: step {step.step_id}")
         if ids is None:
             if chat is None:
                 raise InteropError(
@@ -444,6 +465,8 @@ def check_tokenizer(doc: dict[str, Any], chat: ChatFormat, tokenizer: Path, wher
         if not ids:
             continue
         big = max(ids)
+        if min(ids) < 0:
+            raise InteropError(f"{where}: step {step.get('step_id')}: completion_token_ids holds id {min(ids)} (< 0)")
         if big >= size:
             raise InteropError(
                 f"{where}: step {step.get('step_id')}: completion_token_ids holds id {big}, beyond "
