@@ -339,11 +339,14 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
             format="verl RL prompt Parquet",
             summary=(
                 "One row per task, as verl's data preprocessing writes them: "
-                "point `data.train_files` at data/train.parquet."
+                "point `data.train_files` at data/train.parquet. verl's default reward picks a scorer by "
+                "`data_source` and knows only its own benchmarks' names: for other sources (cleaner's world, your "
+                "own tasks) give it one with `custom_reward_function.path` that reads `reward_model.ground_truth`."
             ),
             data_files={"default": "data/*.parquet"},
             columns=verl.COLUMN_DOCS,
             provenance=provenance,
+            token_exact=None,
         )
         (staging / "README.md").write_text(card.render())
     files = [out / "data" / "train.parquet", out / "README.md"]

@@ -381,7 +381,7 @@ def run_import(
                 {
                     "source_format": fmt,
                     "token_exact": exact[it],
-                    "imported_from": [str(f) for f in files],
+                    "imported_from": [str(f.resolve()) for f in files],  # wherever the command ran
                     "purify_allowed": bool(allow_purify),
                     "policy_version": ", ".join(sorted(versions[it])),
                 }

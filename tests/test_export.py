@@ -243,6 +243,16 @@ def test_verl_prompts_from_a_filter_task_file_and_from_the_run(purified_run, tmp
     whole = tmp_path / "verl-run"
     done = run_export(purified_run, "w", None, None, "verl", whole)
     assert done.rows == seen and len(_load(whole, offline)) == seen
+    card = (whole / "README.md").read_text()  # prompts: no tokens to be exact about; verl needs a scorer for them
+    assert "Token-exact: n/a" in card and "custom_reward_function" in card
+
+
+def test_a_partition_is_named_as_its_threshold_reads(purified_run, tmp_path):
+    """gamma=0.5 is the folder gamma=0.50 (it was refused as a partition the run does not have)."""
+    from flows.export_cmd import run_export
+
+    short = run_export(purified_run, "w", None, PARTITION.replace("0.50", "0.5"), "trl-sft", tmp_path / "a")
+    assert short.rows == run_export(purified_run, "w", None, PARTITION, "trl-sft", tmp_path / "b").rows > 0
 
 
 def test_bad_selections_are_refused_in_one_line_and_write_nothing(purified_run, tmp_path, capsys):

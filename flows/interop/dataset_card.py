@@ -18,7 +18,7 @@ class Card:
     data_files: dict[str, str]  # config name -> glob under the export folder ({} for a format `datasets` cannot read)
     columns: dict[str, str]  # column -> what it is
     provenance: dict[str, str] = field(default_factory=dict)  # e.g. run, iterations, partition, policy versions
-    token_exact: bool = True
+    token_exact: bool | None = True  # None: no tokens (a prompts file)
     notes: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=lambda: ["cleaner", "agentic-rl", "tool-use"])
 
@@ -44,7 +44,9 @@ class Card:
             "",
             f"Format: `{self.format}`. Token-exact: "
             + (
-                "yes (the token ids the policy sampled and trains on)."
+                "n/a (prompts: the trainer samples its own rollouts)."
+                if self.token_exact is None
+                else "yes (the token ids the policy sampled and trains on)."
                 if self.token_exact
                 else "no (text: a consumer re-tokenizes it)."
             ),

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 
 from storage.errors import CleanerError, os_error
-from storage.layout import DEFAULT_MEASURE_KEY, RunLayout, resolve_recorded
+from storage.layout import DEFAULT_MEASURE_KEY, RunLayout, format_threshold, resolve_recorded
 from storage.schemas import PURIFIED, RAW
 from storage.shards import Manifest, committed_manifest, iter_part_batches, read_manifest
 from storage.texts import TOKENIZER_FILE, load_decoder
@@ -61,6 +61,9 @@ def parse_partition(text: str) -> Partition:
             f"--partition {text!r}: expected a purified partition such as mode=saar/gamma=0.50 or "
             "mode=saar_is/tau=0.30 (the folder under an iteration's purified/)"
         )
+    # the folder as the writer names it: gamma=0.5 is gamma=0.50
+    folder = f"{m['kind']}={format_threshold(float(m['value']))}" + (f"-{m['measure']}" if m["measure"] else "")
+    path = f"mode={m['mode']}/{folder}"
     return Partition(path, m["mode"], m["kind"], float(m["value"]), m["measure"] or DEFAULT_MEASURE_KEY)
 
 
