@@ -71,6 +71,7 @@ FIXED_KEYS = (
     "purify.recompute",
     "train.strategy",
     "train.nproc",
+    "train.fresh_optimizer",
 )
 
 
@@ -717,8 +718,8 @@ class Check:
             f"train.strategy={'local' if iteration == 0 else 'deepspeed'}",
             "train.nproc=1",
         ]
-        if iteration == 1:
-            fixed.append(f"train.param_dtype={self.args.ds_dtype}")
+        if iteration == 1:  # checkpoint 1's optimizer state is the local strategy's: DeepSpeed starts its own
+            fixed += [f"train.param_dtype={self.args.ds_dtype}", "train.fresh_optimizer=true"]
         return load_config(None, DEFAULT_OVERRIDES + [f"rollout.tasks_per_iteration={self.args.tasks}"] + user + fixed)
 
     def _check_overrides(self) -> None:

@@ -7,6 +7,7 @@ Exit 0 when it fits, 1 when it does not (so a job script can stop before it star
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from flows.command import command_parser, config_of
@@ -14,7 +15,7 @@ from storage.errors import CleanerError
 
 EXAMPLE = """Examples:
   cleaner fit -c configs/demo.yaml
-  cleaner fit -c my.yaml --model /models/Qwen3-4B --tokens 8192 --gpus 1 --gpu-memory 80
+  cleaner fit -c my.yaml --model /models/Qwen3-4B --tokens 8192 --gpus 1 --gpu-memory 79.2   # an H100 80GB
   cleaner fit -c my.yaml train.strategy=deepspeed train.zero_stage=3 train.nproc=4 train.param_dtype=bf16"""
 
 
@@ -41,27 +42,32 @@ def run_fit(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     model = args.model or cfg.rollout.policy
     shape = ModelShape.from_path(Path(model))
-    tokens = args.tokens or (cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens)
+    tokens = args.tokens if args.tokens is not None else cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     if tokens < 1:
         raise FitError(f"--tokens {tokens}: a trajectory has at least one token")
     if args.gpu_memory is not None:
-        if args.gpu_memory <= 0:
-            raise FitError(f"--gpu-memory {args.gpu_memory}: GiB per GPU, above 0")
+        if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
+            raise FitError(f"--gpu-memory {args.gpu_memory}: GiB per GPU, a number above 0")
         gpu_bytes, card = args.gpu_memory * GiB, f"{args.gpu_memory:g} GiB per GPU (--gpu-memory)"
     else:
         gpu_bytes, card = detected_gpu_memory()
         if gpu_bytes is None:
-            raise FitError(f"{card}: say the GPUs' memory with --gpu-memory GIB (e.g. --gpu-memory 80 for an H100)")
-    gpus = args.gpus or (cfg.train.nproc if cfg.train.strategy == "deepspeed" else 1)
+            raise FitError(
+                f"{card}: say the GPUs' memory with --gpu-memory GIB, as torch reports it (an H100 80GB: 79.2)"
+            )
+    deepspeed = cfg.train.strategy == "deepspeed"
+    gpus = args.gpus if args.gpus is not None else (cfg.train.nproc if deepspeed else 1)
     if gpus < 1:
         raise FitError(f"--gpus {gpus}: at least 1")
-    plan = Plan.from_train(cfg.train, tokens, ranks=gpus if cfg.train.strategy == "deepspeed" else 1)
-    if plan.strategy == "deepspeed" and plan.ranks > gpus:
-        raise FitError(f"train.nproc={plan.ranks} ranks for {gpus} GPU(s) (--gpus): one rank per GPU")
+    # a train.nproc the config gives is what a run would start; without one, --gpus ranks
+    ranks = (cfg.train.nproc if "nproc" in cfg.train.model_fields_set else gpus) if deepspeed else 1
+    if ranks > gpus:
+        raise FitError(f"train.nproc={ranks} ranks for {gpus} GPU(s) (--gpus): one rank per GPU")
+    plan = Plan.from_train(cfg.train, tokens, ranks=ranks)
     est = estimate(shape, plan)
     usable = gpu_bytes * (1 - HEADROOM)
     print(
-        f"model {shape.name}: {shape.parameters / 1e9:.2f}B parameters ({shape.layers} layers, hidden "
+        f"model {shape.name}: {_count(shape.parameters)} parameters ({shape.layers} layers, hidden "
         f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}"
     )
     print(f"settings: {describe(plan)} train.micro_batch_tokens={plan.micro_batch_tokens}")
@@ -94,6 +100,10 @@ def run_fit(args: argparse.Namespace) -> int:
     return 1
 
 
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
+
+
 def _all(plan, gpus):
     from trainer.memory import candidate_plans
 
@@ -115,7 +125,15 @@ def add_parser(sub) -> None:
         type=int,
         help="trajectory tokens (default: rollout.max_prompt_tokens + rollout.max_response_tokens)",
     )
-    p.add_argument("--gpus", type=int, help="GPUs the update may use (default: train.nproc under deepspeed, else 1)")
     p.add_argument(
-        "--gpu-memory", type=float, metavar="GIB", help="memory per GPU in GiB (default: this machine's smallest GPU)"
+        "--gpus",
+        type=int,
+        help="GPUs the update may use (default: train.nproc under deepspeed, else 1); a train.nproc the config "
+        "gives is sized, else --gpus ranks",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help="memory per GPU in GiB as torch reports it (an H100 80GB: 79.2; default: this machine's smallest GPU)",
     )

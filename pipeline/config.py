@@ -581,6 +581,14 @@ class TrainConfig(Section):
             "(OpenRLHF's adam_offload; the step runs torch's AdamW on the CPU, nothing compiled at run time)"
         ),
     )
+    fresh_optimizer: bool = Field(
+        False,
+        description=(
+            "continue from a checkpoint whose optimizer state this update cannot read (written by another "
+            "train.strategy, train.nproc or train.zero_stage) with a fresh AdamW and LR warm-up; false: such an "
+            "update is refused in one line"
+        ),
+    )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa",
         description=(
@@ -697,6 +705,8 @@ class TrainConfig(Section):
         inert(self, info, "train", "rollout_correction_bounds", correcting, "a train.rollout_correction preset")
         for name in ("dpo_beta", "dpo_max_adjustment_ratio"):
             inert(self, info, "train", name, self.use_dpo_on_tool_calls, "train.use_dpo_on_tool_calls=true")
+        for name in ("nproc", "zero_stage"):  # the local strategy is one process without ZeRO
+            inert(self, info, "train", name, self.strategy == "deepspeed", "train.strategy=deepspeed")
         return self
 
     @model_validator(mode="after")
@@ -718,6 +728,7 @@ class TrainConfig(Section):
 # existed was trained as their defaults train, and keeps its record.
 TRAIN_SETTINGS_IF_SET = {
     "gradient_checkpointing": False,
+    "fresh_optimizer": False,
     "offload_optimizer": False,
     "attn_implementation": "sdpa",
     "loss_agg": "token_mean",
@@ -799,6 +810,25 @@ class CleanerConfig(Section):
             raise ValueError(
                 f"purify.roc_group_size ({size}) must be at most rollout.samples_per_prompt "
                 f"({self.rollout.samples_per_prompt}): RoC down-samples each prompt's group"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_for_every_rank(self, info: ValidationInfo) -> "CleanerConfig":
+        # each DeepSpeed rank trains whole prompt groups of every mini-batch (trainer/deepspeed_update.py): a
+        # mini-batch of fewer groups than ranks fails at the update, after the rollout and purification it costs
+        t = self.train
+        if t.strategy != "deepspeed" or t.nproc == 1 or (info.context or {}).get("record"):
+            return self
+        groups = self.rollout.tasks_per_iteration
+        n = max(1, min(t.mini_batches, groups))
+        size = -(-groups // n)  # trainer.batches.mini_batches: whole groups, the last mini-batch the smallest
+        smallest = groups - size * ((groups - 1) // size)
+        if smallest < t.nproc:
+            raise ValueError(
+                f"train.nproc={t.nproc} ranks, but a mini-batch holds {smallest} prompt group(s) "
+                f"(rollout.tasks_per_iteration={groups} over train.mini_batches={t.mini_batches}): each rank "
+                f"trains whole groups; use train.mini_batches={max(1, groups // t.nproc)} or fewer, or fewer ranks"
             )
         return self
 

@@ -356,6 +356,12 @@ def test_config_describe_says_what_every_setting_does(capsys):
             "rollout.saar.rollback=importance has no effect without rollout.saar.live_mode=purified",
         ),
         (["rollout.saar.is_threshold=0.3"], "rollout.saar.is_threshold=0.3 has no effect without"),
+        (["train.nproc=4"], "train.nproc=4 has no effect without train.strategy=deepspeed"),
+        (["train.zero_stage=3"], "train.zero_stage=3 has no effect without train.strategy=deepspeed"),
+        (
+            ["rollout.tasks_per_iteration=2", "train.mini_batches=2", "train.strategy=deepspeed", "train.nproc=2"],
+            "a mini-batch holds 1 prompt group(s) (rollout.tasks_per_iteration=2 over train.mini_batches=2)",
+        ),
     ],
 )
 def test_a_setting_nothing_reads_is_refused_naming_what_it_needs(overrides, needle):
@@ -372,6 +378,8 @@ def test_a_setting_nothing_reads_is_refused_naming_what_it_needs(overrides, need
         ["train.use_dpo_on_tool_calls=true", "train.dpo_beta=3", "train.dpo_max_adjustment_ratio=0.5"],
         ["rollout.saar.rollback=importance", "rollout.saar.is_threshold=0.3"],
         ["rollout.saar.live_mode=raw", "rollout.saar.is_threshold=0.5"],  # its default: nothing changed
+        ["train.strategy=deepspeed", "train.nproc=2", "train.zero_stage=3"],
+        ["rollout.tasks_per_iteration=4", "train.mini_batches=2", "train.strategy=deepspeed", "train.nproc=2"],
     ],
 )
 def test_the_same_settings_with_their_switch_on_are_accepted(overrides):

@@ -456,3 +456,45 @@ def test_a_training_flow_on_a_gpu_refuses_a_model_that_will_not_fit_before_anyth
     message = str(refused.value)
     assert "\n" not in message and "8192 tokens" in message and "would fit:" in message and "H100" in message
     check_update_fits(load_config(None), 80 * GiB, "H100")  # the tiny demo policy
+
+
+def test_fit_input_a_user_found_wrong_is_one_line_exit_2(tmp_path, capsys):
+    """Each was taken silently (0 read as the default, nan/inf GiB, a string head count) or crashed with a
+    traceback, or sized a model the estimate cannot size (a mixture of experts as a 3B dense model)."""
+    from tests.flow_helpers import refused
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps({**SHAPES["qwen3-4b"], "architectures": ["Qwen3ForCausalLM"]}))
+    base = ["fit", "--model", str(qwen)]
+    refused([*base, "--tokens", "0", "--gpu-memory", "79.2"], capsys, 2, "--tokens 0")
+    refused([*base, "--gpus", "0", "--gpu-memory", "79.2"], capsys, 2, "--gpus 0")
+    for odd in ("nan", "inf"):
+        refused([*base, "--gpu-memory", odd], capsys, 2, f"--gpu-memory {odd}")
+    ds = ["train.strategy=deepspeed", "train.nproc=4"]
+    refused([*base, "--gpus", "2", "--gpu-memory", "79.2", *ds], capsys, 2, "train.nproc=4 ranks for 2 GPU(s)")
+
+    def config(name: str, text: str | bytes) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        data = text.encode() if isinstance(text, str) else text
+        (folder / "config.json").write_bytes(data)
+        return str(folder)
+
+    moe = {**SHAPES["qwen3-4b"], "model_type": "qwen3_moe", "num_experts": 128, "moe_intermediate_size": 768}
+    refused(["fit", "--model", config("moe", json.dumps(moe)), "--gpu-memory", "79.2"], capsys, 2, "num_experts=128")
+    bert = {**SHAPES["qwen3-4b"], "model_type": "bert", "architectures": ["BertForMaskedLM"]}
+    refused(["fit", "--model", config("bert", json.dumps(bert)), "--gpu-memory", "79.2"], capsys, 2, "BertForMaskedLM")
+    heads = {**SHAPES["qwen3-4b"], "num_key_value_heads": "8"}
+    path = config("heads", json.dumps(heads))
+    refused(["fit", "--model", path, "--gpu-memory", "79.2"], capsys, 2, "'num_key_value_heads' must be a positive")
+    path = config("utf16", json.dumps(SHAPES["qwen3-4b"]).encode("utf-16"))
+    refused(["fit", "--model", path, "--gpu-memory", "79.2"], capsys, 2, "not UTF-8")
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    refused(["fit", "--model", str(tmp_path / "dir"), "--gpu-memory", "79.2"], capsys, 2, "a folder")
+
+    # train.nproc given: it is what a run starts, so it is what is sized (--gpus said 2 and the line said nproc=2)
+    from flows.cli import main
+
+    assert main([*base, "--tokens", "8192", "--gpus", "4", "--gpu-memory", "79.2", *ds[:1], "train.nproc=2"]) in (0, 1)
+    assert "train.nproc=2" in capsys.readouterr().out

@@ -45,7 +45,6 @@ from trainer.inputs import copy_tokenizer_files
 from trainer.openrlhf_compat import openrlhf_models
 from trainer.resume import read_progress, tag_of, write_progress
 
-DS_STATE = "deepspeed"  # subfolder of a checkpoint: ZeRO-partitioned optimizer/scheduler state for exact resume
 STATE_TAG = "state"
 
 

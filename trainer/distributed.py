@@ -17,17 +17,20 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from pipeline.config import CleanerConfig, dump_config, load_config, train_settings
+from pipeline.processes import dies_with
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError, first_line
 from storage.layout import RunLayout, record_path
-from trainer.grpo import UpdateError, UpdateProgress
+from trainer.grpo import UpdateError, UpdateProgress, total_minibatches
 from trainer.inputs import (
+    DS_STATE,
     dpo_note,
     finish_checkpoint,
     load_policy,
@@ -70,7 +73,16 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     )
     tail: collections.deque[str] = collections.deque(maxlen=300)
     try:
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        # torchrun gets SIGTERM when this process dies however it dies (kill -9 included), and stops its ranks:
+        # orphaned ranks would go on holding the GPUs, and a rerun would start a second torchrun beside them
+        with subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=dies_with(os.getpid(), signal.SIGTERM),
+        ) as proc:
             for line in proc.stdout:
                 tail.append(line.rstrip())
                 if line.startswith(LOG_PREFIX):
@@ -81,14 +93,22 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
         known = [t for t in tail if t.startswith("cleaner: ")]
         if known:  # an UpdateError & co. raised in a rank: its one line
             raise UpdateError(known[-1][len("cleaner: ") :])
+        resume = "nothing was committed, and running it again resumes after the last finished mini-batch"
+        cause = root_cause(list(tail))
+        if cause is not None and cause[1] < 0:  # a rank killed: the others' tracebacks only say they lost it
+            rank, code, why = cause
+            raise UpdateError(
+                f"deepspeed update of iteration {iteration} failed: rank {rank} ended first ({why or f'exit {code}'})"
+                f" and the other ranks lost it; {resume}"
+            )
         traceback = [t for t in tail if t.startswith("[rank")] or list(tail)  # a rank's own traceback first
         for line in traceback[-25:]:  # for whoever reads the log; the error itself stays one line
             log(line)
         last = next((t for t in reversed(traceback) if t.strip()), "no output")
+        first = f"rank {cause[0]} failed first; " if cause is not None else ""
         raise UpdateError(
-            f"deepspeed update of iteration {iteration} failed (torchrun exit {proc.returncode}: "
-            f"{last.strip()[:300]}); nothing was committed, and running it again resumes after the "
-            "last finished mini-batch"
+            f"deepspeed update of iteration {iteration} failed ({first}torchrun exit {proc.returncode}: "
+            f"{last.strip()[:300]}); {resume}"
         )
     if stop_after is not None:
         return partial_dir(target)
@@ -97,11 +117,32 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     return target
 
 
+def root_cause(lines: list[str]) -> tuple[int, int, str] | None:
+    """(rank, exit code, its signal or traceback line) of the rank torchrun observed failing first, from the
+    "Root Cause (first observed failure)" block of its error summary; None when it printed none."""
+    try:
+        start = next(i for i, t in enumerate(lines) if "Root Cause" in t)
+    except StopIteration:
+        return None
+    fields: dict[str, str] = {}
+    for t in lines[start + 1 :]:
+        name, sep, value = t.strip().partition(":")
+        if sep and name.strip() in ("rank", "exitcode", "traceback"):
+            fields.setdefault(name.strip(), value.strip())
+    try:
+        rank = int(fields["rank"].split()[0])
+        code = int(fields["exitcode"].split()[0])
+    except (KeyError, ValueError, IndexError):
+        return None
+    why = fields.get("traceback", "")
+    return rank, code, "" if why.startswith(("To enable traceback", "<N/A>")) else why
+
+
 def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | None = None) -> Path:
     """One rank of the update (every rank runs this; rank 0 writes the files everyone shares)."""
     import torch.distributed as dist
 
-    from trainer.deepspeed_update import DS_STATE, STATE_TAG, DeepSpeedGRPOUpdate, make_strategy, rank_device
+    from trainer.deepspeed_update import STATE_TAG, DeepSpeedGRPOUpdate, make_strategy, rank_device
 
     inputs = update_inputs(cfg, run_id, iteration)
     strategy = make_strategy(cfg.train, rank_device(cfg.train))
@@ -112,7 +153,9 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if cfg.train.use_dpo_on_tool_calls:
         update.set_dpo_pairs(inputs.dpo_pairs)
         log(dpo_note(inputs))
-    if update.load_state(inputs.src / DS_STATE, STATE_TAG):
+    if cfg.train.fresh_optimizer:
+        log("[update] optimizer and schedule start fresh (train.fresh_optimizer)")
+    elif update.load_state(inputs.src / DS_STATE, STATE_TAG):
         log(f"[update] optimizer and schedule continue from {inputs.src / DS_STATE}")
     key = inputs.key(cfg)
     partial = partial_dir(inputs.target)
@@ -120,14 +163,16 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     if progress.minibatches_done:
         log(f"[update] resuming after mini-batch {progress.minibatches_done}")
     t0 = time.perf_counter()
+    total = total_minibatches(inputs.rows, cfg.train)
+
+    def after_minibatch(p: UpdateProgress) -> None:
+        update.save_progress(partial, p, key)
+        log_steps(p.metrics[-1:], log)  # as each mini-batch ends: a GPU's can take minutes
+        log(f"[update] {p.minibatches_done}/{total} mini-batches")
+
     update.run(
-        inputs.rows,
-        model.config.pad_token_id or 0,
-        progress,
-        stop_after=stop_after,
-        after_minibatch=lambda p: update.save_progress(partial, p, key),
+        inputs.rows, model.config.pad_token_id or 0, progress, stop_after=stop_after, after_minibatch=after_minibatch
     )
-    log_steps(progress.metrics, log)
     if stop_after is not None:
         return partial
     tmp = staging_dir(inputs.target)

@@ -113,15 +113,51 @@ def update_source(cfg: CleanerConfig, run_id: str, iteration: int) -> Path:
     return source
 
 
+# subfolder of a checkpoint the DeepSpeed strategy writes: its ZeRO-partitioned optimizer and scheduler state
+DS_STATE = "deepspeed"
+
+
 def check_trainer_state(cfg: CleanerConfig, src: Path) -> None:
-    """Training on from a checkpoint the run wrote itself needs its trainer_state.pt: without it the update would
-    silently restart AdamW's moments and the LR warm-up in the middle of a run (the initial policy has none)."""
-    path = src / TRAINER_STATE
-    if not path.is_file() and (src / DONE_MARKER).is_file() and cfg.train.strategy == "local":
+    """Training on from a checkpoint the run wrote itself needs the optimizer state this strategy reads:
+    trainer_state.pt for the local strategy, the ZeRO partitions under deepspeed/ of as many ranks at the same stage
+    for DeepSpeed. Without it the update would silently restart AdamW's moments and the LR warm-up in the middle of
+    a run (the initial policy has none), or fail inside DeepSpeed after its ranks started."""
+    marker = src / DONE_MARKER
+    if not marker.is_file() or cfg.train.fresh_optimizer:
+        return  # the initial policy, or a fresh optimizer asked for: nothing to continue
+    try:
+        record = json.loads(marker.read_text())
+    except ValueError:
+        record = {}
+    written = record.get("strategy", "local")
+    fresh = (
+        f"start a new run from these weights (flow.run_id=NEW rollout.policy={src}), or restart the optimizer "
+        "knowingly (train.fresh_optimizer=true)"
+    )
+    t = cfg.train
+    if t.strategy == "local":
+        path = src / TRAINER_STATE
+        if not path.is_file():
+            made = f"; the checkpoint was written by train.strategy={written}" if written != "local" else ""
+            raise CheckpointError(
+                f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
+                f"schedule) mid-run{made}; "
+                + ("continue with its strategy, or " if made else "restore the file, or ")
+                + fresh
+            )
+        return
+    if not (src / DS_STATE).is_dir():
         raise CheckpointError(
-            f"{path}: missing, so this update would restart the optimizer (AdamW moments, LR "
-            f"schedule) mid-run; restore the file, or start a new run from these weights "
-            f"(flow.run_id=NEW rollout.policy={src})"
+            f"{src / DS_STATE}: missing (the checkpoint was written by train.strategy={written}), so this DeepSpeed "
+            f"update would restart the optimizer (AdamW moments, LR schedule) mid-run; continue with "
+            f"train.strategy={written}, or {fresh}"
+        )
+    ranks, stage = record.get("ranks"), record.get("zero_stage")
+    if (ranks, stage) != (t.nproc, t.zero_stage) and ranks is not None:
+        raise CheckpointError(
+            f"{src / DS_STATE}: ZeRO-{stage} state of {ranks} rank(s), but this update asks train.nproc={t.nproc} "
+            f"train.zero_stage={t.zero_stage}: DeepSpeed loads a ZeRO checkpoint only as it was partitioned; use "
+            f"train.nproc={ranks} train.zero_stage={stage}, or {fresh}"
         )
 
 

@@ -34,6 +34,8 @@ GiB = 1024**3
 # trainer/chunked_actor.py's LOGIT_BUDGET (positions × vocabulary one lm_head call may hold): the same
 # number, restated here so that this module needs no torch (a test keeps the two equal)
 LOGIT_BUDGET = 512 * 151_936
+# config.json fields of a mixture-of-experts model (Qwen3-MoE, Mixtral, DeepSeek): its experts are not sized here
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 # headroom a plan must leave of the card: CUDA context, allocator fragmentation, NCCL buffers
 HEADROOM = 0.10
 # DeepSpeed's reduce bucket and, under ZeRO-3, the gathered weights its prefetch keeps alive (elements)
@@ -65,20 +67,31 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "ModelShape":
-        def need(key: str) -> int:
+        def need(key: str, default: int | None = None) -> int:
             value = config.get(key)
+            if value is None and default is not None:
+                return default
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise MemoryEstimateError(f"{source}: field {key!r} must be a positive integer (got {value!r})")
             return value
 
+        experts = [k for k in MOE_FIELDS if config.get(k)]
+        kind = config.get("model_type")
+        architectures = config.get("architectures") or []
+        if experts or (architectures and not any(str(a).endswith("ForCausalLM") for a in architectures)):
+            what = f"a mixture of experts ({experts[0]}={config[experts[0]]})" if experts else f"{architectures[0]}"
+            raise MemoryEstimateError(
+                f"{source}: model_type {kind!r} is {what}; the estimate sizes dense decoder-only causal LMs "
+                "(Qwen2/2.5/3, Llama, Mistral layouts)"
+            )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        head_dim = config.get("head_dim") or hidden // heads
+        head_dim = need("head_dim", hidden // heads)
         return cls(
             vocab=need("vocab_size"),
             hidden=hidden,
             layers=need("num_hidden_layers"),
             heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
+            kv_heads=need("num_key_value_heads", heads),
             head_dim=head_dim,
             intermediate=need("intermediate_size"),
             tied=bool(config.get("tie_word_embeddings", False)),
@@ -93,9 +106,13 @@ class ModelShape:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         try:
-            config = json.loads(file.read_text())
+            config = json.loads(file.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise MemoryEstimateError(f"{file}: no such file (expected a checkpoint folder with config.json)") from None
+        except IsADirectoryError:
+            raise MemoryEstimateError(f"{file}: a folder, not a config.json file") from None
+        except UnicodeDecodeError as e:
+            raise MemoryEstimateError(f"{file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         except json.JSONDecodeError as e:
             raise MemoryEstimateError(f"{file}: not JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(config, dict):

@@ -165,7 +165,7 @@ def build_trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str],
     from trainer.grpo import GRPOUpdate
     from trainer.inputs import dpo_note, load_policy, trainer_state
 
-    prev_state = trainer_state(inputs.src)
+    prev_state = None if cfg.train.fresh_optimizer else trainer_state(inputs.src)
     device = resolve_device(cfg.train.device, "train.device")
     prepare_device(device)
     model = load_policy(cfg, inputs, device)
@@ -175,6 +175,8 @@ def build_trainer(cfg: CleanerConfig, inputs: UpdateInputs, log: Callable[[str],
         log(dpo_note(inputs))
     if prev_state is not None:
         update.load_state_dict(prev_state)  # AdamW moments and the schedule continue across iterations
+    elif cfg.train.fresh_optimizer:
+        log("[update] optimizer and schedule start fresh (train.fresh_optimizer)")
     return model, update
 
 
