@@ -24,6 +24,14 @@ class Exported:
     bytes: int = 0
 
 
+# what an SFT user must know of a GRPO partition's rows (a card note of both TRL exports)
+EVERY_REWARD = (
+    "Rows of every reward are here, failed answers included, as GRPO trains them with their advantage. Supervised "
+    "fine-tuning imitates every row it is given: to imitate successes only, keep rows with reward > 0 "
+    "(`ds.filter(lambda r: r['reward'] > 0)`)."
+)
+
+
 def default_partition(root: Path, run_id: str, cfg) -> str:
     """The partition the run's update trains on (run.json's train.mode and its threshold, else the config's)."""
     from pipeline.config import upgrade_frozen
@@ -239,6 +247,7 @@ def run_export(
                 data_files={"default": "data/*.parquet"},
                 columns={c: trl.COLUMN_DOCS[c] for c in trl.SFT_SCHEMA.names},
                 provenance=provenance,
+                notes=[EVERY_REWARD],
             )
         else:
             questions: dict[int, dict[str, str]] = {}  # the current iteration's only
@@ -271,7 +280,8 @@ def run_export(
                 provenance=provenance,
                 notes=[
                     "A turn the partition masks (mask_failed) is an assistant message like any other: the "
-                    "per-token loss mask is kept only by trl-sft."
+                    "per-token loss mask is kept only by trl-sft.",
+                    EVERY_REWARD,
                 ],
             )
         (staging / "README.md").write_text(card.render())

@@ -66,6 +66,7 @@ def test_trl_sft_is_what_trl_trains(purified_run, tmp_path, offline):
     card = (out / "README.md").read_text()
     assert "configs:" in card and "data/*.parquet" in card and "completion_mask" in card and "saar" in card
     assert "γ = 0.5" in card and "policy versions" in card
+    assert "reward > 0" in card  # SFT imitates every row: the card says how to keep successes only
 
     ds = _load(out, offline)
     assert len(ds) == len(rows)
