@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     from flows.console import command_prints_errors, quiet_libraries
 
     quiet_libraries()  # before torch, Beam or DeepSpeed are imported by a subcommand
+    from pipeline.processes import keep_interrupts_from_finalizers
+
+    keep_interrupts_from_finalizers()  # a Ctrl-C landing in a finalizer is not lost
     parser = build_parser()
     argv, overrides = split_overrides(parser, list(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)

@@ -53,3 +53,24 @@ def terminate(pid: int, grace: float = 10.0) -> None:
             os.waitpid(pid, os.WNOHANG)
         if not alive(pid):
             return
+
+
+def keep_interrupts_from_finalizers() -> None:
+    """A Ctrl-C (KeyboardInterrupt) raised inside a finalizer (`__del__` of a regex, a tokenizer, a socket being
+    collected) is printed by Python as "Exception ignored … Traceback" and dropped, so the command went on as if
+    nothing was pressed. This delivers it again 50 ms later, outside the finalizer, and prints nothing. Through
+    sys.unraisablehook, not a SIGINT handler: asyncio.run keeps its own Ctrl-C handling only over Python's default
+    handler. Left alone where another hook is installed already (a test runner's)."""
+    import sys
+    import threading
+
+    if sys.unraisablehook is not sys.__unraisablehook__:
+        return
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        sys.__unraisablehook__(unraisable)
+
+    sys.unraisablehook = hook
