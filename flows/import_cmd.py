@@ -255,6 +255,7 @@ def run_import(
 
     from flows.interop.source import InteropError
     from pipeline.chat import load_chat
+    from pipeline.engines.vllm_server import checkpoint_config
     from pipeline.trajectory import row_key
     from storage.errors import check_writable_root
     from storage.layout import RunLayout, record_path
@@ -286,15 +287,10 @@ def run_import(
     def vocab(checkpoint: Path | None) -> int | None:
         """The ids a row's checkpoint can read: its config's vocab_size, else its tokenizer's; None: not known."""
         if checkpoint not in vocab_of:
-            size = None
-            config = checkpoint / "config.json" if checkpoint is not None else None
-            if config is not None and config.is_file():
-                try:
-                    size = int(json.loads(config.read_text()).get("vocab_size") or 0) or None
-                except (ValueError, TypeError, AttributeError):
-                    size = None
-            if size is None and chat is not None:
-                size = len(chat.tokenizer)
+            config = (checkpoint_config(checkpoint) if checkpoint is not None else None) or {}
+            size = config.get("vocab_size") if isinstance(config, dict) else None
+            if not isinstance(size, int) or size <= 0:
+                size = len(chat.tokenizer) if chat is not None else None
             vocab_of[checkpoint] = size
         return vocab_of[checkpoint]
 
