@@ -189,6 +189,7 @@ def _rows(
                 question, prompt_messages = importers.question_of(doc["prompt"], where)
                 completion = doc["completion"]
                 if isinstance(completion, str):
+                    importers.check_markup(completion, chat_, where, "completion")
                     completion = [{"role": "assistant", "content": completion}]
                 if not isinstance(completion, list):
                     raise InteropError(
@@ -206,6 +207,7 @@ def _rows(
                             + " (verl's rollout "
                             "dump has input, output, gts, score, step)"
                         )
+                importers.check_markup(doc["output"], chat_, where)
                 question = importers.rendered_question(doc["input"])
                 completion = importers.split_rendered(doc["output"])
                 prompt_ids = (

@@ -275,6 +275,77 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     assert result.rows == 2
 
 
+def test_a_verl_dump_that_lost_its_tool_markup_is_refused(chat, tmp_path, capsys):
+    """verl decodes its dump with skip_special_tokens=True. Qwen3's <tool_call> and <tool_response> are not special
+    tokens, so its calls survive (imported as calls); the tiny policy's are, so the dump keeps the calls' JSON but
+    not their markers, and the import took each rollout as one answer with no call. Now: one line naming the file,
+    the line and what to dump instead, and nothing written."""
+    from flows.import_cmd import run_import
+    from pipeline.chat import IM_END, IM_START, load_chat, render_tool_call
+    from pipeline.config import DEFAULT_POLICY
+    from storage.layout import RunLayout
+
+    frame = f"{IM_END}\n{IM_START}user\n<tool_response>\n"
+    lived = (
+        f"Let me compute.\n{render_tool_call('print(6 * 7')}{frame}{FAILED}\n</tool_response>{IM_END}\n"
+        f"{IM_START}assistant\n{render_tool_call('print(6 * 7)')}{frame}{OK}\n</tool_response>{IM_END}\n"
+        f"{IM_START}assistant\nThe answer is \\boxed{{42}}.{IM_END}"
+    )
+
+    def dump(tokenizer: Path, name: str) -> Path:
+        c = load_chat(tokenizer)
+        prompt = c.tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+        )
+        decoded = {  # as verl's dump decodes them
+            "input": c.tokenizer.decode(c.encode(prompt), skip_special_tokens=True),
+            "output": c.tokenizer.decode(c.encode(lived), skip_special_tokens=True),
+            "gts": "42",
+            "score": 1.0,
+            "step": 1,
+        }
+        path = tmp_path / name
+        path.write_text(json.dumps({**decoded, "output": "The answer is \\boxed{42}."}) + "\n" + json.dumps(decoded))
+        return path
+
+    qwen3 = Path(__file__).resolve().parent.parent / "policies" / "qwen3-tokenizer"
+    cfg = _store(tmp_path)
+    run_import(cfg, [dump(qwen3, "qwen3.jsonl")], "verl-jsonl", "kept", tokenizer=qwen3)
+    called = [r for r in _rows(cfg.storage.root, "kept") if r["positions"]]
+    assert len(called) == 1 and [a["code"] for a in called[0]["positions"][0]["attempts"]] == [
+        "print(6 * 7",
+        "print(6 * 7)",
+    ]
+
+    path = dump(DEFAULT_POLICY, "tiny.jsonl")
+    root = tmp_path / "ws2"
+    base = ["import", "--run", "lost", f"storage.root={root}", "--format", "verl-jsonl"]
+    refused(
+        [*base, str(path), "--tokenizer", str(DEFAULT_POLICY)],
+        capsys,
+        2,
+        f"{path}: line 2",
+        "field 'output'",
+        "<tool_call>",
+        "skip_special_tokens=False",
+    )
+    trl = tmp_path / "trl.jsonl"  # TRL's GRPOTrainer decodes its completions the same way
+    decoded = chat.tokenizer.decode(
+        chat.encode(f"Let me compute.\n{render_tool_call('print(6*7)')}"), skip_special_tokens=True
+    )
+    trl.write_text(json.dumps({"prompt": QUESTION, "completion": decoded, "reward": 0.0}) + "\n")
+    refused(
+        [*base[:-1], "trl-completions", str(trl), "--tokenizer", str(DEFAULT_POLICY)],
+        capsys,
+        2,
+        f"{trl}: line 1",
+        "field 'completion'",
+        "skip_special_tokens=False",
+    )
+    raw = RunLayout(root, "lost").raw_dir(0)
+    assert not raw.exists() or not any(raw.iterdir())
+
+
 def test_bad_input_is_one_line_and_writes_nothing(chat, tmp_path, capsys):
     from storage.layout import RunLayout
     from pipeline.config import DEFAULT_POLICY

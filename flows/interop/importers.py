@@ -25,6 +25,7 @@ from flows.interop.source import InteropError
 from flows.interop.trl import unframed
 from pipeline.answers import last_boxed
 from pipeline.chat import (
+    CALL_OPEN,
     EOS,
     IM_END,
     IM_START,
@@ -374,6 +375,24 @@ def split_rendered(output: str) -> list[dict[str, Any]]:
         opening = _NEXT_TURN_OPENING.search(rest)
         rest = rest[opening.end() :] if opening else ""
     return [m for m in messages if m["role"] == "tool" or m["content"].strip()]
+
+
+_BARE_CALL = re.compile(r'\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"arguments"\s*:')
+
+
+def check_markup(output: str, chat: ChatFormat, where: str, field: str = "output") -> None:
+    """Refuse a dump whose calls lost their markers: decoded with skip_special_tokens=True under a tokenizer whose
+    <tool_call> is a special token (the tiny policy's; Qwen3's is not), a call and its tool response read as the
+    answer's text, and the rollout would be stored as one with no call."""
+    if CALL_OPEN in output or not _BARE_CALL.search(output):
+        return
+    if chat.tokenizer.decode(chat.encode(CALL_OPEN), skip_special_tokens=True).strip():
+        return  # the markers survive such a decode: a bare call is the model's own malformed text
+    raise InteropError(
+        f"{where}: field {field!r} has a tool call without its {CALL_OPEN} markers: the text was decoded with "
+        f"skip_special_tokens=True and this tokenizer's {CALL_OPEN} is a special token, so calls and tool "
+        "responses cannot be told from the answer (decode the rollouts with skip_special_tokens=False)"
+    )
 
 
 _USER_TURN = re.compile(r"(?:<\|im_start\|>)?user\n(.*?)(?:<\|im_end\|>|\n(?:<\|im_start\|>)?assistant\n|$)", re.S)
