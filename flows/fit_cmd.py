@@ -37,7 +37,17 @@ def detected_gpu_memory() -> tuple[float | None, str]:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from trainer.memory import GiB, HEADROOM, ModelShape, Plan, describe, estimate, longest_fitting_tokens, suggestions
+    from trainer.memory import (
+        GiB,
+        HEADROOM,
+        ModelShape,
+        Plan,
+        describe,
+        estimate,
+        longest_fitting_tokens,
+        suggestions,
+        this_host_memory,
+    )
 
     cfg = config_of(args)
     model = args.model or cfg.rollout.policy
@@ -55,6 +65,15 @@ def run_fit(args: argparse.Namespace) -> int:
             raise FitError(
                 f"{card}: say the GPUs' memory with --gpu-memory GIB, as torch reports it (an H100 80GB: 79.2)"
             )
+    if args.host_memory is not None:
+        if not math.isfinite(args.host_memory) or args.host_memory <= 0:
+            raise FitError(f"--host-memory {args.host_memory}: GiB of the node's memory, a number above 0")
+        host_bytes, host = args.host_memory * GiB, f"{args.host_memory:g} GiB (--host-memory)"
+    elif args.gpu_memory is None:  # the GPUs are this machine's: so is the host offload fills
+        host_bytes = this_host_memory()
+        host = f"{host_bytes / GiB:.0f} GiB (this machine)"
+    else:
+        host_bytes, host = None, None
     deepspeed = cfg.train.strategy == "deepspeed"
     gpus = args.gpus if args.gpus is not None else (cfg.train.nproc if deepspeed else 1)
     if gpus < 1:
@@ -70,31 +89,49 @@ def run_fit(args: argparse.Namespace) -> int:
         f"model {shape.name}: {_count(shape.parameters)} parameters ({shape.layers} layers, hidden "
         f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}"
     )
-    print(f"settings: {describe(plan)} train.micro_batch_tokens={plan.micro_batch_tokens}")
+    print(f"settings: {describe(plan)}")
     print("\n".join("  " + line for line in est.lines()))
-    fits = est.fits(gpu_bytes)
+    fits, on_card = est.fits(gpu_bytes, host_bytes), est.fits(gpu_bytes)
     print(
         f"{'fits' if fits else 'does not fit'}: {est.peak / GiB:.1f} GiB of {usable / GiB:.1f} GiB usable per GPU "
         f"({HEADROOM:.0%} of {gpu_bytes / GiB:.0f} GiB left for the CUDA context and fragmentation)"
+        + ("; the host's memory does not hold offload's share" if on_card and not fits else "")
     )
+    if est.cpu_bytes:
+        if host_bytes is None:
+            print(
+                f"  offload: {est.host_bytes / GiB:.1f} GiB of host memory for {plan.ranks} rank(s), not checked "
+                "(--host-memory GIB: the node's memory)"
+            )
+        else:
+            room = host_bytes * (1 - HEADROOM)
+            print(
+                f"  offload: {est.host_bytes / GiB:.1f} GiB of host memory for {plan.ranks} rank(s) of "
+                f"{room / GiB:.1f} GiB usable of {host}" + ("" if est.host_bytes <= room else ": does not fit")
+            )
     if fits:
         return 0
-    found = suggestions(shape, plan, gpus, gpu_bytes)
+    found = suggestions(shape, plan, gpus, gpu_bytes, host_bytes=host_bytes)
     if found:
         print(f"would fit on {gpus} GPU(s), fastest first:")
         for e in found:
             print(
                 f"  {describe(e.plan)}   ({e.peak / GiB:.1f} GiB per GPU"
-                + (f", {e.cpu_bytes / GiB:.0f} GiB host memory per rank" if e.cpu_bytes else "")
+                + (f", {e.host_bytes / GiB:.0f} GiB of host memory for offload" if e.cpu_bytes else "")
                 + ")"
             )
     else:
         print(
-            f"no settings fit {gpus} GPU(s) of {gpu_bytes / GiB:.0f} GiB at {tokens} tokens; more GPUs (--gpus) or "
-            "shorter trajectories"
+            f"no settings fit {gpus} GPU(s) of {gpu_bytes / GiB:.0f} GiB at {tokens} tokens"
+            + (f" with {host_bytes / GiB:.0f} GiB of host memory" if host_bytes else "")
+            + "; more GPUs (--gpus)"
+            + (", more host memory" if host_bytes else "")
+            + " or shorter trajectories"
         )
-        best = min((estimate(shape, c) for c in _all(plan, gpus)), key=lambda e: e.peak)
-        longest = longest_fitting_tokens(shape, best.plan, gpu_bytes)
+        room = None if host_bytes is None else host_bytes * (1 - HEADROOM)
+        held = [e for e in (estimate(shape, c) for c in _all(plan, gpus)) if room is None or e.host_bytes <= room]
+        best = min(held or [est], key=lambda e: e.peak)
+        longest = longest_fitting_tokens(shape, best.plan, gpu_bytes, host_bytes)
         if longest:
             print(f"  {describe(best.plan)} fits trajectories up to about {longest} tokens")
     return 1
@@ -136,4 +173,11 @@ def add_parser(sub) -> None:
         type=float,
         metavar="GIB",
         help="memory per GPU in GiB as torch reports it (an H100 80GB: 79.2; default: this machine's smallest GPU)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=float,
+        metavar="GIB",
+        help="the node's memory in GiB, which optimizer offload fills (default: this machine's when its GPUs are "
+        "sized, else offload's host share is shown but not checked)",
     )

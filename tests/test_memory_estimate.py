@@ -387,7 +387,7 @@ def test_describe_is_overrides_a_user_types():
     plan = Plan(strategy="deepspeed", zero_stage=3, ranks=2, param_dtype="bf16", gradient_checkpointing=True)
     assert describe(plan) == (
         "train.strategy=deepspeed train.param_dtype=bf16 train.gradient_checkpointing=true "
-        "train.zero_stage=3 train.nproc=2 train.offload_optimizer=false"
+        "train.zero_stage=3 train.nproc=2 train.offload_optimizer=false train.micro_batch_tokens=8192"
     )
 
 
@@ -418,7 +418,8 @@ def test_check_fits_refuses_in_one_line_naming_the_settings_the_estimate_and_wha
     line = str(e.value)
     assert "\n" not in line and e.value.exit_code == 1
     assert line.startswith(
-        "train.strategy=local train.param_dtype=fp32 train.gradient_checkpointing=false at 8192 "
+        "train.strategy=local train.param_dtype=fp32 train.gradient_checkpointing=false "
+        "train.micro_batch_tokens=8192 at 8192 "
         f"tokens needs ≈ {estimate(QWEN3_4B, plan).peak / GiB:.1f} GiB per GPU (estimate) of 72.0 "
         "GiB usable on NVIDIA H100 80GB HBM3"
     )
@@ -498,3 +499,78 @@ def test_fit_input_a_user_found_wrong_is_one_line_exit_2(tmp_path, capsys):
 
     assert main([*base, "--tokens", "8192", "--gpus", "4", "--gpu-memory", "79.2", *ds[:1], "train.nproc=2"]) in (0, 1)
     assert "train.nproc=2" in capsys.readouterr().out
+
+
+QWEN3_06B = ModelShape.from_config(SHAPES["qwen3-0.6b"], "qwen3-0.6b")
+
+
+def test_a_smaller_micro_batch_is_suggested_before_checkpointing():
+    """Micro-batches of 32k tokens pack four 8k trajectories: halving the budget down to one trajectory frees
+    activations without the recomputed forward checkpointing costs (fit never offered it)."""
+    packed = Plan(param_dtype="bf16", trajectory_tokens=8192, micro_batch_tokens=32768)
+    assert not estimate(QWEN3_06B, packed).fits(40 * GiB)
+    first = suggestions(QWEN3_06B, packed, gpus=1, gpu_bytes=40 * GiB)[0]
+    assert first.plan.micro_batch_tokens == 8192 and not first.plan.gradient_checkpointing
+    assert first.plan.strategy == "local" and first.fits(40 * GiB)
+    assert "train.micro_batch_tokens=8192" in describe(first.plan)
+    # never below one trajectory: a row is not split, so a smaller budget would change nothing
+    one = Plan(param_dtype="bf16", trajectory_tokens=8192, micro_batch_tokens=8192)
+    from trainer.memory import candidate_plans
+
+    assert {c.micro_batch_tokens for c in candidate_plans(one, 1)} == {8192}
+    assert {c.micro_batch_tokens for c in candidate_plans(packed, 1)} == {32768, 16384, 8192}
+
+
+def test_offload_needs_room_in_the_hosts_memory(tmp_path, capsys):
+    """ZeRO-3 + offload moves 16 B/param to the host: ≈ 60 GiB for Qwen3-4B on one rank. fit said it fits a node of
+    48 GiB; now it says the host does not hold it (exit 1), with --host-memory or this machine's memory when the
+    GPUs are sized here, and the preflight refuses it in one line."""
+    from flows.cli import main
+    from tests.flow_helpers import refused
+    from trainer.memory import DoesNotFit, check_fits
+
+    offload = Plan(
+        strategy="deepspeed",
+        zero_stage=3,
+        param_dtype="bf16",
+        gradient_checkpointing=True,
+        offload_optimizer=True,
+        trajectory_tokens=8192,
+        micro_batch_tokens=8192,
+    )
+    est = estimate(QWEN3_4B, offload)
+    assert 55 * GiB < est.host_bytes < 65 * GiB and est.fits(80 * GiB) and not est.fits(80 * GiB, 48 * GiB)
+    assert est.fits(80 * GiB, 128 * GiB)
+    with pytest.raises(DoesNotFit) as e:
+        check_fits(QWEN3_4B, offload, gpus=1, gpu_bytes=80 * GiB, host_bytes=48 * GiB)
+    assert "GiB of host memory for offload (estimate) of 43.2 GiB usable" in str(e.value) and "\n" not in str(e.value)
+    # two ranks offload 30 GiB each: 60 GiB of the one node's memory as well
+    assert estimate(QWEN3_4B, Plan(**{**offload.__dict__, "ranks": 2})).host_bytes == pytest.approx(est.host_bytes)
+    # every suggestion holds in the host's memory
+    for e in suggestions(QWEN3_4B, offload, gpus=2, gpu_bytes=40 * GiB, host_bytes=48 * GiB):
+        assert e.host_bytes <= 48 * GiB * 0.9
+
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / "config.json").write_text(json.dumps(SHAPES["qwen3-4b"]))
+    args = [
+        "fit",
+        "--model",
+        str(qwen),
+        "--tokens",
+        "8192",
+        "--gpu-memory",
+        "79.2",
+        *(
+            "train.strategy=deepspeed train.zero_stage=3 train.offload_optimizer=true train.param_dtype=bf16 "
+            "train.gradient_checkpointing=true"
+        ).split(),
+    ]
+    assert main([*args, "--host-memory", "48"]) == 1
+    out = capsys.readouterr().out
+    assert "the host's memory does not hold offload's share" in out and "48 GiB (--host-memory): does not fit" in out
+    assert main([*args, "--host-memory", "128"]) == 0
+    assert "of 115.2 GiB usable of 128 GiB (--host-memory)" in capsys.readouterr().out
+    assert main(args) == 0  # the GPUs are not this machine's: shown, not checked
+    assert "not checked (--host-memory GIB" in capsys.readouterr().out
+    refused([*args, "--host-memory", "0"], capsys, 2, "--host-memory 0")

@@ -28,11 +28,12 @@ def check_update_fits(cfg: CleanerConfig, gpu_bytes: float, card: str) -> None:
     `gpu_bytes`; else one line naming the settings, the estimate and what would fit (`cleaner fit` shows more)."""
     from pathlib import Path
 
-    from trainer.memory import ModelShape, Plan, check_fits
+    from trainer.memory import ModelShape, Plan, check_fits, this_host_memory
 
     tokens = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
     plan = Plan.from_train(cfg.train, tokens)
-    check_fits(ModelShape.from_path(Path(cfg.rollout.policy)), plan, plan.ranks, gpu_bytes, card)
+    shape = ModelShape.from_path(Path(cfg.rollout.policy))
+    check_fits(shape, plan, plan.ranks, gpu_bytes, card, host_bytes=this_host_memory())
 
 
 def check_train_device(train: TrainConfig) -> None:

@@ -207,6 +207,7 @@ class Plan:
             )
         if self.attn_implementation != "sdpa":
             out["train.attn_implementation"] = self.attn_implementation
+        out["train.micro_batch_tokens"] = self.micro_batch_tokens
         return out
 
 
@@ -223,8 +224,15 @@ class Estimate:
     def peak(self) -> float:
         return sum(self.terms.values())
 
-    def fits(self, gpu_bytes: float) -> bool:
-        return self.peak <= gpu_bytes * (1 - HEADROOM)
+    @property
+    def host_bytes(self) -> float:
+        """Host memory the node needs for offload: every rank's share (the ranks of one node)."""
+        return self.cpu_bytes * max(1, self.plan.ranks)
+
+    def fits(self, gpu_bytes: float, host_bytes: float | None = None) -> bool:
+        """The peak fits each card; and, when the host's memory is known, what offload moves there fits it."""
+        host_ok = host_bytes is None or self.host_bytes <= host_bytes * (1 - HEADROOM)
+        return self.peak <= gpu_bytes * (1 - HEADROOM) and host_ok
 
     def lines(self) -> list[str]:
         out = [f"{name:<42} {value / GiB:8.2f} GiB" for name, value in self.terms.items()]
@@ -327,9 +335,15 @@ def estimate(shape: ModelShape, plan: Plan) -> Estimate:
 
 def candidate_plans(plan: Plan, gpus: int) -> list[Plan]:
     """Plans from the given one: its own layout and DeepSpeed ZeRO-2/3 over 1, 2, 4, 8 or all the GPUs, with and
-    without offload, each with mixed precision and checkpointing switched on or not (`suggestions` orders them)."""
+    without offload, each with mixed precision and checkpointing switched on or not, and micro-batches of its
+    budget or, when that packs several trajectories, halved down to one trajectory (a row is never split)
+    (`suggestions` orders them)."""
     dtypes = [plan.param_dtype] if plan.mixed else [plan.param_dtype, "bf16"]
     ckpts = [plan.gradient_checkpointing] if plan.gradient_checkpointing else [False, True]
+    budgets, budget = [plan.micro_batch_tokens], plan.micro_batch_tokens
+    while budget > plan.trajectory_tokens:
+        budget = max(budget // 2, plan.trajectory_tokens)
+        budgets.append(budget)
     layouts = [(plan.strategy, plan.zero_stage, plan.ranks, plan.offload_optimizer)]
     for ranks in sorted({r for r in (1, 2, 4, 8, gpus) if r <= gpus}):
         for stage in (2, 3):
@@ -339,29 +353,33 @@ def candidate_plans(plan: Plan, gpus: int) -> list[Plan]:
     for layout in layouts:
         for dtype in dtypes:
             for ckpt in ckpts:
-                strategy, stage, ranks, offload = layout
-                cand = replace(
-                    plan,
-                    strategy=strategy,
-                    zero_stage=stage,
-                    ranks=ranks,
-                    offload_optimizer=offload,
-                    param_dtype=dtype,
-                    gradient_checkpointing=ckpt,
-                )
-                if cand not in seen:
-                    seen.add(cand)
-                    out.append(cand)
+                for budget in budgets:
+                    strategy, stage, ranks, offload = layout
+                    cand = replace(
+                        plan,
+                        strategy=strategy,
+                        zero_stage=stage,
+                        ranks=ranks,
+                        offload_optimizer=offload,
+                        param_dtype=dtype,
+                        gradient_checkpointing=ckpt,
+                        micro_batch_tokens=budget,
+                    )
+                    if cand not in seen:
+                        seen.add(cand)
+                        out.append(cand)
     return out
 
 
 def _cost(base: Plan, cand: Plan) -> tuple:
     changed = sum(1 for k, v in cand.settings().items() if base.settings().get(k) != v)
-    # slowdowns: offload (host ↔ GPU every step) > checkpointing (one more forward) > fewer of the GPUs at hand
-    # (data parallel: more ranks, more tokens/s) > ZeRO-3's gathers > fp32 (bf16 runs on the tensor cores)
+    # slowdowns: offload (host ↔ GPU every step) > checkpointing (one more forward) > smaller micro-batches (a
+    # trajectory's thousands of tokens already fill a GPU) > fewer of the GPUs at hand (data parallel: more ranks,
+    # more tokens/s) > ZeRO-3's gathers > fp32 (bf16 runs on the tensor cores)
     return (
         cand.offload_optimizer,
         cand.gradient_checkpointing,
+        -cand.micro_batch_tokens,
         -cand.ranks,
         cand.zero_stage == 3,
         not cand.mixed,
@@ -369,21 +387,24 @@ def _cost(base: Plan, cand: Plan) -> tuple:
     )
 
 
-def suggestions(shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, limit: int = 3) -> list[Estimate]:
-    """Up to `limit` plans that fit `gpus` cards of `gpu_bytes`, fastest first (none when nothing does): without
-    offload before with it, without checkpointing before with it, then the most ranks, ZeRO-2 before ZeRO-3,
-    bf16 before fp32, then the fewest changed settings."""
-    fitting = [e for e in (estimate(shape, c) for c in candidate_plans(plan, gpus)) if e.fits(gpu_bytes)]
+def suggestions(
+    shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, limit: int = 3, host_bytes: float | None = None
+) -> list[Estimate]:
+    """Up to `limit` plans that fit `gpus` cards of `gpu_bytes` (and, when given, offload a host of `host_bytes`),
+    fastest first (none when nothing does): without offload before with it, without checkpointing before with it,
+    the largest micro-batches, then the most ranks, ZeRO-2 before ZeRO-3, bf16 before fp32, then the fewest
+    changed settings."""
+    fitting = [e for e in (estimate(shape, c) for c in candidate_plans(plan, gpus)) if e.fits(gpu_bytes, host_bytes)]
     fitting.sort(key=lambda e: _cost(plan, e.plan))
     return fitting[:limit]
 
 
-def longest_fitting_tokens(shape: ModelShape, plan: Plan, gpu_bytes: float) -> int:
+def longest_fitting_tokens(shape: ModelShape, plan: Plan, gpu_bytes: float, host_bytes: float | None = None) -> int:
     """The longest trajectory this plan fits (0: not even 256 tokens), by bisection on powers of two."""
     lo, hi = 0, 256
     while hi <= 1 << 20 and estimate(
         shape, replace(plan, trajectory_tokens=hi, micro_batch_tokens=min(plan.micro_batch_tokens, hi))
-    ).fits(gpu_bytes):
+    ).fits(gpu_bytes, host_bytes):
         lo, hi = hi, hi * 2
     return lo
 
@@ -401,26 +422,40 @@ def model_flops_per_token(shape: ModelShape, tokens: int) -> float:
     return 6.0 * multiplying + 6.0 * shape.layers * tokens * shape.q_dim
 
 
+def this_host_memory() -> float:
+    """Bytes of this machine's memory (what offload's host share must fit in, with the ranks of this node)."""
+    import os
+
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 class DoesNotFit(MemoryEstimateError):
     """The update's estimate exceeds the GPUs' memory: refused before anything runs."""
 
     exit_code = 1
 
 
-def check_fits(shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, card: str = "GPU") -> Estimate:
+def check_fits(
+    shape: ModelShape, plan: Plan, gpus: int, gpu_bytes: float, card: str = "GPU", host_bytes: float | None = None
+) -> Estimate:
     """The estimate when it fits; else DoesNotFit, one line naming the settings, the estimate and what would fit
-    (the preflight of an update on a GPU: trainer/stage.py, where train.device resolves to CUDA)."""
+    (the preflight of an update on a GPU: trainer/stage.py, where train.device resolves to CUDA). host_bytes: the
+    node's memory, which offload needs room in."""
     est = estimate(shape, plan)
-    if est.fits(gpu_bytes):
+    if est.fits(gpu_bytes, host_bytes):
         return est
-    found = suggestions(shape, plan, gpus, gpu_bytes, limit=1)
+    found = suggestions(shape, plan, gpus, gpu_bytes, limit=1, host_bytes=host_bytes)
     would = (
         f"would fit: {describe(found[0].plan)} ({found[0].peak / GiB:.1f} GiB)"
         if found
         else f"no settings fit {gpus} such GPU(s): more GPUs or shorter trajectories"
     )
+    if est.fits(gpu_bytes) and host_bytes:  # the card holds it; the host does not hold what offload moves there
+        room = host_bytes * (1 - HEADROOM)
+        need = f"{est.host_bytes / GiB:.1f} GiB of host memory for offload (estimate) of {room / GiB:.1f} GiB usable"
+    else:
+        room = gpu_bytes * (1 - HEADROOM)
+        need = f"≈ {est.peak / GiB:.1f} GiB per GPU (estimate) of {room / GiB:.1f} GiB usable on {card}"
     raise DoesNotFit(
-        f"{describe(plan)} at {plan.trajectory_tokens} tokens needs ≈ {est.peak / GiB:.1f} GiB per GPU "
-        f"(estimate) of {gpu_bytes * (1 - HEADROOM) / GiB:.1f} GiB usable on {card}; {would}; "
-        f"`cleaner fit` shows the breakdown"
+        f"{describe(plan)} at {plan.trajectory_tokens} tokens needs {need}; {would}; `cleaner fit` shows the breakdown"
     )
