@@ -574,3 +574,34 @@ def test_offload_needs_room_in_the_hosts_memory(tmp_path, capsys):
     assert main(args) == 0  # the GPUs are not this machine's: shown, not checked
     assert "not checked (--host-memory GIB" in capsys.readouterr().out
     refused([*args, "--host-memory", "0"], capsys, 2, "--host-memory 0")
+
+
+def test_offload_keeps_the_gradient_shard_in_host_memory():
+    """With offload_optimizer, DeepSpeed 0.19 allocates the gradient partition on the offload device (ZeRO-3's
+    grad_partitions_flat_buffer on `self.device`, which is cpu; ZeRO-2 accumulates into the CPU fp32 partition
+    through one largest-tensor GPU buffer and keeps a host bit16 copy of the shard). The estimate counted the bf16
+    shard on the GPU too: ≈ 7.5 GiB of Qwen3-4B's 20 GiB on one card, over the GPU check's ±25%. The source is read
+    here so that a DeepSpeed that moves them back fails this test (the CPU cannot tell host from card)."""
+    import inspect
+
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    assert "self.device = get_accelerator().current_device_name() if not self.offload_optimizer else" in (
+        inspect.getsource(stage3)
+    )
+    assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in inspect.getsource(stage3)
+    two = inspect.getsource(stage_1_and_2)
+    assert "self.device = get_accelerator().current_device_name() if not self.cpu_offload else 'cpu'" in two
+    assert "self.temp_grad_buffer_for_gpu_offload = torch.zeros(largest_param_numel," in two
+
+    base = dict(param_dtype="bf16", gradient_checkpointing=True, trajectory_tokens=8192, micro_batch_tokens=8192)
+    p = QWEN3_4B.parameters
+    for stage in (2, 3):
+        kept = estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=stage, **base))
+        off = estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=stage, offload_optimizer=True, **base))
+        grads_kept = next(v for k, v in kept.terms.items() if k.startswith("gradients"))
+        grads_off = next(v for k, v in off.terms.items() if k.startswith("gradients"))
+        tensor = 2 * QWEN3_4B.largest_tensor if stage == 2 else 0
+        assert grads_kept - grads_off == pytest.approx(2 * p - tensor)
+        assert off.cpu_bytes == pytest.approx(16 * p + (2 * p if stage == 2 else 0))
+    assert estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=3, offload_optimizer=True, **base)).peak < 14 * GiB

@@ -313,11 +313,20 @@ def estimate(shape: ModelShape, plan: Plan) -> Estimate:
         t[f"weights ({plan.param_dtype}{', ZeRO-3 shard' if stage == 3 else ''})"] = low * p / (n if stage == 3 else 1)
         if stage == 3:  # the layers gathered around the one computing, and the embedding/lm_head when used
             t["ZeRO-3 gathered weights"] = low * (2 * shape.layer_parameters + shape.vocab * shape.hidden)
-        t[f"gradients ({plan.param_dtype} shard + bucket)"] = low * p / n + low * min(DS_BUCKET_ELEMENTS, p)
+        bucket = low * min(DS_BUCKET_ELEMENTS, p)
         optimizer = (4 * p if plan.mixed else 0) + 8 * p + 4 * p  # fp32 master, Adam m and v, fp32 gradients
         if plan.offload_optimizer:
-            est.cpu_bytes = optimizer / n
+            # DeepSpeed 0.19's offload keeps the gradient partition in host memory (ZeRO-3: grad_partitions_flat_
+            # buffer on the offload device; ZeRO-2: grads accumulate into the CPU fp32 partition through
+            # temp_grad_buffer_for_gpu_offload, one largest tensor on the GPU, plus a host bit16 copy of the shard)
+            if stage == 3:
+                t["gradients (reduce bucket; shard on host)"] = bucket
+                est.cpu_bytes = optimizer / n
+            else:
+                t["gradients (bucket+tensor; shard on host)"] = bucket + low * shape.largest_tensor
+                est.cpu_bytes = optimizer / n + low * p / n
         else:
+            t[f"gradients ({plan.param_dtype} shard + bucket)"] = low * p / n + bucket
             t["optimizer (fp32 master, Adam, grads; shard)"] = optimizer / n
         step_tmp = 0.0  # DeepSpeed steps partition by partition
         casts = 0.0
