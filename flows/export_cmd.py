@@ -343,13 +343,21 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
         }
     with staged_output(out) as staging:
         (staging / "data").mkdir()
+        import yaml
+
         pq.write_table(verl.table(rows), staging / "data" / "train.parquet", compression="zstd")
+        (staging / "tool_config.yaml").write_text(yaml.safe_dump(verl.tool_config(), sort_keys=False))
         card = dataset_card.Card(
             title="RL prompts for verl" + (f" from cleaner run {run_id}" if tasks is None else ""),
             format="verl RL prompt Parquet",
             summary=(
-                "One row per task, as verl's data preprocessing writes them: "
-                "point `data.train_files` at data/train.parquet. verl's default reward picks a scorer by "
+                "One row per task, as verl's data preprocessing writes them for its tool agent loop: "
+                "point `data.train_files` at data/train.parquet, and the multi-turn rollout at the code tool "
+                "(`data.return_raw_chat=True actor_rollout_ref.rollout.multi_turn.enable=True "
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path=tool_config.yaml`; the tool runs on verl's "
+                f"Sandbox Fusion tool, whose `sandbox_fusion_url` there is a local server's, {verl.SANDBOX_URL}: "
+                "set yours). Each prompt is cleaner's system prompt and the question; the tool's schema is the one "
+                "cleaner's rollouts show the model. verl's default reward picks a scorer by "
                 "`data_source` and knows only its own benchmarks' names: for other sources (cleaner's world, your "
                 "own tasks) give it one with `custom_reward_function.path` that reads `reward_model.ground_truth`."
             ),
@@ -359,7 +367,7 @@ def _verl_export(cfg, run_id: str | None, iterations: list[int] | None, tasks: P
             token_exact=None,
         )
         (staging / "README.md").write_text(card.render())
-    files = [out / "data" / "train.parquet", out / "README.md"]
+    files = [out / "data" / "train.parquet", out / "tool_config.yaml", out / "README.md"]
     return Exported(len(rows), files, sum(f.stat().st_size for f in files))
 
 

@@ -230,12 +230,13 @@ def test_verl_prompts_from_a_filter_task_file_and_from_the_run(purified_run, tmp
     run_export(purified_run, None, None, None, "verl", out, tasks=tasks)
     ds = _load(out, offline)
     assert len(ds) == kept
-    assert set(ds.column_names) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    assert set(ds.column_names) == {"data_source", "agent_name", "prompt", "ability", "reward_model", "extra_info"}
     filtered = {r["prompt_id"]: r for r in pq.read_table(tasks).to_pylist()}
     for row in ds:
-        assert row["reward_model"]["style"] == "rule" and row["prompt"][0]["role"] == "user"
+        assert row["reward_model"]["style"] == "rule" and row["agent_name"] == "tool_agent"
+        assert [m["role"] for m in row["prompt"]] == ["system", "user"]
         assert row["extra_info"]["pass_rate"] == pytest.approx(
-            next(f["pass_rate"] for f in filtered.values() if f["prompt"][0]["content"] == row["prompt"][0]["content"])
+            next(f["pass_rate"] for f in filtered.values() if f["prompt"][0]["content"] == row["prompt"][1]["content"])
         )
     assert [t.question for t in load_task_parquet(out / "data" / "train.parquet")] == [
         t.question for t in load_task_parquet(tasks)
@@ -245,7 +246,35 @@ def test_verl_prompts_from_a_filter_task_file_and_from_the_run(purified_run, tmp
     done = run_export(purified_run, "w", None, None, "verl", whole)
     assert done.rows == seen and len(_load(whole, offline)) == seen
     card = (whole / "README.md").read_text()  # prompts: no tokens to be exact about; verl needs a scorer for them
-    assert "Token-exact: n/a" in card and "custom_reward_function" in card
+    assert "Token-exact: n/a" in card and "custom_reward_function" in card and "tool_config_path" in card
+
+
+def test_verl_prompts_are_rendered_as_cleaners_rollouts_were(purified_run, tmp_path):
+    """The verl export gave the question alone (no system prompt, no tool): verl's tool agent loop would render a
+    prompt the policy never saw and offer it no tool. Now the prompt is cleaner's system message and the question,
+    and tool_config.yaml gives verl cleaner's code tool schema: rendered with the policy's template and that
+    schema, the prompt is token for token the one cleaner's rollouts start from."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    from flows.export_cmd import run_export
+    from pipeline.chat import load_chat
+
+    out = tmp_path / "verl"
+    run_export(purified_run, "w", None, None, "verl", out)
+    config = yaml.safe_load((out / "tool_config.yaml").read_text())
+    [tool] = config["tools"]
+    assert tool["class_name"] == "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
+    assert tool["tool_schema"]["function"]["name"] == "code_interpreter" and "sandbox_fusion_url" in tool["config"]
+    chat = load_chat(purified_run.rollout.policy)
+    rows = pq.read_table(out / "data" / "train.parquet").to_pylist()
+    assert rows
+    for row in rows:
+        rendered = chat.tokenizer.apply_chat_template(
+            row["prompt"], tools=[tool["tool_schema"]], add_generation_prompt=True, tokenize=True
+        )
+        rendered = rendered["input_ids"] if not isinstance(rendered, list) else rendered
+        assert list(rendered) == chat.prompt_ids(row["extra_info"]["question"])
 
 
 def test_a_partition_is_named_as_its_threshold_reads(purified_run, tmp_path):
