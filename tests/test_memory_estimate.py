@@ -605,3 +605,38 @@ def test_offload_keeps_the_gradient_shard_in_host_memory():
         assert grads_kept - grads_off == pytest.approx(2 * p - tensor)
         assert off.cpu_bytes == pytest.approx(16 * p + (2 * p if stage == 2 else 0))
     assert estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=3, offload_optimizer=True, **base)).peak < 14 * GiB
+
+
+def test_a_partition_longer_than_the_rollout_budget_is_sized_at_its_own_length(purified_run, tmp_path):
+    """The GPU preflight sized the update at rollout.max_prompt_tokens + max_response_tokens, but a partition can
+    hold longer rows (an import of another framework's rollouts, a replay under other settings): the update would
+    run out of memory mid-way. The update's plan reads the partition's longest row (id columns only) and sizes it
+    again when it is longer (trainer/devices.check_partition_fits, on a CUDA device; here with an 80 GB card's
+    bytes given, as the flow preflight's test does)."""
+    from pipeline.config import load_config
+    from storage.layout import RunLayout
+    from storage.schemas import PURIFIED
+    from storage.shards import read_shard
+    from trainer.devices import check_update_fits, longest_trajectory
+    from trainer.memory import DoesNotFit
+
+    part = RunLayout(purified_run.storage.root, "w").purified_dir(0, "saar", 0.5)
+    rows = read_shard(part, PURIFIED).to_pylist()
+    assert longest_trajectory(part) == max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows) > 0
+
+    policy = tmp_path / "qwen3-0.6b"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps(SHAPES["qwen3-0.6b"]))
+    cfg = load_config(
+        None,
+        [f"rollout.policy={policy}", "rollout.max_prompt_tokens=512", "rollout.max_response_tokens=1536"]
+        + "train.strategy=deepspeed train.zero_stage=3 train.param_dtype=bf16 train.gradient_checkpointing=true "
+        "train.nproc=1 train.micro_batch_tokens=2048".split(),
+    )
+    check_update_fits(cfg, 80 * GiB, "H100")  # the budget, 2,048 tokens: fits
+    check_update_fits(cfg, 80 * GiB, "H100", longest=1024)  # shorter rows: fits
+    with pytest.raises(DoesNotFit) as e:
+        check_update_fits(cfg, 80 * GiB, "H100", longest=524288)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("the partition's longest trajectory is 524288 tokens")
+    assert "= 2048 the preflight sized" in line and "GiB" in line

@@ -23,17 +23,55 @@ def check_device(cfg: CleanerConfig) -> None:
         check_update_fits(cfg, card.total_memory, card.name)
 
 
-def check_update_fits(cfg: CleanerConfig, gpu_bytes: float, card: str) -> None:
-    """The update's estimated peak per GPU (trainer/memory.py) at the longest trajectory the rollout may write fits
-    `gpu_bytes`; else one line naming the settings, the estimate and what would fit (`cleaner fit` shows more)."""
+def check_update_fits(cfg: CleanerConfig, gpu_bytes: float, card: str, longest: int | None = None) -> None:
+    """The update's estimated peak per GPU (trainer/memory.py) at the longest trajectory the rollout may write (or
+    `longest`, a partition's own longest row) fits `gpu_bytes`; else one line naming the settings, the estimate and
+    what would fit (`cleaner fit` shows more)."""
     from pathlib import Path
 
-    from trainer.memory import ModelShape, Plan, check_fits, this_host_memory
+    from trainer.memory import DoesNotFit, ModelShape, Plan, check_fits, this_host_memory
 
-    tokens = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
-    plan = Plan.from_train(cfg.train, tokens)
+    budget = cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens
+    plan = Plan.from_train(cfg.train, longest or budget)
     shape = ModelShape.from_path(Path(cfg.rollout.policy))
-    check_fits(shape, plan, plan.ranks, gpu_bytes, card, host_bytes=this_host_memory())
+    try:
+        check_fits(shape, plan, plan.ranks, gpu_bytes, card, host_bytes=this_host_memory())
+    except DoesNotFit as e:
+        if longest is None:
+            raise
+        raise DoesNotFit(
+            f"the partition's longest trajectory is {longest} tokens, longer than rollout.max_prompt_tokens + "
+            f"rollout.max_response_tokens = {budget} the preflight sized (an import, or a replay under other "
+            f"settings): {e}"
+        ) from None
+
+
+def longest_trajectory(part) -> int:
+    """Tokens of the longest row (prompt and response) of a purified partition, from its id columns alone."""
+    import pyarrow.compute as pc
+
+    from storage.schemas import PURIFIED
+    from storage.shards import read_shard
+
+    table = read_shard(part, PURIFIED, columns=["prompt_ids", "response_ids"])
+    if table.num_rows == 0:
+        return 0
+    lengths = pc.add(pc.list_value_length(table["prompt_ids"]), pc.list_value_length(table["response_ids"]))
+    return int(pc.max(lengths).as_py())
+
+
+def check_partition_fits(cfg: CleanerConfig, part) -> None:
+    """On a GPU, a partition whose longest row is past the rollout's budget (which the flow's preflight sized) is
+    sized again at its own length, before the trainer loads."""
+    device = resolve_device(cfg.train.device, "train.device")
+    if device.type != "cuda":
+        return
+    longest = longest_trajectory(part)
+    if longest > cfg.rollout.max_prompt_tokens + cfg.rollout.max_response_tokens:
+        import torch
+
+        card = torch.cuda.get_device_properties(device)
+        check_update_fits(cfg, card.total_memory, card.name, longest=longest)
 
 
 def check_train_device(train: TrainConfig) -> None:

@@ -84,7 +84,7 @@ class UpdatePlan:
 def _plan_training(cfg: CleanerConfig, plan: UpdatePlan) -> UpdatePlan:
     """What training needs, before the trainer loads anything: the device, a writable root, checkpoint I's weights
     whole (and its optimizer state, when the run wrote it), the purified partition; one without rows trains nothing."""
-    from trainer.devices import check_train_device
+    from trainer.devices import check_partition_fits, check_train_device
     from trainer.grpo import UpdateError
     from trainer.inputs import check_trainer_state, trained_partition, update_source
 
@@ -95,6 +95,7 @@ def _plan_training(cfg: CleanerConfig, plan: UpdatePlan) -> UpdatePlan:
     check_trainer_state(cfg, source)
     planned = replace(plan, source=source, part=part)
     if manifest.rows:
+        check_partition_fits(cfg, part)
         return planned
     filtered = manifest.extra.get("filtered_groups", 0)
     if not filtered:
