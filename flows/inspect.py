@@ -166,9 +166,9 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         Column(
             "failed_tokens_per_generated",
             "failed tokens per generated",
-            "failed attempts' tokens (their call "
-            "and its error message) per sampled token, summed over the iteration: a ratio, above 1 when error "
-            "messages are longer than what the model wrote (under live SAAR the lived sequence holds neither)",
+            "failed attempts' tokens (the whole failed turn, reasoning and call, and its error message) per "
+            "sampled token, summed over the iteration: a ratio, above 1 when error messages are longer than what "
+            "the model wrote (under live SAAR the lived sequence holds neither)",
         ),
         Column("update_loss", "update loss", "mean GRPO policy loss of the update that trained on the iteration"),
         Column("clip_ratio", "clip ratio", "mean share of trained tokens whose ratio was clipped", wide=True),

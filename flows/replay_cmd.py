@@ -62,7 +62,8 @@ def print_is_replay(
     stats, log_ratios = replay_is(raws, taus, decode, backend.score, reference_tau=reference)
     table = Table(
         title=f"saar_is (Plan B): a retry replaces its failed turn when IS ≥ τ, else both stay; "
-        f"{len(log_ratios)} rollbacks scored over the τ (each in the context earlier decisions built)"
+        f"{len(log_ratios)} importance ratios computed over the τ (each rollback in the context earlier decisions "
+        "built, so one whose context differs between τ is scored in each)"
     )
     for col in (
         "τ",
@@ -162,60 +163,63 @@ def run_replay(
         else "lived settings unknown (no run.json, and the raw shard does not record them)"
     )
     console = Console(width=None if sys.stdout.isatty() else 220)  # pipes and logs get whole columns
-    with working(
-        f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
-        f"at {len(gammas)} γ"
-    ):
-        stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
-    table = Table(
-        title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
-        f"{len(with_retries(raws))} with retries; measure {measure.key}, {lived}"
-    )
-    for col in (
-        "γ",
-        "positions",
-        "shallow",
-        "deep",
-        "tokens removed",
-        "tokens recomputed",
-        "≠ lived",
-        f"≠ {REFERENCE_MEASURE.key}",
-    ):
-        table.add_column(col, justify="right")
-    for s in stats:
-        table.add_row(
-            f"{s.gamma:g}",
-            *map(
-                str,
-                (
-                    s.positions,
-                    s.shallow,
-                    s.deep,
-                    s.tokens_removed,
-                    s.tokens_recomputed,
-                    s.differ_from_live if known and not by_importance else "–",
-                    s.differ_from_reference,
+    # the γ table when γ was asked for (or a splicing mode, or a sweep): τ alone printed it at flow.replay_gammas,
+    # partitions nobody asked for
+    if sweep or any(m not in IS_MODES for m in modes):
+        with working(
+            f"[replay {run_id} it {iteration}] deciding the splices of {len(with_retries(raws))} trajectories "
+            f"at {len(gammas)} γ"
+        ):
+            stats = [replay_stats(raws, g, chat.decode, measure, live) for g in gammas]
+        table = Table(
+            title=f"replay of {run_id} iteration {iteration}: {len(raws)} raw trajectories, "
+            f"{len(with_retries(raws))} with retries; measure {measure.key}, {lived}"
+        )
+        for col in (
+            "γ",
+            "positions",
+            "shallow",
+            "deep",
+            "tokens removed",
+            "tokens recomputed",
+            "≠ lived",
+            f"≠ {REFERENCE_MEASURE.key}",
+        ):
+            table.add_column(col, justify="right")
+        for s in stats:
+            table.add_row(
+                f"{s.gamma:g}",
+                *map(
+                    str,
+                    (
+                        s.positions,
+                        s.shallow,
+                        s.deep,
+                        s.tokens_removed,
+                        s.tokens_recomputed,
+                        s.differ_from_live if known and not by_importance else "–",
+                        s.differ_from_reference,
+                    ),
                 ),
-            ),
+            )
+        console.print(table)
+        console.print(
+            "positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
+            "than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
+            "old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did ("
+            + (
+                "none: it decided by importance ratio"
+                if by_importance
+                else f"γ_live={saar.gamma_live:g}, {live.key}"
+                if known
+                else "unknown: the run did not record how it lived"
+            )
+            + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
+            f"at the same γ",
+            style="italic",
+            highlight=False,
+            markup=False,
         )
-    console.print(table)
-    console.print(
-        "positions: positions with a spliced retry; shallow + deep: the splices (a position retried more "
-        "than once has one per retry); tokens recomputed: trained tokens whose context changed, so their "
-        "old log-prob is recomputed; ≠ lived: splices decided otherwise than the rollout did ("
-        + (
-            "none: it decided by importance ratio"
-            if by_importance
-            else f"γ_live={saar.gamma_live:g}, {live.key}"
-            if known
-            else "unknown: the run did not record how it lived"
-        )
-        + f"); ≠ {REFERENCE_MEASURE.key}: otherwise than the reference measure "
-        f"at the same γ",
-        style="italic",
-        highlight=False,
-        markup=False,
-    )
     if taus or (sweep and any(m in IS_MODES for m in modes)) or by_importance:
         print_is_replay(
             console,

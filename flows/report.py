@@ -132,7 +132,8 @@ CAPTIONS = {
     "lengths": "Mean response tokens per iteration: raw (as lived, with failed attempts and errors) and after "
     "each purification variant.",
     "failed_tokens": (
-        "Failed attempts' tokens (their call and its error feedback) per generated token; above 1 "
+        "Failed attempts' tokens (the whole failed turn, reasoning and call, and its error feedback) per generated "
+        "token; above 1 "
         "when error messages are longer than what the model wrote."
     ),
     "eval_pass1": "Held-out avg@k pass@1 of checkpoint i (the policy iteration i rolls out from; flow.eval_every), "

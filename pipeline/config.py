@@ -463,7 +463,8 @@ class PurifyConfig(Section):
     )
     advantage: Literal["group_norm", "dr_grpo"] = Field(
         "group_norm",
-        description="GRPO advantage: group_norm ((r − mean) / std in the prompt group) or dr_grpo (r − mean)",
+        description="GRPO advantage: group_norm ((r − mean) / (std + 1e-6) in the prompt group, population std) "
+        "or dr_grpo (r − mean)",
     )
     dynamic_filter: bool = Field(
         False, description="DAPO dynamic sampling: drop prompt groups whose rewards are all equal (no learning signal)"

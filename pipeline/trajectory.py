@@ -148,11 +148,12 @@ class Splice:
     tokens_removed: int  # failed turns + error feedback dropped by this splice
     first_recomputed: int  # index in the purified response of the first token needing recompute
     split_failed: bool = False
-    # The position's moved retry tokens (response indices first_recomputed … + moved_tokens − 1: sampled
-    # after the failed call, trained without it) and log π(them | purified context) − log π_b(them | sampled
-    # context), summed: the log importance ratio of Open-CLEANER's Plan B (NaN until recomputed).
+    # The splice's own retry tokens that stayed in the row (purifier.saar.moved_range: sampled after the failed
+    # call, trained without it; 0 when a later retry's call replaced them) and log π(them | purified context) −
+    # log π_b(them | sampled context), summed: the log importance ratio of Open-CLEANER's Plan B (NaN until
+    # recomputed).
     moved_tokens: int = 0
-    log_is_ratio: float = math.nan
+    log_is_ratio: float | None = math.nan  # None: none of its retry's tokens stayed, so there is no ratio
 
 
 class TokenOrigin:

@@ -69,6 +69,8 @@ class _Builder:
     valid: list[int] = field(default_factory=list)
     behaviour: list[float] = field(default_factory=list)
     origin: list[int] = field(default_factory=list)
+    # the last turn's tokens moved by a splice, per attempt they were sampled in (each splice's own moved_tokens)
+    moved: dict[int, int] = field(default_factory=dict)
 
     def feedback(self, ids: list[int]) -> None:
         self.ids += ids
@@ -83,6 +85,7 @@ class _Builder:
         `spliced`: attempt_idx → kind of the splice that moved that attempt's tokens here."""
         first_invalid = -1
         at_piece = 0
+        self.moved = {}
         for attempt_idx, j0, j1 in piece.sources:
             n = j1 - j0
             at = len(self.ids)
@@ -96,6 +99,8 @@ class _Builder:
             kind = (spliced or {}).get(attempt_idx)
             origin = TokenOrigin.IN_PLACE if ok else _SPLICED_ORIGIN[kind] if kind else TokenOrigin.MOVED
             self.origin += [origin] * n
+            if origin in (TokenOrigin.SHALLOW, TokenOrigin.DEEP):
+                self.moved[attempt_idx] = self.moved.get(attempt_idx, 0) + n
             if not ok and first_invalid < 0:
                 first_invalid = at
             at_piece += n
@@ -358,12 +363,12 @@ def purify(
             current, previous = new, r
         start = len(b.ids)
         first_invalid = b.turn(current, p.position_idx, spliced)
-        moved = sum(1 for o in b.origin[start:] if o in (TokenOrigin.SHALLOW, TokenOrigin.DEEP))
         for s in splices:
             if s.position_idx == p.position_idx:
                 s.first_recomputed = first_invalid if first_invalid >= 0 else start
                 if mode not in IS_MODES:  # a saar_is splice moves its whole retry, scored when decided
-                    s.moved_tokens = moved
+                    # its own retry's tokens that stayed: none when a later retry's call replaced them
+                    s.moved_tokens = b.moved.get(s.attempt_idx, 0)
         b.feedback(last_feedback if previous is p.attempts[-1] else previous.feedback_ids)
         if gave_up is not None:  # no purification beyond what was spliced before the give-up
             b.turn(whole(gave_up), p.position_idx)
@@ -401,21 +406,24 @@ def purify(
 
 
 def moved_range(t: PurifiedTrajectory, s: Splice) -> range:
-    """Response indices of a splice's moved retry tokens: the first `moved_tokens` spliced ones from
-    `first_recomputed` on (a position's spliced tokens are contiguous: the tail of its final turn)."""
+    """Response indices of a splice's moved retry tokens. A position's spliced tokens are contiguous (the tail of
+    its final turn) and in attempt order (a fused turn keeps the earlier attempt's part before the retry's): from
+    `first_recomputed` on, after the moved tokens of the position's earlier splices."""
     spliced = (TokenOrigin.SHALLOW, TokenOrigin.DEEP)
     at = next(
         (i for i in range(max(s.first_recomputed, 0), len(t.token_origin)) if t.token_origin[i] in spliced),
         len(t.token_origin),
     )
+    at += sum(o.moved_tokens for o in t.splices if o.position_idx == s.position_idx and o.attempt_idx < s.attempt_idx)
     return range(at, at + s.moved_tokens)
 
 
 def with_splice_ratios(t: PurifiedTrajectory) -> PurifiedTrajectory:
     """Each splice's log importance ratio from the row's recomputed old log-probs (the target policy in the
-    purified context) and its behaviour log-probs; splices already scored (saar_is) keep theirs."""
+    purified context) and its behaviour log-probs; splices already scored (saar_is) keep theirs, and a splice none
+    of whose retry's tokens stayed (a later call replaced them) has none (null)."""
     for s in t.splices:
-        if s.moved_tokens and s.log_is_ratio is not None and math.isnan(s.log_is_ratio):
+        if s.log_is_ratio is not None and math.isnan(s.log_is_ratio):
             idx = moved_range(t, s)
-            s.log_is_ratio = float(sum(t.old_logprobs[i] - t.behaviour_logprobs[i] for i in idx))
+            s.log_is_ratio = float(sum(t.old_logprobs[i] - t.behaviour_logprobs[i] for i in idx)) if idx else None
     return t

@@ -134,6 +134,52 @@ def test_saar_is_a_retry_replaced_again_keeps_no_moved_tokens(chat, sandbox):
     assert p.token_origin.count(TokenOrigin.DEEP) == sum(s.moved_tokens for s in p.splices)
 
 
+@pytest.mark.parametrize("gamma", [0.0, 1.01], ids=["shallow", "deep"])
+def test_saar_each_splice_records_its_own_retrys_moved_tokens(chat, sandbox, backend, gamma):
+    """Two retries at one position: every splice recorded the position's moved tokens and the same ratio over them,
+    so the first retry (whose call the second replaced) was counted twice in the report's ratios and in any sum of
+    moved_tokens. Now a splice holds the tokens of its own retry that stayed (none when a later call replaced them)
+    and its ratio is over those tokens; the row's spliced tokens are exactly what its splices moved."""
+    second_fail = call("prnt(6*7)", reasoning="Again.")
+    t = raw(chat, sandbox, [FAILED, second_fail, FIX], live_mode="raw")
+    assert [len(q.attempts) for q in t.positions][:1] == [3]
+    p = purify(t, gamma, "saar", chat.decode)
+    first, last = p.splices
+    assert (first.attempt_idx, last.attempt_idx) == (1, 2)
+    spliced = [i for i, o in enumerate(p.token_origin) if o in SPLICED]
+    assert sum(s.moved_tokens for s in p.splices) == len(spliced) > 0
+    assert first.moved_tokens == 0  # shallow: the second call replaced the first's; deep: the whole turn
+    assert [p.response_ids[i] for i in spliced] == t.positions[0].attempts[2].turn_ids[-len(spliced) :]
+    (q,) = backend.group([p])
+    q = with_splice_ratios(q)
+    want = sum(q.old_logprobs[i] - q.behaviour_logprobs[i] for i in spliced)
+    assert q.splices[1].log_is_ratio == pytest.approx(want, abs=1e-9)
+    assert q.splices[0].log_is_ratio is None  # nothing of its retry stayed: no ratio, not the other's
+
+
+def test_saar_a_deep_then_shallow_position_splits_its_moved_tokens_between_its_splices(chat, sandbox, backend):
+    """γ=0.9: the first retry replaces the whole turn (similarity 0.85), the second only the call (0.98): the
+    purified turn is the first retry's reasoning and the second's call. Each splice's moved tokens and ratio cover
+    its own retry's part, in attempt order (moved_range)."""
+    from purifier.saar import moved_range
+
+    r1 = call("import math\nprint(math.prod([6, 7]) / 0)", reasoning="A different route through math.")
+    r2 = call("import math\nprint(math.prod([6, 7]))", reasoning="Dropping the division.")
+    t = raw(chat, sandbox, [FAILED, r1, r2], live_mode="raw")
+    p = purify(t, 0.9, "saar", chat.decode)
+    first, second = p.splices
+    assert (first.kind, second.kind) == ("deep", "shallow") and first.moved_tokens > 0 and second.moved_tokens > 0
+    a1, a2 = t.positions[0].attempts[1], t.positions[0].attempts[2]
+    one, two = moved_range(p, first), moved_range(p, second)
+    assert one.stop == two.start and [p.token_origin[i] for i in one] == [TokenOrigin.DEEP] * len(one)
+    assert [p.response_ids[i] for i in one] == a1.turn_ids[: a1.call_start]  # the first retry's reasoning
+    assert [p.response_ids[i] for i in two] == a2.turn_ids[a2.call_start :]  # the second retry's call
+    (q,) = backend.group([p])
+    q = with_splice_ratios(q)
+    for s, r in ((q.splices[0], one), (q.splices[1], two)):
+        assert s.log_is_ratio == pytest.approx(sum(q.old_logprobs[i] - q.behaviour_logprobs[i] for i in r), abs=1e-9)
+
+
 def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
     cfg = world_copy
     cfg.purify.modes, cfg.purify.is_thresholds = ["saar_is", "saar"], [0.5, 2.0]
@@ -150,11 +196,14 @@ def test_saar_is_partitions_from_the_stage_and_the_catalog(world_copy):
             "SELECT is_threshold AS tau, kind, log_is_ratio FROM splices WHERE mode = 'saar_is'"
         ).to_pylist()
         saar = cat.query(
-            "SELECT count(*) AS n, count(log_is_ratio) AS scored FROM splices WHERE mode = 'saar'"
+            "SELECT count(*) AS n, count(log_is_ratio) AS scored, count(*) FILTER (WHERE moved_tokens > 0) AS moved "
+            "FROM splices WHERE mode = 'saar'"
         ).to_pylist()[0]
     assert [(g["tau"], g["n"] == g["no_gamma"]) for g in got] == [(0.5, True), (2.0, True)]
     assert all(r["kind"] == "deep" and r["log_is_ratio"] >= math.log(r["tau"]) for r in ratios)
-    assert saar["n"] > 0 and saar["scored"] == saar["n"]  # every SAAR splice carries its ratio after recompute
+    # every SAAR splice some of whose retry's tokens stayed carries its ratio after recompute; the others, whose
+    # tokens a later retry replaced, have none
+    assert saar["n"] > saar["moved"] > 0 and saar["scored"] == saar["moved"]
     n = {tau: sum(1 for r in ratios if r["tau"] == tau) for tau in (0.5, 2.0)}
     assert n[0.5] >= n[2.0]  # a higher τ replaces no more
 
@@ -234,6 +283,7 @@ def test_replay_is_threshold_writes_partitions_the_catalog_shows(world_copy):
     assert got == [(0.3,), (0.7,)]
     assert "mode=saar_is/tau=0.30: " in run.stdout and "— written" in run.stdout, run.stdout
     assert "saar γ" not in run.stderr, run.stderr  # it purifies saar_is at τ, no γ partition
+    assert "replay of w iteration 0" not in run.stdout, run.stdout  # nor a γ table of partitions nobody asked for
     again = run_cleaner(cmd)  # a rerun says what it kept (it said it was purifying, every time)
     assert again.returncode == 0 and "mode=saar_is/tau=0.70: " in again.stdout, again.stderr
     assert "kept (already committed)" in again.stdout and "— written" not in again.stdout, again.stdout
