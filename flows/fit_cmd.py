@@ -89,6 +89,12 @@ def run_fit(args: argparse.Namespace) -> int:
         f"model {shape.name}: {_count(shape.parameters)} parameters ({shape.layers} layers, hidden "
         f"{shape.hidden}, vocabulary {shape.vocab}); trajectories of {tokens} tokens; {card}"
     )
+    limit = _max_positions(Path(model))
+    if limit and tokens > limit:
+        print(
+            f"note: {tokens} tokens is past the model's max_position_embeddings ({limit}): positions it was never "
+            "trained at; sized all the same"
+        )
     print(f"settings: {describe(plan)}")
     print("\n".join("  " + line for line in est.lines()))
     fits, on_card = est.fits(gpu_bytes, host_bytes), est.fits(gpu_bytes)
@@ -135,6 +141,12 @@ def run_fit(args: argparse.Namespace) -> int:
         if longest:
             print(f"  {describe(best.plan)} fits trajectories up to about {longest} tokens")
     return 1
+
+
+def _max_positions(model: Path) -> int:
+    from pipeline.engines.vllm_server import model_max_len
+
+    return model_max_len(model.parent if model.name == "config.json" else model)
 
 
 def _count(parameters: int) -> str:

@@ -121,11 +121,17 @@ def run_rollout(args: argparse.Namespace) -> int:
     manifest = run_rollout_plan(cfg, plan)
     published(cfg)
     too_long = manifest.extra.get("prompt_too_long", 0)
+    past = manifest.extra.get("past_max_positions", 0)
+    if past and not done:
+        from pipeline.engines.vllm_server import model_max_len
+        from rollout_gen.stage import past_positions_note
+
+        print(f"[rollout it {args.iteration}] {past_positions_note(past, model_max_len(plan.checkpoint))}")
     print(
         f"raw shard: {manifest.rows} trajectories, mean reward {manifest.extra.get('mean_reward', float('nan')):.3f}"
         + (
-            f"; {too_long} prompts longer than rollout.max_prompt_tokens ({cfg.rollout.max_prompt_tokens}) were not "
-            "rolled out"
+            f"; {too_long} trajectories were not rolled out: their prompts are longer than rollout.max_prompt_tokens "
+            f"({cfg.rollout.max_prompt_tokens})"
             if too_long
             else ""
         )

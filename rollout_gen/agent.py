@@ -355,11 +355,16 @@ class AgentLoop:
         progress: Callable[[int, int, str], None] | None,
     ) -> None:
         def report(p: Progress, elapsed: float) -> None:
+            # a long turn's tokens count as they are sampled (a served engine returns a turn whole: its rate
+            # moves when turns end, and says so)
+            sampled = p.generated_tokens + (p.tokens_in_flight or 0)
+            rate = f"{sampled / max(elapsed, 1e-9):.0f} tokens/s" + (
+                "" if p.tokens_in_flight is not None else " (finished turns)"
+            )
             progress(
                 p.finished,
                 len(lives),
-                f"{p.active} active, {p.generated_tokens / max(elapsed, 1e-9):.0f} "
-                f"tokens/s, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued",
+                f"{p.active} active, {rate}, {p.tools_in_flight} tool calls in flight, {p.tools_queued} queued",
             )
 
         tuning = self.cfg.engine_tuning

@@ -128,7 +128,8 @@ class Progress:
     active: int = 0
     tools_in_flight: int = 0  # running in the sandbox
     tools_queued: int = 0  # waiting for a sandbox worker
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # by finished turns
+    tokens_in_flight: int | None = None  # sampled by turns still generating (None: the engine does not say)
     steps: int = 0
 
 
@@ -292,6 +293,8 @@ class Scheduler:
         if self.on_progress:
             self.progress.tools_in_flight = sum(c.running() for c in self._calls)
             self.progress.tools_queued = len(self._queued)
+            in_flight = getattr(self.engine, "tokens_in_flight", None)
+            self.progress.tokens_in_flight = in_flight() if in_flight is not None else None
             self.on_progress(self.progress, time.monotonic() - t0)
 
     def _score(self) -> None:

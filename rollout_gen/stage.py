@@ -198,6 +198,9 @@ def _commit(
             f"({cfg.rollout.max_prompt_tokens}): not rolled out, their rows end prompt_too_long with reward -1; raise "
             "rollout.max_prompt_tokens"
         )
+    past, limit = past_max_positions(plan.checkpoint, trajectories)
+    if past and log is not None:
+        log(f"[rollout it {plan.iteration}] {past_positions_note(past, limit)}")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
     with ShardWriter(
         plan.out,
@@ -216,11 +219,32 @@ def _commit(
                 "policy_version": plan.version,
                 "mean_reward": sum(t.reward for t in trajectories) / max(1, len(trajectories)),
                 "prompt_too_long": too_long,
+                "past_max_positions": past,
                 # how the rows were lived and seeded, for readers without run.json (replay)
                 "saar": cfg.rollout.saar.model_dump(mode="json"),
                 "seeding": SEEDING,
             }
         )
+
+
+def past_max_positions(checkpoint: Path, trajectories: list[Trajectory]) -> tuple[int, int]:
+    """(trajectories longer than the policy's max_position_embeddings, that limit; 0 when config.json has none).
+    Nothing stops a rollout there (rollout.max_*_tokens do): positions past it were never trained, RoPE
+    extrapolates, and a vLLM server would refuse them without VLLM_ALLOW_LONG_MAX_MODEL_LEN; so it is said."""
+    from pipeline.engines.vllm_server import model_max_len
+
+    limit = model_max_len(checkpoint)
+    if not limit:
+        return 0, 0
+    return sum(len(t.prompt_ids) + len(t.lived_ids or []) > limit for t in trajectories), limit
+
+
+def past_positions_note(past: int, limit: int) -> str:
+    return (
+        f"{past} trajectories run past the policy's max_position_embeddings ({limit}): positions it was never "
+        "trained at (RoPE extrapolates there); keep rollout.max_prompt_tokens + rollout.max_response_tokens "
+        f"within {limit} to stay inside"
+    )
 
 
 def run_rollout_plan(

@@ -332,3 +332,23 @@ def test_race_sampler_draws_the_tokens_torch_multinomial_draws():
             torch.multinomial(p, 1, generator=torch.Generator().manual_seed(s))[0].item() for p, s in zip(probs, seeds)
         ]
         assert _race(probs, [torch.Generator().manual_seed(s) for s in seeds]).tolist() == expected
+
+
+def test_progress_counts_a_long_turns_tokens_while_it_is_generated(chat, sandbox):
+    """The rollout's progress line counted a turn's tokens only when the turn ended: a user's 8k-token turns showed
+    "0 tokens/s" for six minutes. The CPU engine now says how many tokens its running turns have sampled, and the
+    rate counts them from the first report on."""
+    import re
+
+    notes: list[tuple[int, str]] = []
+    cfg = RolloutConfig(samples_per_prompt=2, max_turn_tokens=64)
+    engine = CPUEngine(DEFAULT_POLICY)
+    AgentLoop(engine, sandbox, chat, cfg).run(
+        [Task("t", "world", "What is 6 * 7?", "42")],
+        RolloutIdentity("p", 0, "v"),
+        progress=lambda d, t, note: notes.append((d, note)),
+    )
+    rates = [float(re.search(r"(\d+) tokens/s", n).group(1)) for _, n in notes if "tokens/s" in n]
+    assert rates and rates[0] > 0, notes[:3]  # the first report comes before any turn has ended
+    assert "(finished turns)" not in notes[0][1]
+    assert engine.tokens_in_flight() == 0  # nothing left running

@@ -446,7 +446,7 @@ def test_a_rollout_whose_every_prompt_is_too_long_is_refused(tmp_path, capsys):
     assert not list(tmp_path.rglob("*.parquet"))
 
 
-def test_a_flow_log_says_when_some_prompts_were_too_long(tmp_path):
+def test_a_flow_log_says_when_some_prompts_were_too_long(tmp_path, capsys):
     """Some prompts longer than rollout.max_prompt_tokens became reward -1 rows without a word in a training flow's
     log (`cleaner rollout` said it from the manifest)."""
     import pyarrow as pa
@@ -473,6 +473,13 @@ def test_a_flow_log_says_when_some_prompts_were_too_long(tmp_path):
     manifest = run_rollout_stage(cfg, "p", 0, DEFAULT_POLICY, show_progress=False, log=lines.append)
     assert manifest.extra["prompt_too_long"] == 2
     assert any("1 of 2 prompts are longer than rollout.max_prompt_tokens (256)" in line for line in lines), lines
+    # `cleaner rollout` says it from the manifest, which counts trajectories (it said "2 prompts" of one prompt)
+    args = [f"storage.root={tmp_path / 'ws'}", f"rollout.tasks={tasks}", "rollout.tasks_per_iteration=2"]
+    args += ["rollout.samples_per_prompt=2", f"rollout.policy={DEFAULT_POLICY}"]
+    capsys.readouterr()
+    assert main(["rollout", "--run", "p", "--iteration", "0", *args]) == 0
+    out = capsys.readouterr().out
+    assert "2 trajectories were not rolled out: their prompts are longer than rollout.max_prompt_tokens" in out, out
 
 
 def test_an_update_that_diverges_is_one_line_and_writes_nothing(purified_run, tmp_path, capsys):
@@ -654,3 +661,29 @@ def test_report_of_a_missing_run_or_a_corrupt_shard_leaves_the_root_identical(wo
     code, err = run_cli(capsys, "report", "--run", "w", f"storage.root={tmp_path}")
     assert code == 1 and "part-00000.parquet: checksum mismatch" in one_line(err)
     assert files_under(tmp_path) == before and sorted(p for p in tmp_path.rglob("*")) == dirs
+
+
+def test_a_rollout_past_the_policys_context_says_so(tmp_path, capsys):
+    """Trajectories longer than the policy's max_position_embeddings were rolled out, purified and trained on
+    without a word (a user's 1,217-token rows on a 512-position model). Nothing stops them (the length settings
+    bound a rollout; RoPE extrapolates), but the rollout now counts them in its manifest and says so, with the
+    settings that would stay inside."""
+    import json
+
+    from pipeline.config import DEFAULT_POLICY
+    from storage.shards import read_manifest
+
+    policy = tmp_path / "short-context"
+    shutil.copytree(DEFAULT_POLICY, policy)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    args = [f"storage.root={tmp_path / 'ws'}", f"rollout.policy={policy}"]
+    args += ["rollout.tasks_per_iteration=1", "rollout.samples_per_prompt=2"]
+    capsys.readouterr()
+    assert main(["rollout", "--run", "p", "--iteration", "0", *args]) == 0
+    out = capsys.readouterr().out
+    manifest = read_manifest(RunLayout(tmp_path / "ws", "p").raw_dir(0))
+    assert manifest.extra["past_max_positions"] == 2  # every world prompt alone is longer than 64 tokens
+    assert "2 trajectories run past the policy's max_position_embeddings (64)" in out, out
+    assert main(["rollout", "--run", "p", "--iteration", "0", *args]) == 0  # kept: said once, when rolled out
+    assert "max_position_embeddings" not in capsys.readouterr().out

@@ -241,6 +241,10 @@ class CPUEngine:
     def busy(self) -> bool:
         return bool(self._queue or self._rows)
 
+    def tokens_in_flight(self) -> int:
+        """Tokens sampled so far by the turns still generating (progress counts them before the turns end)."""
+        return sum(len(r.out) for r in self._rows)
+
     def release(self, key: Hashable) -> None:
         self.kept.drop(key)
         self._seen.discard(key)
