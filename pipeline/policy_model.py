@@ -21,9 +21,13 @@ from storage.errors import CheckpointError, first_line
 
 
 def load_causal_lm(
-    checkpoint: Path, attn_implementation: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    checkpoint: Path,
+    attn_implementation: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> torch.nn.Module:
     """The checkpoint's model, its weights and buffers on `device` (None: the CPU)."""
+    device = torch.device(device) if isinstance(device, str) else device
     config = Path(checkpoint) / "config.json"
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report (a dozen lines): the one line below says what matters

@@ -15,6 +15,15 @@ import time
 from typing import Callable
 
 
+def singular(unit: str) -> str:
+    """ "1 mini-batch", not "1 mini-batches" (the units progress counts: trajectories, rows, mini-batches …)."""
+    if unit.endswith("ies"):
+        return unit[:-3] + "y"
+    if unit.endswith(("ches", "shes", "sses", "xes")):
+        return unit[:-2]
+    return unit[:-1] if unit.endswith("s") else unit
+
+
 class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
     def __init__(
         self,
@@ -46,7 +55,7 @@ class StageProgress(contextlib.AbstractContextManager["StageProgress"]):
             self._bar.start()
             self._task = self._bar.add_task(stage, total=self.total, note="")
         else:
-            self.log(f"[{stage}] {self.total} {unit} to go")
+            self.log(f"[{stage}] {self.total} {unit if self.total != 1 else singular(unit)} to go")
 
     def update(self, done: int, note: str = "") -> None:
         self.done = done

@@ -22,3 +22,16 @@ def test_bar_shows_the_stage_and_note_on_stderr_never_stdout(capsys):
     out = capsys.readouterr()
     assert out.out == ""
     assert "[purify it 0]" in out.err and "2/2" in out.err and "[2 active]" in out.err
+
+
+def test_one_of_a_unit_is_singular():
+    """An update of one mini-batch said "1 mini-batches to go"."""
+    from pipeline.progress import StageProgress
+
+    lines: list[str] = []
+    with StageProgress("update it 0", "mini-batches", 1, log=lines.append, every_s=3600):
+        pass
+    assert lines[0] == "[update it 0] 1 mini-batch to go"
+    with StageProgress("rollout it 0", "trajectories", 1, log=lines.append, every_s=3600):
+        pass
+    assert "[rollout it 0] 1 trajectory to go" in lines
