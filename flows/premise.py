@@ -189,7 +189,10 @@ def token_rule_by_mode(failed: list[dict]) -> list[dict]:
 
 
 def cell(v: object) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+    """A table cell; a mean of advantages that cancel is 0, not the sum's rounding noise (4.19e-18)."""
+    if isinstance(v, float):
+        return f"{0.0 if abs(v) < 1e-12 else v:.4g}"
+    return "" if v is None else str(v)
 
 
 def print_premise(console: Console, cat: Catalog, run_id: str, iteration: int) -> None:

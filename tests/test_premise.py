@@ -315,3 +315,10 @@ def test_token_level_prediction_compares_each_mode_with_raw():
     assert "saar_correct γ=0.5 removes 0 negative- and 10 positive" in lines[1]
     assert lines[1].endswith("not predicted to be slower than raw")
     assert "no raw partition" in token_predictions([row("saar", 1, 0, 0.5)], 0)[0]
+
+
+def test_a_mean_advantage_that_cancels_prints_as_zero():
+    """GRPO advantages of a kind can cancel: the table printed the float sum's noise (4.19e-18, -1.009e-17)."""
+    from flows.premise import cell
+
+    assert [cell(4.19e-18), cell(-1.009e-17), cell(0.5774), cell(None), cell(3)] == ["0", "0", "0.5774", "", "3"]
