@@ -24,6 +24,8 @@ class Imported:
     rows: int = 0
     iterations: dict[int, str] = field(default_factory=dict)  # iteration -> "written" or "already imported"
     token_exact: bool = True
+    past_max_positions: int = 0  # rows longer than their sampling checkpoint's max_position_embeddings
+    max_positions: int = 0  # that limit (the smallest, when iterations differ)
 
 
 def _digest(
@@ -257,7 +259,7 @@ def run_import(
 
     from flows.interop.source import InteropError
     from pipeline.chat import load_chat
-    from pipeline.engines.vllm_server import checkpoint_config
+    from pipeline.engines.vllm_server import checkpoint_config, model_max_len
     from pipeline.trajectory import row_key
     from storage.errors import check_writable_root
     from storage.layout import RunLayout, record_path
@@ -295,6 +297,14 @@ def run_import(
                 size = len(chat.tokenizer) if chat is not None else None
             vocab_of[checkpoint] = size
         return vocab_of[checkpoint]
+
+    positions_of: dict[Path | None, int] = {}
+    past: dict[int, int] = {}
+
+    def max_positions(checkpoint: Path | None) -> int:
+        if checkpoint not in positions_of:
+            positions_of[checkpoint] = model_max_len(checkpoint) if checkpoint is not None else 0
+        return positions_of[checkpoint]
 
     writers: dict[int, ShardWriter | None] = {}  # None: already imported with these files and settings
     pending: dict[int, list[tuple[dict[str, Any], str]]] = {}
@@ -354,6 +364,11 @@ def run_import(
                 )
             checkpoint_of[it] = sampler
             _check_row(row, where, vocab=vocab(sampler))
+            limit = max_positions(sampler)
+            if limit and len(row["prompt_ids"]) + len(row["lived_ids"] or []) > limit:
+                past[it] = past.get(it, 0) + 1
+                done.past_max_positions += 1
+                done.max_positions = min(done.max_positions or limit, limit)
             key = row_key(row["run_id"], row["iteration"], row["prompt_id"], row["sample_idx"])
             if key in seen:
                 raise InteropError(
@@ -382,6 +397,7 @@ def run_import(
                     "imported_from": [str(f.resolve()) for f in files],  # wherever the command ran
                     "purify_allowed": bool(allow_purify),
                     "policy_version": ", ".join(sorted(versions[it])),
+                    "past_max_positions": past.get(it, 0),
                 }
             )
             done.iterations[it] = "written"
@@ -418,6 +434,10 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print(f"imported {done.rows} trajectories into run {args.run} ({what}); {exact}")
+    if done.past_max_positions:
+        from rollout_gen.stage import past_positions_note
+
+        print(past_positions_note(done.past_max_positions, done.max_positions, rolled_out=False))
     if any(state == "written" for state in done.iterations.values()):
         published(cfg)
     return 0

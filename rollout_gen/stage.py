@@ -239,11 +239,12 @@ def past_max_positions(checkpoint: Path, trajectories: list[Trajectory]) -> tupl
     return sum(len(t.prompt_ids) + len(t.lived_ids or []) > limit for t in trajectories), limit
 
 
-def past_positions_note(past: int, limit: int) -> str:
-    return (
-        f"{past} trajectories run past the policy's max_position_embeddings ({limit}): positions it was never "
+def past_positions_note(past: int, limit: int, rolled_out: bool = True) -> str:
+    return f"{past} trajectories run past the policy's max_position_embeddings ({limit}): positions it was never " + (
         "trained at (RoPE extrapolates there); keep rollout.max_prompt_tokens + rollout.max_response_tokens "
         f"within {limit} to stay inside"
+        if rolled_out
+        else "trained at (RoPE extrapolates there); an update trains them all the same"
     )
 
 

@@ -544,3 +544,32 @@ def test_rows_that_would_break_later_stages_are_refused_in_one_line(chat, tmp_pa
 
         main(["import", "--run", "x", "--iteration", "-1", "--format", "atif", ok, f"storage.root={root}"])
     assert "0 or more" in capsys.readouterr().err
+
+
+def test_an_import_says_how_many_rows_run_past_the_policys_context(tmp_path, capsys):
+    """Imported rows are not bounded by cleaner's rollout settings: one longer than the sampling checkpoint's
+    max_position_embeddings was imported and trained without a word. Counted in the manifest and said."""
+    import shutil
+
+    from flows.cli import main
+    from pipeline.config import DEFAULT_POLICY
+    from storage.layout import RunLayout
+    from storage.shards import read_manifest
+
+    policy = tmp_path / "short"
+    shutil.copytree(DEFAULT_POLICY, policy)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    rows = [
+        {"prompt": QUESTION, "completion": "The answer is \\boxed{42}.", "reward": 1.0},
+        {"prompt": QUESTION, "completion": "Let me think. " * 40 + "The answer is \\boxed{42}.", "reward": 1.0},
+    ]
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    root = tmp_path / "ws"
+    capsys.readouterr()
+    argv = ["import", "--run", "long", f"storage.root={root}", "--format", "trl-completions", str(path)]
+    assert main([*argv, "--tokenizer", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert read_manifest(RunLayout(root, "long").raw_dir(0)).extra["past_max_positions"] == 1
+    assert "1 trajectories run past the policy's max_position_embeddings (96)" in out, out
