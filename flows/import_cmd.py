@@ -264,7 +264,7 @@ def run_import(
     from storage.errors import check_writable_root
     from storage.layout import RunLayout, record_path
     from storage.schemas import RAW
-    from storage.shards import ShardWriter, read_manifest
+    from storage.shards import CommittedMeanwhile, ShardWriter, read_manifest
 
     if fmt not in FORMATS:
         raise InteropError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
@@ -325,18 +325,21 @@ def run_import(
                     "overwritten)"
                 )
             checkpoint = checkpoint_of.get(it)
-            writers[it] = (
-                None
-                if committed is not None
-                else ShardWriter(
-                    out,
-                    RAW,
-                    config_hash,
-                    inputs=[record_path(root, checkpoint)] if checkpoint else [],
-                    rows_per_part=cfg.storage.rows_per_part,
-                    compression=cfg.storage.compression,
+            try:
+                writers[it] = (
+                    None
+                    if committed is not None
+                    else ShardWriter(
+                        out,
+                        RAW,
+                        config_hash,
+                        inputs=[record_path(root, checkpoint)] if checkpoint else [],
+                        rows_per_part=cfg.storage.rows_per_part,
+                        compression=cfg.storage.compression,
+                    )
                 )
-            )
+            except CommittedMeanwhile:  # the same import, run twice at once: the other's shard is kept
+                writers[it] = None
         return writers[it]
 
     def flush(it: int) -> None:

@@ -24,6 +24,7 @@ from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
 from storage.identity import StageIdentity, check_committed, stage_identity
 from storage.shards import (
+    CommittedMeanwhile,
     Manifest,
     ShardError,
     ShardMissing,
@@ -352,17 +353,20 @@ def _commit(
         "filtered_groups": counters.get(beam_pipeline.row_counter(variant, "filtered_groups"), 0),
         "checkpoint": record_path(cfg.storage.root, plan.checkpoint),
     }
-    with ShardWriter(
-        out,
-        PURIFIED,
-        identity,
-        inputs=inputs,
-        rows_per_part=cfg.storage.rows_per_part,
-        compression=cfg.storage.compression,
-    ) as writer:
-        for chunk in sorted_chunks(files):
-            writer.write(chunk)
-        manifest = writer.commit(extra)
+    try:
+        with ShardWriter(
+            out,
+            PURIFIED,
+            identity,
+            inputs=inputs,
+            rows_per_part=cfg.storage.rows_per_part,
+            compression=cfg.storage.compression,
+        ) as writer:
+            for chunk in sorted_chunks(files):
+                writer.write(chunk)
+            manifest = writer.commit(extra)
+    except CommittedMeanwhile as e:  # another process purified the same variant of the same rows first: kept
+        return VariantResult(variant, e.manifest.rows, e.manifest.extra.get("dead", 0), True)
     return VariantResult(variant, manifest.rows, dead.num_rows, False)
 
 

@@ -24,7 +24,7 @@ from storage.checkpoints import checkpoint_for, policy_version
 from storage.identity import StageIdentity, check_committed, stage_identity
 from storage.layout import RunLayout, record_path
 from storage.schemas import RAW
-from storage.shards import Manifest, ShardWriter, read_manifest
+from storage.shards import CommittedMeanwhile, Manifest, ShardWriter, read_manifest
 
 
 def iteration_tasks(cfg: CleanerConfig, iteration: int) -> list[Task]:
@@ -202,6 +202,23 @@ def _commit(
     if past and log is not None:
         log(f"[rollout it {plan.iteration}] {past_positions_note(past, limit)}")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
+    try:
+        return _write(cfg, plan, table, trajectories, wall, too_long, past)
+    except CommittedMeanwhile as e:  # another process rolled out the same inputs and committed first: its shard
+        if log is not None:
+            log(f"[rollout it {plan.iteration}] {e}")
+        return e.manifest
+
+
+def _write(
+    cfg: CleanerConfig,
+    plan: RolloutPlan,
+    table: pa.Table,
+    trajectories: list[Trajectory],
+    wall: float,
+    too_long: int,
+    past: int,
+) -> Manifest:
     with ShardWriter(
         plan.out,
         RAW,
@@ -254,8 +271,15 @@ def run_rollout_plan(
     """The planned rollout and its commit; the committed shard when the plan keeps it."""
     if plan.kept is not None:
         return plan.kept
-    trajectories, wall = _roll_out_planned(cfg, plan, show_progress, log)
-    return _commit(cfg, plan, trajectories, wall, log)
+    from storage.locks import WriterLock
+
+    # one rollout of an iteration at a time: the second is refused at once, not after its whole rollout
+    with WriterLock(plan.out.with_name(f".{plan.out.name}.lock"), f"the raw shard {plan.out}"):
+        done = read_manifest(plan.out)
+        if done is not None:  # committed by the one that held the lock before: the plan's checks, again
+            return plan_rollout(cfg, plan.run_id, plan.iteration, plan.checkpoint).kept or done
+        trajectories, wall = _roll_out_planned(cfg, plan, show_progress, log)
+        return _commit(cfg, plan, trajectories, wall, log)
 
 
 def run_rollout_stage(

@@ -24,14 +24,25 @@ import pyarrow.parquet as pq
 
 from storage import summaries, texts, verified
 from storage.errors import CleanerError, os_error
+from storage.locks import WriterLock
 from storage.schemas import SCHEMA_META_KEY, readable_as, schema_id, upgrade, upgrade_inputs
 
 MANIFEST = "_MANIFEST.json"
+WRITER_LOCK = ".writer.lock"  # held by the shard's one writer (storage/locks.py), gone when it ends
 PART_GLOB = "part-*.parquet"
 
 
 class ShardError(CleanerError, RuntimeError):
     """A shard that cannot be trusted; the message names the file and what is wrong with it."""
+
+
+class CommittedMeanwhile(ShardError):
+    """Another process committed this shard, with the same config hash, while this writer worked: its shard is
+    the one kept (`manifest`)."""
+
+    def __init__(self, message: str, manifest: "Manifest") -> None:
+        super().__init__(message)
+        self.manifest = manifest
 
 
 class ShardMissing(ShardError):
@@ -135,7 +146,8 @@ class ShardWriter:
     """Writes one shard atomically. Use as a context manager, or call commit() yourself.
 
     Refuses to touch a committed shard, whatever its config hash: nothing already written is overwritten.
-    Orphan parts of a crashed earlier attempt are removed first.
+    One writer at a time (storage/locks.py: another live one is refused in one line, storage.locks.Busy); orphan
+    parts of a crashed earlier attempt are removed first, under that lock, so never another writer's.
 
     Each write() goes to the open part as it comes, as its own row group(s), so the writer holds one write's rows,
     not a part's (the purify stage commits a partition of 16k-token rows this way); a part is closed when it holds
@@ -168,17 +180,33 @@ class ShardWriter:
         self._open: dict[str, tuple[pq.ParquetWriter, Path]] = {}  # the part, summary and text being written
         self._open_rows = 0
         self._committed = False
-        existing = read_manifest(self.directory)
-        if existing is not None:
-            raise ShardError(
-                f"{self.directory / MANIFEST}: shard already committed (config {existing.config_hash}); "
-                "refusing to overwrite it"
-            )
+        self._refuse_committed()
         # folders this writer creates: an aborted write removes them again (when still empty)
         self._created = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self._leftovers():
-            stale.unlink()
+        self._lock = WriterLock(self.directory / WRITER_LOCK, f"shard {self.directory}").acquire()
+        try:
+            self._refuse_committed()  # committed by a writer that held the lock until now
+            for stale in self._leftovers():
+                stale.unlink()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _refuse_committed(self) -> None:
+        existing = read_manifest(self.directory)
+        if existing is None:
+            return
+        if existing.config_hash == self.config_hash:
+            raise CommittedMeanwhile(
+                f"{self.directory / MANIFEST}: committed meanwhile by another process with the same settings "
+                f"(config {existing.config_hash}): that shard is kept",
+                existing,
+            )
+        raise ShardError(
+            f"{self.directory / MANIFEST}: shard already committed (config {existing.config_hash}); "
+            "refusing to overwrite it"
+        )
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -308,6 +336,7 @@ class ShardWriter:
         _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
         _fsync_dir(self.directory)
         self._committed = True
+        self._lock.release()
         # the parts' checksums were taken from the bytes just written: readers need not read them again. Their
         # identity is taken now (renaming a file changes its ctime, so not before): a part changed since it was
         # written is caught by its checksum when read for training, and by `cleaner inspect --verify`.
@@ -325,6 +354,7 @@ class ShardWriter:
         self._close_open(list(self._open))
         for p in self._leftovers():
             p.unlink(missing_ok=True)
+        self._lock.release()
         for d in self._created:  # innermost first; a folder something else wrote into stays
             try:
                 d.rmdir()
@@ -340,9 +370,14 @@ def write_shard(
     extra: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Manifest:
-    with ShardWriter(directory, schema, config_hash, **kw) as w:
-        w.write(table)
-        return w.commit(extra)
+    """`table` as a committed shard; the shard another process committed meanwhile with the same config hash is
+    the one kept (a rerun of the same stage's inputs)."""
+    try:
+        with ShardWriter(directory, schema, config_hash, **kw) as w:
+            w.write(table)
+            return w.commit(extra)
+    except CommittedMeanwhile as e:
+        return e.manifest
 
 
 def _check_file(path: Path, part: PartInfo, size: int, crc: str | None) -> None:

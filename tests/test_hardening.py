@@ -687,3 +687,26 @@ def test_a_rollout_past_the_policys_context_says_so(tmp_path, capsys):
     assert "2 trajectories run past the policy's max_position_embeddings (64)" in out, out
     assert main(["rollout", "--run", "p", "--iteration", "0", *args]) == 0  # kept: said once, when rolled out
     assert "max_position_embeddings" not in capsys.readouterr().out
+
+
+def test_a_second_rollout_or_update_of_one_iteration_is_refused_at_once(purified_run, tmp_path, capsys):
+    """Two commands writing one iteration (two `cleaner train` of one run): both rolled out in full and then broke
+    each other's shard, and two updates shared one staging folder ("Directory not empty"). A rollout holds its
+    raw shard's lock, an update its checkpoint's, for as long as they run: another command is refused before any
+    work, in one line naming the holder's pid (here this process holds them, as a first command would)."""
+    from storage.locks import WriterLock
+
+    root = tmp_path / "ws"
+    layout = RunLayout(root, "busy")
+    raw = layout.raw_dir(0)
+    with WriterLock(raw.with_name(f".{raw.name}.lock"), "held"):
+        code, err = run_cli(capsys, "rollout", "--run", "busy", f"storage.root={root}")
+    assert code == 1 and f"(pid {os.getpid()})" in one_line(err) and "being written by another process" in err
+    assert not raw.exists() and not list(root.rglob("*.lock"))  # refused before anything, and no lock left
+
+    shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+    target = RunLayout(root, "w").checkpoint_dir(1)
+    with WriterLock(target.with_name(f".{target.name}.lock"), "held"):
+        code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
+    assert code == 1 and f"(pid {os.getpid()})" in one_line(err) and "checkpoint" in err
+    assert not target.exists() and not list(root.rglob("*.lock"))

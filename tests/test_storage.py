@@ -130,6 +130,48 @@ def test_sigkill_mid_shard_leaves_no_manifest_and_rerun_is_identical(tmp_path):
     assert [(p.name, p.rows, p.crc32) for p in got.parts] == [(p.name, p.rows, p.crc32) for p in want.parts]
 
 
+def test_a_second_writer_of_a_shard_is_refused_while_the_first_lives(tmp_path):
+    """Two writers of one shard (two `cleaner train` of one run, a rollout started twice) each removed the other's
+    files as a crashed attempt's leftovers and both committed: a manifest listed a part the other had deleted. Now
+    the shard has one writer at a time (a lock the kernel drops when its process dies): another live writer is
+    refused in one line naming its pid, and nothing of the first's is touched."""
+    from storage.locks import Busy
+
+    out = tmp_path / "shared"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITER.format(root=str(ROOT), out=str(out), pause=30)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "part 0"
+        parts = sorted(p.name for p in out.iterdir())
+        with pytest.raises(Busy) as e:
+            ShardWriter(out, RAW, "cfg", rows_per_part=10)
+        assert f"(pid {proc.pid})" in str(e.value) and "\n" not in str(e.value) and str(out) in str(e.value)
+        assert sorted(p.name for p in out.iterdir()) == parts  # the live writer's files are all there
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    # its process is gone, and its lock with it: the next writer goes on, and the shard commits whole
+    write_shard(out, raw_table(4), RAW, "cfg", rows_per_part=10)
+    assert read_shard(out, RAW).num_rows == 4 and not (out / ".writer.lock").exists()
+
+
+def test_a_shard_committed_meanwhile_with_the_same_settings_is_kept(tmp_path):
+    """A writer that finds the shard committed by another process with its config hash keeps that one (it said
+    'refusing to overwrite it' and failed after a whole stage's work); with another hash it is still refused."""
+    from storage.shards import CommittedMeanwhile
+
+    first = write_shard(tmp_path / "s", raw_table(3), RAW, config_hash="h")
+    again = write_shard(tmp_path / "s", raw_table(5, seed=2), RAW, config_hash="h")
+    assert again.rows == first.rows == 3 and read_shard(tmp_path / "s", RAW).num_rows == 3
+    with pytest.raises(CommittedMeanwhile, match="committed meanwhile by another process with the same settings"):
+        ShardWriter(tmp_path / "s", RAW, "h")
+    with pytest.raises(ShardError, match="refusing to overwrite it"):
+        ShardWriter(tmp_path / "s", RAW, "other")
+
+
 @pytest.fixture
 def committed(tmp_path) -> Path:
     d = tmp_path / "shard"

@@ -22,6 +22,7 @@ from storage.shards import Manifest, ShardMissing, is_committed, read_manifest, 
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
 from trainer.dpo import read_pairs
 from trainer.grpo import UpdateError
+from trainer.torch_files import save_torch
 
 TRAINER_STATE = "trainer_state.pt"  # the local strategy's optimizer/schedule state (DeepSpeed's: deepspeed/)
 TOKENIZER_FILES = (
@@ -309,8 +310,7 @@ def write_checkpoint(target: Path, src: Path, model: torch.nn.Module | None, sta
         else:
             model.save_pretrained(tmp, safe_serialization=True)
             copy_tokenizer_files(src, tmp)
-        with open(tmp / TRAINER_STATE, "wb") as f:  # a file object: a full disk is an OSError, not a RuntimeError
-            torch.save(state, f)
+        save_torch(state, tmp / TRAINER_STATE)  # a full disk is an OSError naming the file
         finish_checkpoint(tmp, target, record)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write (full disk) leaves no half checkpoint

@@ -15,6 +15,7 @@ import torch
 
 from storage.shards import atomic_write_json
 from trainer.grpo import GRPOUpdate, StepMetrics, UpdateProgress
+from trainer.torch_files import save_torch
 
 PROGRESS = "progress.json"
 LOCAL_STATE = "state.pt"
@@ -61,9 +62,8 @@ def save_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, progres
     state = folder / tag_of(progress) / LOCAL_STATE
     state.parent.mkdir(parents=True, exist_ok=True)
     tmp = state.with_name(state.name + ".tmp")
-    try:  # through a file object: a full disk is then an OSError (ENOSPC), not an opaque RuntimeError
-        with open(tmp, "wb") as f:
-            torch.save({"model": model.state_dict(), "update": update.state_dict()}, f)
+    try:  # a full disk is an OSError (ENOSPC) naming the file, not torch's opaque RuntimeError
+        save_torch({"model": model.state_dict(), "update": update.state_dict()}, tmp)
         tmp.replace(state)
         write_progress(folder, key, progress)
     except BaseException:

@@ -260,19 +260,26 @@ def run_update_plan(
     bar on a terminal."""
     if plan.kept:
         return plan.target
-    progress_log, log = log, log or _stderr
-    if plan.outcome == "carry_over":
-        return _commit(plan, _carried_over(cfg, plan, log))
-    if cfg.train.strategy == "deepspeed":
-        from trainer.distributed import launch
+    from storage.locks import WriterLock
 
-        return launch(cfg, plan.run_id, plan.iteration, stop_after, log)  # its ranks train and commit
-    work = _train(cfg, plan, stop_after, log, progress_log)
-    if work is None:
-        from trainer.resume import partial_dir
+    # one update of a checkpoint at a time: two shared its staging and partial folders (the loser failed in
+    # rmtree, "Directory not empty"); another live one is refused in one line
+    with WriterLock(plan.target.with_name(f".{plan.target.name}.lock"), f"checkpoint {plan.target}"):
+        if committed_update(plan.target, plan.identity):  # committed by the one that held the lock before
+            return plan.target
+        progress_log, log = log, log or _stderr
+        if plan.outcome == "carry_over":
+            return _commit(plan, _carried_over(cfg, plan, log))
+        if cfg.train.strategy == "deepspeed":
+            from trainer.distributed import launch
 
-        return partial_dir(plan.target)
-    return _commit(plan, work)
+            return launch(cfg, plan.run_id, plan.iteration, stop_after, log)  # its ranks train and commit
+        work = _train(cfg, plan, stop_after, log, progress_log)
+        if work is None:
+            from trainer.resume import partial_dir
+
+            return partial_dir(plan.target)
+        return _commit(plan, work)
 
 
 def run_update_stage(

@@ -1,0 +1,88 @@
+"""One writer per shard or checkpoint: an exclusive flock on a lock file beside what it writes, held while it writes.
+
+Two commands writing the same shard at once (two `cleaner train` of one run, a rollout started twice) each removed
+the other's files as leftovers of a crashed attempt, and both committed: a manifest could list a part the other
+writer had deleted. The kernel drops a flock when its process dies, however it dies, so a lock is never stale; the
+file holds the writer's pid for the message another writer gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from storage.errors import CleanerError
+
+
+class Busy(CleanerError, RuntimeError):
+    """Another live process is writing this; one line naming it and its pid."""
+
+    exit_code = 1
+
+
+class WriterLock:
+    """Held from `acquire` until `release`. The lock file is removed on release; a writer that opened it before the
+    removal finds it no longer at its path once it holds the lock, and opens the new one (no two holders)."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path, self.what = Path(path), what
+        self._fd: int | None = None
+
+    def acquire(self) -> "WriterLock":
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise Busy(
+                    f"{self.what}: being written by another process (pid {holder}) right now; let it finish, then "
+                    "run this again (what it commits is kept when it was made with the same settings)"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                with contextlib.suppress(OSError):  # the pid is for another writer's message (a full disk: none)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, str(os.getpid()).encode(), 0)
+                self._fd = fd
+                return self
+            os.close(fd)  # released and removed between our open and our lock: try the file now there
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "WriterLock":
+        # the folder it lives in, made for it when missing, goes with it when nothing else was put there
+        self._made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return self.acquire()
+        except BaseException:
+            self._remove_made()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                break
