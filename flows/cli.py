@@ -79,6 +79,24 @@ def build_parser() -> Parser:
 COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster", "export"})
 
 
+def environment_message(e: BaseException) -> str | None:
+    """One line for a failure that is the environment's, not a bug, raised by a library rather than as a
+    CleanerError or OSError: None for the others (their traceback is kept)."""
+    kind = f"{type(e).__module__.split('.')[0]}.{type(e).__name__}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if kind in ("duckdb.IOException", "_duckdb.IOException") and ("No files found" in first or "No such file" in first):
+        # the catalog's views were made before another command (cleaner gc) removed a shard
+        return (
+            f"a file it was reading was removed meanwhile (by cleaner gc, or another command): run it again ({first})"
+        )
+    if kind in ("httpx.ConnectError", "httpx.RemoteProtocolError", "httpx.ReadError"):
+        return (
+            f"lost the Prefect server ({first}): it stopped while the flow ran; run the same command again to resume "
+            "(what was committed is kept)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from flows.console import command_prints_errors, quiet_libraries
 
@@ -106,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         message, code = (str(e), e.exit_code) if isinstance(e, CleanerError) else (describe_os_error(e), 1)
         print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
         return code
+    except Exception as e:  # noqa: BLE001 - a library's failure that is the environment's gets one line too
+        message = environment_message(e)
+        if message is None or os.environ.get("CLEANER_TRACEBACK"):
+            raise
+        print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: committed stages are kept, an update resumes from its last mini-batch
         if os.environ.get("CLEANER_TRACEBACK"):
             raise

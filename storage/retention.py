@@ -35,7 +35,7 @@ class RetentionError(CleanerError, ValueError):
 @dataclass(frozen=True)
 class Removal:
     path: Path
-    what: str  # "checkpoint" | "partition" | "dead letters"
+    what: str  # "checkpoint" | "partition" | "dead letters" | "partial update"
     bytes: int
 
 
@@ -91,6 +91,11 @@ def plan(
             )
     kept = set(done[-keep_last:]) | {p for p in done if _iteration_of(p) in keep}
     out = [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
+    # a partial update beside its committed checkpoint: an attempt the committed one did not resume (killed,
+    # or other settings); nothing resumes it any more
+    for p in sorted((layout.run_dir / "checkpoints").glob("iteration=*.partial")):
+        if (p.with_name(p.name.removesuffix(".partial")) / DONE_MARKER).is_file():
+            out.append(Removal(p, "partial update", _size(p)))
     for name in partitions:
         for kind, what in (("purified", "partition"), ("dead_letter", "dead letters")):
             for p in sorted(layout.run_dir.glob(f"iteration=*/{kind}/{name}")):

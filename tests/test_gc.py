@@ -143,3 +143,20 @@ def test_a_root_under_a_file_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     out = _gc(tmp_path / "file" / "root", "--keep-last", "1")
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_partial_update_beside_its_committed_checkpoint_goes(run):
+    """A partial update the committed checkpoint did not resume (killed, or other settings) stayed beside it for
+    good (14 MB a user found); gc removes it, and never one whose checkpoint is not committed (its rerun owns it)."""
+    layout = RunLayout(run, "tiny")
+    checkpoints = layout.run_dir / "checkpoints"
+    done = sorted(p for p in checkpoints.glob("iteration=*") if (p / DONE_MARKER).is_file())
+    stale = done[-1].with_name(done[-1].name + ".partial")
+    (stale / "mb0001").mkdir(parents=True)
+    (stale / "mb0001" / "state.pt").write_bytes(b"x" * 1024)
+    live = checkpoints / "iteration=0099.partial"  # an update of a checkpoint not committed yet
+    live.mkdir()
+    out = _gc(run, "--keep-last", "9")
+    assert out.returncode == 0, out.stderr
+    assert f"removing partial update {stale}" in out.stdout, out.stdout
+    assert not stale.exists() and live.is_dir() and all(p.is_dir() for p in done)

@@ -710,3 +710,25 @@ def test_a_second_rollout_or_update_of_one_iteration_is_refused_at_once(purified
         code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
     assert code == 1 and f"(pid {os.getpid()})" in one_line(err) and "checkpoint" in err
     assert not target.exists() and not list(root.rglob("*.lock"))
+
+
+def test_a_shard_removed_while_a_command_reads_it_is_one_line(purified_run, tmp_path):
+    """`cleaner gc` removed a partition while a replay read the catalog's views made before: the replay died in a
+    raw `_duckdb.IOException` traceback. Such failures of a library that are the environment's, not a bug, get one
+    line from the command (flows/cli.environment_message); a Prefect server that stopped mid-flow too."""
+    import httpx
+
+    from flows.cli import environment_message
+    from storage.catalog import Catalog
+
+    root = tmp_path / "ws"
+    shutil.copytree(purified_run.storage.root / "runs", root / "runs")
+    with Catalog(root) as cat:
+        part = RunLayout(root, "w").purified_dir(0, "saar", 0.5)
+        shutil.rmtree(part)  # what a concurrent `cleaner gc --remove-partition` does
+        with pytest.raises(Exception) as e:
+            cat.query("SELECT count(*) FROM purified WHERE mode = 'saar'")
+    line = environment_message(e.value)
+    assert line is not None and "removed meanwhile" in line and "\n" not in line, (type(e.value), e.value)
+    assert "Prefect server" in environment_message(httpx.ConnectError("[Errno 111] Connection refused"))
+    assert environment_message(ValueError("a bug")) is None  # bugs keep their traceback
