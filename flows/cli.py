@@ -79,7 +79,11 @@ def build_parser() -> Parser:
 COMMITS_NOTHING = frozenset({"config", "eval", "filter", "inspect", "report", "view", "server", "cluster", "export"})
 
 
-def environment_message(e: BaseException) -> str | None:
+# commands that run a flow on a Prefect server (the temporary one, or PREFECT_API_URL's)
+FLOW_COMMANDS = frozenset({"train", "demo", "schedule"})
+
+
+def environment_message(e: BaseException, command: str = "train") -> str | None:
     """One line for a failure that is the environment's, not a bug, raised by a library rather than as a
     CleanerError or OSError: None for the others (their traceback is kept)."""
     kind = f"{type(e).__module__.split('.')[0]}.{type(e).__name__}"
@@ -89,7 +93,7 @@ def environment_message(e: BaseException) -> str | None:
         return (
             f"a file it was reading was removed meanwhile (by cleaner gc, or another command): run it again ({first})"
         )
-    if kind in ("httpx.ConnectError", "httpx.RemoteProtocolError", "httpx.ReadError"):
+    if command in FLOW_COMMANDS and kind in ("httpx.ConnectError", "httpx.RemoteProtocolError", "httpx.ReadError"):
         return (
             f"lost the Prefect server ({first}): it stopped while the flow ran; run the same command again to resume "
             "(what was committed is kept)"
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)
         return code
     except Exception as e:  # noqa: BLE001 - a library's failure that is the environment's gets one line too
-        message = environment_message(e)
+        message = environment_message(e, args.command)
         if message is None or os.environ.get("CLEANER_TRACEBACK"):
             raise
         print(f"cleaner {args.command}: {' '.join(message.split())}", file=sys.stderr)

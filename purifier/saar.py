@@ -406,9 +406,10 @@ def purify(
 
 
 def moved_range(t: PurifiedTrajectory, s: Splice) -> range:
-    """Response indices of a splice's moved retry tokens. A position's spliced tokens are contiguous (the tail of
-    its final turn) and in attempt order (a fused turn keeps the earlier attempt's part before the retry's): from
-    `first_recomputed` on, after the moved tokens of the position's earlier splices."""
+    """Response indices of a splicing mode's (saar, saar_correct) splice's moved retry tokens. A position's spliced
+    tokens are contiguous (the tail of its final turn) and in attempt order (a fused turn keeps the earlier attempt's
+    part before the retry's): from `first_recomputed` on, after the moved tokens of the position's earlier splices.
+    Not for saar_is, whose replaced and appended turns interleave: its splices are scored when decided."""
     spliced = (TokenOrigin.SHALLOW, TokenOrigin.DEEP)
     at = next(
         (i for i in range(max(s.first_recomputed, 0), len(t.token_origin)) if t.token_origin[i] in spliced),

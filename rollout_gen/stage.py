@@ -257,7 +257,8 @@ def past_max_positions(checkpoint: Path, trajectories: list[Trajectory]) -> tupl
 
 
 def past_positions_note(past: int, limit: int, rolled_out: bool = True) -> str:
-    return f"{past} trajectories run past the policy's max_position_embeddings ({limit}): positions it was never " + (
+    rows = "trajectory runs" if past == 1 else "trajectories run"
+    return f"{past} {rows} past the policy's max_position_embeddings ({limit}): positions it was never " + (
         "trained at (RoPE extrapolates there); keep rollout.max_prompt_tokens + rollout.max_response_tokens "
         f"within {limit} to stay inside"
         if rolled_out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import weakref
 from pathlib import Path
 
 from storage.errors import CleanerError
@@ -38,8 +39,9 @@ class WriterLock:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 os.close(fd)
+                who = "this process, by a writer never ended" if holder == str(os.getpid()) else "another process"
                 raise Busy(
-                    f"{self.what}: being written by another process (pid {holder}) right now; let it finish, then "
+                    f"{self.what}: being written by {who} (pid {holder}) right now; let it finish, then "
                     "run this again (what it commits is kept when it was made with the same settings)"
                 ) from None
             try:
@@ -51,6 +53,8 @@ class WriterLock:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, str(os.getpid()).encode(), 0)
                 self._fd = fd
+                # a holder dropped without release (a writer neither committed nor aborted) frees it when collected
+                self._closer = weakref.finalize(self, os.close, fd)
                 return self
             os.close(fd)  # released and removed between our open and our lock: try the file now there
 
@@ -59,7 +63,7 @@ class WriterLock:
             return
         with contextlib.suppress(OSError):
             self.path.unlink()
-        os.close(self._fd)
+        self._closer()  # closes the fd, once
         self._fd = None
 
     @property

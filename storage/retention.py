@@ -35,7 +35,7 @@ class RetentionError(CleanerError, ValueError):
 @dataclass(frozen=True)
 class Removal:
     path: Path
-    what: str  # "checkpoint" | "partition" | "dead letters" | "partial update"
+    what: str  # "checkpoint" | "partition" | "dead letters" | "partial update" | "update staging" | "update config"
     bytes: int
 
 
@@ -91,11 +91,12 @@ def plan(
             )
     kept = set(done[-keep_last:]) | {p for p in done if _iteration_of(p) in keep}
     out = [Removal(p, "checkpoint", _size(p)) for p in done if p not in kept]
-    # a partial update beside its committed checkpoint: an attempt the committed one did not resume (killed,
-    # or other settings); nothing resumes it any more
-    for p in sorted((layout.run_dir / "checkpoints").glob("iteration=*.partial")):
-        if (p.with_name(p.name.removesuffix(".partial")) / DONE_MARKER).is_file():
-            out.append(Removal(p, "partial update", _size(p)))
+    # what an update attempt leaves beside its checkpoint once that is committed (killed, or other settings):
+    # its partial mini-batches, its staging folder, a DeepSpeed launch's frozen config; nothing reads them any more
+    for suffix, what in ((".partial", "partial update"), (".tmp", "update staging"), (".config.yaml", "update config")):
+        for p in sorted((layout.run_dir / "checkpoints").glob(f"iteration=*{suffix}")):
+            if (p.with_name(p.name.removesuffix(suffix)) / DONE_MARKER).is_file():
+                out.append(Removal(p, what, _size(p) if p.is_dir() else p.stat().st_size))
     for name in partitions:
         for kind, what in (("purified", "partition"), ("dead_letter", "dead letters")):
             for p in sorted(layout.run_dir.glob(f"iteration=*/{kind}/{name}")):
@@ -115,7 +116,10 @@ def empty_trash(root: Path) -> None:
     trash = Path(root) / TRASH
     if trash.is_dir():
         for entry in trash.iterdir():
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def remove(root: Path, item: Removal) -> None:
@@ -124,4 +128,7 @@ def remove(root: Path, item: Removal) -> None:
     trash.mkdir(exist_ok=True)
     target = trash / f"{uuid.uuid4().hex[:8]}-{item.path.name}"
     os.rename(item.path, target)
-    shutil.rmtree(target, ignore_errors=True)
+    if target.is_dir():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)

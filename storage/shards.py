@@ -199,8 +199,8 @@ class ShardWriter:
             return
         if existing.config_hash == self.config_hash:
             raise CommittedMeanwhile(
-                f"{self.directory / MANIFEST}: committed meanwhile by another process with the same settings "
-                f"(config {existing.config_hash}): that shard is kept",
+                f"{self.directory / MANIFEST}: already committed with the same settings (config "
+                f"{existing.config_hash}), by another process meanwhile or an earlier write: that shard is kept",
                 existing,
             )
         raise ShardError(
@@ -332,9 +332,13 @@ class ShardWriter:
                 **({"texts": [asdict(p) for p in self._texts]} if self._texts else {}),
             },
         )
-        _fsync_dir(self.directory)
-        _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
-        _fsync_dir(self.directory)
+        try:
+            _fsync_dir(self.directory)
+            _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
+            _fsync_dir(self.directory)
+        except BaseException:
+            self.abort()  # a commit() called outside `with` that fails leaves neither parts nor the lock
+            raise
         self._committed = True
         self._lock.release()
         # the parts' checksums were taken from the bytes just written: readers need not read them again. Their

@@ -266,6 +266,7 @@ def test_verl_prompts_are_rendered_as_cleaners_rollouts_were(purified_run, tmp_p
     [tool] = config["tools"]
     assert tool["class_name"] == "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
     assert tool["tool_schema"]["function"]["name"] == "code_interpreter" and "sandbox_fusion_url" in tool["config"]
+    assert tool["config"]["type"] == "native"  # verl's initialize_tools_from_config: ToolType(config.type)
     chat = load_chat(purified_run.rollout.policy)
     rows = pq.read_table(out / "data" / "train.parquet").to_pylist()
     assert rows

@@ -154,9 +154,14 @@ def test_a_partial_update_beside_its_committed_checkpoint_goes(run):
     stale = done[-1].with_name(done[-1].name + ".partial")
     (stale / "mb0001").mkdir(parents=True)
     (stale / "mb0001" / "state.pt").write_bytes(b"x" * 1024)
+    staging = done[-1].with_name(done[-1].name + ".tmp")  # a killed update's staging folder
+    staging.mkdir()
+    frozen = done[-1].with_name(done[-1].name + ".config.yaml")  # a killed DeepSpeed launch's config
+    frozen.write_text("train: {}\n")
     live = checkpoints / "iteration=0099.partial"  # an update of a checkpoint not committed yet
     live.mkdir()
     out = _gc(run, "--keep-last", "9")
     assert out.returncode == 0, out.stderr
     assert f"removing partial update {stale}" in out.stdout, out.stdout
     assert not stale.exists() and live.is_dir() and all(p.is_dir() for p in done)
+    assert not staging.exists() and not frozen.exists() and "removing update config" in out.stdout

@@ -730,5 +730,7 @@ def test_a_shard_removed_while_a_command_reads_it_is_one_line(purified_run, tmp_
             cat.query("SELECT count(*) FROM purified WHERE mode = 'saar'")
     line = environment_message(e.value)
     assert line is not None and "removed meanwhile" in line and "\n" not in line, (type(e.value), e.value)
-    assert "Prefect server" in environment_message(httpx.ConnectError("[Errno 111] Connection refused"))
+    refused = httpx.ConnectError("[Errno 111] Connection refused")
+    assert "Prefect server" in environment_message(refused, "train")
+    assert environment_message(refused, "init-policy") is None  # no Prefect there: another server, not said so
     assert environment_message(ValueError("a bug")) is None  # bugs keep their traceback

@@ -572,4 +572,4 @@ def test_an_import_says_how_many_rows_run_past_the_policys_context(tmp_path, cap
     assert main([*argv, "--tokenizer", str(policy)]) == 0
     out = capsys.readouterr().out
     assert read_manifest(RunLayout(root, "long").raw_dir(0)).extra["past_max_positions"] == 1
-    assert "1 trajectories run past the policy's max_position_embeddings (96)" in out, out
+    assert "1 trajectory runs past the policy's max_position_embeddings (96)" in out, out

@@ -522,7 +522,7 @@ def test_a_smaller_micro_batch_is_suggested_before_checkpointing():
 
 
 def test_offload_needs_room_in_the_hosts_memory(tmp_path, capsys):
-    """ZeRO-3 + offload moves 16 B/param to the host: ≈ 60 GiB for Qwen3-4B on one rank. fit said it fits a node of
+    """ZeRO-3 + offload moves 20 B/param to the host: ≈ 75 GiB for Qwen3-4B on one rank. fit said it fits a node of
     48 GiB; now it says the host does not hold it (exit 1), with --host-memory or this machine's memory when the
     GPUs are sized here, and the preflight refuses it in one line."""
     from flows.cli import main
@@ -539,12 +539,12 @@ def test_offload_needs_room_in_the_hosts_memory(tmp_path, capsys):
         micro_batch_tokens=8192,
     )
     est = estimate(QWEN3_4B, offload)
-    assert 55 * GiB < est.host_bytes < 65 * GiB and est.fits(80 * GiB) and not est.fits(80 * GiB, 48 * GiB)
+    assert 70 * GiB < est.host_bytes < 80 * GiB and est.fits(80 * GiB) and not est.fits(80 * GiB, 48 * GiB)
     assert est.fits(80 * GiB, 128 * GiB)
     with pytest.raises(DoesNotFit) as e:
         check_fits(QWEN3_4B, offload, gpus=1, gpu_bytes=80 * GiB, host_bytes=48 * GiB)
     assert "GiB of host memory for offload (estimate) of 43.2 GiB usable" in str(e.value) and "\n" not in str(e.value)
-    # two ranks offload 30 GiB each: 60 GiB of the one node's memory as well
+    # two ranks offload half each: the one node's memory holds the same
     assert estimate(QWEN3_4B, Plan(**{**offload.__dict__, "ranks": 2})).host_bytes == pytest.approx(est.host_bytes)
     # every suggestion holds in the host's memory
     for e in suggestions(QWEN3_4B, offload, gpus=2, gpu_bytes=40 * GiB, host_bytes=48 * GiB):
@@ -589,7 +589,17 @@ def test_offload_keeps_the_gradient_shard_in_host_memory():
     assert "self.device = get_accelerator().current_device_name() if not self.offload_optimizer else" in (
         inspect.getsource(stage3)
     )
-    assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in inspect.getsource(stage3)
+    three = inspect.getsource(stage3)
+    assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in three
+    # …in the accumulation dtype (float32 under bf16: trainer/deepspeed_update.py asks OpenRLHF for it), beside
+    # each subgroup's fp32 gradient buffer under offload
+    assert (
+        "dtype=self.gradient_accumulation_dtype,\n" in three.split("self.grad_partitions_flat_buffer: Tensor")[1][:200]
+    )
+    assert "subgroup_gradient_buffer = torch.zeros(num_elements, dtype=gradient_dtype, device=self.device)" in three
+    from trainer import deepspeed_update
+
+    assert 'grad_accum_dtype="fp32" if cfg.param_dtype == "bf16" else None' in inspect.getsource(deepspeed_update)
     two = inspect.getsource(stage_1_and_2)
     assert "self.device = get_accelerator().current_device_name() if not self.cpu_offload else 'cpu'" in two
     assert "self.temp_grad_buffer_for_gpu_offload = torch.zeros(largest_param_numel," in two
@@ -601,9 +611,10 @@ def test_offload_keeps_the_gradient_shard_in_host_memory():
         off = estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=stage, offload_optimizer=True, **base))
         grads_kept = next(v for k, v in kept.terms.items() if k.startswith("gradients"))
         grads_off = next(v for k, v in off.terms.items() if k.startswith("gradients"))
-        tensor = 2 * QWEN3_4B.largest_tensor if stage == 2 else 0
-        assert grads_kept - grads_off == pytest.approx(2 * p - tensor)
-        assert off.cpu_bytes == pytest.approx(16 * p + (2 * p if stage == 2 else 0))
+        # ZeRO-3's shard is float32 (the accumulation dtype), ZeRO-2's bf16 with one largest tensor left on the GPU
+        on_card = 4 * p if stage == 3 else 2 * p - 2 * QWEN3_4B.largest_tensor
+        assert grads_kept - grads_off == pytest.approx(on_card)
+        assert off.cpu_bytes == pytest.approx(16 * p + (4 * p if stage == 3 else 2 * p))
     assert estimate(QWEN3_4B, Plan(strategy="deepspeed", zero_stage=3, offload_optimizer=True, **base)).peak < 14 * GiB
 
 
@@ -640,3 +651,16 @@ def test_a_partition_longer_than_the_rollout_budget_is_sized_at_its_own_length(p
     line = str(e.value)
     assert "\n" not in line and line.startswith("the partition's longest trajectory is 524288 tokens")
     assert "= 2048 the preflight sized" in line and "GiB" in line
+
+
+def test_host_memory_is_the_cgroups_when_lower(tmp_path):
+    """A container's or a SLURM job's memory limit kills past it: the host memory offload must fit is the lower of
+    the machine's and the cgroup's (it was the machine's alone)."""
+    from trainer.memory import this_host_memory
+
+    machine = this_host_memory(limits=())
+    (tmp_path / "v2").write_text("max\n")
+    (tmp_path / "v1").write_text(f"{2 * GiB}\n")
+    assert this_host_memory(limits=(str(tmp_path / "v2"),)) == machine  # no limit
+    assert this_host_memory(limits=(str(tmp_path / "v2"), str(tmp_path / "v1"))) == 2 * GiB
+    assert this_host_memory(limits=(str(tmp_path / "missing"),)) == machine

@@ -166,7 +166,7 @@ def test_a_shard_committed_meanwhile_with_the_same_settings_is_kept(tmp_path):
     first = write_shard(tmp_path / "s", raw_table(3), RAW, config_hash="h")
     again = write_shard(tmp_path / "s", raw_table(5, seed=2), RAW, config_hash="h")
     assert again.rows == first.rows == 3 and read_shard(tmp_path / "s", RAW).num_rows == 3
-    with pytest.raises(CommittedMeanwhile, match="committed meanwhile by another process with the same settings"):
+    with pytest.raises(CommittedMeanwhile, match="already committed with the same settings"):
         ShardWriter(tmp_path / "s", RAW, "h")
     with pytest.raises(ShardError, match="refusing to overwrite it"):
         ShardWriter(tmp_path / "s", RAW, "other")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import shutil
 import signal
@@ -65,6 +66,7 @@ def launch(cfg: CleanerConfig, run_id: str, iteration: int, stop_after: int | No
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, cfg.rollout.engine_tuning.threads)), "PYTHONUNBUFFERED": "1"}
+    env[LOCKED] = "1"  # the update stage in this process holds the checkpoint's lock for the ranks
     t = cfg.train
     log(
         f"[update] strategy=deepspeed: {t.nproc} rank(s), ZeRO-{t.zero_stage}, {t.param_dtype}"
@@ -203,6 +205,9 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     return inputs.target
 
 
+LOCKED = "CLEANER_UPDATE_LOCKED"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="one torchrun rank of the deepspeed update stage")
     ap.add_argument("config", type=Path)
@@ -213,7 +218,16 @@ def main(argv: list[str]) -> int:
     from torch.distributed import DistError
 
     try:
-        deepspeed_update(load_config(args.config), args.run_id, args.iteration, args.stop_after)
+        cfg = load_config(args.config)
+        with contextlib.ExitStack() as held:
+            if os.environ.get("RANK", "0") == "0" and not os.environ.get(LOCKED):
+                # started by another launcher: rank 0 holds the checkpoint's lock, as `cleaner update` does (a flock
+                # is one node's: another node's command is not kept out)
+                from storage.locks import WriterLock
+
+                target = RunLayout(cfg.storage.root, args.run_id).checkpoint_dir(args.iteration + 1)
+                held.enter_context(WriterLock(target.with_name(f".{target.name}.lock"), f"checkpoint {target}"))
+            deepspeed_update(cfg, args.run_id, args.iteration, args.stop_after)
     except (CleanerError, FloatingPointError) as e:
         print(f"cleaner: {e}", flush=True)
         return 1

@@ -315,18 +315,23 @@ def estimate(shape: ModelShape, plan: Plan) -> Estimate:
             t["ZeRO-3 gathered weights"] = low * (2 * shape.layer_parameters + shape.vocab * shape.hidden)
         bucket = low * min(DS_BUCKET_ELEMENTS, p)
         optimizer = (4 * p if plan.mixed else 0) + 8 * p + 4 * p  # fp32 master, Adam m and v, fp32 gradients
+        # ZeRO-3 keeps its gradient partition in the accumulation dtype (grad_partitions_flat_buffer): float32
+        # under bf16 (trainer/deepspeed_update.py gives OpenRLHF grad_accum_dtype=fp32), else the weights'
+        accum = 4 if (stage == 3 and plan.param_dtype == "bf16") else low
         if plan.offload_optimizer:
             # DeepSpeed 0.19's offload keeps the gradient partition in host memory (ZeRO-3: grad_partitions_flat_
-            # buffer on the offload device; ZeRO-2: grads accumulate into the CPU fp32 partition through
-            # temp_grad_buffer_for_gpu_offload, one largest tensor on the GPU, plus a host bit16 copy of the shard)
+            # buffer on the offload device, beside each subgroup's fp32 .grad buffer the optimizer term counts;
+            # ZeRO-2: grads accumulate into the CPU fp32 partition through temp_grad_buffer_for_gpu_offload, one
+            # largest tensor on the GPU, plus a host bit16 copy of the shard)
             if stage == 3:
                 t["gradients (reduce bucket; shard on host)"] = bucket
-                est.cpu_bytes = optimizer / n
+                est.cpu_bytes = optimizer / n + accum * p / n
             else:
                 t["gradients (bucket+tensor; shard on host)"] = bucket + low * shape.largest_tensor
                 est.cpu_bytes = optimizer / n + low * p / n
         else:
-            t[f"gradients ({plan.param_dtype} shard + bucket)"] = low * p / n + bucket
+            name = "fp32" if accum == 4 else plan.param_dtype
+            t[f"gradients ({name} shard + bucket)"] = accum * p / n + bucket
             t["optimizer (fp32 master, Adam, grads; shard)"] = optimizer / n
         step_tmp = 0.0  # DeepSpeed steps partition by partition
         casts = 0.0
@@ -431,11 +436,23 @@ def model_flops_per_token(shape: ModelShape, tokens: int) -> float:
     return 6.0 * multiplying + 6.0 * shape.layers * tokens * shape.q_dim
 
 
-def this_host_memory() -> float:
-    """Bytes of this machine's memory (what offload's host share must fit in, with the ranks of this node)."""
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def this_host_memory(limits: tuple[str, ...] = CGROUP_LIMITS) -> float:
+    """Bytes of memory this process may use (what offload's host share must fit in, with the ranks of this node):
+    the machine's, or its cgroup's limit when lower (a container, a SLURM job), which kills past it."""
     import os
 
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in limits:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) or a huge number (v1): no limit
+            memory = min(memory, float(text))
+    return memory
 
 
 class DoesNotFit(MemoryEstimateError):

@@ -28,7 +28,8 @@ class _KeepsErrors(io.RawIOBase):
             raise
 
     def flush(self) -> None:
-        self.f.flush()
+        if not self.f.closed:  # also called when collected, after the file is closed
+            self.f.flush()
 
 
 def save_torch(obj: Any, path: Path) -> None:

@@ -14,6 +14,7 @@ ids are exact when the steps carry prompt_token_ids (≥ 1.4) that extend each o
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -377,7 +378,15 @@ def split_rendered(output: str) -> list[dict[str, Any]]:
     return [m for m in messages if m["role"] == "tool" or m["content"].strip()]
 
 
-_BARE_CALL = re.compile(r'\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"arguments"\s*:')
+_BARE_CALL = re.compile(
+    r'\{\s*(?:"name"\s*:\s*"[^"]*"\s*,\s*"arguments"\s*:|"arguments"\s*:\s*\{.*?\}\s*,\s*"name"\s*:)', re.S
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _markers_are_special(tokenizer: Any) -> bool:
+    """Whether a decode with skip_special_tokens=True drops this tokenizer's <tool_call> (once per tokenizer)."""
+    return not tokenizer.decode(tokenizer.encode(CALL_OPEN, add_special_tokens=False), skip_special_tokens=True).strip()
 
 
 def check_markup(output: str, chat: ChatFormat, where: str, field: str = "output") -> None:
@@ -386,7 +395,7 @@ def check_markup(output: str, chat: ChatFormat, where: str, field: str = "output
     answer's text, and the rollout would be stored as one with no call."""
     if CALL_OPEN in output or not _BARE_CALL.search(output):
         return
-    if chat.tokenizer.decode(chat.encode(CALL_OPEN), skip_special_tokens=True).strip():
+    if not _markers_are_special(chat.tokenizer):
         return  # the markers survive such a decode: a bare call is the model's own malformed text
     raise InteropError(
         f"{where}: field {field!r} has a tool call without its {CALL_OPEN} markers: the text was decoded with "

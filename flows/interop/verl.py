@@ -95,7 +95,8 @@ def tool_config(sandbox_url: str = SANDBOX_URL) -> dict[str, Any]:
         "tools": [
             {
                 "class_name": SANDBOX_TOOL_CLASS,
-                "config": {"sandbox_fusion_url": sandbox_url},
+                # verl reads config.type (ToolType: native, or mcp) before anything else of a tool
+                "config": {"type": "native", "sandbox_fusion_url": sandbox_url},
                 "tool_schema": CODE_TOOL_SCHEMA,
             }
         ]
