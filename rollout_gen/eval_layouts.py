@@ -79,15 +79,32 @@ class Layout:
     def load(self, table: pa.Table, path: Path, source: str | None) -> list[Row]:
         self.check(table.schema, path)
         tasks = []
-        for i, row in enumerate(table.to_pylist()):
+        for i, row in enumerate(pylist(table, path)):
             for column in self.required:
-                if row[column] is None or row[column] == "":
+                value = row[column]  # blank text too: a "  " answer matched an empty box
+                if value is None or (isinstance(value, str) and not value.strip()):
                     raise LayoutError(f"{path}: row {i}: column '{column}' is empty")
             try:
                 tasks.append(self.build(row, source or row.get("data_source") or self.source))
             except (ValueError, LCBFormatError) as e:
                 raise LayoutError(f"{path}: row {i}: {e}") from None
         return tasks
+
+
+def pylist(table: pa.Table, path: Path) -> list[dict]:
+    """The rows as Python objects; text that is not UTF-8 is one LayoutError naming the row and column (it was
+    a UnicodeDecodeError traceback)."""
+    try:
+        return table.to_pylist()
+    except UnicodeDecodeError:
+        for name in table.column_names:
+            column = table.column(name)
+            for i in range(len(column)):
+                try:
+                    column[i].as_py()
+                except UnicodeDecodeError:
+                    raise LayoutError(f"{path}: row {i}: column {name!r} holds text that is not UTF-8") from None
+        raise
 
 
 def _math(question: str, answer: Any, source: str) -> Row:

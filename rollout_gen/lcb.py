@@ -338,6 +338,7 @@ def _main():
                 _emit({"test": i, "value": _tagged(got)})
             except (_Unplain, RecursionError, ValueError) as e:
                 _emit({"test": i, "error": "wrong answer: " + (str(e) if isinstance(e, _Unplain) else "unreadable")})
+    _emit({"done": len(_spec["inputs"])})  # every test reported: a run cut short without it is not trusted
 
 
 _main()
@@ -389,9 +390,17 @@ def parse_tests(ground_truth: str) -> CodeTests:
     except (json.JSONDecodeError, TypeError) as e:
         raise LCBFormatError(f"tests are not JSON ({e})") from None
     if isinstance(data, list):
-        if not all(isinstance(t, dict) for t in data):
-            raise LCBFormatError("a test list must hold {input, output} objects")
-        return CodeTests([str(t.get("input", "")) for t in data], [str(t.get("output", "")) for t in data])
+        if not data:
+            raise LCBFormatError("the test list is empty")
+        for k, t in enumerate(data):  # a missing output read as "" passed every program that printed nothing
+            if not isinstance(t, dict) or "input" not in t or "output" not in t:
+                what = (
+                    "not an object"
+                    if not isinstance(t, dict)
+                    else "has no " + repr("output" if "input" in t else "input")
+                )
+                raise LCBFormatError(f"test {k} {what}: a test list must hold {{input, output}} objects")
+        return CodeTests([str(t["input"]) for t in data], [str(t["output"]) for t in data])
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("inputs"), list)
@@ -537,16 +546,43 @@ def _compare(record: dict, want: str, call_based: bool) -> TestResult:
     return TestResult(True) if same else TestResult(False, "wrong answer")
 
 
-def _records(stdout: str) -> list[dict]:
-    out = []
-    for line in stdout.splitlines():
+def _read_channel(ex, tests: CodeTests) -> tuple[dict[int, TestResult], str, str]:
+    """(results, why the run ended early or "", why the records are not the runner's or ""). The runner writes
+    exactly: {"fatal"} alone, or one record per test in order — the first "error" ends the run — then {"done": n}.
+    The program runs in the same process and can write on the channel too (a record of its own for a test it
+    printed nothing for); any line out of that order, or a run that exits 0 without "done" (os._exit after a
+    record of its own), voids the run. A program that rewrites the runner's own functions is not caught here:
+    that needs the program in a process of its own (docs/eval.md)."""
+    n = len(tests.inputs)
+    lines = ex.stdout.splitlines()
+    cut = getattr(ex, "stdout_bytes", 0) >= OUTPUT_LIMIT_MB * 2**20  # the last line may be a cut record
+    results: dict[int, TestResult] = {}
+    for k, line in enumerate(lines):
         try:
             record = json.loads(line)
         except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
+            record = None
+        if not isinstance(record, dict):
+            if cut and k == len(lines) - 1:
+                return results, "", ""
+            return results, "", f"line {k + 1} is not a record"
+        if not results and set(record) == {"fatal"}:
+            return results, str(record["fatal"]), ""
+        if set(record) == {"done"}:
+            if record["done"] != n or len(results) != n:
+                return results, "", f"'done' after {len(results)} of {n} tests"
+            return results, "", ""
+        kind = set(record) - {"test"}
+        if record.get("test") != len(results) or len(kind) != 1 or not kind <= {"stdout", "value", "error"}:
+            return results, "", f"line {k + 1}: a record out of the runner's order"
+        results[len(results)] = _compare(record, tests.outputs[len(results)], tests.fn_name is not None)
+        if "error" in record:
+            return results, "not run (an earlier test failed)", ""
+    if len(results) == n and ex.exit_code == 0 and not ex.timed_out:
+        return results, "", "the run ended without the runner's last record"
+    if ex.exit_code == 0 and not ex.timed_out and not cut:
+        return results, "", "the run ended before every test ran, with exit code 0"
+    return results, "", ""
 
 
 def run_tests(program: str, tests: CodeTests, sandbox, time_limit_s: float = TIME_LIMIT_S) -> list[TestResult]:
@@ -572,19 +608,9 @@ def run_tests(program: str, tests: CodeTests, sandbox, time_limit_s: float = TIM
     )
     if ex.infra_error is not None:  # never blamed on the program: the reward says so (reward_error)
         raise RuntimeError(f"the sandbox could not run the tests: {ex.infra_error}")
-    results: dict[int, TestResult] = {}
-    ended = ""
-    for record in _records(ex.stdout):
-        if "fatal" in record:
-            ended = str(record["fatal"])
-            break
-        i = record.get("test")
-        if not isinstance(i, int) or not 0 <= i < n or i in results:
-            continue
-        results[i] = _compare(record, tests.outputs[i], tests.fn_name is not None)
-        if "error" in record:
-            ended = "not run (an earlier test failed)"
-            break
+    results, ended, forged = _read_channel(ex, tests)
+    if forged:  # the program wrote on the channel itself: nothing it says can be trusted
+        return [TestResult(False, f"the program wrote on the scorer's channel ({forged})")] * n
     if not ended:
         if getattr(ex, "stdout_bytes", 0) >= OUTPUT_LIMIT_MB * 2**20 or "File too large" in ex.stderr:
             ended = "output limit exceeded"

@@ -631,6 +631,22 @@ def _read_head(path: str, limit: int) -> tuple[str, int]:
     return data.decode("utf-8", errors="replace")[:limit], size
 
 
+def _read_ends(path: str, limit: int) -> tuple[str, int]:
+    """Standard error's head and tail when it is longer than `limit` characters: an error's last line (what names
+    it, and what its label is read from) is at the end of a long traceback, which the head alone cut off."""
+    text, size = _read_head(path, limit)
+    if size <= len(text.encode()):
+        return text, size
+    half = limit // 2
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - (limit - half) * 4 - 4))
+            tail = f.read().decode("utf-8", errors="replace")[-(limit - half) :]
+    except OSError:
+        return text, size
+    return text[:half] + "\n[…]\n" + tail, size
+
+
 def _remove_tree(path: str) -> None:
     """Remove a call directory; the code may have left it unreadable to root-less traversal (chmod 000)."""
     for dirpath, dirnames, _ in os.walk(path):
@@ -670,7 +686,7 @@ def run_one(req: dict, base: str, iso: dict) -> dict:
     setup_failed = "ready" not in reports  # the code never ran: not the model's doing, even on timeout
     limit = int(req["output_chars"])
     stdout, out_size = _read_head(os.path.join(workdir, "stdout"), limit)
-    stderr, err_size = _read_head(os.path.join(workdir, "stderr"), limit)
+    stderr, err_size = _read_ends(os.path.join(workdir, "stderr"), limit)
     _remove_tree(workdir)
     reply = {
         "id": req.get("id"),

@@ -42,7 +42,10 @@ def code_tests_problem(truth: str) -> str | None:
         try:
             data = json.loads(truth)
         except ValueError:
-            return None
+            text = truth.strip() if isinstance(truth, str) else ""
+            # shaped as tests but cut or malformed: scored as a math answer, every sample failed without a word
+            looks_like_tests = text[:1] in "{[" and text[:1] != "" and ('"inputs"' in text or '"input"' in text)
+            return str(e) if looks_like_tests else None
         shaped = (
             isinstance(data, dict)
             and {"inputs", "outputs"} & set(data)
@@ -72,7 +75,7 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
     AIME24/25, GPQA-diamond, LiveCodeBench-v6; LiveCodeBench's code_generation_lite), or Open-AgentRL / verl
     style: `prompt` (chat messages or text), `data_source`, `reward_model.ground_truth`, or flat
     `question`/`problem` + `answer` columns."""
-    from rollout_gen.eval_layouts import LayoutError, detect
+    from rollout_gen.eval_layouts import LayoutError, detect, pylist
 
     path = Path(path)
     if not path.is_file():
@@ -106,7 +109,10 @@ def load_task_parquet(path: str | Path, source: str | None = None) -> list[Task]
         return _distinct(
             path, [Task(stable_id(r.source, r.question), r.source, r.question, r.ground_truth, r.kind) for r in rows]
         )
-    rows = table.to_pylist()
+    try:
+        rows = pylist(table, path)
+    except LayoutError as e:
+        raise TaskFileError(str(e)) from None
     tasks: list[Task] = []
     for i, r in enumerate(rows):
         if "prompt" in r:

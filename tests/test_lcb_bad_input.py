@@ -81,3 +81,37 @@ def test_a_program_that_forks_scores_zero_and_says_where(program, where, chat, s
     (t,) = rollout(chat, sandbox, [task], program)
     assert t.reward == 0.0 and not t.finish_reason.startswith(("reward_error", "agent_error"))
     assert t.reward_reason == outcome.reason
+
+
+def test_task_files_a_user_found_scored_wrong_are_refused_in_one_line(tmp_path):
+    """Each loaded and scored wrongly: a test list without outputs (a missing output read as "" passed a program that
+    printed nothing), tests cut mid-JSON (read as a math answer: every sample -1, silently), a blank AIME answer (an
+    empty box matched it), text that is not UTF-8 (a UnicodeDecodeError traceback)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout_gen.lcb import LCBFormatError, parse_tests
+    from rollout_gen.tasks import TaskFileError, load_task_parquet
+
+    with pytest.raises(LCBFormatError, match="test 0 has no 'output'"):
+        parse_tests('[{"input": "1"}]')
+    with pytest.raises(LCBFormatError, match="test 0 has no 'input'"):
+        parse_tests('[{"output": "5"}]')
+
+    def refused(name: str, table: pa.Table, *words: str) -> None:
+        path = tmp_path / name
+        pq.write_table(table, path)
+        with pytest.raises(TaskFileError) as e:
+            load_task_parquet(path)
+        line = str(e.value)
+        assert "\n" not in line and str(path) in line, line
+        for w in words:
+            assert w in line, line
+
+    refused("no-output.parquet", pa.table({"question": ["Add."], "answer": ['[{"input": "1"}]']}), "row 0", "output")
+    cut = '{"inputs": ["1"], "outputs": '
+    refused("cut.parquet", pa.table({"question": ["Add."], "answer": [cut]}), "row 0", "not JSON")
+    refused("blank.parquet", pa.table({"Problem": ["What is 1+1?"], "Answer": ["  "]}), "row 0", "'Answer' is empty")
+    bad = pa.array([b"caf\xe9 1+1?"], pa.binary()).view(pa.string())
+    refused("latin1.parquet", pa.table({"question": bad, "answer": ["2"]}), "row 0", "'question'", "not UTF-8")
+    refused("latin1-aime.parquet", pa.table({"Problem": bad, "Answer": ["2"]}), "row 0", "'Problem'", "not UTF-8")

@@ -147,3 +147,13 @@ def test_calls_run_in_parallel_across_workers(pool):
     assert all(
         any(s2 < e1 and s1 < e2 for j, (s2, e2) in enumerate(spans) if j != i) for i, (s1, e1) in enumerate(spans)
     )
+
+
+def test_a_long_traceback_keeps_its_last_line(pool):
+    """Standard error was kept from its start up to output_chars: a traceback through 30 calls lost its last line,
+    so the failure was labelled unknown_error and its reason was `File "<code>",` (a user found it). Now the head
+    and the tail are kept."""
+    chain = "".join(f"def f{i}():\n    return f{i + 1}()\n" for i in range(30)) + "def f30():\n    return undefined\n"
+    r = pool.run(chain + "f0()")
+    assert (r.status, r.error_label) == ("failure", "NameError"), r.text[:300]
+    assert r.text.startswith("Tool call failure\nreason: NameError: name 'undefined' is not defined"), r.text[:300]

@@ -165,3 +165,49 @@ def test_emptied_micro_batches_add_nothing():
             b.tokens,
             b.correction_filtered,
         )
+
+
+def test_rows_that_train_no_token_are_not_forwarded():
+    """A prompt too long to roll out leaves a row of its prompt alone (no response, nothing trained): the update
+    forwarded it whole, a 35,021-token prompt for minutes. Rows that train no token are left out of the
+    micro-batches; gradients and metrics are those without them (the loss is a token mean)."""
+    rng = random.Random(3)
+    rows = [row(f"g{i // 3}/{i % 3}", f"g{i // 3}", rng.randint(20, 60), rng) for i in range(6)]
+    rows = [
+        TrainingRow(
+            r.raw_key,
+            r.prompt_id,
+            r.sample_idx,
+            r.prompt_ids,
+            r.response_ids,
+            r.loss_mask,
+            [-3.0] * len(r.response_ids),
+            (-1.0) ** i,
+        )
+        for i, r in enumerate(rows)
+    ]
+    too_long = TrainingRow("g0/huge", "g0", 3, [rng.randrange(5, 900) for _ in range(3000)], [], [], [], 0.0)
+    with_it = [[*rows[:3], too_long], rows[3:]]
+    widths: list[int] = []
+
+    def run(groups):
+        m = AutoModelForCausalLM.from_pretrained(DEFAULT_POLICY, dtype=torch.float32, attn_implementation="eager")
+        upd = GRPOUpdate(m, TrainConfig(mini_batches=1, micro_batch_tokens=4096))
+        upd.step = lambda: 0.0
+        widths.clear()
+        real = batches.collate
+
+        def spy(rs, *a, **k):
+            widths.append(max(len(r.prompt_ids) + len(r.response_ids) for r in rs))
+            return real(rs, *a, **k)
+
+        batches.collate = spy
+        try:
+            metrics = upd.minibatch(groups, pad_id=0)
+        finally:
+            batches.collate = real
+        return metrics, [p.grad.clone() for p in m.parameters()], list(widths)
+
+    (a, ga, wa), (b, gb, wb) = run(with_it), run([rows[:3], rows[3:]])
+    assert max(wa) < 3000 and wa == wb  # the prompt-only row is never forwarded
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb)) and (a.loss, a.tokens) == (b.loss, b.tokens)

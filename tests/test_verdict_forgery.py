@@ -177,3 +177,43 @@ def test_the_expected_output_never_reaches_the_sandbox(pool):
     judge(answer("def f(x):\n    return x"), CodeTests(['"x"'], [json.dumps(call)], "f").to_json(), spy)
     assert len(spy.codes) == 2
     assert not any(stdin in code or call in code for code in spy.codes)
+
+
+# A program that computes the answers but prints nothing, writing its own records on the runner's channel (fd 3, a
+# copy of fd 1 the runner keeps), one before the runner writes its own for the same test.
+CHANNEL_WRITER = r"""
+import os, builtins, json
+n = getattr(builtins, "_n", 0); builtins._n = n + 1
+a, b = map(int, input().split())
+os.write(3, (json.dumps({"test": n, "stdout": str(a + b)}) + "\n").encode())
+"""
+
+# The same, then leaving at once (os._exit) so that the runner writes nothing after its record.
+CHANNEL_WRITER_EXITS = CHANNEL_WRITER + "\nos._exit(0)\n"
+
+CALL_CHANNEL_WRITER = r"""
+import os, builtins, json
+class Solution:
+    def add(self, nums):
+        n = getattr(builtins, "_n", 0); builtins._n = n + 1
+        os.write(3, (json.dumps({"test": n, "value": sum(nums)}) + "\n").encode())
+        raise ValueError("after its own record")
+"""
+
+
+def test_a_program_writing_its_own_records_on_the_channel_fails(pool):
+    """A user found that a program could write {"test": i, "stdout": …} on the runner's channel itself: the first
+    record per test was kept, so printing nothing scored 1.0 on stdin tests, and a call that raised after its own
+    record passed. The runner's records come in one order, ended by {"done": n}; anything else voids the run."""
+    tests = CodeTests(["1 2\n", "5 7\n", "10 20\n"], ["3\n", "12\n", "30\n"])
+    for program in (CHANNEL_WRITER, CHANNEL_WRITER_EXITS):
+        verdict = judge(answer(program), tests.to_json(), pool)
+        assert verdict.score == 0.0 and all("wrote on the scorer's channel" in r.why for r in verdict.results), verdict
+    one = CodeTests(["1 2\n"], ["3\n"])  # one test, then os._exit: its record would be the only one
+    assert judge(answer(CHANNEL_WRITER_EXITS), one.to_json(), pool).score == 0.0
+    call = CodeTests(["[1, 2]", "[3, 4]"], ["3", "7"], "add")
+    verdict = judge(answer(CALL_CHANNEL_WRITER), call.to_json(), pool)
+    assert verdict.score == 0.0 and not any(r.passed for r in verdict.results), verdict
+    # an honest program is scored as before, each test on what it printed
+    honest = judge(answer("a, b = map(int, input().split())\nprint(a + b)"), tests.to_json(), pool)
+    assert honest.score == 1.0, honest

@@ -165,6 +165,17 @@ def pack_rows(rows: list, token_budget: int) -> list[list]:
     return runs[::-1]
 
 
+def trained_rows(groups: list[list[PurifiedTrajectory]]) -> list[list[PurifiedTrajectory]]:
+    """The groups' rows that train a token. A row none of whose tokens is trained (a prompt too long to roll out,
+    a voided turn) adds nothing to the token-mean loss, yet was forwarded whole: a 35,021-token prompt held an
+    update for minutes. When no row trains a token, the shortest stays, so the step runs as before (a zero step)."""
+    kept = [[r for r in g if any(r.loss_mask)] for g in groups]
+    if any(kept):
+        return [g for g in kept if g]
+    rows = [r for g in groups for r in g]
+    return [[min(rows, key=_length)]] if rows else []
+
+
 def micro_batches(
     groups: list[list[PurifiedTrajectory]], token_budget: int, pad_id: int, device: torch.device = CPU
 ) -> list[MicroBatch]:

@@ -47,17 +47,24 @@ def check_update_fits(cfg: CleanerConfig, gpu_bytes: float, card: str, longest: 
 
 
 def longest_trajectory(part) -> int:
-    """Tokens of the longest row (prompt and response) of a purified partition, from its id columns alone."""
+    """Tokens of the longest row (prompt and response) of a purified partition that trains a token (the update
+    forwards no other: trainer.batches.trained_rows), from its id and mask columns alone."""
+    import numpy as np
     import pyarrow.compute as pc
 
     from storage.schemas import PURIFIED
     from storage.shards import read_shard
 
-    table = read_shard(part, PURIFIED, columns=["prompt_ids", "response_ids"])
+    table = read_shard(part, PURIFIED, columns=["prompt_ids", "response_ids", "loss_mask"])
     if table.num_rows == 0:
         return 0
     lengths = pc.add(pc.list_value_length(table["prompt_ids"]), pc.list_value_length(table["response_ids"]))
-    return int(pc.max(lengths).as_py())
+    mask = table["loss_mask"].combine_chunks()
+    trained = np.bincount(
+        pc.list_parent_indices(mask).to_numpy(), weights=pc.list_flatten(mask).to_numpy(), minlength=table.num_rows
+    )
+    lengths = lengths.to_numpy(zero_copy_only=False)[trained > 0]
+    return int(lengths.max()) if len(lengths) else 0
 
 
 def check_partition_fits(cfg: CleanerConfig, part) -> None:

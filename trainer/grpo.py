@@ -21,7 +21,7 @@ from transformers import get_constant_schedule_with_warmup
 from pipeline.config import TrainConfig
 from storage.errors import CleanerError
 from pipeline.trajectory import PurifiedTrajectory
-from trainer.batches import MicroBatch, micro_batches, mini_batches
+from trainer.batches import MicroBatch, micro_batches, mini_batches, trained_rows
 from trainer.chunked_actor import action_log_probs
 from trainer.correction import correction_of, policy_loss_kwargs
 from trainer.dpo import CallPair, DPOWeights, dpo_weights, pair_rows
@@ -295,7 +295,7 @@ class GRPOUpdate:
         t0 = time.perf_counter()
         self.model.train()
         mine = self.my_groups(groups)
-        micros = micro_batches(mine, self.cfg.micro_batch_tokens, pad_id, self.device)
+        micros = micro_batches(trained_rows(mine), self.cfg.micro_batch_tokens, pad_id, self.device)
         # every rank makes as many forwards as the one with the most micro-batches (an emptied one adds 0)
         micros += [emptied(micros[-1])] * (self.most(len(micros)) - len(micros))
         # the loss is a token mean over the whole mini-batch, whichever rank holds which groups
