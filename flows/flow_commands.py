@@ -105,11 +105,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def schedule_problem(args: argparse.Namespace, run_id: str) -> str | None:
+    """Why the schedule's own arguments cannot serve, checked before a server starts (a bad cron was a 58-line
+    ValidationError after it, a bad --new-run template a KeyError at every firing); None when they can."""
+    import math
+
+    if args.interval is None and not args.cron:
+        return "give --interval SECONDS or --cron 'EXPR'"
+    if args.interval is not None and args.cron:
+        return "give --interval or --cron, not both"
+    if args.interval is not None and not (math.isfinite(args.interval) and args.interval > 0):
+        return f"--interval {args.interval:g}: seconds between firings, a number above 0"
+    if args.cron:
+        from prefect.client.schemas.schedules import CronSchedule
+        from pydantic import ValidationError
+
+        try:
+            CronSchedule(cron=args.cron)
+        except ValidationError:
+            return f"--cron {args.cron!r}: not a cron expression (five fields, e.g. '0 3 * * *': every day at 03:00)"
+    if args.new_run:
+        from flows.run_config import run_id_for
+        from storage.errors import RunIdError
+        from storage.layout import RunLayout
+
+        try:
+            RunLayout(Path("."), run_id_for(args.new_run, run_id))
+        except (KeyError, IndexError, ValueError) as e:
+            what = f"{{{e.args[0]}}} is not one of them" if isinstance(e, KeyError) else str(e)
+            if isinstance(e, RunIdError):
+                what = f"it makes {e}"
+            return f"--new-run {args.new_run!r}: a run name from {{run_id}}, {{date}}, {{time}}; {what}"
+    return None
+
+
 def cmd_schedule(args: argparse.Namespace) -> int:
-    if not args.interval and not args.cron:
-        print("cleaner schedule: give --interval SECONDS or --cron 'EXPR'", file=sys.stderr)
-        return 2
     cfg = _load(args)
+    problem = schedule_problem(args, cfg.flow.run_id)
+    if problem:
+        print(f"cleaner schedule: {problem}", file=sys.stderr)
+        return 2
     started = False
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server cannot schedule (it dies with the command): run a real one.
@@ -143,6 +178,12 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         + ("[schedule] the server stops when this command ends (Ctrl-C or kill; even kill -9)" if started else ""),
         flush=True,
     )
+    if args.new_run and "{time}" not in args.new_run and (args.cron or args.interval < 86_400):
+        print(
+            f"[schedule] note: {args.new_run!r} names at most one run a day; a firing that finds its run already "
+            "trained keeps every stage and trains nothing new (add {time} to fire more often)",
+            flush=True,
+        )
     import warnings
 
     from flows.training import training_flow

@@ -85,7 +85,12 @@ def check_api(url: str) -> None:
     try:
         with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=5.0):
             return
-    except urllib.error.HTTPError:
+    except urllib.error.HTTPError as e:
+        if e.code == 404 and not url.rstrip("/").endswith("/api"):  # the UI's address, pasted
+            raise ServerError(
+                f"PREFECT_API_URL={url}: a server answers there, but not Prefect's API; the API is under /api "
+                f"(PREFECT_API_URL={url.rstrip('/')}/api)"
+            ) from None
         return  # a server answered (Prefect Cloud may want a key for /health): the flow's own calls say the rest
     except (OSError, ValueError) as e:
         reason = str(getattr(e, "reason", "") or e)
@@ -157,6 +162,15 @@ def start_server(
         return current, False
     home = prefect_home(root)
     home.mkdir(parents=True, exist_ok=True)
+    if port:  # taken: Prefect exits after seconds with a wrapped line ("flag."), or another store's server answered
+        with socket.socket() as s:  # on it and was taken for ours
+            try:
+                s.bind((HOST, port))
+            except OSError as e:
+                raise ServerError(
+                    f"--port {port}: {HOST}:{port} is in use ({e.strerror}), by another program or another store's "
+                    "server; give another port, or none for a free one"
+                ) from None
     port = port or free_port()
     log_path = home / "server.log"
     proc, url = _launch(port, {**os.environ, "PREFECT_HOME": str(home)}, log_path, ["--ui" if ui else "--no-ui"], bound)

@@ -204,3 +204,45 @@ def test_a_prefect_api_url_nobody_answers_is_one_line(tmp_path):
             .startswith(f"cleaner {args[0]}: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers there")
         ), out.stderr
         assert "trigger a run" not in out.stdout and not (tmp_path / "runs").exists()
+
+
+def test_schedule_arguments_are_checked_before_a_server_starts(tmp_path, capsys):
+    """A bad cron or a negative interval was a 58-line pydantic traceback after the server had started and the
+    banner had printed; --interval 0 said "give --interval"; a --new-run template naming an unknown field failed
+    with a KeyError at every firing. Each is now one line, exit 2, before anything starts."""
+    from tests.flow_helpers import refused
+
+    base = ["schedule", "--no-ui", f"storage.root={tmp_path / 'ws'}"]
+    refused([*base, "--cron", "not a cron"], capsys, 2, "--cron 'not a cron': not a cron expression")
+    refused([*base, "--cron", "61 * * * *"], capsys, 2, "not a cron expression")
+    refused([*base, "--interval", "-5"], capsys, 2, "--interval -5: seconds between firings, a number above 0")
+    refused([*base, "--interval", "0"], capsys, 2, "--interval 0: seconds between firings")
+    refused([*base, "--interval", "10", "--cron", "* * * * *"], capsys, 2, "not both")
+    refused([*base, "--interval", "60", "--new-run", "x-{nope}"], capsys, 2, "--new-run 'x-{nope}'", "{nope}")
+    refused([*base, "--interval", "60", "--new-run", "a/{date}"], capsys, 2, "must be a plain folder name")
+    assert not (tmp_path / "ws" / ".prefect" / "server.log").exists()  # no server was started
+
+
+def test_a_port_in_use_and_an_api_url_without_api_are_one_line(tmp_path):
+    """`cleaner server start --port P` with P taken said "started" (another store's server answered on P) or
+    "exited …: flag."; a PREFECT_API_URL pasted without /api (the UI's address) gave a 62-line traceback."""
+    import http.server
+    import socket
+    import threading
+
+    from flows.server import ServerError, check_api, start_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ServerError, match=f"--port {port}: 127.0.0.1:{port} is in use"):
+            start_server(tmp_path / "ws", port=port)
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # answers 404 on /health
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(ServerError, match=r"not Prefect's API; the API is under /api"):
+            check_api(url)
+    finally:
+        httpd.shutdown()
