@@ -139,6 +139,41 @@ def schedule_problem(args: argparse.Namespace, run_id: str) -> str | None:
     return None
 
 
+def crash_stale_firings(deployment: str) -> int:
+    """Mark Crashed the firings of `deployment` (flow/name) that the store's database still holds as running or
+    pending; how many. Called on a server this command just started, so nothing of an earlier one can still be
+    reporting to it: those firings' command was killed (kill -9, OOM, a reboot). Their run held the deployment's
+    one concurrency slot, through a lease the earlier server kept in memory, so every later firing was cancelled,
+    for good; the forced state change releases it (Prefect's ReleaseFlowConcurrencySlots, by its fallback)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            return 0
+        stale = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[found.id])),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
+            ),
+        )
+        for run in stale:
+            message = "its `cleaner schedule` ended while it ran (killed); marked crashed by the next one"
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        return len(stale)
+
+
 def cmd_schedule(args: argparse.Namespace) -> int:
     cfg = _load(args)
     problem = schedule_problem(args, cfg.flow.run_id)
@@ -163,6 +198,14 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
         check_api(os.environ["PREFECT_API_URL"])  # one line, before the banner says it works
     url = os.environ["PREFECT_API_URL"]
+    if started:  # a server of our own: a firing it lists as running belongs to a command that is gone
+        stale = crash_stale_firings(f"cleaner-training/{args.name}")
+        if stale:
+            print(
+                f"[schedule] {stale} firing(s) of an earlier schedule were still running in the store's records "
+                "(that command was killed): marked crashed, so that firings are not cancelled as if one ran",
+                flush=True,
+            )
     # the venv's own prefect: a shell without the venv activated has none on its PATH
     prefect = Path(sys.executable).parent / "prefect"
     prefect_cmd = shlex.quote(str(prefect)) if prefect.is_file() else "prefect"

@@ -246,3 +246,52 @@ def test_a_port_in_use_and_an_api_url_without_api_are_one_line(tmp_path):
             check_api(url)
     finally:
         httpd.shutdown()
+
+
+def test_a_firing_left_running_by_a_killed_schedule_no_longer_blocks_the_next(tmp_path, monkeypatch):
+    """A schedule killed during a firing (kill -9, OOM, a reboot) left that run Running in the store's database,
+    holding the deployment's one concurrency slot through a lease its server kept in memory: every firing of the
+    next `cleaner schedule` was cancelled, for good and without a word. The next schedule's own server now marks
+    such runs crashed, which frees the slot."""
+    from prefect import get_client
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy, StateType
+    from prefect.states import Pending, Running
+
+    from flows.env import configure_prefect
+    from flows.flow_commands import crash_stale_firings
+    from flows.server import start_server, stop_server
+
+    root = tmp_path / "ws"
+    configure_prefect(root)
+    server, started = start_server(root, ui=False)
+    assert started
+    monkeypatch.setenv("PREFECT_API_URL", server.url)
+    try:
+        with get_client(sync_client=True) as client:
+            flow_id = client.create_flow_from_name("cleaner-training")
+            deployment = client.create_deployment(
+                flow_id,
+                "nightly",
+                concurrency_limit=1,
+                concurrency_options=ConcurrencyLimitConfig(
+                    limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW
+                ).model_dump(exclude={"limit"}),
+            )
+            run = client.create_flow_run_from_deployment(deployment)
+            client.set_flow_run_state(run.id, Pending())  # takes the slot, as a firing does
+            client.set_flow_run_state(run.id, Running())
+            limit = client.read_deployment(deployment).global_concurrency_limit
+            assert client.read_global_concurrency_limit_by_name(limit.name).active_slots == 1
+    finally:
+        stop_server(root)  # the command is killed: its server, and the slot's lease in its memory, are gone
+    server, started = start_server(root, ui=False)
+    monkeypatch.setenv("PREFECT_API_URL", server.url)
+    try:
+        assert crash_stale_firings("cleaner-training/nightly") == 1
+        with get_client(sync_client=True) as client:
+            assert client.read_flow_run(run.id).state.type == StateType.CRASHED
+            assert client.read_global_concurrency_limit_by_name(limit.name).active_slots == 0
+        assert crash_stale_firings("cleaner-training/nightly") == 0
+        assert crash_stale_firings("cleaner-training/never-served") == 0
+    finally:
+        stop_server(root)
