@@ -203,7 +203,7 @@ def _commit(
         log(f"[rollout it {plan.iteration}] {past_positions_note(past, limit)}")
     table = pa.Table.from_pylist([trajectory_to_row(t) for t in trajectories], schema=RAW)
     try:
-        return _write(cfg, plan, table, trajectories, wall, too_long, past)
+        return _write(cfg, plan, table, trajectories, wall=wall, too_long=too_long, past=past)
     except CommittedMeanwhile as e:  # another process rolled out the same inputs and committed first: its shard
         if log is not None:
             log(f"[rollout it {plan.iteration}] {e}")
@@ -215,6 +215,7 @@ def _write(
     plan: RolloutPlan,
     table: pa.Table,
     trajectories: list[Trajectory],
+    *,
     wall: float,
     too_long: int,
     past: int,
