@@ -276,7 +276,7 @@ def run_rollout_plan(
     from storage.locks import WriterLock
 
     # one rollout of an iteration at a time: the second is refused at once, not after its whole rollout
-    with WriterLock(plan.out.with_name(f".{plan.out.name}.lock"), f"the raw shard {plan.out}"):
+    with WriterLock.beside(plan.out, f"the raw shard {plan.out}"):
         done = read_manifest(plan.out)
         if done is not None:  # committed by the one that held the lock before: the plan's checks, again
             return plan_rollout(cfg, plan.run_id, plan.iteration, plan.checkpoint).kept or done

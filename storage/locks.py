@@ -31,6 +31,12 @@ class WriterLock:
         self.path, self.what = Path(path), what
         self._fd: int | None = None
 
+    @classmethod
+    def beside(cls, path: Path, what: str) -> "WriterLock":
+        """The lock of what is written at `path` (a stage's shard folder, a checkpoint): `.NAME.lock` beside it."""
+        path = Path(path)
+        return cls(path.with_name(f".{path.name}.lock"), what)
+
     def acquire(self) -> "WriterLock":
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

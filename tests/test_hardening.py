@@ -699,14 +699,14 @@ def test_a_second_rollout_or_update_of_one_iteration_is_refused_at_once(purified
     root = tmp_path / "ws"
     layout = RunLayout(root, "busy")
     raw = layout.raw_dir(0)
-    with WriterLock(raw.with_name(f".{raw.name}.lock"), "held"):
+    with WriterLock.beside(raw, "held"):
         code, err = run_cli(capsys, "rollout", "--run", "busy", f"storage.root={root}")
     assert code == 1 and f"(pid {os.getpid()})" in one_line(err) and "being written by" in err
     assert not raw.exists() and not list(root.rglob("*.lock"))  # refused before anything, and no lock left
 
     shutil.copytree(purified_run.storage.root / "runs", root / "runs")
     target = RunLayout(root, "w").checkpoint_dir(1)
-    with WriterLock(target.with_name(f".{target.name}.lock"), "held"):
+    with WriterLock.beside(target, "held"):
         code, err = run_cli(capsys, "update", "--run", "w", f"storage.root={root}")
     assert code == 1 and f"(pid {os.getpid()})" in one_line(err) and "checkpoint" in err
     assert not target.exists() and not list(root.rglob("*.lock"))

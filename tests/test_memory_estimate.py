@@ -260,6 +260,16 @@ def test_estimate_is_within_25_percent_of_the_peak_measured_on_this_cpu(measured
 
 
 QWEN3_4B = ModelShape.from_config(SHAPES["qwen3-4b"], "qwen3-4b")
+# the single-card recipe: ZeRO-3 with optimizer offload and checkpointing, bf16, at 8k tokens
+QWEN3_4B_OFFLOAD_8K = Plan(
+    strategy="deepspeed",
+    zero_stage=3,
+    param_dtype="bf16",
+    gradient_checkpointing=True,
+    offload_optimizer=True,
+    trajectory_tokens=8192,
+    micro_batch_tokens=8192,
+)
 
 
 def test_qwen3_4b_at_8k_tokens_fits_no_80gb_card_as_the_update_stood_and_the_suggestions_fit():
@@ -270,15 +280,7 @@ def test_qwen3_4b_at_8k_tokens_fits_no_80gb_card_as_the_update_stood_and_the_sug
     assert found and all(e.fits(80 * GiB) for e in found)
     assert all(e.plan.ranks == 1 for e in found)
     # ZeRO-3 with offload and checkpointing, the single-card recipe, fits with room; at 20k tokens too
-    recipe = Plan(
-        strategy="deepspeed",
-        zero_stage=3,
-        param_dtype="bf16",
-        gradient_checkpointing=True,
-        offload_optimizer=True,
-        trajectory_tokens=8192,
-        micro_batch_tokens=8192,
-    )
+    recipe = QWEN3_4B_OFFLOAD_8K
     assert estimate(QWEN3_4B, recipe).peak < 40 * GiB
     assert estimate(QWEN3_4B, Plan(**{**recipe.__dict__, "trajectory_tokens": 20480})).fits(80 * GiB)
     # 4 ranks without offload: the optimizer state splits four ways
@@ -424,15 +426,7 @@ def test_check_fits_refuses_in_one_line_naming_the_settings_the_estimate_and_wha
         "GiB usable on NVIDIA H100 80GB HBM3"
     )
     assert "would fit: train.strategy=local train.param_dtype=bf16 train.gradient_checkpointing=true" in line
-    fitting = Plan(
-        strategy="deepspeed",
-        zero_stage=3,
-        param_dtype="bf16",
-        gradient_checkpointing=True,
-        offload_optimizer=True,
-        trajectory_tokens=8192,
-        micro_batch_tokens=8192,
-    )
+    fitting = QWEN3_4B_OFFLOAD_8K
     assert check_fits(QWEN3_4B, fitting, gpus=1, gpu_bytes=80 * GiB).peak < 72 * GiB
     with pytest.raises(DoesNotFit, match="no settings fit 1 such GPU"):
         check_fits(QWEN3_4B, plan, gpus=1, gpu_bytes=8 * GiB)
@@ -529,15 +523,7 @@ def test_offload_needs_room_in_the_hosts_memory(tmp_path, capsys):
     from tests.flow_helpers import refused
     from trainer.memory import DoesNotFit, check_fits
 
-    offload = Plan(
-        strategy="deepspeed",
-        zero_stage=3,
-        param_dtype="bf16",
-        gradient_checkpointing=True,
-        offload_optimizer=True,
-        trajectory_tokens=8192,
-        micro_batch_tokens=8192,
-    )
+    offload = QWEN3_4B_OFFLOAD_8K
     est = estimate(QWEN3_4B, offload)
     assert 70 * GiB < est.host_bytes < 80 * GiB and est.fits(80 * GiB) and not est.fits(80 * GiB, 48 * GiB)
     assert est.fits(80 * GiB, 128 * GiB)

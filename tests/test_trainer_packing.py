@@ -5,6 +5,7 @@ at Qwen3's 151,936 ids no lm_head call holds more than 512 positions' logits."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -174,16 +175,7 @@ def test_rows_that_train_no_token_are_not_forwarded():
     rng = random.Random(3)
     rows = [row(f"g{i // 3}/{i % 3}", f"g{i // 3}", rng.randint(20, 60), rng) for i in range(6)]
     rows = [
-        TrainingRow(
-            r.raw_key,
-            r.prompt_id,
-            r.sample_idx,
-            r.prompt_ids,
-            r.response_ids,
-            r.loss_mask,
-            [-3.0] * len(r.response_ids),
-            (-1.0) ** i,
-        )
+        dataclasses.replace(r, old_logprobs=[-3.0] * len(r.response_ids), advantage=(-1.0) ** i)
         for i, r in enumerate(rows)
     ]
     too_long = TrainingRow("g0/huge", "g0", 3, [rng.randrange(5, 900) for _ in range(3000)], [], [], [], 0.0)

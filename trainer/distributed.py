@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
                 from storage.locks import WriterLock
 
                 target = RunLayout(cfg.storage.root, args.run_id).checkpoint_dir(args.iteration + 1)
-                held.enter_context(WriterLock(target.with_name(f".{target.name}.lock"), f"checkpoint {target}"))
+                held.enter_context(WriterLock.beside(target, f"checkpoint {target}"))
             deepspeed_update(cfg, args.run_id, args.iteration, args.stop_after)
     except (CleanerError, FloatingPointError) as e:
         print(f"cleaner: {e}", flush=True)

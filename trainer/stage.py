@@ -264,7 +264,7 @@ def run_update_plan(
 
     # one update of a checkpoint at a time: two shared its staging and partial folders (the loser failed in
     # rmtree, "Directory not empty"); another live one is refused in one line
-    with WriterLock(plan.target.with_name(f".{plan.target.name}.lock"), f"checkpoint {plan.target}"):
+    with WriterLock.beside(plan.target, f"checkpoint {plan.target}"):
         if committed_update(plan.target, plan.identity):  # committed by the one that held the lock before
             return plan.target
         progress_log, log = log, log or _stderr
