@@ -7,6 +7,8 @@ import contextlib
 import os
 import shlex
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -245,6 +247,12 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from pipeline.processes import SCHEDULE_PID_ENV
+
+    os.environ[SCHEDULE_PID_ENV] = str(os.getpid())  # a firing stops when this process is gone (kill -9 included)
+    ending = threading.Event()
+    if started:
+        threading.Thread(target=_end_with_server, args=(cfg.storage.root, server, ending), daemon=True).start()
     try:
         from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 
@@ -266,14 +274,46 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         if started:
             from flows.server import stop_server
 
+            ending.set()
             stop_server(cfg.storage.root)
     return 0
+
+
+def _end_with_server(root: Path, server, ending: threading.Event) -> None:
+    """A schedule whose own server died (killed, out of memory) ends at once, in one line: Prefect's runner went
+    on polling a dead API with a traceback a minute and no longer stopped on Ctrl-C. Its firings stop as Ctrl-C
+    would (they also stop by themselves once this process is gone)."""
+    from flows.server import stop_server
+    from pipeline.processes import alive
+
+    while not ending.is_set() and alive(server.pid):
+        time.sleep(1.0)
+    if ending.is_set():  # this command is stopping it
+        return
+    print(
+        f"[schedule] its Prefect server (pid {server.pid}) stopped (log: {server.log}); ending this schedule: "
+        "firings in progress stop as Ctrl-C would, and a rerun resumes them",
+        file=sys.stderr,
+        flush=True,
+    )
+    _signal_firings(server.pid)
+    with contextlib.suppress(Exception):
+        stop_server(root)  # its record, which names a dead pid
+    os._exit(1)
 
 
 def _interrupt_firings(server_pid: int | None) -> None:
     """What Ctrl-C does from a terminal, for a SIGTERM sent to this process alone: SIGINT to every child but the
     Prefect server (the firings in progress crash and are recorded so), then to this process (its event loop
     stops on SIGINT the way it does on Ctrl-C)."""
+    import signal
+
+    _signal_firings(server_pid)
+    signal.raise_signal(signal.SIGINT)
+
+
+def _signal_firings(server_pid: int | None) -> None:
+    """SIGINT to every child of this process but the Prefect server: the firings in progress."""
     import signal
 
     me = os.getpid()
@@ -285,7 +325,6 @@ def _interrupt_firings(server_pid: int | None) -> None:
         if ppid == me and pid != server_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGINT)
-    signal.raise_signal(signal.SIGINT)
 
 
 def cmd_server(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ class ServerState:
     port: int
     url: str  # the API URL: what PREFECT_API_URL must be set to
     log: str
+    owner: int | None = None  # the command whose life it is bound to (`cleaner schedule`), None for `server start`
 
 
 def prefect_home(root: Path) -> Path:
@@ -174,7 +175,7 @@ def start_server(
     port = port or free_port()
     log_path = home / "server.log"
     proc, url = _launch(port, {**os.environ, "PREFECT_HOME": str(home)}, log_path, ["--ui" if ui else "--no-ui"], bound)
-    state = ServerState(proc.pid, port, url, str(log_path))
+    state = ServerState(proc.pid, port, url, str(log_path), owner=os.getpid() if bound else None)
     _wait_started(proc, url, timeout, "prefect server", log_path)
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(state)))
@@ -182,11 +183,25 @@ def start_server(
     return state, True
 
 
+def owning_command(root: Path) -> int | None:
+    """The pid of the running command that owns the project's server (`cleaner schedule`), if any."""
+    state = _recorded(root)
+    if state is None or state.owner is None or state.owner == os.getpid():
+        return None
+    return state.owner if alive(state.pid) and alive(state.owner) else None
+
+
 def stop_server(root: Path) -> ServerState | None:
     """Stop the project's server by its recorded pid; returns what was stopped (None: nothing ran)."""
     state = _recorded(root)
     if state is None:
         return None
+    owner = owning_command(root)
+    if owner is not None:  # its schedule would go on firing into a dead API, with tracebacks, and not stop on Ctrl-C
+        raise ServerError(
+            f"the project's Prefect server (pid {state.pid}) belongs to `cleaner schedule` (pid {owner}), which "
+            f"stops it when it ends: stop that command instead (Ctrl-C in its terminal, or kill {owner})"
+        )
     if alive(state.pid):
         terminate(state.pid)
     _state_path(root).unlink(missing_ok=True)

@@ -104,9 +104,13 @@ def training_flow(
     """N iterations of rollout → purify → update; resumes where a previous attempt stopped. `more` (what a
     schedule's firings use): N more iterations after the run's last trained one. `run_id_template`: a new
     run per firing, named from the template (`run_id_for`)."""
-    from pipeline.processes import keep_interrupts_from_finalizers
+    import os
+
+    from pipeline.processes import SCHEDULE_PID_ENV, keep_interrupts_from_finalizers, stop_when_orphaned
 
     keep_interrupts_from_finalizers()  # a schedule's firing is a process of its own: Ctrl-C is not lost there either
+    if os.environ.get(SCHEDULE_PID_ENV, "").isdigit():  # a firing ends with its schedule, however that ends
+        stop_when_orphaned(int(os.environ[SCHEDULE_PID_ENV]), "schedule")
     cfg = load_config(config_file, overrides or [])
     run_id = run_id_for(run_id_template, cfg.flow.run_id) if run_id_template else cfg.flow.run_id
     preflight(cfg)  # a bad task file, eval setting or device: one line before anything is written

@@ -13,6 +13,7 @@ from typing import Callable
 import psutil
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SCHEDULE_PID_ENV = "CLEANER_SCHEDULE_PID"  # set by `cleaner schedule` for its firings: the process they live under
 
 
 def alive(pid: int) -> bool:
@@ -74,3 +75,30 @@ def keep_interrupts_from_finalizers() -> None:
         sys.__unraisablehook__(unraisable)
 
     sys.unraisablehook = hook
+
+
+def stop_when_orphaned(parent: int, what: str, grace_s: float = 20.0, poll_s: float = 0.5) -> None:
+    """Interrupt this process as Ctrl-C does once `parent` is gone (killed with -9, by the OOM killer), and end it
+    `grace_s` later if it still runs. A schedule's firing is a process of its own that Prefect's runner starts:
+    orphaned, it went on training without a server and hung at its exit sending logs to it. A thread that polls,
+    not PR_SET_PDEATHSIG: the kernel sends that when the starting *thread* ends, and the runner's is not ours."""
+    import sys
+    import threading
+
+    start_ppid = os.getppid()
+
+    def watch() -> None:
+        while alive(parent) and os.getppid() == start_ppid:
+            time.sleep(poll_s)
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"[{what}] pid {parent} is gone (killed): stopping as Ctrl-C would; committed stages are kept and "
+                "a rerun resumes",
+                file=sys.stderr,
+                flush=True,
+            )
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(grace_s)  # the interrupted run reports to a server that died with its command: don't wait for it
+        os._exit(130)
+
+    threading.Thread(target=watch, name=f"{what}-orphan-watch", daemon=True).start()

@@ -4,6 +4,7 @@ complete and commit a raw shard. Everything is stopped by its own pid."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import pytest
 
 from storage.layout import RunLayout
 from storage.shards import read_manifest
-from tests.flow_helpers import cleaner, command_env, prefect_api, tiny_config
+from tests.flow_helpers import cleaner, command_env, prefect_api, run_cleaner, tiny_config
 
 
 def _alive(pid: int) -> bool:
@@ -47,16 +48,20 @@ def _as_from_a_script_background() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _start_schedule(tmp_path: Path, interval: int, name: str, preexec_fn=_as_from_a_terminal) -> subprocess.Popen:
-    """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
-    schedule.log."""
-    cfg = tiny_config(
+def _tiny_config(tmp_path: Path) -> Path:
+    return tiny_config(
         tmp_path,
         flow={"run_id": "sched", "iterations": 1, "tensorboard": False},
         rollout={"tasks_per_iteration": 2, "samples_per_prompt": 2},
         purify={"modes": ["saar"]},
         train={"mini_batches": 1},
     )
+
+
+def _start_schedule(tmp_path: Path, interval: int, name: str, preexec_fn=_as_from_a_terminal) -> subprocess.Popen:
+    """`cleaner schedule` on the tiny config, in its own process group, as from a terminal; output in
+    schedule.log."""
+    cfg = _tiny_config(tmp_path)
     env = {k: v for k, v in command_env().items() if not k.startswith("PREFECT_")}
     with open(tmp_path / "schedule.log", "w") as log:
         return cleaner(
@@ -67,6 +72,15 @@ def _start_schedule(tmp_path: Path, interval: int, name: str, preexec_fn=_as_fro
             stdout=log,
             preexec_fn=preexec_fn,
         )
+
+
+def _wait_for(p: subprocess.Popen, log: Path, text: str, within_s: float) -> None:
+    """Until the running schedule's log shows `text`."""
+    deadline = time.time() + within_s
+    while text not in log.read_text() and time.time() < deadline:
+        assert p.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+    assert text in log.read_text(), log.read_text()[-3000:]
 
 
 def _completed_runs(url: str) -> list[dict]:
@@ -147,11 +161,7 @@ def test_sigterm_during_a_firing_stops_as_ctrl_c_does(tmp_path, started):
     p = _start_schedule(tmp_path, 10, "sigterm-test", started)
     log = tmp_path / "schedule.log"
     try:
-        deadline = time.time() + 240
-        while "[rollout it 0]" not in log.read_text() and time.time() < deadline:
-            assert p.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
-        assert "[rollout it 0]" in log.read_text(), log.read_text()[-3000:]
+        _wait_for(p, log, "[rollout it 0]", within_s=240)
         state = json.loads((tmp_path / ".prefect" / "server.json").read_text())
         p.send_signal(signal.SIGTERM)  # this process alone, as `kill PID` does
         code = p.wait(timeout=60)
@@ -295,3 +305,55 @@ def test_a_firing_left_running_by_a_killed_schedule_no_longer_blocks_the_next(tm
         assert crash_stale_firings("cleaner-training/never-served") == 0
     finally:
         stop_server(root)
+
+
+def test_a_firing_ends_when_its_schedule_is_killed(tmp_path):
+    """kill -9 of `cleaner schedule` alone (the OOM killer, `kill -9 PID`) while a firing trains: the firing,
+    reparented to init, went on without a server and hung at its exit sending logs. Now it stops as Ctrl-C does,
+    within seconds, and says why."""
+    import psutil
+
+    p = _start_schedule(tmp_path, 10, "orphaned")
+    log = tmp_path / "schedule.log"
+    orphans: list[int] = []
+    try:
+        _wait_for(p, log, "[rollout it 0]", within_s=240)
+        # Prefect's runner starts each firing by multiprocessing's spawn (beside its resource tracker)
+        firings = [c for c in psutil.Process(p.pid).children() if "--multiprocessing-fork" in c.cmdline()]
+        assert len(firings) == 1, [c.cmdline() for c in psutil.Process(p.pid).children()]
+        firing = firings[0]
+        orphans.append(firing.pid)
+        p.send_signal(signal.SIGKILL)  # this process alone
+        p.wait(timeout=30)
+        gone = _gone(firing.pid, within_s=60)
+    finally:
+        for pid in {p.pid, *orphans, *(c.pid for c in psutil.Process(os.getpid()).children(recursive=True))}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert gone, f"the firing outlived its killed `cleaner schedule` by a minute:\n{text[-3000:]}"
+    assert "is gone (killed): stopping as Ctrl-C would" in text, text[-3000:]
+
+
+def test_a_schedule_keeps_its_server_and_ends_in_one_line_when_it_dies(tmp_path):
+    """`cleaner server stop` under a running schedule stopped the schedule's own server: the schedule went on
+    polling a dead API with a traceback a minute and no longer stopped on Ctrl-C. Now that stop is refused, naming
+    the schedule; and a server that dies all the same (killed, out of memory) ends its schedule in one line."""
+    p = _start_schedule(tmp_path, 3600, "owned")
+    log = tmp_path / "schedule.log"
+    state_file = tmp_path / ".prefect" / "server.json"
+    try:
+        _wait_for(p, log, "[schedule] every firing trains", within_s=180)
+        server_pid = json.loads(state_file.read_text())["pid"]
+        env = {k: v for k, v in command_env().items() if not k.startswith("PREFECT_")}
+        stop = run_cleaner(["server", "stop", "-c", str(_tiny_config(tmp_path))], env=env, cwd=tmp_path)
+        assert stop.returncode == 1 and f"belongs to `cleaner schedule` (pid {p.pid})" in stop.stderr, stop
+        assert _alive(server_pid) and p.poll() is None
+        os.kill(server_pid, signal.SIGKILL)
+        code = p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 1 and f"its Prefect server (pid {server_pid}) stopped" in text, text[-3000:]
+    assert "Traceback" not in text and not state_file.exists(), text[-3000:]
