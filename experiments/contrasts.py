@@ -388,4 +388,7 @@ def registration_note(exp: dict, record: Path) -> str:
         )
     if not kept.get("before_any_result"):
         return f" It was recorded at {kept['declared_at']}, after results existed ({record.name})."
-    return f" Registered at {kept['declared_at']}, before any result ({record.name})."
+    return (
+        f" Registered at {kept['declared_at']}, before this experiment's results file existed ({record.name}; "
+        "that time is the one the run wrote there: git shows when the record was committed)."
+    )

@@ -201,6 +201,8 @@ def _steps(results: list[dict], metrics: list[tuple[str, str]], arm: str, baseli
 
 
 def _replay_section(results: list[dict], root_hint: str) -> str:
+    from storage.errors import CleanerError
+
     try:
         from pipeline.config import load_config
         from pipeline.trajectory import trajectory_from_row
@@ -214,10 +216,13 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
 
         run = next(r["run_id"] for r in results if r["arm"].startswith("saar"))
         cfg = load_config(None, [f"storage.root={root_hint}"])
-        raw_dir = RunLayout(cfg.storage.root, run).raw_dir(0)
+        layout = RunLayout(cfg.storage.root, run)
+        raw_dir, manifest = layout.raw_dir(0), read_manifest(layout.raw_dir(0))
+        if manifest is None:
+            raise FileNotFoundError(f"no committed raw shard at {raw_dir}")
         raws = [trajectory_from_row(r) for r in read_shard(raw_dir, RAW).to_pylist()]
-        chat = load_chat(resolve_recorded(cfg.storage.root, read_manifest(raw_dir).inputs[0]))
-        live = live_measure(lived_saar(cfg, RunLayout(cfg.storage.root, run).run_json))
+        chat = load_chat(resolve_recorded(cfg.storage.root, manifest.inputs[0]))
+        live = live_measure(lived_saar(layout.run_json, manifest.extra) or cfg.rollout.saar)
         lines = [
             "| γ | positions | shallow | deep | tokens removed | tokens recomputed | ≠ γ_live | ≠ difflib |",
             "|---|---|---|---|---|---|---|---|",
@@ -229,8 +234,8 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
                 f"| {s.differ_from_live} | {s.differ_from_reference} |"
             )
         return f"Replay of `{run}` iteration 0 ({len(raws)} raw trajectories):\n\n" + "\n".join(lines)
-    except Exception as e:  # noqa: BLE001 - the table is a bonus; say why it is missing
-        return f"(replay statistics unavailable: {e})"
+    except (OSError, CleanerError, StopIteration) as e:  # the table is a bonus; say why its store is missing
+        return f"(replay statistics unavailable: {str(e) or type(e).__name__})"
 
 
 def _premise_section(results: list[dict], root: Path) -> list[str]:

@@ -22,7 +22,7 @@ fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 pip_q() { "$@" --disable-pip-version-check --quiet; }
 
-# pydantic and its three, rapidfuzz, json-repair, hjson, pylatexenc, openrlhf (--no-deps: of its requirements only
+# pydantic and its four, rapidfuzz, json-repair, hjson, pylatexenc, openrlhf (--no-deps: of its requirements only
 # those below are imported by openrlhf.models and openrlhf.utils.deepspeed: peft, accelerate and einops by its
 # Actor, torchdata by its strategy; py-cpuinfo and msgpack by DeepSpeed; found by running the check with Python
 # 3.12 and nothing but torch, transformers and these). rapidfuzz 3.13.0: the newest with a cp312 manylinux wheel

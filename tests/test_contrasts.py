@@ -392,9 +392,9 @@ def test_the_page_says_whether_the_analysis_was_registered_before_any_result(tmp
     record = tmp_path / "x.registration.json"
     assert "No record of the declaration" in registration_note(EXP, record)
     assert record_registration(EXP, record, have_results=False) == "analysis registered in x.registration.json"
-    assert registration_note(EXP, record).startswith(" Registered at ") and "before any result" in registration_note(
-        EXP, record
-    )
+    assert registration_note(EXP, record).startswith(
+        " Registered at "
+    ) and "before this experiment's results file existed" in registration_note(EXP, record)
     assert record_registration(EXP, record, have_results=True).startswith("analysis as registered at ")
     changed = copy.deepcopy(EXP)
     changed["analysis"]["margins"]["accuracy"] = 0.05  # widened once the results were in

@@ -33,3 +33,13 @@ def test_each_result_says_which_code_made_it(tmp_path, monkeypatch):
     assert run.code_commit().split("+")[0] == head.stdout.strip()
     monkeypatch.setattr(run, "REPO", tmp_path)  # a copy of the tree without git: nothing to say, not a guess
     assert run.code_commit() is None
+
+
+def test_the_replay_section_replays_the_run_it_names(world_rollout):
+    """The experiment page's replay table called lived_saar with its arguments swapped: every page since said
+    "(replay statistics unavailable: 'CleanerConfig' object has no attribute 'is_file')"."""
+    from experiments.report import _replay_section
+
+    text = _replay_section([{"run_id": "w", "arm": "saar"}], str(world_rollout.storage.root))
+    assert text.startswith("Replay of `w` iteration 0 (64 raw trajectories)"), text
+    assert text.count("\n| ") == 8, text  # the header and γ = 0 … 1.01
