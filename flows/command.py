@@ -21,6 +21,27 @@ EPILOG_OVERRIDES = (
 OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
 
 
+def run_id_arg(value: str) -> str:
+    """--run RUN: a run id (an empty one fell back to flow.run_id: `gc --run ''` acted on the default run)."""
+    from storage.layout import run_id_problem
+
+    problem = run_id_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def port_arg(value: str) -> int:
+    """--port P: a TCP port, 1–65535 (99999 was an OverflowError traceback from bind)."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port: give a number from 1 to 65535")
+    return port
+
+
 class Parser(argparse.ArgumentParser):
     """A refusal of the command line is one line (argparse would print the whole usage first); the options
     that take one value are recorded for the whole tree (`value_options`), so that the value of --sql or
@@ -34,6 +55,8 @@ class Parser(argparse.ArgumentParser):
         return super().add_subparsers(parser_class=partial(Parser, value_options=self.value_options), **kwargs)
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
+        if args[:1] == ("--run",) and "type" not in kwargs:  # every command's --run is checked as a run id
+            kwargs["type"] = run_id_arg
         action = super().add_argument(*args, **kwargs)
         if action.option_strings and action.nargs is None:  # flags have nargs 0, lists "+" or "*"
             self.value_options.update(action.option_strings)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flows.command import command_parser, config_of
+from flows.command import command_parser, config_of, port_arg
 from flows.console import working
 from pipeline.config import CleanerConfig, load_config
 
@@ -428,7 +428,7 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default="cleaner-training")
     p.add_argument("--interval", type=float, help="seconds between runs")
     p.add_argument("--cron", help="cron expression")
-    p.add_argument("--port", type=int, help="port of the local Prefect server it starts (default: a free one)")
+    p.add_argument("--port", type=port_arg, help="port of the local Prefect server it starts (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="start the local server without its web UI")
     p.add_argument(
         "--new-run",
@@ -451,7 +451,7 @@ def add_parser(sub) -> None:
         actions=("start", "stop", "status"),
         func=cmd_server,
     )
-    p.add_argument("--port", type=int, help="port (default: a free one)")
+    p.add_argument("--port", type=port_arg, help="port (default: a free one)")
     p.add_argument("--no-ui", action="store_true", help="without the web UI")
 
     p = command_parser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 
 from flows.command import command_parser, config_of
@@ -39,10 +40,21 @@ def run_partitions(cfg: CleanerConfig, run_id: str) -> set[str]:
     return {f"{folder.parent.name}/{folder.name}" for folder in folders}
 
 
+def folder_of(name: str) -> str:
+    """A --remove-partition name as the writer names the folder (gamma=0.5 is gamma=0.50: it was taken for a
+    partition the run did not have, and gc went on with its other removals)."""
+    from flows.interop.source import InteropError, parse_partition
+
+    try:
+        return parse_partition(name).path
+    except InteropError:
+        return name  # storage.retention.plan refuses it, naming the form
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     run_id, dry_run = args.run or cfg.flow.run_id, args.dry_run
-    partitions = args.remove_partition or []
+    partitions = [folder_of(name) for name in args.remove_partition or []]
     items = plan(
         cfg.storage.root,
         run_id,
@@ -52,11 +64,13 @@ def run(args: argparse.Namespace) -> int:
         run_partitions(cfg, run_id) if partitions else set(),
     )
     present = partitions_of(cfg.storage.root, run_id)
-    for name in partitions:  # gamma=0.3 for gamma=0.30, a typo, or removed by an earlier gc: said, not an error
+    for name in partitions:  # a typo, or removed by an earlier gc (a rerun): said, not an error
         if name not in present:
+            close = difflib.get_close_matches(name, present, n=1)
             print(
-                f"no iteration of run {run_id!r} has partition {name} (its partitions: {', '.join(present) or 'none'})"
-                ": nothing to remove for it"
+                f"no iteration of run {run_id!r} has partition {name}"
+                + (f" (did you mean {close[0]}?)" if close else "")
+                + f" (its partitions: {', '.join(present) or 'none'}): nothing to remove for it"
             )
     total = sum(i.bytes for i in items)
     verb = "would remove" if dry_run else "removing"

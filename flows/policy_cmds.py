@@ -5,9 +5,42 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from flows.command import command_parser, config_of
 from pipeline.qwen3_tokenizer import TEMPLATE_FAMILIES
+
+
+SFT_BATCH = 8  # trainer.sft.SFTConfig.batch_size: a corpus smaller than one batch cannot train
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ≥ minimum (0 SFT steps saved an untrained policy; a corpus of 0 was a
+    ZeroDivisionError after the sandbox had run)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{value!r}: give a whole number ≥ {minimum}")
+        return n
+
+    return parse
+
+
+def out_problem(out: Path, force: bool) -> str | None:
+    """Why bootstrap cannot write its policy to `out`, checked before minutes of corpus and training: a file in
+    the way, a folder of other things (`--out ''` wrote a policy into the working directory), a policy without
+    --force."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file, not a folder"
+    if (out / "model.safetensors").exists():
+        return None if force else f"{out} already holds a policy; pass --force to rebuild it"
+    if out.is_dir() and any(out.iterdir()):
+        return f"--out {out} holds other files: give a new or empty folder"
+    return None
 
 
 def run_bootstrap(args: argparse.Namespace) -> int:
@@ -16,8 +49,9 @@ def run_bootstrap(args: argparse.Namespace) -> int:
 
     cfg = config_of(args)
     out = args.out or cfg.rollout.policy
-    if (out / "model.safetensors").exists() and not args.force:
-        print(f"cleaner bootstrap: {out} already holds a policy; pass --force to rebuild it", file=sys.stderr)
+    problem = out_problem(out, args.force)
+    if problem:
+        print(f"cleaner bootstrap: {problem}", file=sys.stderr)
         return 2
     boot = BootstrapConfig(
         corpus_size=args.corpus_size,
@@ -54,10 +88,12 @@ def add_parser(sub) -> None:
         func=run_bootstrap,
     )
     p.add_argument("--out", type=Path, help="output folder (default: rollout.policy)")
-    p.add_argument("--steps", type=int, default=3500, help="SFT optimizer steps (batch 8)")
-    p.add_argument("--corpus-size", type=int, default=12_000, help="number of transcripts")
+    p.add_argument("--steps", type=at_least(1), default=3500, help=f"SFT optimizer steps (batch {SFT_BATCH})")
+    p.add_argument(
+        "--corpus-size", type=at_least(SFT_BATCH), default=12_000, help=f"number of transcripts (≥ {SFT_BATCH})"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared 2-core box)")
+    p.add_argument("--threads", type=at_least(1), default=1, help="torch threads (1 is fastest on a shared 2-core box)")
     p.add_argument("--force", action="store_true", help="overwrite an existing policy")
 
     p = command_parser(

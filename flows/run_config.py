@@ -18,6 +18,7 @@ from pipeline.config import (
 )
 from storage.errors import CleanerError
 from storage.identity import file_digest, without_speed_only
+from storage.checkpoints import check_checkpoint
 from storage.layout import RunLayout
 from storage.shards import atomic_write_json
 
@@ -93,6 +94,9 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
                 "flow.run_id"
             )
         return
+    # a new run starts from rollout.policy: a missing or truncated one wrote run.json first, and then the corrected
+    # rerun was refused as "started with another config"
+    check_checkpoint(Path(cfg.rollout.policy))
     if digest:  # before run.json: a run.json without it is a run of the world, or of before the record
         atomic_write_json(recorded, {"path": str(Path(cfg.rollout.tasks).resolve()), "blake2b": digest})
     atomic_write_json(layout.run_json, now)

@@ -764,6 +764,17 @@ def train_settings(train: TrainConfig) -> str:
 
 class FlowConfig(Section):
     run_id: str = Field("demo", description="the run: runs/<run_id> under storage.root")
+
+    @field_validator("run_id")
+    @classmethod
+    def _plain_run_id(cls, v: str) -> str:
+        from storage.layout import run_id_problem
+
+        problem = run_id_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
     iterations: int = Field(
         3,
         ge=1,

@@ -55,14 +55,30 @@ def resolve_recorded(root: Path, recorded: str) -> Path:
     return path  # absolute, or relative to the directory an earlier cleaner ran in
 
 
+def run_id_problem(run_id: str) -> str | None:
+    """Why `run_id` cannot name a run, None when it can: a plain folder name that a shell, Prefect's run names and
+    `--run` take as it is (a tab or a leading dash made runs that no command line could name again)."""
+    if (
+        not run_id
+        or run_id.startswith((".", "-"))
+        or any(c in "/\\" or not c.isprintable() or c.isspace() for c in run_id)
+    ):
+        return (
+            f"run id {run_id!r} must be a plain folder name: no '/', no spaces or control characters, not empty and "
+            "not starting with '.' or '-' (e.g. exp1, qwen3-4b_gamma0.5)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path
     run_id: str
 
     def __post_init__(self) -> None:
-        if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
-            raise RunIdError(f"run id {self.run_id!r} must be a plain folder name")
+        problem = run_id_problem(self.run_id)
+        if problem:
+            raise RunIdError(problem)
 
     @property
     def run_dir(self) -> Path:

@@ -110,17 +110,18 @@ def test_bad_requests_are_one_line_and_remove_nothing(run, args, message):
 
 
 def test_a_partition_no_iteration_has_is_named_with_the_ones_there(run):
-    """`gamma=0.3` for the folder `gamma=0.30`, or a typo: it removed nothing, silently (exit 0)."""
+    """A partition no iteration has (a typo): it removed nothing, silently (exit 0). `gamma=0.3` is the folder
+    `gamma=0.30`, as export reads it (tests/test_cli_refusals.py)."""
 
     def data() -> dict[str, str]:  # (the catalog's republication rewrites verification records and the catalog)
         return {k: v for k, v in _tree(run / "runs").items() if not k.endswith("_VERIFIED.json")}
 
     before = data()
-    out = _gc(run, "--keep-last", "2", "--remove-partition", "mode=saar/gamma=0.3")
+    out = _gc(run, "--keep-last", "2", "--remove-partition", "mode=saar/gamma=0.7")
     assert out.returncode == 0, out.stderr
+    assert "no iteration of run 'tiny' has partition mode=saar/gamma=0.70 (did you mean " in out.stdout, out.stdout
     assert (
-        "no iteration of run 'tiny' has partition mode=saar/gamma=0.3 (its partitions: mode=raw/gamma=0.00, "
-        "mode=saar/gamma=0.30, mode=saar/gamma=0.50): nothing to remove for it"
+        "(its partitions: mode=raw/gamma=0.00, mode=saar/gamma=0.30, mode=saar/gamma=0.50): nothing to remove for it"
     ) in out.stdout, out.stdout
     assert data() == before
 

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from storage.errors import CleanerError
 from trainer.optim import param_groups
 
 
@@ -89,6 +90,8 @@ def train_sft(
     order: list[int] = []
     running = None
     t0 = time.perf_counter()
+    if len(data) < cfg.batch_size:  # else an IndexError at the first step
+        raise CleanerError(f"{len(data)} SFT examples cannot fill one batch of {cfg.batch_size}: give a larger corpus")
     for step in range(cfg.steps):
         if len(order) < cfg.batch_size:
             order = list(range(len(data)))

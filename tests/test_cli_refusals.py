@@ -1,0 +1,100 @@
+"""Bad command lines a user types, each refused in one line before anything runs or is written (found by using the
+commands as a user does: each of these was a traceback, a silent fallback or a half-written run before)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli import main as cli_main
+from flows.policy_cmds import SFT_BATCH
+
+
+def main(argv: list[str]) -> int:
+    """`cleaner ARGV`'s exit code (argparse's refusals exit through SystemExit)."""
+    try:
+        return cli_main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize("run_id", ["", "a/b", "x\ttab", "-dash", ".hidden", "two words"])
+def test_a_run_id_that_no_command_line_could_name_again_is_refused(run_id, tmp_path, capsys):
+    """`gc --run ''` fell back to flow.run_id and acted on the default run; `flow.run_id=a/b` started a Prefect
+    server before failing; a tab or a leading dash made runs no `--run` could name again."""
+    assert main(["gc", f"--run={run_id}", "--dry-run", f"storage.root={tmp_path}"]) == 2
+    assert "must be a plain folder name" in capsys.readouterr().err
+    assert main(["config", f"flow.run_id={run_id}", f"storage.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err  # a tab does not even parse as a YAML value
+    assert "flow.run_id" in err and ("must be a plain folder name" in err or "not valid YAML" in err), err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_refused(port, tmp_path, capsys):
+    """`server start --port 99999` was an OverflowError traceback from bind."""
+    assert main(["server", "start", "--port", port, f"storage.root={tmp_path}"]) == 2
+    assert "is not a port: give a number from 1 to 65535" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--steps", "0", "≥ 1"),
+        ("--steps", "-5", "≥ 1"),
+        ("--corpus-size", "2", f"≥ {SFT_BATCH}"),
+        ("--threads", "0", "≥ 1"),
+    ],
+)
+def test_bootstrap_refuses_sizes_that_cannot_train(flag, value, says, tmp_path, capsys):
+    """--steps 0 saved an untrained policy after 100 s; --corpus-size 0 and 2 were tracebacks after the corpus."""
+    assert main(["bootstrap", "--out", str(tmp_path / "p"), flag, value]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_bootstrap_refuses_an_out_it_would_litter_before_any_work(tmp_path, capsys, monkeypatch):
+    """`--out ''` wrote a policy into the working directory; a file as --out failed only after training."""
+    from trainer.sft import SFTConfig
+
+    assert SFTConfig().batch_size == SFT_BATCH
+    (tmp_path / "README.md").write_text("mine")
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    for out, says in (("", "holds other files"), (str(tmp_path / "a-file"), "is a file, not a folder")):
+        assert main(["bootstrap", "--out", out, "--steps", "1", "--corpus-size", "8"]) == 2
+        assert says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "a-file"]
+
+
+def test_a_run_whose_policy_is_missing_writes_no_run_json(tmp_path):
+    """A train with a wrong rollout.policy failed, but left run.json recording it: the corrected rerun was refused
+    as "started with another config"."""
+    from flows.run_config import freeze_run_config
+    from pipeline.config import load_config
+    from storage.errors import CheckpointError
+    from storage.layout import RunLayout
+
+    bad = load_config(None, [f"storage.root={tmp_path}", f"rollout.policy={tmp_path / 'nonexistent'}"])
+    with pytest.raises(CheckpointError, match="nonexistent does not exist"):
+        freeze_run_config(bad, "r")
+    assert not RunLayout(tmp_path, "r").run_json.exists()
+    good = load_config(None, [f"storage.root={tmp_path}"])
+    freeze_run_config(good, "r")
+    assert json.loads(RunLayout(tmp_path, "r").run_json.read_text())["rollout"]["policy"] == str(good.rollout.policy)
+
+
+def test_gc_names_a_partition_as_the_writer_does(purified_run, tmp_path, capsys):
+    """`gc --remove-partition mode=saar/gamma=0.5` said the run had no such partition (its folder is gamma=0.50)
+    and went on with the rest."""
+    from tests.flow_helpers import copy_runs
+
+    root = copy_runs(purified_run.storage.root, tmp_path / "ws")
+    args = ["gc", "--run", "w", "--dry-run", f"storage.root={root}", "--remove-partition"]
+    # the run's own partition, as typed: found, and kept (before: "no iteration has it", exit 0)
+    assert main([*args, "mode=saar/gamma=0.5"]) == 1
+    assert "mode=saar/gamma=0.50: the run's own flow writes it" in capsys.readouterr().err
+    assert main([*args, "mode=saar/gamma=0.3"]) == 0
+    assert "has partition mode=saar/gamma=0.30 (did you mean mode=saar/gamma=0.50?)" in capsys.readouterr().out
+    assert main([*args, "saar gamma 0.5"]) == 1
+    assert "saar gamma 0.5" in capsys.readouterr().err
