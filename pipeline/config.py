@@ -271,7 +271,13 @@ class EngineTuning(Section):
     hardware or with slower tools (benchmarks/RESULTS.md, async rollout)."""
 
     threads: int = Field(
-        1, ge=1, description=("torch threads of the CPU engine and the CPU trainer (fixed for reproducible sampling)")
+        1,
+        ge=1,
+        description=(
+            "torch threads of the CPU engine and the CPU trainer. Treated as speed only (a run resumes at another "
+            "count), but a count changes float rounding: log-probs differ by ~1e-6 and a sampled token can flip, so "
+            "results are bit-identical only at one count"
+        ),
     )
     deterministic: bool = Field(
         True,

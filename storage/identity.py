@@ -22,9 +22,10 @@ from typing import Callable, TypeVar
 from storage.errors import CleanerError
 from storage.shards import ShardError
 
-# Settings that change how fast a stage runs, never what it writes. Every identity hashes them at their default, so
-# an output committed at any speed has the identity it has at the default one; a run's frozen config leaves them out.
-# A run resumes, and a stage keeps what it committed, at another speed.
+# Settings that change how fast a stage runs, and what it writes only by float rounding (torch's CPU reductions
+# depend on the thread count: ~1e-6 in a log-prob, a sampled token rarely). Every identity hashes them at their
+# default, so an output committed at any speed has the identity it has at the default one; a run's frozen config
+# leaves them out. A run resumes, and a stage keeps what it committed, at another speed.
 SPEED_ONLY = ("rollout.engine_tuning.threads",)
 
 Config = TypeVar("Config")  # pipeline.config.CleanerConfig, which this floor does not import

@@ -335,12 +335,18 @@ class ShardWriter:
         try:
             _fsync_dir(self.directory)
             _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
-            _fsync_dir(self.directory)
         except BaseException:
-            self.abort()  # a commit() called outside `with` that fails leaves neither parts nor the lock
+            if (self.directory / MANIFEST).is_file():  # interrupted past the rename, which is the commit
+                self._committed = True
+                self._lock.release()
+            else:
+                self.abort()  # a commit() called outside `with` that fails leaves neither parts nor the lock
             raise
         self._committed = True
         self._lock.release()
+        # the rename made durable; an interrupt here leaves the shard committed (aborting deleted its parts
+        # under a manifest that listed them)
+        _fsync_dir(self.directory)
         # the parts' checksums were taken from the bytes just written: readers need not read them again. Their
         # identity is taken now (renaming a file changes its ctime, so not before): a part changed since it was
         # written is caught by its checksum when read for training, and by `cleaner inspect --verify`.

@@ -157,3 +157,52 @@ def test_ctrl_c_landing_in_a_finalizer_is_not_lost(kept):
         assert done.stdout.strip() == "interrupted" and "Exception ignored" not in done.stderr, done.stderr
     else:
         assert done.stdout.strip() == "went on" and "Exception ignored" in done.stderr
+
+
+def test_ctrl_c_just_past_progress_json_leaves_an_update_that_resumes(tmp_path, monkeypatch):
+    """progress.json was renamed in (naming mini-batch 2's state) and then the save's own cleanup deleted that state:
+    every rerun failed with FileNotFoundError …/mb0002/state.pt, and only deleting the .partial by hand got out."""
+    import torch
+
+    import trainer.resume as resume
+    from trainer.grpo import UpdateProgress
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(1), "k")
+    write = resume.atomic_write_json
+
+    def renamed_then_interrupted(path, value):
+        write(path, value)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume, "atomic_write_json", renamed_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(2), "k")
+    monkeypatch.setattr(resume, "atomic_write_json", write)
+    assert resume.load_local(tmp_path / "partial", model, optimizer, "k").minibatches_done == 2
+
+
+def test_a_kill_right_after_the_checkpoint_commit_loses_no_update_metrics(purified_run, tmp_path, monkeypatch):
+    """The checkpoint was committed first and the update's metrics after it: a kill between the two left them
+    unwritten for good, since a rerun finds the checkpoint committed and skips the update ("kept")."""
+    import trainer.inputs
+    from storage.layout import RunLayout
+    from storage.shards import is_committed
+    from tests.flow_helpers import copy_runs
+    from trainer.stage import run_update_stage
+
+    cfg = purified_run.model_copy(deep=True)
+    cfg.storage.root = copy_runs(purified_run.storage.root, tmp_path)
+    write = trainer.inputs.write_checkpoint
+
+    def committed_then_killed(*args, **kwargs):
+        write(*args, **kwargs)
+        raise KeyboardInterrupt  # what a kill there leaves: everything the commits before wrote
+
+    monkeypatch.setattr(trainer.inputs, "write_checkpoint", committed_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_update_stage(cfg, "w", 0, log=lambda *_: None)
+    monkeypatch.setattr(trainer.inputs, "write_checkpoint", write)
+    run_update_stage(cfg, "w", 0, log=lambda *_: None)  # the rerun: the checkpoint is kept
+    assert is_committed(RunLayout(cfg.storage.root, "w").metrics_dir(0, "update"))

@@ -80,6 +80,29 @@ def test_failed_write_leaves_nothing_committed(tmp_path):
         read_shard(tmp_path / "s", RAW)
 
 
+def test_an_interrupt_after_the_manifest_is_renamed_in_keeps_the_shard(tmp_path, monkeypatch):
+    """Ctrl-C right after the manifest's rename (in the fsync of the folder that makes it durable) ran the writer's
+    abort: the parts were deleted and the manifest kept, and every rerun found the shard "committed: kept" and then
+    "listed in the manifest but missing"."""
+    import storage.shards as shards
+
+    calls = []
+    fsync_dir = shards._fsync_dir
+
+    def interrupted_second_time(d):
+        calls.append(d)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        fsync_dir(d)
+
+    monkeypatch.setattr(shards, "_fsync_dir", interrupted_second_time)
+    with pytest.raises(KeyboardInterrupt):
+        with ShardWriter(tmp_path / "s", RAW, "h", rows_per_part=2) as w:
+            w.write(raw_table(5))
+    assert len(calls) == 2
+    assert read_shard(tmp_path / "s", RAW).num_rows == 5
+
+
 SLOW_WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})

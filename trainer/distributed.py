@@ -184,7 +184,8 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
     update.save_weights(tmp, inputs.src)  # collective under ZeRO-3 (gathers), rank 0 writes
     update.save_state(tmp / DS_STATE, STATE_TAG)  # every rank writes its optimizer partition
     dist.barrier()
-    if rank == 0:
+    if rank == 0:  # metrics before the checkpoint, whose commit makes a rerun skip the update (trainer/stage._commit)
+        write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         finish_checkpoint(
             tmp,
             inputs.target,
@@ -199,7 +200,6 @@ def deepspeed_update(cfg: CleanerConfig, run_id: str, iteration: int, stop_after
                 "wall_s": time.perf_counter() - t0,
             },
         )
-        write_update_metrics(run_id, iteration, inputs, progress.metrics, key)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     return inputs.target

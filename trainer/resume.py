@@ -65,12 +65,14 @@ def save_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, progres
     try:  # a full disk is an OSError (ENOSPC) naming the file, not torch's opaque RuntimeError
         save_torch({"model": model.state_dict(), "update": update.state_dict()}, tmp)
         tmp.replace(state)
-        write_progress(folder, key, progress)
     except BaseException:
         shutil.rmtree(state.parent, ignore_errors=True)  # never leave a half-written state behind
         if not any(folder.iterdir()):
             folder.rmdir()
         raise
+    # outside the cleanup above: once progress.json is renamed in, it names this state, which must stay (a Ctrl-C
+    # just past that rename deleted it, and no rerun could resume); before the rename, the previous state is named
+    write_progress(folder, key, progress)
 
 
 def load_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, key: str) -> UpdateProgress | None:

@@ -242,12 +242,14 @@ def _train(
 
 
 def _commit(plan: UpdatePlan, work: _Work) -> Path:
-    """Checkpoint I+1, then the iteration's update metrics; the partial update goes."""
+    """The iteration's update metrics, then checkpoint I+1; the partial update goes. Metrics first: a committed
+    checkpoint skips the update on a rerun, so metrics that were to follow it were lost to a kill between the two
+    (a rerun after a kill before the checkpoint trains again, to the same metrics, and keeps these)."""
     from trainer.inputs import commit_metrics, write_checkpoint
     from trainer.resume import partial_dir
 
-    write_checkpoint(plan.target, plan.source, work.model, work.trainer_state, work.record)
     commit_metrics(plan.metrics_dir, work.metrics, work.metrics_hash)
+    write_checkpoint(plan.target, plan.source, work.model, work.trainer_state, work.record)
     shutil.rmtree(partial_dir(plan.target), ignore_errors=True)
     return plan.target
 
