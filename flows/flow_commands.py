@@ -39,9 +39,13 @@ def _load(args: argparse.Namespace, check: Callable[[CleanerConfig], None] | Non
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flows.run_config import preflight
+    from flows.run_config import check_run_config, preflight
 
-    cfg = _load(args, preflight)  # one line before Prefect is set up, not a failed flow run
+    def check(cfg: CleanerConfig) -> None:  # one line before Prefect is set up, not a failed flow run
+        preflight(cfg)
+        check_run_config(cfg, cfg.flow.run_id)
+
+    cfg = _load(args, check)
     from flows.server import start_temporary_server
 
     start_temporary_server(cfg.storage.root)  # dies with this command, even under kill -9

@@ -11,6 +11,7 @@ from flows.stage_cmds import published
 from pipeline.config import RECORD, CleanerConfig, upgrade_frozen
 from pipeline.modes import partition_threshold, partition_measure
 from storage.layout import RunLayout
+from storage.staging import clean_stale
 from storage.retention import empty_trash, partitions_of, plan, remove
 
 
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{verb} {item.what} {item.path} ({item.bytes / 2**20:.1f} MiB)")
     if not dry_run:
         empty_trash(cfg.storage.root)  # what a gc killed mid-way left
+        from purifier.stage import STAGING  # (imports Beam: not at the command line's start)
+
+        for staging in RunLayout(cfg.storage.root, run_id).run_dir.glob(f"iteration=*/{STAGING}"):
+            clean_stale(staging, "purify")  # a killed purify's; the next purify of that iteration would remove it
         for item in items:
             remove(cfg.storage.root, item)
         published(cfg, "cleaner gc")

@@ -66,6 +66,22 @@ def tasks_digest(cfg: CleanerConfig) -> str | None:
 
 
 def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
+    """A new run's config frozen in its run.json; a started run's checked against it (check_run_config)."""
+    if check_run_config(cfg, run_id):
+        return
+    # a new run starts from rollout.policy: a missing or truncated one wrote run.json first, and then the corrected
+    # rerun was refused as "started with another config"
+    check_checkpoint(Path(cfg.rollout.policy))
+    layout = RunLayout(cfg.storage.root, run_id)
+    digest, recorded = tasks_digest(cfg), layout.run_dir / TASKS_FILE
+    if digest:  # before run.json: a run.json without it is a run of the world, or of before the record
+        atomic_write_json(recorded, {"path": str(Path(cfg.rollout.tasks).resolve()), "blake2b": digest})
+    atomic_write_json(layout.run_json, cfg.model_dump(mode="json"))
+
+
+def check_run_config(cfg: CleanerConfig, run_id: str) -> bool:
+    """Whether run `run_id` was started (its run.json exists) with these settings; another config is refused in
+    one line naming the differences. `cleaner train` asks before its Prefect server starts (12 s in, before)."""
     layout = RunLayout(cfg.storage.root, run_id)
     now = cfg.model_dump(mode="json")
     digest, recorded = tasks_digest(cfg), layout.run_dir / TASKS_FILE
@@ -93,13 +109,8 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
                 f"({'; '.join(diffs[:5])}); rerun with the run's settings, or use a new "
                 "flow.run_id"
             )
-        return
-    # a new run starts from rollout.policy: a missing or truncated one wrote run.json first, and then the corrected
-    # rerun was refused as "started with another config"
-    check_checkpoint(Path(cfg.rollout.policy))
-    if digest:  # before run.json: a run.json without it is a run of the world, or of before the record
-        atomic_write_json(recorded, {"path": str(Path(cfg.rollout.tasks).resolve()), "blake2b": digest})
-    atomic_write_json(layout.run_json, now)
+        return True
+    return False
 
 
 def run_id_for(template: str, run_id: str, now: float | None = None) -> str:

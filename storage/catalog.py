@@ -447,6 +447,23 @@ def _fingerprint(root: Path, scanned: Scan) -> str:
     return hashlib.blake2b(json.dumps([code, scanned.fingerprint()]).encode(), digest_size=16).hexdigest()
 
 
+def _dead_publishers_files(database: Path) -> list[Path]:
+    """What a publish killed with -9 left (`.catalog.duckdb.PID.tmp` and its `.wal`): the files of pids that no
+    longer run. Each publisher removed only its own pid's, so a killed one's stayed for good."""
+    out = []
+    for path in database.parent.glob(f".{database.name}.*.tmp*"):
+        pid = path.name[len(database.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            out.append(path)
+        except PermissionError:
+            pass  # another user's live process
+    return out
+
+
 def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Problem]:
     """Rebuild the catalog file: built under a temporary name beside it, then renamed over it (atomic).
 
@@ -462,7 +479,7 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
             return list(scanned.problems)
     tmp = database.with_name(f".{database.name}.{os.getpid()}.tmp")
     leftovers = (tmp, tmp.with_name(tmp.name + ".wal"))
-    for path in leftovers:
+    for path in (*leftovers, *_dead_publishers_files(database)):
         path.unlink(missing_ok=True)
     try:
         with Catalog(root, tmp, scanned=scanned, published_as=database) as cat:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import signal
 import subprocess
@@ -166,3 +167,24 @@ def test_a_partial_update_beside_its_committed_checkpoint_goes(run):
     assert f"removing partial update {stale}" in out.stdout, out.stdout
     assert not stale.exists() and live.is_dir() and all(p.is_dir() for p in done)
     assert not staging.exists() and not frozen.exists() and "removing update config" in out.stdout
+
+
+def test_gc_and_the_next_publish_remove_what_killed_writers_left(run):
+    """A purify killed with -9 left iteration=N/.staging/purify-ID (only that iteration's next purify removed it),
+    and a publish killed with -9 left .catalog.duckdb.PID.tmp and its .wal for good (each publisher removed its
+    own pid's only). gc removes the first; every publish removes the second, once its pid is gone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    staged = RunLayout(run, "tiny").run_dir / "iteration=0000" / ".staging"
+    (staged / "purify-deadbeef").mkdir(parents=True)
+    (staged / "purify-deadbeef" / "saar-00000.parquet").write_bytes(b"x")
+    (staged / "purify-deadbeef.lock").write_text("")
+    catalog = run / "catalog.duckdb"
+    left = [run / f".catalog.duckdb.{dead.pid}.tmp", run / f".catalog.duckdb.{dead.pid}.tmp.wal"]
+    alive = run / f".catalog.duckdb.{os.getppid()}.tmp"  # a publish still running
+    for path in (*left, alive):
+        path.write_bytes(b"x")
+    out = _gc(run, "--keep-last", "2")
+    assert out.returncode == 0, out.stderr
+    assert not staged.exists()
+    assert catalog.is_file() and not any(p.exists() for p in left) and alive.exists()

@@ -94,3 +94,13 @@ def test_a_run_frozen_before_engine_tuning_goes_on_and_its_schedule_is_still_com
     assert run_json.read_bytes() == before
     with pytest.raises(RunConfigMismatch, match="rollout.engine_tuning"):
         freeze_run_config(_cfg(tmp_path, "rollout.engine_tuning.deterministic=false"), "r")
+
+
+def test_train_refuses_another_config_before_its_prefect_server_starts(tmp_path):
+    """The refusal came 12 s in, after a Prefect server had started and the flow had begun."""
+    from tests.flow_helpers import run_cleaner
+
+    freeze_run_config(_cfg(tmp_path), "r")
+    out = run_cleaner(["train", f"storage.root={tmp_path}", "flow.run_id=r", "rollout.temperature=0.9"], tmp_path)
+    assert out.returncode != 0 and "was started with another config (rollout.temperature: 1.0 -> 0.9)" in out.stderr
+    assert not (tmp_path / ".prefect").exists(), "a Prefect server was started first"
