@@ -43,12 +43,13 @@ def pass_rates(root: Path, run_id: str, iterations: list[int] | None = None) -> 
     """Per task of the run: data_source, question, ground_truth, rollouts and pass rate, from committed
     raw shards only. Uncommitted shards of the run are named on stderr; a corrupt one refuses."""
     from storage.catalog import Catalog  # DuckDB and Arrow load when the command runs, not with `cleaner --help`
-    from storage.layout import RunLayout
+    from storage.layout import RunLayout, missing_run
     from storage.shards import ShardError, ShardMissing
 
     run_dir = RunLayout(root, run_id).run_dir
-    if not run_dir.is_dir():
-        raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
+    missing = missing_run(root, run_id)
+    if missing:
+        raise ShardMissing(missing)
     with Catalog(root) as cat:
         mine = [p for p in cat.problems if run_dir in p.path.parents and p.path.name == "raw"]
         corrupt = [p for p in mine if p.committed]

@@ -26,7 +26,7 @@ from flows.report_tables import (
 from pipeline.config import upgrade_frozen
 from pipeline.modes import IS_MODES, SPLICING_MODES
 from storage.catalog import Catalog
-from storage.layout import DEFAULT_MEASURE_KEY, RunLayout
+from storage.layout import DEFAULT_MEASURE_KEY, RunLayout, missing_run
 from storage.shards import ShardError, ShardMissing
 
 ITERATIONS_SQL = """
@@ -182,8 +182,9 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
 
     layout = RunLayout(root, run_id)
     run_dir = layout.run_dir
-    if not run_dir.is_dir():
-        raise ShardMissing(f"run {run_id!r} does not exist under {root} (no {run_dir}); check --run and storage.root")
+    missing = missing_run(root, run_id)
+    if missing:
+        raise ShardMissing(missing)
     out = out or run_dir / "report"
     gamma, tau = run_thresholds(layout.run_json)
     with Catalog(root) as cat:

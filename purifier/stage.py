@@ -19,7 +19,7 @@ from purifier import beam_pipeline
 from purifier.commit import sorted_chunks
 from pipeline.modes import Variant
 from pipeline.variants import plan_variants
-from storage.layout import RunLayout, record_path, resolve_recorded
+from storage.layout import RunLayout, missing_run, record_path, resolve_recorded
 from storage.schemas import DEAD_LETTER, PURIFIED, RAW
 from storage.checkpoints import check_checkpoint
 from storage.identity import StageIdentity, check_committed, stage_identity
@@ -222,12 +222,9 @@ def _purifiable_raw(layout: RunLayout, iteration: int) -> Manifest:
     """The iteration's committed raw shard (schema version, no stray parts; its parts are checked in Beam)."""
     raw_dir = layout.raw_dir(iteration)
     if read_manifest(raw_dir) is None:
-        if not layout.run_dir.is_dir():  # a mistyped run or root: not a rollout to run first
-            runs = sorted(p.name for p in layout.run_dir.parent.glob("*") if p.is_dir())
-            raise ShardMissing(
-                f"run {layout.run_id!r} does not exist under {layout.root} (runs there: "
-                f"{', '.join(runs) or 'none'}; check --run and storage.root)"
-            )
+        missing = missing_run(layout.root, layout.run_id)  # a mistyped run or root: not a rollout to run first
+        if missing:
+            raise ShardMissing(missing)
         raise ShardMissing(f"{raw_dir}: no committed raw shard for iteration {iteration} (run the rollout first)")
     raw = committed_manifest(raw_dir, RAW)
     if raw.extra.get("token_exact") is False and not raw.extra.get("purify_allowed"):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from storage.errors import CheckpointError
 from storage.identity import StageIdentity, check_committed
-from storage.layout import RunLayout
+from storage.layout import RunLayout, missing_run
 
 DONE_MARKER = "_CHECKPOINT.json"  # written last into a checkpoint folder: the checkpoint is whole
 
@@ -100,6 +100,9 @@ def checkpoint_for(root: Path, run_id: str, iteration: int, initial_policy: Path
         return ckpt
     if iteration == 0:
         return Path(initial_policy)
+    missing = missing_run(root, run_id)  # a mistyped run or root: not an update to run first
+    if missing:
+        raise CheckpointError(missing)
     raise CheckpointError(
         f"{ckpt}: no checkpoint for iteration {iteration} (run the update of iteration {iteration - 1})"
     )

@@ -70,6 +70,19 @@ def run_id_problem(run_id: str) -> str | None:
     return None
 
 
+def missing_run(root: Path, run_id: str) -> str | None:
+    """Why `run_id` names no run under `root` (the runs that are there), None when it does: one sentence for every
+    command given a mistyped --run or storage.root."""
+    run_dir = Path(root) / "runs" / run_id
+    if run_dir.is_dir():
+        return None
+    runs = sorted(p.name for p in run_dir.parent.glob("*") if p.is_dir())
+    return (
+        f"run {run_id!r} does not exist under {root} (runs there: {', '.join(runs) or 'none'}); check --run and "
+        "storage.root"
+    )
+
+
 @dataclass(frozen=True)
 class RunLayout:
     root: Path

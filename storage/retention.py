@@ -23,7 +23,7 @@ from pathlib import Path
 
 from storage.checkpoints import DONE_MARKER
 from storage.errors import CleanerError
-from storage.layout import RunLayout
+from storage.layout import RunLayout, missing_run
 
 TRASH = ".trash"
 
@@ -65,8 +65,9 @@ def plan(
     if root.exists() and not root.is_dir():
         raise RetentionError(f"storage.root {root} is not a folder")
     layout = RunLayout(root, run_id)
-    if not layout.run_dir.is_dir():
-        raise RetentionError(f"run {run_id!r} does not exist under {root} (no {layout.run_dir})")
+    missing = missing_run(root, run_id)
+    if missing:
+        raise RetentionError(missing)
     for name in partitions:
         if name.count("/") != 1 or not name.startswith("mode=") or "=" not in name.split("/")[1]:
             raise RetentionError(

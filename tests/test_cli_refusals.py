@@ -98,3 +98,23 @@ def test_gc_names_a_partition_as_the_writer_does(purified_run, tmp_path, capsys)
     assert "has partition mode=saar/gamma=0.30 (did you mean mode=saar/gamma=0.50?)" in capsys.readouterr().out
     assert main([*args, "saar gamma 0.5"]) == 1
     assert "saar gamma 0.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["update", "--iteration", "0"],
+        ["rollout", "--iteration", "5"],
+        ["purify", "--iteration", "0"],
+        ["gc", "--keep-last", "1"],
+        ["report"],
+        ["filter", "--out", "f.parquet"],
+    ],
+)
+def test_every_command_says_a_run_does_not_exist_in_the_same_words(argv, tmp_path, capsys):
+    """update said "run `cleaner purify` first" and rollout "run the update of iteration 4" for a run that did not
+    exist; the others said it four different ways."""
+    (tmp_path / "runs" / "other").mkdir(parents=True)
+    assert main([*argv, "--run", "nosuch", f"storage.root={tmp_path}"]) != 0
+    err = capsys.readouterr().err
+    assert f"run 'nosuch' does not exist under {tmp_path} (runs there: other); check --run and storage.root" in err

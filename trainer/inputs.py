@@ -16,7 +16,7 @@ from pipeline.variants import trained_variant
 from storage.checkpoints import DONE_MARKER, check_checkpoint, checkpoint_for, files_as_umask_says, policy_version
 from storage.errors import CheckpointError
 from storage.identity import identity_hash
-from storage.layout import RunLayout, record_path, resolve_recorded
+from storage.layout import RunLayout, missing_run, record_path, resolve_recorded
 from storage.schemas import METRICS, PURIFIED, readable_as
 from storage.shards import Manifest, ShardMissing, is_committed, read_manifest, read_shard, write_shard
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
@@ -63,6 +63,9 @@ def trained_partition(cfg: CleanerConfig, run_id: str, iteration: int) -> tuple[
     )
     manifest = read_manifest(part)
     if manifest is None:
+        missing = missing_run(cfg.storage.root, run_id)  # a mistyped run or root: not a purify to run first
+        if missing:
+            raise ShardMissing(missing)
         raise ShardMissing(
             f"{part}: no purified shard for train.mode={cfg.train.mode} ({variant.partition}) "
             f"(run `cleaner purify --run {run_id} --iteration {iteration}` first, with this command's "

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 
 from storage.errors import CleanerError, os_error
-from storage.layout import DEFAULT_MEASURE_KEY, RunLayout, format_threshold, resolve_recorded
+from storage.layout import DEFAULT_MEASURE_KEY, RunLayout, format_threshold, missing_run, resolve_recorded
 from storage.schemas import PURIFIED, RAW
 from storage.shards import Manifest, committed_manifest, iter_part_batches, read_manifest
 from storage.texts import TOKENIZER_FILE, load_decoder
@@ -104,12 +104,9 @@ def select(root: Path, run_id: str, iterations: list[int] | None, partition: Par
     """The committed shards of `run_id` an export reads: every iteration with a committed raw shard (and the
     partition, when named) unless `iterations` names some, each of which must have them."""
     layout = RunLayout(root, run_id)
-    if not layout.run_dir.is_dir():
-        runs = sorted(p.name for p in layout.run_dir.parent.glob("*") if p.is_dir())
-        raise InteropError(
-            f"run {run_id!r} does not exist under {root} (runs there: {', '.join(runs) or 'none'}); "
-            "check --run and storage.root"
-        )
+    missing = missing_run(root, run_id)
+    if missing:
+        raise InteropError(missing)
     known = [i for i in layout.iterations() if read_manifest(layout.raw_dir(i)) is not None]
     if iterations is None:
         chosen = known
