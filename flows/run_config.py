@@ -79,6 +79,19 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
     atomic_write_json(layout.run_json, cfg.model_dump(mode="json"))
 
 
+def config_diffs(started: dict, now: dict) -> list[str]:
+    """`section.key: A -> B` for each frozen setting that differs between a run's run.json and a config (dumped)."""
+    a, b = _frozen(started), _frozen(now)
+    for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
+        b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
+    return [
+        f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}"
+        for s in FROZEN_SECTIONS
+        for k in sorted(set(a[s]) | set(b[s]))
+        if a[s].get(k) != b[s].get(k)
+    ]
+
+
 def check_run_config(cfg: CleanerConfig, run_id: str) -> bool:
     """Whether run `run_id` was started (its run.json exists) with these settings; another config is refused in
     one line naming the differences. `cleaner train` asks before its Prefect server starts (12 s in, before)."""
@@ -94,16 +107,8 @@ def check_run_config(cfg: CleanerConfig, run_id: str) -> bool:
                 f"differs from what {recorded} records): a run trains on the tasks it started "
                 "with; give that file, or use a new flow.run_id"
             )
-        a, b = _frozen(before), _frozen(now)
-        for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
-            b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
-        if a != b:
-            diffs = [
-                f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}"
-                for s in FROZEN_SECTIONS
-                for k in sorted(set(a[s]) | set(b[s]))
-                if a[s].get(k) != b[s].get(k)
-            ]
+        diffs = config_diffs(before, now)
+        if diffs:
             raise RunConfigMismatch(
                 f"{layout.run_json}: run {run_id!r} was started with another config "
                 f"({'; '.join(diffs[:5])}); rerun with the run's settings, or use a new "

@@ -5,9 +5,11 @@ catalog after it committed."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from flows.command import command_parser, config_of
 from pipeline.config import CleanerConfig, check_gamma, check_is_threshold
@@ -98,6 +100,32 @@ def check_thresholds(modes: list[str] | None, gammas: list[float] | None, taus: 
             )
 
 
+@contextlib.contextmanager
+def naming_other_settings(cfg: CleanerConfig, run_id: str) -> Iterator[None]:
+    """A stage command refused because its output was committed "with other … settings (config hash A, now B)":
+    the settings in which this command's config differs from the run's run.json, named (a command run without the
+    run's -c file gave two hashes and nothing a user could act on)."""
+    try:
+        yield
+    except CleanerError as e:
+        if "config hash" not in str(e):
+            raise
+        from flows.run_config import config_diffs
+        from storage.layout import RunLayout
+
+        run_json = RunLayout(cfg.storage.root, run_id).run_json
+        try:
+            diffs = config_diffs(json.loads(run_json.read_text()), cfg.model_dump(mode="json"))
+        except (OSError, ValueError, KeyError):
+            raise e from None
+        if not diffs:
+            raise
+        raise type(e)(
+            f"{e}. This command's config differs from the run's ({run_json}): {'; '.join(diffs[:5])}; give the "
+            "run's -c file and overrides"
+        ) from None
+
+
 def published(cfg: CleanerConfig, prefix: str = "cleaner") -> None:
     """A command that committed republishes the catalog file too (one warning on stderr if it cannot)."""
     from flows.run_config import publish_catalog
@@ -110,7 +138,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 
     cfg = config_of(args)
     # the flow's plan: the run's checkpoint of the iteration unless --checkpoint; a committed shard is checked
-    plan = plan_rollout(cfg, args.run or cfg.flow.run_id, args.iteration, args.checkpoint)
+    with naming_other_settings(cfg, args.run or cfg.flow.run_id):
+        plan = plan_rollout(cfg, args.run or cfg.flow.run_id, args.iteration, args.checkpoint)
     done = plan.kept is not None
     if not done:  # the tokenizer, the weights and the sandbox take seconds before the first trajectory
         print(
@@ -152,7 +181,8 @@ def run_purify(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, variants)
+    with naming_other_settings(cfg, args.run or cfg.flow.run_id):
+        results = run_purify_stage(cfg, args.run or cfg.flow.run_id, args.iteration, variants)
     published(cfg)
     print_partitions(results)
     return 0
@@ -171,7 +201,8 @@ def run_update(args: argparse.Namespace) -> int:
 
     cfg = config_of(args)
     with working(f"[update it {args.iteration}] loading the trainer (torch, OpenRLHF)"):
-        plan = plan_update(cfg, args.run or cfg.flow.run_id, args.iteration)  # the flow's plan, gc'd checkpoints too
+        with naming_other_settings(cfg, args.run or cfg.flow.run_id):
+            plan = plan_update(cfg, args.run or cfg.flow.run_id, args.iteration)  # the flow's plan, gc'd ones too
     target = run_update_plan(cfg, plan)
     published(cfg)
     print(f"checkpoint: {target}" + (" — kept (already committed)" if plan.kept else ""))

@@ -118,3 +118,19 @@ def test_every_command_says_a_run_does_not_exist_in_the_same_words(argv, tmp_pat
     assert main([*argv, "--run", "nosuch", f"storage.root={tmp_path}"]) != 0
     err = capsys.readouterr().err
     assert f"run 'nosuch' does not exist under {tmp_path} (runs there: other); check --run and storage.root" in err
+
+
+def test_a_stage_refused_for_other_settings_names_them(uninterrupted, tmp_path, capsys):
+    """`cleaner update` without the run's -c file was refused with two config hashes and nothing to act on."""
+    import shutil
+
+    from tests.flow_helpers import tiny_config
+
+    root = tmp_path / "store"
+    shutil.copytree(uninterrupted, root, ignore=shutil.ignore_patterns(".prefect"))
+    cfg = tiny_config(tmp_path)  # the run's own file, as the fixture wrote it
+    args = ["update", "--run", "tiny", "--iteration", "0", "-c", str(cfg), f"storage.root={root}"]
+    assert main([*args, "train.lr=0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "committed by an update with other train settings" in err and "-> 0.5; give the run's -c file" in err, err
+    assert main(args) == 0  # the run's own settings: kept
