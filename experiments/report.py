@@ -234,7 +234,7 @@ def _replay_section(results: list[dict], root_hint: str) -> str:
                 f"| {s.differ_from_live} | {s.differ_from_reference} |"
             )
         return f"Replay of `{run}` iteration 0 ({len(raws)} raw trajectories):\n\n" + "\n".join(lines)
-    except (OSError, CleanerError, StopIteration) as e:  # the table is a bonus; say why its store is missing
+    except (OSError, CleanerError, StopIteration, ValueError, KeyError) as e:  # a bonus: say why it is missing
         return f"(replay statistics unavailable: {str(e) or type(e).__name__})"
 
 

@@ -287,7 +287,7 @@ def _end_with_server(root: Path, server, ending: threading.Event) -> None:
     """A schedule whose own server died (killed, out of memory) ends at once, in one line: Prefect's runner went
     on polling a dead API with a traceback a minute and no longer stopped on Ctrl-C. Its firings stop as Ctrl-C
     would (they also stop by themselves once this process is gone)."""
-    from flows.server import stop_server
+    from flows.server import forget_server
     from pipeline.processes import alive
 
     while not ending.is_set() and alive(server.pid):
@@ -302,7 +302,7 @@ def _end_with_server(root: Path, server, ending: threading.Event) -> None:
     )
     _signal_firings(server.pid)
     with contextlib.suppress(Exception):
-        stop_server(root)  # its record, which names a dead pid
+        forget_server(root, server.pid)  # its record names a dead pid (a server started since is not touched)
     os._exit(1)
 
 

@@ -36,7 +36,7 @@ def out_problem(out: Path, force: bool) -> str | None:
     --force."""
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a folder"
-    if (out / "model.safetensors").exists():
+    if any(out.glob("*.safetensors")) or (out / "config.json").is_file():  # a policy, or one a Ctrl-C cut short
         return None if force else f"{out} already holds a policy; pass --force to rebuild it"
     if out.is_dir() and any(out.iterdir()):
         return f"--out {out} holds other files: give a new or empty folder"

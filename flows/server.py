@@ -191,6 +191,13 @@ def owning_command(root: Path) -> int | None:
     return state.owner if alive(state.pid) and alive(state.owner) else None
 
 
+def forget_server(root: Path, pid: int) -> None:
+    """Remove the server record if it still names `pid` (a server that died): one recorded since is another's."""
+    state = _recorded(root)
+    if state is not None and state.pid == pid:
+        _state_path(root).unlink(missing_ok=True)
+
+
 def stop_server(root: Path) -> ServerState | None:
     """Stop the project's server by its recorded pid; returns what was stopped (None: nothing ran)."""
     state = _recorded(root)

@@ -36,6 +36,7 @@ DEFAULT_VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"  # scr
 
 # γ > 1 can never be reached by a similarity in [0, 1]: this one value asks for "always deep".
 ALWAYS_DEEP = 1.01
+MAX_ITERATION_TRAJECTORIES = 10_000_000  # rollout.tasks_per_iteration × samples_per_prompt
 
 
 def check_gamma(g: float) -> float:
@@ -357,7 +358,7 @@ class RolloutConfig(Section):
         ),
     )
     tasks_per_iteration: int = Field(16, gt=0, description="prompts rolled out per iteration")
-    samples_per_prompt: int = Field(4, gt=0, description="trajectories per prompt: the GRPO group")
+    samples_per_prompt: int = Field(4, gt=0, le=4096, description="trajectories per prompt: the GRPO group")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (0: greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (the vLLM engine needs 1.0)")
     max_turns: int = Field(16, gt=0, description="assistant turns per trajectory")
@@ -425,6 +426,18 @@ class RolloutConfig(Section):
             "torch sees one, else the CPU), cpu, cuda or cuda:N"
         ),
     )
+
+    @model_validator(mode="after")
+    def _an_iteration_that_fits_in_memory(self) -> "RolloutConfig":
+        # an iteration's trajectories are planned in memory: 1.6e9 of them was a MemoryError after the model loaded,
+        # and tasks_per_iteration=1e12 a silent hang
+        rows = self.tasks_per_iteration * self.samples_per_prompt
+        if rows > MAX_ITERATION_TRAJECTORIES:
+            raise ValueError(
+                f"tasks_per_iteration × samples_per_prompt = {rows:,} trajectories an iteration, more than "
+                f"{MAX_ITERATION_TRAJECTORIES:,}: a typo? (a large RL iteration is ~10^4)"
+            )
+        return self
 
 
 # purify.* settings that choose where or which partitions are written, never what a partition holds:

@@ -61,10 +61,10 @@ def run_id_problem(run_id: str) -> str | None:
     if (
         not run_id
         or run_id.startswith((".", "-"))
-        or any(c in "/\\" or not c.isprintable() or c.isspace() for c in run_id)
+        or any(c in "/\\" or not c.isprintable() for c in run_id)  # a space is printable: quoted, it is named
     ):
         return (
-            f"run id {run_id!r} must be a plain folder name: no '/', no spaces or control characters, not empty and "
+            f"run id {run_id!r} must be a plain folder name: no '/', no tab or other control character, not empty and "
             "not starting with '.' or '-' (e.g. exp1, qwen3-4b_gamma0.5)"
         )
     return None

@@ -335,6 +335,7 @@ class ShardWriter:
         try:
             _fsync_dir(self.directory)
             _atomic_write_bytes(self.directory / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
+            self._committed = True  # before anything else can be interrupted: __exit__ aborts what is not
         except BaseException:
             if (self.directory / MANIFEST).is_file():  # interrupted past the rename, which is the commit
                 self._committed = True

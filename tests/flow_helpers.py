@@ -187,3 +187,15 @@ def refused(argv: list[str], capsys, code: int, *words: str) -> str:
     for w in words:
         assert w in lines[0], lines[0]
     return lines[0]
+
+
+def interrupted_after(monkeypatch, owner: object, name: str) -> None:
+    """`owner.name` does its work and then raises KeyboardInterrupt: what a Ctrl-C (or a kill, for what was written
+    before it) just past that step leaves."""
+    done = getattr(owner, name)
+
+    def then_interrupted(*args, **kwargs):
+        done(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(owner, name, then_interrupted)

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
         return e.code
 
 
-@pytest.mark.parametrize("run_id", ["", "a/b", "x\ttab", "-dash", ".hidden", "two words"])
+@pytest.mark.parametrize("run_id", ["", "a/b", "x\ttab", "-dash", ".hidden", "a\\b"])
 def test_a_run_id_that_no_command_line_could_name_again_is_refused(run_id, tmp_path, capsys):
     """`gc --run ''` fell back to flow.run_id and acted on the default run; `flow.run_id=a/b` started a Prefect
     server before failing; a tab or a leading dash made runs no `--run` could name again."""
@@ -28,6 +28,13 @@ def test_a_run_id_that_no_command_line_could_name_again_is_refused(run_id, tmp_p
     assert main(["config", f"flow.run_id={run_id}", f"storage.root={tmp_path}"]) == 2
     err = capsys.readouterr().err  # a tab does not even parse as a YAML value
     assert "flow.run_id" in err and ("must be a plain folder name" in err or "not valid YAML" in err), err
+
+
+def test_a_run_id_with_a_space_is_a_name_stores_already_hold(tmp_path, capsys):
+    """Quoted, a space names a run on every command line: runs stores hold under such names stay reachable."""
+    assert main(["config", "flow.run_id=two words", f"storage.root={tmp_path}"]) == 0
+    (tmp_path / "runs" / "two words").mkdir(parents=True)
+    assert main(["gc", "--run", "two words", "--dry-run", f"storage.root={tmp_path}"]) == 0
 
 
 @pytest.mark.parametrize("port", ["99999", "-1", "http"])
@@ -65,6 +72,20 @@ def test_bootstrap_refuses_an_out_it_would_litter_before_any_work(tmp_path, caps
         assert main(["bootstrap", "--out", out, "--steps", "1", "--corpus-size", "8"]) == 2
         assert says in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "a-file"]
+
+
+def test_bootstrap_force_rebuilds_a_policy_a_ctrl_c_cut_short_or_a_sharded_one(tmp_path):
+    """Saving writes config.json before the weights: a folder left so was refused as "holds other files", even with
+    --force, and so was a policy whose weights are sharded."""
+    from flows.policy_cmds import out_problem
+
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text("{}")
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    for out in (tmp_path / "cut", tmp_path / "sharded"):
+        assert out_problem(out, force=True) is None
+        assert "already holds a policy; pass --force" in out_problem(out, force=False)
 
 
 def test_a_run_whose_policy_is_missing_writes_no_run_json(tmp_path):
@@ -134,3 +155,16 @@ def test_a_stage_refused_for_other_settings_names_them(uninterrupted, tmp_path, 
     err = capsys.readouterr().err
     assert "committed by an update with other train settings" in err and "-> 0.5; give the run's -c file" in err, err
     assert main(args) == 0  # the run's own settings: kept
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("rollout.tasks_per_iteration=1e12", "trajectories an iteration, more than 10,000,000"),
+        ("rollout.samples_per_prompt=100000000", "rollout.samples_per_prompt: Input should be less than or equal"),
+    ],
+)
+def test_an_iteration_too_large_to_plan_is_refused_when_the_config_is_read(override, says, tmp_path, capsys):
+    """1.6e9 trajectories were a MemoryError traceback after the policy loaded; 1e12 tasks a silent hang."""
+    assert main(["config", override, f"storage.root={tmp_path}"]) == 2
+    assert says in capsys.readouterr().err

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flow_helpers import cleaner, command_env, tiny_config
+from tests.flow_helpers import cleaner, command_env, interrupted_after, tiny_config
 
 RESUME = "interrupted; run the same command again to resume (what was committed is kept)"
 
@@ -170,17 +170,58 @@ def test_ctrl_c_just_past_progress_json_leaves_an_update_that_resumes(tmp_path, 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(1), "k")
-    write = resume.atomic_write_json
-
-    def renamed_then_interrupted(path, value):
-        write(path, value)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(resume, "atomic_write_json", renamed_then_interrupted)
+    interrupted_after(monkeypatch, resume, "atomic_write_json")
     with pytest.raises(KeyboardInterrupt):
         resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(2), "k")
-    monkeypatch.setattr(resume, "atomic_write_json", write)
+    monkeypatch.undo()
     assert resume.load_local(tmp_path / "partial", model, optimizer, "k").minibatches_done == 2
+
+
+def test_a_full_disk_writing_progress_json_leaves_no_unnamed_state(tmp_path, monkeypatch):
+    """The state saved for mini-batch 2 stayed beside mini-batch 1's when progress.json could not be written: twice
+    the space, when space was what was short."""
+    import torch
+
+    import trainer.resume as resume
+    from trainer.grpo import UpdateProgress
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(1), "k")
+
+    def disk_full(path, value):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(resume, "atomic_write_json", disk_full)
+    with pytest.raises(OSError):
+        resume.save_local(tmp_path / "partial", model, optimizer, UpdateProgress(2), "k")
+    assert sorted(p.name for p in (tmp_path / "partial").glob("mb*")) == ["mb0001"]
+
+
+def test_metrics_an_attempt_with_other_settings_left_are_replaced(purified_run, tmp_path, monkeypatch):
+    """Metrics commit before the checkpoint: an attempt that failed between the two, rerun with other settings,
+    kept the first attempt's metrics beside a checkpoint trained otherwise."""
+    import trainer.inputs
+    from storage.layout import RunLayout
+    from storage.shards import read_manifest
+    from tests.flow_helpers import copy_runs
+    from trainer.stage import run_update_stage
+
+    cfg = purified_run.model_copy(deep=True)
+    cfg.storage.root = copy_runs(purified_run.storage.root, tmp_path)
+    metrics = RunLayout(cfg.storage.root, "w").metrics_dir(0, "update")
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer.inputs, "write_checkpoint", disk_full)
+    with pytest.raises(OSError):
+        run_update_stage(cfg, "w", 0, log=lambda *_: None)
+    first = read_manifest(metrics).config_hash
+    monkeypatch.undo()
+    cfg.train.lr *= 10
+    run_update_stage(cfg, "w", 0, log=lambda *_: None)
+    assert read_manifest(metrics).config_hash not in (None, first)
 
 
 def test_a_kill_right_after_the_checkpoint_commit_loses_no_update_metrics(purified_run, tmp_path, monkeypatch):
@@ -194,15 +235,9 @@ def test_a_kill_right_after_the_checkpoint_commit_loses_no_update_metrics(purifi
 
     cfg = purified_run.model_copy(deep=True)
     cfg.storage.root = copy_runs(purified_run.storage.root, tmp_path)
-    write = trainer.inputs.write_checkpoint
-
-    def committed_then_killed(*args, **kwargs):
-        write(*args, **kwargs)
-        raise KeyboardInterrupt  # what a kill there leaves: everything the commits before wrote
-
-    monkeypatch.setattr(trainer.inputs, "write_checkpoint", committed_then_killed)
+    interrupted_after(monkeypatch, trainer.inputs, "write_checkpoint")  # a kill there: what the commits wrote
     with pytest.raises(KeyboardInterrupt):
         run_update_stage(cfg, "w", 0, log=lambda *_: None)
-    monkeypatch.setattr(trainer.inputs, "write_checkpoint", write)
+    monkeypatch.undo()
     run_update_stage(cfg, "w", 0, log=lambda *_: None)  # the rerun: the checkpoint is kept
     assert is_committed(RunLayout(cfg.storage.root, "w").metrics_dir(0, "update"))

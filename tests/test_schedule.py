@@ -357,3 +357,17 @@ def test_a_schedule_keeps_its_server_and_ends_in_one_line_when_it_dies(tmp_path)
     text = log.read_text()
     assert code == 1 and f"its Prefect server (pid {server_pid}) stopped" in text, text[-3000:]
     assert "Traceback" not in text and not state_file.exists(), text[-3000:]
+
+
+def test_a_dead_servers_record_is_forgotten_but_not_one_written_since(tmp_path):
+    """A schedule whose server died removes its record; one that `cleaner server start` wrote in the meantime names
+    another, live server, which stop_server would have stopped."""
+    from flows.server import forget_server, prefect_home
+
+    record = prefect_home(tmp_path) / "server.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"pid": 4242, "port": 1, "url": "http://127.0.0.1:1/api", "log": "x"}))
+    forget_server(tmp_path, 999_999)
+    assert record.exists()
+    forget_server(tmp_path, 4242)
+    assert not record.exists()

@@ -103,6 +103,20 @@ def test_an_interrupt_after_the_manifest_is_renamed_in_keeps_the_shard(tmp_path,
     assert read_shard(tmp_path / "s", RAW).num_rows == 5
 
 
+def test_an_interrupt_as_the_manifest_rename_returns_keeps_the_shard(tmp_path, monkeypatch):
+    """The other side of the rename: an interrupt the moment it returned must not reach the writer's abort (the
+    commit's except branch that finds the manifest in place; the flag is now also set before anything else runs)."""
+    import storage.shards as shards
+
+    from tests.flow_helpers import interrupted_after
+
+    interrupted_after(monkeypatch, shards, "_atomic_write_bytes")
+    with pytest.raises(KeyboardInterrupt):
+        with ShardWriter(tmp_path / "s", RAW, "h", rows_per_part=2) as w:
+            w.write(raw_table(5))
+    assert read_shard(tmp_path / "s", RAW).num_rows == 5
+
+
 SLOW_WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})

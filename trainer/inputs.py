@@ -18,7 +18,7 @@ from storage.errors import CheckpointError
 from storage.identity import identity_hash
 from storage.layout import RunLayout, missing_run, record_path, resolve_recorded
 from storage.schemas import METRICS, PURIFIED, readable_as
-from storage.shards import Manifest, ShardMissing, is_committed, read_manifest, read_shard, write_shard
+from storage.shards import Manifest, ShardMissing, read_manifest, read_shard, write_shard
 from trainer.batches import BEHAVIOUR_COLUMN, TRAINING_COLUMNS, training_rows
 from trainer.dpo import read_pairs
 from trainer.grpo import UpdateError
@@ -274,9 +274,15 @@ def update_metric_records(run_id: str, iteration: int, metrics: list) -> list[di
 
 
 def commit_metrics(metrics_dir: Path, records: list[dict], config_hash: str) -> None:
-    """The iteration's update metrics shard, unless an earlier attempt committed it."""
-    if not is_committed(metrics_dir):
-        write_shard(metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, config_hash)
+    """The iteration's update metrics shard, committed just before its checkpoint, unless an earlier attempt of the
+    same update committed it. An attempt with other settings that failed between the two left metrics that are not
+    this checkpoint's: they are replaced (nothing trained on them, no checkpoint names them)."""
+    before = read_manifest(metrics_dir)
+    if before is not None and before.config_hash == config_hash:
+        return
+    if before is not None:
+        shutil.rmtree(metrics_dir)
+    write_shard(metrics_dir, pa.Table.from_pylist(records, schema=METRICS), METRICS, config_hash)
 
 
 def write_update_metrics(run_id: str, iteration: int, inputs: UpdateInputs, metrics: list, key: str) -> None:

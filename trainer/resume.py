@@ -70,9 +70,15 @@ def save_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, progres
         if not any(folder.iterdir()):
             folder.rmdir()
         raise
-    # outside the cleanup above: once progress.json is renamed in, it names this state, which must stay (a Ctrl-C
-    # just past that rename deleted it, and no rerun could resume); before the rename, the previous state is named
-    write_progress(folder, key, progress)
+    # once progress.json is renamed in, it names this state, which must stay (a Ctrl-C just past that rename deleted
+    # it, and no rerun could resume); before the rename the previous state is named, and this one goes
+    try:
+        write_progress(folder, key, progress)
+    except BaseException:
+        named = read_progress(folder, key)
+        if named is None or named[0] != tag_of(progress):
+            shutil.rmtree(state.parent, ignore_errors=True)
+        raise
 
 
 def load_local(folder: Path, model: torch.nn.Module, update: GRPOUpdate, key: str) -> UpdateProgress | None:
