@@ -180,6 +180,9 @@ def test_sql_box_reads_the_catalog_and_nothing_outside_the_root(client, store):
         f"SELECT * FROM read_text('{store}/../../../../etc/passwd')",
         "SELECT * FROM glob('/etc/*')",
         f"COPY (SELECT 1) TO '{store}/runs/w/x.csv'",
+        # EXPLAIN ANALYZE runs the statement it explains: COPY … TO wrote into the store through it
+        f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{store}/runs/w/x.csv'",
+        f"EXPLAIN COPY (SELECT 1) TO '{store}/runs/w/x.csv'",
         "ATTACH '/tmp/other.duckdb' AS o",
         "SET enable_external_access = true",
         "INSTALL httpfs",
@@ -191,6 +194,15 @@ def test_sql_box_reads_the_catalog_and_nothing_outside_the_root(client, store):
     assert not (store / "runs" / "w" / "x.csv").exists()
     escaped = client.get("/sql", params={"q": "SELECT '<script>alert(1)</script>' AS x"})
     assert "<script>alert(1)" not in escaped.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in escaped.text
+
+
+def test_a_request_another_site_makes_through_the_browser_is_refused(client):
+    """A page elsewhere could make the researcher's browser request the SQL box (an <img src=…/sql?q=…>): a GET
+    with no origin check. Requests a browser marks cross-site are refused, whatever the page."""
+    r = client.get("/sql", params={"q": "SELECT 1"}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403 and "another site" in r.text
+    assert client.get("/sql", params={"q": "SELECT 1"}, headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
+    assert client.get("/", headers={"Sec-Fetch-Site": "none"}).status_code == 200  # typed in the address bar
 
 
 @pytest.mark.parametrize(
