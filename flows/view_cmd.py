@@ -10,9 +10,13 @@ from flows.command import command_parser, config_of
 
 
 def run(args: argparse.Namespace) -> int:
+    from flows.stage_cmds import published
     from flows.viewer.serve import serve
 
     cfg = config_of(args)
+    # a copied or moved store's catalog refuses to read (its views name the original's files): the index and run
+    # pages were 503s there; published here, as `cleaner inspect` does (one warning where the root is read-only)
+    published(cfg, "cleaner view")
     return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
 
 

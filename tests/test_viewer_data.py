@@ -392,3 +392,40 @@ def test_the_viewer_follows_a_flow_that_writes(store, tmp_path):
     assert page.status_code == 200 and page.text.count('class="traj"') == 64
     link = re.search(r'href="(/runs/w/1/trajectory[^"]+)"', page.text).group(1).replace("&amp;", "&")
     assert client.get(link).status_code == 200
+
+
+def test_the_viewer_of_a_copied_store_reads_the_copy(store, tmp_path, monkeypatch):
+    """`cleaner view` on a copied store: its catalog names the original's files, so the index and run pages were
+    503s ("Cannot access file …/ws/…") while the iteration pages worked. The command publishes the copy's."""
+    import flows.viewer.serve
+    from flows.cli import main
+
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy)
+    monkeypatch.setattr(flows.viewer.serve, "serve", lambda *a, **kw: 0)  # the server itself is not the point
+    assert main(["view", f"storage.root={copy}"]) == 0
+    from flows.viewer.app import create_app
+
+    client = TestClient(create_app(copy, copy / "catalog.duckdb"))
+    assert client.get("/").status_code == 200 and client.get("/runs/w").status_code == 200
+
+
+def test_a_store_nothing_published_shows_runs_committed_since(store, tmp_path, monkeypatch):
+    """The in-memory catalog of an unpublished root was built once: a run committed later showed 0 iterations."""
+    import flows.viewer.store as viewer_store
+    from flows.viewer.store import Store
+
+    monkeypatch.setattr(viewer_store, "FALLBACK_TTL_S", 0.0)
+    root = tmp_path / "root"
+    root.mkdir()
+    s = Store(root, root / "catalog.duckdb")
+    assert s.runs() == []
+    shutil.copytree(store / "runs" / "w", root / "runs" / "w")
+    assert [(r["run_id"], r["iterations"]) for r in s.runs()] == [("w", 1)]
+
+
+def test_a_filter_on_a_label_no_row_has_says_so(client):
+    """`?label=Bogus` showed "any" in the label menu over an empty table: the filter looked off."""
+    r = client.get("/runs/w/0", params={"label": "Bogus"})
+    assert r.status_code == 200 and 'value="Bogus" selected>Bogus (none in this iteration)</option>' in r.text
+    assert "recovered calls" in client.get("/runs/w").text

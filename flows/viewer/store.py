@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from storage.layout import RunLayout
 from storage.schemas import row_key
 
 SCOPES = 8  # iteration catalogs kept (a few views each): the pages a person moves between
+FALLBACK_TTL_S = 5.0  # the in-memory catalog of a root nothing published yet, rebuilt at most this often
 
 
 def rows_of(cur: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -70,7 +72,7 @@ class Store:
         self.catalog_file = Path(catalog_file).resolve()
         self._lock = threading.Lock()
         self._published: tuple[tuple[int, int], duckdb.DuckDBPyConnection] | None = None
-        self._fallback: Catalog | None = None
+        self._fallback: tuple[float, Catalog] | None = None
         self._scopes: OrderedDict[tuple[str, int], tuple[tuple, Scope]] = OrderedDict()
 
     # ---- the published catalog -----------------------------------------------------------------------------
@@ -95,9 +97,10 @@ class Store:
         if con is not None:
             return cursor(con)
         with self._lock:
-            if self._fallback is None:
-                self._fallback = Catalog(self.root)
-            return self._fallback.con.cursor()
+            # rebuilt every few seconds: built once, it showed a run committed since with no iteration
+            if self._fallback is None or time.monotonic() - self._fallback[0] > FALLBACK_TTL_S:
+                self._fallback = (time.monotonic(), Catalog(self.root))
+            return self._fallback[1].con.cursor()
 
     def query(self, sql: str, **params: Any) -> list[dict[str, Any]]:
         return rows_of(self.connection(), sql, params)
