@@ -5,6 +5,7 @@ command module's `add_parser(subparsers)` sets `func` to the command's run funct
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 from functools import partial
 from pathlib import Path
@@ -63,6 +64,12 @@ class Parser(argparse.ArgumentParser):
         return action
 
     def error(self, message: str):
+        typed = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if typed:  # `cleaner trian`: the command meant, as a config key typo gets one
+            choices = re.findall(r"'?([\w-]+)'?", typed[2])
+            close = difflib.get_close_matches(typed[1], choices, n=1)
+            if close:
+                message = f"{message}; did you mean {close[0]!r}?"
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 

@@ -208,6 +208,8 @@ def run_export(
     if fmt not in FORMATS:
         raise InteropError(f"--format {fmt}: expected one of {', '.join(FORMATS)}")
     check_out_dir(out)  # before reading anything: a folder in use is refused at once
+    if fmt == "verl" and partition is not None:  # it exported the prompts as if --partition were not there
+        raise InteropError("--partition is not read by --format verl: it exports the run's prompts, one row per task")
     if fmt == "verl":
         return _verl_export(cfg, run_id, iterations, tasks, out)
     if tasks is not None:

@@ -328,6 +328,8 @@ def run_inspect(
         raise InspectError("--sql, --queries and --verify are one at a time")
     if sql is not None and not sql.strip():
         raise InspectError('--sql needs a query (e.g. --sql "SELECT * FROM purify_compare")')
+    if sql is not None and run_id is not None:  # it ran the query over every run, as if --run were not there
+        raise InspectError(f"--run restricts the summary tables, not --sql: add WHERE run_id = '{run_id}' to the query")
     if not print_queries and not cfg.storage.root.is_dir():  # a mistyped root must not become a new, empty one
         raise WorkspaceError(
             f"storage.root {cfg.storage.root} does not exist (no run has written there; check storage.root or --config)"

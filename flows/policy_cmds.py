@@ -67,6 +67,13 @@ def run_bootstrap(args: argparse.Namespace) -> int:
 def run_init_policy(args: argparse.Namespace) -> int:
     from flows.init_policy import InitPolicyConfig, init_policy
 
+    if args.random and args.retrain:  # --retrain was ignored: random weights are never trained
+        print(
+            "cleaner init-policy: --random writes untrained weights, --retrain reruns the SFT: give one",
+            file=sys.stderr,
+        )
+        return 2
+
     init_policy(
         args.out,
         InitPolicyConfig(steps=0) if args.random else InitPolicyConfig(),

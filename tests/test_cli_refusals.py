@@ -168,3 +168,31 @@ def test_an_iteration_too_large_to_plan_is_refused_when_the_config_is_read(overr
     """1.6e9 trajectories were a MemoryError traceback after the policy loaded; 1e12 tasks a silent hang."""
     assert main(["config", override, f"storage.root={tmp_path}"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_mistyped_command_or_choice_gets_a_did_you_mean(capsys):
+    """A config key typo got one; `cleaner trian` only the list of commands."""
+    assert main(["trian"]) == 2
+    assert "did you mean 'train'?" in capsys.readouterr().err
+    assert main(["replay", "--mode", "sar"]) == 2
+    assert "did you mean 'saar'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["inspect", "--sql", "SELECT 1", "--run", "w"], "--run restricts the summary tables, not --sql"),
+        (
+            ["export", "--format", "verl", "--partition", "mode=saar/gamma=0.50"],
+            "--partition is not read by --format verl",
+        ),
+        (["init-policy", "--random", "--retrain"], "--random writes untrained weights, --retrain reruns the SFT"),
+    ],
+)
+def test_a_flag_the_command_would_ignore_is_refused(argv, says, tmp_path, capsys):
+    """Each ran as if the flag were not there: the SQL over every run, the prompts of the run, random weights."""
+    out = ["--out", str(tmp_path / "out")] if argv[0] in ("export", "init-policy") else []
+    overrides = [] if argv[0] == "init-policy" else [f"storage.root={tmp_path}"]
+    assert main([*argv, *out, *overrides]) in (1, 2)
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
