@@ -24,7 +24,7 @@ from experiments.contrasts import (
     paired_t,
     registration_note,
 )
-from experiments.stats import final_by_seed, mean_se
+from experiments.stats import final_by_seed, mean_se, premise_table
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "results"
@@ -482,6 +482,12 @@ def write(results: list[dict], exp: dict, stem: str, wall_s: float, where: str |
     elif _carried(old, "Off-policy diagnostics"):
         h, body = _carried(old, "Off-policy diagnostics")
         lines += [f"## {h}", "", CARRY_NOTE, "", body, ""]
+    lines += [
+        "## Premise figures per iteration (EXPERIMENTS.md), of the partition each arm trained on",
+        "",
+        *premise_table(results, arms),
+        "",
+    ]
     for saar in (False, True):
         lines += [
             f"## First and last checkpoint, SAAR {'on' if saar else 'off'} at test time",

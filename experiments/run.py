@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from experiments.stats import premise_by_iteration
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "results"
 
@@ -80,7 +82,23 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
             text=True,
         ).stdout.splitlines()[-1]
     )
-    return {"arm": name, "seed": seed, "run_id": run_id, "commit": code_commit(), "train_s": train_s, "evals": evals}
+    return {
+        "arm": name,
+        "seed": seed,
+        "run_id": run_id,
+        "commit": code_commit(),
+        "train_s": train_s,
+        "evals": evals,
+        "premise": premise_by_iteration(root, run_id, trained_mode(overrides)),
+    }
+
+
+def trained_mode(overrides: list[str]) -> str:
+    """The purification mode a run's update trains on: its last train.mode override, else the default."""
+    from pipeline.config import TrainConfig
+
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("train.mode=")]
+    return given[-1] if given else TrainConfig.model_fields["mode"].default
 
 
 def code_commit() -> str | None:

@@ -101,6 +101,72 @@ _COLUMNS = [  # (header, value of one run's row); each cell is the mean over see
 ]
 
 
+# EXPERIMENTS.md's premise figures, per iteration of one run and the partition it trained on: the mean GRPO advantage
+# of trajectories whose first call failed, the share of them with a positive one, and the share of trained tokens
+# that lie on failed calls. Recorded into each result when its run ends (experiments/run.py): the run's store may
+# not outlive the experiment, and the page's all-iteration means hide how they move.
+_PREMISE_SQL = """
+WITH o AS (
+    SELECT iteration, sum(tokens)::DOUBLE AS trained FROM off_policy
+    WHERE run_id = $run AND mode = $mode GROUP BY ALL
+), f AS (
+    SELECT iteration, sum(trained)::DOUBLE AS failed_trained FROM failed_call_advantage
+    WHERE run_id = $run AND mode = $mode GROUP BY ALL
+), k AS (
+    SELECT iteration, avg(advantage) AS failed_first_advantage, avg((advantage > 0)::INT) AS failed_first_positive
+    FROM raw_kinds WHERE run_id = $run AND kind IN ('recovered', 'not_recovered') GROUP BY ALL
+)
+SELECT o.iteration, k.failed_first_advantage, k.failed_first_positive,
+       coalesce(f.failed_trained, 0) / o.trained AS failed_call_share_of_trained
+FROM o LEFT JOIN f USING (iteration) LEFT JOIN k USING (iteration) ORDER BY o.iteration
+"""
+
+
+def premise_by_iteration(root: Path, run_id: str, mode: str) -> list[dict]:
+    """The premise figures of `run_id`, one row per iteration of its `mode` partition."""
+    from storage.catalog import Catalog
+
+    with Catalog(root) as cat:
+        return cat.con.sql(_PREMISE_SQL, params={"run": run_id, "mode": mode}).to_arrow_table().to_pylist()
+
+
+PREMISE_FIGURES = (
+    ("failed_first_advantage", "adv. of failed-first"),
+    ("failed_first_positive", "positive share of failed-first"),
+    ("failed_call_share_of_trained", "failed-call share of trained"),
+)
+
+
+def premise_table(results: list[dict], arms: list[str]) -> list[str]:
+    """The premise figures per arm and iteration, mean ± s.e. between seeds, from what each run recorded."""
+    if not any(r.get("premise") for r in results):
+        return [
+            "(not recorded: these results predate the per-iteration record, which experiments/run.py keeps with "
+            "each result since 2026-12-07; the all-iteration means above are what the run's catalog gave)"
+        ]
+    lines = [
+        "| arm | iteration | seeds | " + " | ".join(h for _, h in PREMISE_FIGURES) + " |",
+        "|---|---|---|" + "---|" * len(PREMISE_FIGURES),
+    ]
+    for arm in arms:
+        by_iteration: dict[int, list[dict]] = {}
+        for r in results:
+            if r["arm"] == arm:
+                for row in r.get("premise") or []:
+                    by_iteration.setdefault(row["iteration"], []).append(row)
+        for iteration, rows in sorted(by_iteration.items()):
+            cells = []
+            for key, _ in PREMISE_FIGURES:
+                vals = [row[key] for row in rows if row.get(key) is not None]
+                if not vals:
+                    cells.append("—")
+                    continue
+                m, se = mean_se(vals)
+                cells.append(f"{m:.4f}" + (f" ± {se:.4f}" if len(vals) > 1 else ""))
+            lines.append(f"| {arm} | {iteration} | {len(rows)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def off_policy_rows(root: Path, runs: list[str], mode: str) -> list[dict]:
     from storage.catalog import Catalog
 

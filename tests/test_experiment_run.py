@@ -43,3 +43,30 @@ def test_the_replay_section_replays_the_run_it_names(world_rollout):
     text = _replay_section([{"run_id": "w", "arm": "saar"}], str(world_rollout.storage.root))
     assert text.startswith("Replay of `w` iteration 0 (64 raw trajectories)"), text
     assert text.count("\n| ") == 8, text  # the header and γ = 0 … 1.01
+
+
+def test_each_result_records_its_premise_figures_per_iteration(world_rollout, tmp_path):
+    """EXPERIMENTS.md asks for the premise figures per iteration next to the result; the pages had them only as
+    all-iteration means read from a store the experiment did not keep. For one iteration the two must agree."""
+    from experiments.run import trained_mode
+    from experiments.stats import off_policy_rows, premise_by_iteration, premise_table
+    from purifier.stage import run_purify_stage
+    from tests.flow_helpers import copy_runs
+
+    assert trained_mode(["storage.root=x", "train.mode=raw", "train.mode=saar_correct"]) == "saar_correct"
+    assert trained_mode([]) == "saar"
+
+    root = copy_runs(world_rollout.storage.root, tmp_path / "ws")
+    cfg = world_rollout.model_copy(deep=True)
+    cfg.storage.root = root
+    cfg.purify.modes, cfg.purify.gammas = ["saar"], [0.5]
+    run_purify_stage(cfg, "w", 0)
+    rows = premise_by_iteration(root, "w", "saar")
+    assert [r["iteration"] for r in rows] == [0]
+    whole = off_policy_rows(root, ["w"], "saar")[0]
+    assert rows[0]["failed_first_advantage"] == whole["failed_first_advantage"]
+    assert rows[0]["failed_first_positive"] == whole["failed_first_positive"]
+    assert rows[0]["failed_call_share_of_trained"] == (whole["failed_trained"] or 0) / whole["trained"]
+    table = premise_table([{"arm": "saar", "seed": 0, "premise": rows}], ["saar"])
+    assert table[2].startswith("| saar | 0 | 1 | ")
+    assert premise_table([{"arm": "saar", "seed": 0, "evals": []}], ["saar"])[0].startswith("(not recorded")
