@@ -137,6 +137,15 @@ PREMISE_FIGURES = (
 )
 
 
+def between_seeds(values: list[float | None]) -> str:
+    """A table cell: the mean of the seeds' values ± their standard error ("—" when none has one)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "—"
+    m, se = mean_se(vals)
+    return f"{m:.4f}" + (f" ± {se:.4f}" if len(vals) > 1 else "")
+
+
 def premise_table(results: list[dict], arms: list[str]) -> list[str]:
     """The premise figures per arm and iteration, mean ± s.e. between seeds, from what each run recorded."""
     if not any(r.get("premise") for r in results):
@@ -155,14 +164,7 @@ def premise_table(results: list[dict], arms: list[str]) -> list[str]:
                 for row in r.get("premise") or []:
                     by_iteration.setdefault(row["iteration"], []).append(row)
         for iteration, rows in sorted(by_iteration.items()):
-            cells = []
-            for key, _ in PREMISE_FIGURES:
-                vals = [row[key] for row in rows if row.get(key) is not None]
-                if not vals:
-                    cells.append("—")
-                    continue
-                m, se = mean_se(vals)
-                cells.append(f"{m:.4f}" + (f" ± {se:.4f}" if len(vals) > 1 else ""))
+            cells = [between_seeds([row.get(key) for row in rows]) for key, _ in PREMISE_FIGURES]
             lines.append(f"| {arm} | {iteration} | {len(rows)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -184,13 +186,6 @@ def off_policy_table(results: list[dict], modes: dict[str, str], root: Path) -> 
         except Exception as e:  # noqa: BLE001 - a diagnostics row is a bonus; say why it is missing
             lines.append(f"| {arm} | {mode} | (unavailable: {e}) |")
             continue
-        cells = []
-        for _, value in _COLUMNS:
-            vals = [v for v in map(value, rows) if v is not None]
-            if not vals:
-                cells.append("—")
-                continue
-            m, se = mean_se(vals)
-            cells.append(f"{m:.4f}" + (f" ± {se:.4f}" if len(vals) > 1 else ""))
+        cells = [between_seeds(list(map(value, rows))) for _, value in _COLUMNS]
         lines.append(f"| {arm} | {mode} | " + " | ".join(cells) + " |")
     return lines
