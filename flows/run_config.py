@@ -47,8 +47,10 @@ def _frozen(data: dict) -> dict:
 
 def preflight(cfg: CleanerConfig) -> None:
     """What a training flow would only find wrong after writing something (run.json, a rollout), each one line
-    before: the task file and its size, flow.eval_every's settings, what the update needs of the machine.
+    before: the task file and its size, flow.eval_every's settings, what the update needs of the machine, the purify
+    runner.
     `cleaner train` runs it before Prefect is set up; the flow again, for a deployment's firings."""
+    from purifier.stage import check_runner
     from rollout_gen.eval_stage import check_eval_settings
     from rollout_gen.stage import iteration_tasks
     from trainer.devices import check_device
@@ -57,6 +59,7 @@ def preflight(cfg: CleanerConfig) -> None:
         iteration_tasks(cfg, 0)
     check_eval_settings(cfg)
     check_device(cfg)
+    check_runner(cfg)
 
 
 def tasks_digest(cfg: CleanerConfig) -> str | None:

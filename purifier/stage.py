@@ -149,6 +149,31 @@ def beam_runner(cfg: CleanerConfig) -> tuple[str, list[str]]:
     return beam_pipeline.DASK_RUNNER, [*options, *p.beam_options]
 
 
+def check_runner(cfg: CleanerConfig) -> None:
+    """purify.runner can run, checked before a flow's first rollout: a runner Beam does not know, purify.runner=dask
+    with no local cluster, or a purify.dask_address nobody answers at were found only at the first purify, after
+    minutes of rollout. One line each (the address is only dialled: Dask's own handshake comes at the purify)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from purifier.dask_cluster import ClusterError
+
+    runner, options = beam_runner(cfg)
+    if runner != beam_pipeline.DASK_RUNNER or not cfg.purify.dask_address:
+        return
+    where = urlsplit(
+        cfg.purify.dask_address if "://" in cfg.purify.dask_address else f"tcp://{cfg.purify.dask_address}"
+    )
+    try:
+        with socket.create_connection((where.hostname, where.port or 8786), timeout=3):
+            pass
+    except (OSError, ValueError) as e:
+        raise ClusterError(
+            f"purify.dask_address={cfg.purify.dask_address}: no Dask scheduler answers there "
+            f"({getattr(e, 'strerror', None) or e}); start it, or check the address"
+        ) from None
+
+
 def _vllm_urls(cfg: CleanerConfig, checkpoint: Path) -> list[str]:
     """purify.recompute=vllm: the rollout's vLLM servers (started here, in the driver, when cleaner runs them), so
     every Beam worker scores on the same ones."""

@@ -196,3 +196,19 @@ def test_a_flag_the_command_would_ignore_is_refused(argv, says, tmp_path, capsys
     assert main([*argv, *out, *overrides]) in (1, 2)
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("purify.runner=dask", "no purify.dask_address and no local Dask cluster"),
+        ("purify.dask_address=tcp://127.0.0.1:9", "purify.dask_address=tcp://127.0.0.1:9: no Dask scheduler answers"),
+        ("purify.runner=SparkRunnr", "purify.runner=SparkRunnr: Beam knows no such runner"),
+    ],
+)
+def test_train_refuses_a_purify_runner_that_cannot_run_before_any_rollout(override, says, tmp_path, capsys):
+    """Found only at the first purify, after minutes of rollout and a committed raw shard."""
+    extra = ["purify.runner=dask"] if "dask_address" in override else []
+    assert main(["train", f"storage.root={tmp_path}", override, *extra]) != 0
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / ".prefect").exists()
