@@ -27,7 +27,7 @@ from pipeline.config import SandboxConfig
 from pipeline.trajectory import ToolResult
 
 WORKER = Path(__file__).resolve().parent / "sandbox_worker.py"
-ERROR_LABELS = (  # docs/saar.md: the first that occurs in the error text names the failure
+ERROR_LABELS = (  # the spec (SAAR.md): the first that occurs in the error text names the failure, for statistics
     "ImportError",
     "ModuleNotFoundError",
     "SyntaxError",
