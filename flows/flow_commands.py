@@ -189,10 +189,14 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     started = False
     if not os.environ.get("PREFECT_API_URL"):
         # Prefect's temporary server cannot schedule (it dies with the command): run a real one.
-        from flows.server import start_server
+        from flows.server import running_server, start_server
 
+        running = running_server(cfg.storage.root)
         print(
-            f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
+            f"[schedule] using the project's running Prefect server (pid {running.pid}, {running.url}); it stays up "
+            "when this command ends"
+            if running
+            else f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
             f"{cfg.storage.root / '.prefect' / 'server.log'}) ...",
             flush=True,
         )

@@ -148,6 +148,10 @@ def token_predictions(failed: list[dict], iteration: int) -> list[str]:
         f"iteration {iteration}: {_label(r)} removes {neg} negative- and {pos} positive-advantage failed-call "
         f"tokens{_zero(raw, r)}: {verdict(neg, pos)}"
         for r, raw, neg, pos in removals(rows)
+    ] + [  # a partition the rule does not apply to says so (roc was left out without a word)
+        f"iteration {iteration}: {_label(r)} {NOT_A_REMOVAL[r['mode']]}"
+        for r in rows
+        if r["mode"] in NOT_A_REMOVAL and r["mode"] != "raw"
     ]
 
 

@@ -293,7 +293,7 @@ def test_report_has_the_premise_panel(real):
 def test_token_level_prediction_compares_each_mode_with_raw():
     """Hand-stated rows: saar stops training 30 negative- and 10 positive-advantage failed-call tokens that
     raw trains (slower predicted); saar_correct stops only 10 positive ones (not slower); roc is not a
-    removal; without a raw partition nothing is predicted."""
+    removal, and says so (it was left out without a word); without a raw partition nothing is predicted."""
     from flows.premise import token_predictions
 
     def row(mode, neg, pos, gamma=0.0):
@@ -309,7 +309,8 @@ def test_token_level_prediction_compares_each_mode_with_raw():
 
     failed = [row("raw", 40, 10), row("saar", 10, 0, 0.5), row("saar_correct", 40, 0, 0.5), row("roc", 5, 5)]
     lines = token_predictions(failed, 0)
-    assert len(lines) == 2
+    roc = "iteration 0: roc drops whole rows (resampled groups), not failed calls: the rule does not apply"
+    assert len(lines) == 3 and lines[2] == roc
     assert "saar γ=0.5 removes 30 negative- and 10 positive" in lines[0] and lines[0].endswith("predicted")
     assert "slower" in lines[0]
     assert "saar_correct γ=0.5 removes 0 negative- and 10 positive" in lines[1]

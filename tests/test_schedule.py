@@ -371,3 +371,22 @@ def test_a_dead_servers_record_is_forgotten_but_not_one_written_since(tmp_path):
     assert record.exists()
     forget_server(tmp_path, 4242)
     assert not record.exists()
+
+
+def test_a_schedule_on_the_projects_running_server_says_it_uses_it(tmp_path, monkeypatch, capsys):
+    """With `cleaner server start` running, schedule said "starting a local Prefect server" and used the running
+    one (rightly), leaving it up at its end."""
+    import flows.server
+    import flows.training
+    from flows.cli import main
+    from flows.server import ServerState
+
+    state = ServerState(4242, 1234, "http://127.0.0.1:1234/api", str(tmp_path / "server.log"))
+    for name in ("PREFECT_API_URL", "CLEANER_SCHEDULE_PID"):  # the command sets both: gone again after the test
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(flows.server, "running_server", lambda root: state)
+    monkeypatch.setattr(flows.server, "start_server", lambda *a, **kw: (state, False))
+    monkeypatch.setattr(flows.training.training_flow, "serve", lambda **kw: None)  # the serving is not the point
+    assert main(["schedule", "--interval", "60", f"storage.root={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "[schedule] using the project's running Prefect server (pid 4242" in out and "starting a" not in out
