@@ -19,7 +19,8 @@ from pipeline.config import CleanerConfig, load_config
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 QUERIES = (
     '  cleaner inspect{args} --sql "SELECT iteration, avg(reward) AS reward, '
-    'avg(stats.first_attempt_failures) AS tool_errors FROM raw_trajectories GROUP BY 1 ORDER BY 1"\n'
+    "avg(stats.first_attempt_failures) AS first_call_failures_per_trajectory FROM raw_trajectories "
+    'GROUP BY 1 ORDER BY 1"\n'
     "  cleaner inspect{args} --sql \"SELECT error_label, count(*) FROM raw_attempts WHERE status = 'failure' "
     'GROUP BY 1 ORDER BY 2 DESC"\n'
     '  cleaner inspect{args} --sql "SELECT * FROM purify_compare"\n'

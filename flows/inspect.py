@@ -37,7 +37,7 @@ VIEWS = (
 
 EXAMPLE_QUERIES = {
     "tool-error rate per iteration": (
-        "SELECT run_id, iteration, avg(stats.first_attempt_failures) AS first_failures_per_traj, "
+        "SELECT run_id, iteration, avg(stats.first_attempt_failures) AS first_call_failures_per_trajectory, "
         "avg(reward) AS mean_reward FROM raw_trajectories GROUP BY ALL ORDER BY ALL"
     ),
     "failures by label and class": (
@@ -60,7 +60,7 @@ EXAMPLE_QUERIES = {
 SUMMARY_SQL = {
     "raw trajectories": (
         "SELECT run_id, iteration, count(*) AS trajectories, avg(reward) AS mean_reward, "
-        "avg(stats.tool_calls) AS tool_calls, avg(stats.first_attempt_failures) AS first_failures, "
+        "avg(stats.tool_calls) AS tool_calls, avg(stats.first_attempt_failures) AS first_call_failures_per_trajectory, "
         "sum(stats.recovered) AS recovered, avg(response_tokens) AS response_tokens "
         "FROM raw_summary {where} GROUP BY ALL ORDER BY ALL"
     ),
@@ -101,7 +101,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         _MEAN_REWARD,
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included"),
         Column(
-            "first_failures",
+            "first_call_failures_per_trajectory",
             "first-call failures",
             "positions per trajectory whose first call failed (the tool-error rate SAAR retries after)",
         ),
@@ -159,7 +159,11 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
         _TRAJECTORIES,
         _MEAN_REWARD,
         Column("accuracy", "accuracy", "share of trajectories with a positive reward"),
-        Column("tool_errors_per_traj", "first-call failures", "positions per trajectory whose first call failed"),
+        Column(
+            "first_call_failures_per_trajectory",
+            "first-call failures",
+            "positions per trajectory whose first call failed",
+        ),
         Column("tool_calls", "tool calls", "tool calls per trajectory, retries included", wide=True),
         Column("response_tokens", "response tokens", _RESPONSE),
         Column("generated_tokens", "generated tokens", "tokens sampled, summed, failed attempts included", wide=True),

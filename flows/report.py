@@ -32,7 +32,7 @@ from storage.shards import ShardError, ShardMissing
 ITERATIONS_SQL = """
 WITH raw AS (
   SELECT iteration, count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS accuracy,
-         avg(stats.first_attempt_failures) AS tool_errors_per_traj, avg(stats.tool_calls) AS tool_calls,
+         avg(stats.first_attempt_failures) AS first_call_failures_per_trajectory, avg(stats.tool_calls) AS tool_calls,
          avg(response_tokens) AS response_tokens, sum(stats.generated_tokens) AS generated_tokens,
          sum(failed_attempt_tokens) AS failed_attempt_tokens
   FROM raw_summary WHERE run_id = $run GROUP BY iteration
@@ -243,8 +243,8 @@ def write_report(root: Path, run_id: str, out: Path | None = None) -> Path:
         ax.plot(x, [r["accuracy"] for r in its], "s-", label="accuracy")
         ax.set_ylim(-1.05, 1.05), ax.legend()  # the whole range: small changes are not blown up
     with plot("tool_error_rate", "tool-error rate", "failed first attempts / trajectory") as ax:
-        ax.plot(x, [r["tool_errors_per_traj"] for r in its], "o-", color="tab:red")
-        ax.set_ylim(0, max(1.0, max(r["tool_errors_per_traj"] or 0 for r in its) * 1.1))
+        ax.plot(x, [r["first_call_failures_per_trajectory"] for r in its], "o-", color="tab:red")
+        ax.set_ylim(0, max(1.0, max(r["first_call_failures_per_trajectory"] or 0 for r in its) * 1.1))
     with plot("similarity_hist", "splice similarity", "splices", xlabel="similarity of failed and retried calls") as ax:
         for measure in sorted({s["measure"] for s in sims}):
             ax.hist(

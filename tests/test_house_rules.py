@@ -220,3 +220,17 @@ def test_ruff_check_passes():
 def test_the_tree_is_ruff_formatted():
     r = _ruff("format", "--check")
     assert r.returncode == 0, f"ruff format --check . exited {r.returncode} (run ruff format .):\n{r.stdout}{r.stderr}"
+
+
+def test_one_name_for_first_call_failures_per_trajectory():
+    """One concept, one name: the mean of stats.first_attempt_failures was tool_errors_per_traj in the report,
+    tool_errors in the demo's printed query, first_failures(_per_traj) in inspect and first_call_failures in the
+    viewer, while `cleaner eval` stores it as first_call_failures_per_trajectory."""
+    import re
+
+    names = set()
+    for package in PRODUCT:
+        for path in (ROOT / package).glob("**/*.py"):
+            names |= set(re.findall(r"avg\(stats\.first_attempt_failures\) AS (\w+)", path.read_text()))
+    evaluate = (ROOT / "rollout_gen" / "evaluate.py").read_text()
+    assert names == {"first_call_failures_per_trajectory"} and '"first_call_failures_per_trajectory"' in evaluate

@@ -142,9 +142,9 @@ class Store:
     def iterations(self, run_id: str) -> list[dict[str, Any]]:
         its = self.query(
             "SELECT iteration, count(*) AS trajectories, avg(reward) AS mean_reward, avg((reward > 0)::INT) AS "
-            "accuracy, avg(stats.first_attempt_failures) AS first_call_failures, sum(stats.recovered)::BIGINT AS "
-            "recovered, avg(response_tokens) AS response_tokens FROM raw_summary WHERE run_id = $run GROUP BY "
-            "iteration ORDER BY iteration",
+            "accuracy, avg(stats.first_attempt_failures) AS first_call_failures_per_trajectory, "
+            "sum(stats.recovered)::BIGINT AS recovered, avg(response_tokens) AS response_tokens FROM raw_summary "
+            "WHERE run_id = $run GROUP BY iteration ORDER BY iteration",
             run=run_id,
         )
         parts = self.query(
