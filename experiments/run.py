@@ -89,8 +89,18 @@ def run_arm(name: str, seed: int, spec: dict, exp: dict) -> dict:
         "commit": code_commit(),
         "train_s": train_s,
         "evals": evals,
-        "premise": premise_by_iteration(root, run_id, trained_mode(overrides)),
+        "premise": _premise(root, run_id, trained_mode(overrides)),
     }
+
+
+def _premise(root: Path, run_id: str, mode: str) -> list[dict] | None:
+    """The run's premise figures per iteration; None (said on stderr) when the catalog cannot give them: a bonus
+    figure never costs the arm's result."""
+    try:
+        return premise_by_iteration(root, run_id, mode)
+    except Exception as e:  # noqa: BLE001 - the result matters, the figure is a bonus
+        print(f"[experiment] {run_id}: premise figures unavailable: {e}", file=sys.stderr)
+        return None
 
 
 def trained_mode(overrides: list[str]) -> str:

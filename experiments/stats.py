@@ -101,7 +101,8 @@ _COLUMNS = [  # (header, value of one run's row); each cell is the mean over see
 ]
 
 
-# EXPERIMENTS.md's premise figures, per iteration of one run and the partition it trained on: the mean GRPO advantage
+# EXPERIMENTS.md's premise figures, per iteration of one run and the mode it trained on (every partition of that mode:
+# an experiment's arm purifies the one it trains on): the mean GRPO advantage
 # of trajectories whose first call failed, the share of them with a positive one, and the share of trained tokens
 # that lie on failed calls. Recorded into each result when its run ends (experiments/run.py): the run's store may
 # not outlive the experiment, and the page's all-iteration means hide how they move.
@@ -148,6 +149,8 @@ def between_seeds(values: list[float | None]) -> str:
 
 def premise_table(results: list[dict], arms: list[str]) -> list[str]:
     """The premise figures per arm and iteration, mean ± s.e. between seeds, from what each run recorded."""
+    if any("premise" in r for r in results) and not any(r.get("premise") for r in results):
+        return ["(recorded, but the catalog held no rows of the partitions the arms trained on)"]
     if not any(r.get("premise") for r in results):
         return [
             "(not recorded: these results predate the per-iteration record, which experiments/run.py keeps with "

@@ -43,8 +43,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flows.run_config import check_run_config, preflight
 
     def check(cfg: CleanerConfig) -> None:  # one line before Prefect is set up, not a failed flow run
+        from storage.checkpoints import check_checkpoint
+
         preflight(cfg)
-        check_run_config(cfg, cfg.flow.run_id)
+        if not check_run_config(cfg, cfg.flow.run_id):  # a new run starts from rollout.policy: whole weights
+            check_checkpoint(Path(cfg.rollout.policy))
 
     cfg = _load(args, check)
     from flows.server import start_temporary_server
@@ -193,9 +196,15 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         from flows.server import running_server, start_server
 
         running = running_server(cfg.storage.root)
+        owned = (
+            f"it belongs to `cleaner schedule` pid {running.owner}, and ends with it"
+            if running and running.owner
+            else ""
+        )
         print(
-            f"[schedule] using the project's running Prefect server (pid {running.pid}, {running.url}); it stays up "
-            "when this command ends"
+            f"[schedule] using the project's running Prefect server (pid {running.pid}, {running.url}); "
+            + (owned or "it stays up when this command ends")
+            + ("; --port and --no-ui apply to a server this command starts" if args.port or args.no_ui else "")
             if running
             else f"[schedule] starting a local Prefect server for {cfg.storage.root} (log: "
             f"{cfg.storage.root / '.prefect' / 'server.log'}) ...",

@@ -16,7 +16,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     # a copied or moved store's catalog refuses to read (its views name the original's files): the index and run
     # pages were 503s there; published here, as `cleaner inspect` does (one warning where the root is read-only)
-    published(cfg, "cleaner view")
+    if cfg.storage.root.is_dir():  # (a root that is not one is refused by serve, in its own words)
+        published(cfg, "cleaner view")
     return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
 
 

@@ -212,3 +212,19 @@ def test_train_refuses_a_purify_runner_that_cannot_run_before_any_rollout(overri
     assert main(["train", f"storage.root={tmp_path}", override, *extra]) != 0
     assert says in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / ".prefect").exists()
+
+
+def test_a_new_run_from_a_truncated_policy_is_refused_before_prefect_starts(tmp_path, capsys):
+    """The policy's weights were read first by the rollout task, inside the flow, after a server had started."""
+    import shutil
+
+    from pipeline.config import DEFAULT_POLICY
+
+    policy = tmp_path / "policy"
+    shutil.copytree(DEFAULT_POLICY, policy)
+    weights = policy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    root = tmp_path / "ws"
+    assert main(["train", f"storage.root={root}", f"rollout.policy={policy}"]) != 0
+    assert "truncated" in capsys.readouterr().err
+    assert not (root / ".prefect").exists() and not (root / "runs").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from experiments.run import run_order
 
 
@@ -70,3 +72,15 @@ def test_each_result_records_its_premise_figures_per_iteration(world_rollout, tm
     table = premise_table([{"arm": "saar", "seed": 0, "premise": rows}], ["saar"])
     assert table[2].startswith("| saar | 0 | 1 | ")
     assert premise_table([{"arm": "saar", "seed": 0, "evals": []}], ["saar"])[0].startswith("(not recorded")
+    assert premise_table([{"arm": "saar", "seed": 0, "premise": []}], ["saar"])[0].startswith("(recorded, but")
+
+
+def test_a_catalog_that_cannot_give_the_premise_figures_costs_no_result(monkeypatch, capsys):
+    import experiments.run as run
+
+    def broken(*args):
+        raise RuntimeError("catalog gone")
+
+    monkeypatch.setattr(run, "premise_by_iteration", broken)
+    assert run._premise(Path("/nowhere"), "r", "saar") is None
+    assert "r: premise figures unavailable: catalog gone" in capsys.readouterr().err

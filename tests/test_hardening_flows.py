@@ -157,11 +157,16 @@ def test_a_user_error_inside_the_flow_is_one_line_without_retry_or_traceback(tmp
 
     from pipeline.config import DEFAULT_POLICY
 
+    from flows.run_config import freeze_run_config
+    from pipeline.config import load_config
+
     policy = tmp_path / "policy"
     shutil.copytree(DEFAULT_POLICY, policy)
+    workspace = f"storage.root={tmp_path / 'ws'}"
+    # a run already started, whose policy was truncated since: a new run's is refused before Prefect starts
+    freeze_run_config(load_config(None, [workspace, f"rollout.policy={policy}"]), "demo")
     weights = policy / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100_000])
-    workspace = f"storage.root={tmp_path / 'ws'}"
     # On the project's real server, whose API keeps each run's state after the command ends.
     with project_server(tmp_path, workspace) as url:
         c = Cleaner(["train", workspace, f"rollout.policy={policy}", "flow.iterations=1"], tmp_path, api_url=url)

@@ -382,11 +382,18 @@ def test_a_schedule_on_the_projects_running_server_says_it_uses_it(tmp_path, mon
     from flows.server import ServerState
 
     state = ServerState(4242, 1234, "http://127.0.0.1:1234/api", str(tmp_path / "server.log"))
-    for name in ("PREFECT_API_URL", "CLEANER_SCHEDULE_PID"):  # the command sets both: gone again after the test
-        monkeypatch.delenv(name, raising=False)
+    for name in ("PREFECT_API_URL", "CLEANER_SCHEDULE_PID"):  # the command sets both: restored after the test
+        monkeypatch.setenv(name, "")  # (delenv of an absent variable records nothing to restore)
+        monkeypatch.delenv(name)
     monkeypatch.setattr(flows.server, "running_server", lambda root: state)
     monkeypatch.setattr(flows.server, "start_server", lambda *a, **kw: (state, False))
     monkeypatch.setattr(flows.training.training_flow, "serve", lambda **kw: None)  # the serving is not the point
     assert main(["schedule", "--interval", "60", f"storage.root={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "[schedule] using the project's running Prefect server (pid 4242" in out and "starting a" not in out
+    assert "it stays up when this command ends" in out
+    owned = ServerState(4242, 1234, state.url, state.log, owner=777)  # another schedule's: it ends with that one
+    monkeypatch.setattr(flows.server, "running_server", lambda root: owned)
+    monkeypatch.delenv("PREFECT_API_URL")  # the first command set it
+    assert main(["schedule", "--interval", "60", f"storage.root={tmp_path}"]) == 0
+    assert "it belongs to `cleaner schedule` pid 777, and ends with it" in capsys.readouterr().out

@@ -198,9 +198,14 @@ def test_sql_box_reads_the_catalog_and_nothing_outside_the_root(client, store):
 
 def test_a_request_another_site_makes_through_the_browser_is_refused(client):
     """A page elsewhere could make the researcher's browser request the SQL box (an <img src=…/sql?q=…>): a GET
-    with no origin check. Requests a browser marks cross-site are refused, whatever the page."""
-    r = client.get("/sql", params={"q": "SELECT 1"}, headers={"Sec-Fetch-Site": "cross-site"})
+    with no origin check. Fetches a browser marks cross-site are refused, but for a navigation."""
+    r = client.get(
+        "/sql", params={"q": "SELECT 1"}, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"}
+    )
     assert r.status_code == 403 and "another site" in r.text
+    # a link followed from elsewhere (the report opened as a file, a notebook on localhost) is a navigation
+    followed = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}
+    assert client.get("/runs/w/report/", headers=followed).status_code == 200
     assert client.get("/sql", params={"q": "SELECT 1"}, headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
     assert client.get("/", headers={"Sec-Fetch-Site": "none"}).status_code == 200  # typed in the address bar
 
@@ -408,6 +413,16 @@ def test_the_viewer_of_a_copied_store_reads_the_copy(store, tmp_path, monkeypatc
 
     client = TestClient(create_app(copy, copy / "catalog.duckdb"))
     assert client.get("/").status_code == 200 and client.get("/runs/w").status_code == 200
+
+
+def test_the_viewer_of_a_root_that_is_not_there_publishes_nothing(tmp_path, monkeypatch, capsys):
+    """Publishing first printed a catalog error ("not refreshed … .tmp") before the root's own refusal."""
+    import flows.viewer.serve
+    from flows.cli import main
+
+    monkeypatch.setattr(flows.viewer.serve, "serve", lambda *a, **kw: 0)
+    assert main(["view", f"storage.root={tmp_path / 'typo'}"]) == 0
+    assert "not refreshed" not in capsys.readouterr().err and not (tmp_path / "typo").exists()
 
 
 def test_a_store_nothing_published_shows_runs_committed_since(store, tmp_path, monkeypatch):

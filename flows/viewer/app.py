@@ -5,8 +5,9 @@ Bad input never becomes a 500: an unknown run, iteration or trajectory is a 404 
 back; a shard that fails validation is a banner naming its file while the rest of the page (and every other
 page) is shown. Every response carries a Content-Security-Policy that runs no script at all (the pages need
 none), on top of the escaping, and only Host headers naming this machine are served (a web page elsewhere
-cannot reach the viewer through DNS rebinding); a request the browser marks as another site's (Sec-Fetch-Site:
-cross-site, an <img> pointing at the SQL box) is refused. `Server-Timing` gives each page's server-side time.
+cannot reach the viewer through DNS rebinding); a fetch the browser marks as another site's (Sec-Fetch-Site:
+cross-site, an <img> pointing at the SQL box) is refused unless it is a navigation (a link the user follows).
+`Server-Timing` gives each page's server-side time.
 """
 
 from __future__ import annotations
@@ -75,7 +76,12 @@ def create_app(
     @app.middleware("http")
     async def headers(request: Request, call_next):
         t0 = time.perf_counter()
-        if request.headers.get("sec-fetch-site") == "cross-site":  # another site's page, through this browser
+        # another site's page making this browser fetch (an <img> on the SQL box); a link the user follows (a
+        # report opened as a file, a notebook on localhost) is a navigation, and passes
+        if (
+            request.headers.get("sec-fetch-site") == "cross-site"
+            and request.headers.get("sec-fetch-mode") != "navigate"
+        ):
             response = Response(
                 "refused: a request another site's page made through your browser (open the viewer's address yourself)",
                 status_code=403,
