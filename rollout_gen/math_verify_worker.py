@@ -48,9 +48,7 @@ class MathVerifier:
         """True/False, or None when math-verify gave no verdict in time (logged, counted)."""
         with self._lock:
             try:
-                proc = self._proc or self._start()
-                proc.stdin.write(json.dumps({"gold": gold, "answer": answer}) + "\n")
-                proc.stdin.flush()
+                proc = self._sent(json.dumps({"gold": gold, "answer": answer}) + "\n")
                 reply = self._read(proc, self.timeout_s)
             except (OSError, ValueError, TimeoutError, EOFError) as e:  # child gone, hung or garbled
                 self._kill()
@@ -65,6 +63,24 @@ class MathVerifier:
             reply["error"][:200],
         )
         return None
+
+    def _sent(self, line: str) -> subprocess.Popen:
+        """The child, `line` written to it. A child that died since the last answer (killed, out of memory on an
+        earlier one) is not this answer's doing: it is replaced once, where a broken pipe scored a correct
+        answer as not equal."""
+        for fresh in (False, True):
+            if self._proc is not None and self._proc.poll() is not None:
+                self._kill()
+            proc = self._proc or self._start()
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+                return proc
+            except BrokenPipeError:
+                self._kill()
+                if fresh:
+                    raise
+        raise AssertionError("unreachable")
 
     def _start(self) -> subprocess.Popen:
         env = dict(

@@ -225,10 +225,10 @@ def test_a_hung_or_dead_checker_is_killed_and_restarted(monkeypatch):
     assert v.equal("\\frac12", "0.5") is None  # returns: the parent's timeout_s, not the child, ends the wait
     assert hung.returncode == -9 and v._proc is None  # the hung child was killed (SIGKILL), none is kept
     assert v.equal("\\frac12", "0.5") is True and v._proc.pid != hung.pid  # a fresh child
-    v._proc.kill()
+    v._proc.kill()  # died between two answers (killed, out of memory on an earlier one): not this answer's doing
     v._proc.wait()
-    assert v.equal("\\frac12", "0.5") is None  # died: no verdict, not an exception
-    assert v.equal("\\frac12", "0.5") is True and v.failures == 2
+    # a fresh child answers it: the broken pipe scored a correct answer -1 (a CI run's flake, reproduced here)
+    assert v.equal("\\frac12", "0.5") is True and v.failures == 1
     v.close()
 
 
