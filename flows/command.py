@@ -32,15 +32,24 @@ def run_id_arg(value: str) -> str:
     return value
 
 
-def port_arg(value: str) -> int:
-    """--port P: a TCP port, 1–65535 (99999 was an OverflowError traceback from bind)."""
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a port: give a number from 1 to 65535")
+def port_type(free: bool) -> Callable[[str], int]:
+    """An argparse type for --port: a TCP port, 1–65535, or 0 for a free one where `free` (99999 was an
+    OverflowError traceback from bind)."""
+
+    def port(value: str) -> int:
+        n = int(value) if value.isdigit() else -1
+        if not (0 if free else 1) <= n <= 65535:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a port (0-65535; 0 picks a free one)"
+                if free
+                else f"{value!r} is not a port: give a number from 1 to 65535"
+            )
+        return n
+
     return port
+
+
+port_arg = port_type(free=False)
 
 
 class Parser(argparse.ArgumentParser):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from flows.command import command_parser, config_of
+from flows.command import command_parser, config_of, port_type
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,13 +19,6 @@ def run(args: argparse.Namespace) -> int:
     if cfg.storage.root.is_dir():  # (a root that is not one is refused by serve, in its own words)
         published(cfg, "cleaner view")
     return serve(cfg.storage.root, cfg.storage.root / cfg.storage.catalog, host=args.host, port=args.port)
-
-
-def _port(text: str) -> int:
-    """A TCP port, refused by argparse (one line, exit 2) when outside 0-65535."""
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0 picks a free one)")
-    return int(text)
 
 
 def add_parser(sub) -> None:
@@ -49,4 +42,4 @@ def add_parser(sub) -> None:
         help="address to listen on [127.0.0.1]; anything but a loopback address exposes every run to "
         "the network (a warning says so)",
     )
-    p.add_argument("--port", type=_port, default=8765, help="port [8765]; 0 picks a free one")
+    p.add_argument("--port", type=port_type(free=True), default=8765, help="port [8765]; 0 picks a free one")
