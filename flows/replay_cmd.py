@@ -220,6 +220,29 @@ def run_replay(
             highlight=False,
             markup=False,
         )
+        if sweep:  # the γ histogram, examples and plot with the γ table, before any τ output
+            cands = candidates(raws, chat.decode, measure, live)
+            console.print(f"similarity ({measure.key}) of the {len(cands)} splice candidates as lived:")
+            marks = sorted({0.3, 0.5, 0.7, 0.9, saar.gamma_live})
+            for line in histogram_lines([c.similarity for c in cands], marks):
+                console.print(line, highlight=False)
+            for g in marks:
+                for kind, c in examples_around(cands, g):
+                    old, new = diff_window(c.old_call, c.new_call)
+                    console.print(
+                        f"γ={g:g} {kind:7s} sim={c.similarity:.3f} {c.key} pos {c.position_idx}\n"
+                        f"    old: {old}\n    new: {new}",
+                        highlight=False,
+                        markup=False,
+                    )
+            png = plot(
+                layout.run_dir / "report" / f"replay-iteration={iteration:04d}-{measure.key}.png",
+                cands,
+                stats,
+                saar.gamma_live if known and not by_importance else None,  # no lived γ to draw or compare with
+                f"{run_id} iteration {iteration} ({measure.key})",
+            )
+            print(f"plot: {png}")  # one line whatever the terminal width: a path to copy
     if taus or (sweep and any(m in IS_MODES for m in modes)) or by_importance:
         print_is_replay(
             console,
@@ -236,30 +259,6 @@ def run_replay(
 
     with Catalog(cfg.storage.root) as cat:  # in memory: the partitions just written, nothing else touched
         print_premise(console, cat, run_id, iteration)
-    if not sweep:
-        return 0
-    cands = candidates(raws, chat.decode, measure, live)
-    console.print(f"similarity ({measure.key}) of the {len(cands)} splice candidates as lived:")
-    marks = sorted({0.3, 0.5, 0.7, 0.9, saar.gamma_live})
-    for line in histogram_lines([c.similarity for c in cands], marks):
-        console.print(line, highlight=False)
-    for g in marks:
-        for kind, c in examples_around(cands, g):
-            old, new = diff_window(c.old_call, c.new_call)
-            console.print(
-                f"γ={g:g} {kind:7s} sim={c.similarity:.3f} {c.key} pos {c.position_idx}\n"
-                f"    old: {old}\n    new: {new}",
-                highlight=False,
-                markup=False,
-            )
-    png = plot(
-        layout.run_dir / "report" / f"replay-iteration={iteration:04d}-{measure.key}.png",
-        cands,
-        stats,
-        saar.gamma_live,
-        f"{run_id} iteration {iteration} ({measure.key})",
-    )
-    print(f"plot: {png}")  # one line whatever the terminal width: a path to copy
     return 0
 
 

@@ -234,7 +234,20 @@ def examples_around(cands: list[Candidate], gamma: float, k: int = 1) -> list[tu
     return [("deep", c) for c in below] + [("shallow", c) for c in above]
 
 
-def plot(path: Path, cands: list[Candidate], stats: list[ReplayStats], gamma_live: float, title: str) -> Path:
+def plot(path: Path, cands: list[Candidate], stats: list[ReplayStats], gamma_live: float | None, title: str) -> Path:
+    """`replay_figure` written as a PNG at `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = replay_figure(cands, stats, gamma_live, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def replay_figure(cands: list[Candidate], stats: list[ReplayStats], gamma_live: float | None, title: str):
+    """The similarity histogram with γ_live and the decisions per γ (`gamma_live` None: the run lived no γ, or did
+    not record one, so neither its line nor the "≠ lived" curve is drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,18 +255,21 @@ def plot(path: Path, cands: list[Candidate], stats: list[ReplayStats], gamma_liv
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.hist([c.similarity for c in cands], bins=20, range=(0, 1), color="#4c72b0")
-    ax1.axvline(gamma_live, color="k", linestyle="--", label=f"γ_live={gamma_live:g}")
-    ax1.set_xlabel("similarity of failed call vs retry"), ax1.set_ylabel("splice candidates"), ax1.legend()
+    if gamma_live is not None:
+        ax1.axvline(gamma_live, color="k", linestyle="--", label=f"γ_live={gamma_live:g}")
+        ax1.legend()
+    ax1.set_xlabel("similarity of failed call vs retry"), ax1.set_ylabel("splice candidates")
     ax1.set_title("similarity distribution")
     g = [s.gamma for s in stats]
-    ax2.plot(g, [s.shallow for s in stats], label="shallow")
-    ax2.plot(g, [s.deep for s in stats], label="deep")
-    ax2.plot(g, [s.differ_from_live for s in stats], label="≠ lived decision")
-    ax2.plot(g, [s.differ_from_reference for s in stats], label="≠ reference measure")
+    # curves often coincide (below γ_live every deep splice is one the rollout decided otherwise): each has its own
+    # line style and marker so that none hides another
+    curves = [("shallow", [s.shallow for s in stats], "-", "o"), ("deep", [s.deep for s in stats], "--", "s")]
+    if gamma_live is not None:
+        curves.append(("≠ lived decision", [s.differ_from_live for s in stats], ":", "^"))
+    curves.append(("≠ reference measure", [s.differ_from_reference for s in stats], "-.", "x"))
+    for label, ys, style, marker in curves:
+        ax2.plot(g, ys, linestyle=style, marker=marker, markersize=4, label=label)
     ax2.set_xlabel("γ"), ax2.set_ylabel("splices"), ax2.legend(), ax2.set_title("decisions per γ")
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig

@@ -125,3 +125,39 @@ def _cells(out: str) -> list[list[str]]:
         for line in out.splitlines()
         if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 8 and re.fullmatch(r"[0-9.]+", cells[0])
     ]
+
+
+def test_sweep_with_saar_is_prints_the_gamma_section_whole_before_the_tau_section(run, capsys):
+    """`--mode saar_is --sweep`: the γ table, similarity histogram, examples and plot line come together, then the
+    τ section; the γ histogram and plot were printed after the τ table, which split the γ output around it."""
+    assert run_replay(run, "w", 0, modes=["saar_is"], sweep=True) == 0
+    out = capsys.readouterr().out
+    gamma_table = out.index("shallow + deep: the splices")
+    gamma_histogram = out.index("splice candidates as lived")
+    gamma_plot = out.index("plot: ")
+    tau_section = out.index("saar_is (Plan B)")
+    assert gamma_table < gamma_histogram < gamma_plot < tau_section
+
+
+def test_replay_plot_draws_every_curve_visibly_and_no_lived_curve_without_a_lived_gamma():
+    """Curves that coincide stay visible (each its own line style and marker: "deep" was drawn under "≠ lived
+    decision", identical below γ_live); a run that lived no γ gets no γ_live line and no "≠ lived" curve."""
+    import matplotlib.pyplot as plt
+
+    from purifier.replay import ReplayStats, replay_figure
+
+    stats = [ReplayStats(gamma=g, shallow=5 - i, deep=i, differ_from_live=i) for i, g in enumerate([0.0, 0.25, 0.5])]
+    fig = replay_figure([], stats, 0.5, "t")
+    hist, decisions = fig.axes
+    lines = decisions.get_lines()
+    assert [ln.get_label() for ln in lines] == ["shallow", "deep", "≠ lived decision", "≠ reference measure"]
+    looks = {(ln.get_linestyle(), ln.get_marker()) for ln in lines}
+    assert len(looks) == len(lines)
+    assert [ln.get_label() for ln in hist.get_lines()] == ["γ_live=0.5"]
+    plt.close(fig)
+
+    fig = replay_figure([], stats, None, "t")
+    hist, decisions = fig.axes
+    assert [ln.get_label() for ln in decisions.get_lines()] == ["shallow", "deep", "≠ reference measure"]
+    assert hist.get_lines() == [] and hist.get_legend() is None
+    plt.close(fig)
