@@ -129,6 +129,9 @@ class OutputLimitExceeded(Exception):
 
 
 def _on_alarm(signum, frame):
+    # the harness's handler prints this before it raises: in a stdin test it lands in the captured output, so a
+    # program that catches the time-out and prints the answer still fails there on the extra line
+    print("timeout occured: alarm went off")
     raise TimeoutException
 
 
@@ -276,7 +279,24 @@ def _tagged(v, depth=0):
             return _tagged(int(v), depth)
         if isinstance(v, numpy.floating):
             return _tagged(float(v), depth)
+    for base, value in _BASE_VALUES:
+        if isinstance(v, base):  # a subclass (IntEnum, Counter, defaultdict, a str or list subclass): the builtin value
+            # it holds, read through the base type's own methods, never one the program wrote (__eq__, __iter__)
+            return _tagged(value(v), depth)
     raise _Unplain("returned a " + t.__name__ + ", not plain data")
+
+
+_BASE_VALUES = (
+    (int, int.__int__),
+    (float, float.__float__),
+    (str, str.__str__),
+    (list, list.copy),
+    (tuple, lambda v: tuple.__getitem__(v, slice(None))),
+    (dict, dict.copy),
+    (set, set.copy),
+    (frozenset, frozenset.copy),
+    (bytes, lambda v: bytes(memoryview(v))),
+)
 
 
 def _main():

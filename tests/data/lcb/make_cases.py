@@ -412,6 +412,79 @@ CASES += [
 ]
 
 
+COUNTS = {"inputs": ['"aab"'], "outputs": ['{"a": 2, "b": 1}'], "fn_name": "counts"}
+SAME = {"inputs": ['"ab"'], "outputs": ['"ab"'], "fn_name": "same"}
+CASES += [
+    (
+        "limits",
+        "a time-out caught, then the answer printed",
+        ECHO,
+        "s = input()\ntry:\n    while True:\n        pass\nexcept Exception:\n    pass\nprint(s)",
+    ),
+    (
+        "call",
+        "a Counter returned",
+        COUNTS,
+        "from collections import Counter\nclass Solution:\n    def counts(self, s):\n        return Counter(s)",
+    ),
+    (
+        "call",
+        "a defaultdict returned",
+        COUNTS,
+        "from collections import defaultdict\nclass Solution:\n    def counts(self, s):\n"
+        "        d = defaultdict(int)\n        for c in s:\n            d[c] += 1\n        return d",
+    ),
+    (
+        "call",
+        "an IntEnum member returned",
+        {"inputs": ["1"], "outputs": ["3"], "fn_name": "pick"},
+        "from enum import IntEnum\nclass E(IntEnum):\n    A = 3\nclass Solution:\n    def pick(self, k):\n"
+        "        return E.A",
+    ),
+    (
+        "call",
+        "a str subclass returned",
+        SAME,
+        "class S(str):\n    pass\nclass Solution:\n    def same(self, s):\n        return S(s)",
+    ),
+    (
+        "call",
+        "a list subclass inside a list",
+        PAIRS_CALL,
+        "class L(list):\n    pass\nclass Solution:\n    def wrap(self, xs):\n        return [L(xs)]",
+    ),
+    (
+        "call",
+        "a str subclass that is another string, whose __eq__ says yes",
+        SAME,
+        "class S(str):\n    __hash__ = str.__hash__\n    def __eq__(self, other):\n        return True\n"
+        "class Solution:\n    def same(self, s):\n        return S('zz')",
+    ),
+    (
+        "call",
+        "a Fraction returned",
+        {"inputs": ["1\n2"], "outputs": ["0.5"], "fn_name": "ratio"},
+        "from fractions import Fraction\nclass Solution:\n    def ratio(self, a, b):\n        return Fraction(a, b)",
+    ),
+    (
+        "stdin",
+        "an empty fn_name",
+        {"inputs": ["1 2\n"], "outputs": ["3\n"], "fn_name": ""},
+        "a, b = map(int, input().split())\nprint(a + b)",
+    ),
+]
+KNOWN_DIFFERENCES.update(
+    {
+        "a str subclass that is another string, whose __eq__ says yes": "a subclass of a builtin type counts as the "
+        "value it holds here; the harness calls its __eq__, so a program could forge a pass there",
+        "a Fraction returned": "a value of no builtin type (Fraction, Decimal, an Enum that is not an int) is not "
+        "plain data here; the harness's == finds Fraction(1, 2) equal to 0.5",
+        "an empty fn_name": "an empty fn_name is a stdin problem here (LiveCodeBench's loader never writes one); the "
+        "harness tests `is None`, grades it as call-based, and the module-level input() fails",
+    }
+)
+
+
 def main() -> None:
     from lcb_runner.evaluation.compute_code_generation_metrics import evaluate_generations_by_problem
 
