@@ -265,23 +265,24 @@ def _tagged(v, depth=0):
         return [_tagged(x, depth + 1) for x in v]
     if t is tuple:
         return {"tuple": [_tagged(x, depth + 1) for x in v]}
-    if t is dict:
-        return {"dict": [[_tagged(k, depth + 1), _tagged(x, depth + 1)] for k, x in v.items()]}
+    if issubclass(t, dict):  # a subclass (Counter, defaultdict) by its storage: dict.items, never its keys() or items()
+        return {"dict": [[_tagged(k, depth + 1), _tagged(x, depth + 1)] for k, x in dict.items(v)]}
     if t is set or t is frozenset:
         return {t.__name__: [_tagged(x, depth + 1) for x in v]}
     if t is bytes:
         return {"bytes": v.hex()}
     numpy = _sys.modules.get("numpy")
-    if numpy is not None and isinstance(v, numpy.generic) and not isinstance(v, numpy.ndarray):
-        if isinstance(v, numpy.bool_):
+    if numpy is not None and issubclass(t, numpy.generic) and not issubclass(t, numpy.ndarray):
+        if issubclass(t, numpy.bool_):
             return bool(v)
-        if isinstance(v, numpy.integer):
+        if issubclass(t, numpy.integer):
             return _tagged(int(v), depth)
-        if isinstance(v, numpy.floating):
+        if issubclass(t, numpy.floating):
             return _tagged(float(v), depth)
     for base, value in _BASE_VALUES:
-        if isinstance(v, base):  # a subclass (IntEnum, Counter, defaultdict, a str or list subclass): the builtin value
-            # it holds, read through the base type's own methods, never one the program wrote (__eq__, __iter__)
+        if issubclass(t, base):  # a subclass (IntEnum, a str, list or set subclass): the builtin value
+            # it holds, read from its storage by the base type's own code, never by a method the program wrote
+            # (__eq__, __iter__, keys); its type, not isinstance, which a __class__ property can fake
             return _tagged(value(v), depth)
     raise _Unplain("returned a " + t.__name__ + ", not plain data")
 
@@ -292,7 +293,6 @@ _BASE_VALUES = (
     (str, str.__str__),
     (list, list.copy),
     (tuple, lambda v: tuple.__getitem__(v, slice(None))),
-    (dict, dict.copy),
     (set, set.copy),
     (frozenset, frozenset.copy),
     (bytes, lambda v: bytes(memoryview(v))),
@@ -348,16 +348,18 @@ def _main():
             _alarm(_spec["time_limit"])
             try:
                 got = method(*calls[i])
+                # still under the alarm: reading the value can run the program's code (a dict key's __hash__)
+                if issubclass(type(got), tuple):
+                    got = list(tuple.__getitem__(got, slice(None)))
+                record = {"test": i, "value": _tagged(got)}
                 _alarm(0)
+            except (_Unplain, RecursionError, ValueError) as e:
+                _alarm(0)
+                record = {"test": i, "error": "wrong answer: " + (str(e) if isinstance(e, _Unplain) else "unreadable")}
             except BaseException as e:
                 _alarm(0)
                 return _emit({"test": i, "error": _failure(e)})
-            if isinstance(got, tuple):
-                got = list(got)
-            try:
-                _emit({"test": i, "value": _tagged(got)})
-            except (_Unplain, RecursionError, ValueError) as e:
-                _emit({"test": i, "error": "wrong answer: " + (str(e) if isinstance(e, _Unplain) else "unreadable")})
+            _emit(record)
     _emit({"done": len(_spec["inputs"])})  # every test reported: a run cut short without it is not trusted
 
 

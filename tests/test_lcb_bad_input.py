@@ -115,3 +115,14 @@ def test_task_files_a_user_found_scored_wrong_are_refused_in_one_line(tmp_path):
     bad = pa.array([b"caf\xe9 1+1?"], pa.binary()).view(pa.string())
     refused("latin1.parquet", pa.table({"question": bad, "answer": ["2"]}), "row 0", "'question'", "not UTF-8")
     refused("latin1-aime.parquet", pa.table({"Problem": bad, "Answer": ["2"]}), "row 0", "'Problem'", "not UTF-8")
+
+
+def test_a_returned_object_that_fakes_its_class_fails_its_test_and_the_run_goes_on(sandbox):
+    """A __class__ property that says list fooled isinstance into list's reader, which raised: the run died and no
+    test had a verdict of its own. Read by its type it is not plain data, and the next test still runs."""
+    program = (
+        "class X:\n    @property\n    def __class__(self):\n        return list\n"
+        "class Solution:\n    def f(self, k):\n        return X() if k == 1 else [k]\n"
+    )
+    results = run_tests(program, CodeTests(["1", "2"], ["[1]", "[2]"], "f"), sandbox, time_limit_s=1)
+    assert results[0].why == "wrong answer: returned a X, not plain data", results

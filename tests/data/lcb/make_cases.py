@@ -473,11 +473,43 @@ CASES += [
         "a, b = map(int, input().split())\nprint(a + b)",
     ),
 ]
+CASES += [
+    (
+        "call",
+        "a list subclass whose __iter__ lies",
+        PAIRS_CALL,
+        "class L(list):\n    def __iter__(self):\n        return iter([0, 0])\nclass Solution:\n"
+        "    def wrap(self, xs):\n        return [L(xs)]",
+    ),
+    (
+        "call",
+        "a dict subclass whose keys and items lie",
+        COUNTS,
+        "from collections import Counter\nclass D(dict):\n    def __iter__(self):\n        return iter(['z'])\n"
+        "    def keys(self):\n        return ['z']\n    def items(self):\n        return [('z', 0)]\n"
+        "    def __getitem__(self, k):\n        return 0\nclass Solution:\n    def counts(self, s):\n"
+        "        return D(Counter(s))",
+    ),
+    (
+        "call",
+        "a str subclass whose __str__ lies",
+        SAME,
+        "class S(str):\n    def __str__(self):\n        return 'zz'\nclass Solution:\n    def same(self, s):\n"
+        "        return S(s)",
+    ),
+    (
+        "call",
+        "an object whose __class__ says list",
+        TOP,
+        "class X:\n    @property\n    def __class__(self):\n        return list\nclass Solution:\n"
+        "    def top(self, nums, k):\n        return X()",
+    ),
+]
 KNOWN_DIFFERENCES.update(
     {
         "a str subclass that is another string, whose __eq__ says yes": "a subclass of a builtin type counts as the "
         "value it holds here; the harness calls its __eq__, so a program could forge a pass there",
-        "a Fraction returned": "a value of no builtin type (Fraction, Decimal, an Enum that is not an int) is not "
+        "a Fraction returned": "a value of no builtin type (Fraction, Decimal, an Enum of no builtin type) is not "
         "plain data here; the harness's == finds Fraction(1, 2) equal to 0.5",
         "an empty fn_name": "an empty fn_name is a stdin problem here (LiveCodeBench's loader never writes one); the "
         "harness tests `is None`, grades it as call-based, and the module-level input() fails",
