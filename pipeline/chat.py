@@ -347,11 +347,11 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: same text, no wrapper cost
         if backend is not None:
-            return backend.decode(list(ids), skip_special_tokens=False)
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+            return backend.decode(list(ids), skip_special_tokens=skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
     def prompt_ids(self, question: str) -> list[int]:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]

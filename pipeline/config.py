@@ -373,6 +373,16 @@ class RolloutConfig(Section):
     overlong_buffer: int = Field(
         0, ge=0, description="DAPO soft overlong punishment over the last N response tokens (0 = off)"
     )
+    answer_match: Literal["equivalent", "exact"] = Field(
+        "equivalent",
+        description=(
+            "how a math or GPQA answer (the last \\boxed{} in the response's final 100 characters) must match the "
+            "ground truth: equivalent, math-verify's equivalence (0.5 = \\frac12, x=3 = 3, 50\\% = 50; GPQA letters "
+            "with (…) or \\text{} around them); exact, the CLEANER paper's scorer (verl's math_dapo, strict box): the "
+            "box's text as written equals the ground truth's string. For numbers comparable with the paper's, use "
+            "exact (docs/eval.md)"
+        ),
+    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -744,6 +754,10 @@ class TrainConfig(Section):
         return self
 
 
+# Settings hashed into a section's hash only when not at their default: an output committed before they existed was
+# made as their default makes it, and keeps its identity.
+SECTION_SETTINGS_IF_SET = {"rollout": {"answer_match": "equivalent"}}
+
 # train.* settings hashed into train_settings only when not at their default: a checkpoint recorded before they
 # existed was trained as their defaults train, and keeps its record.
 TRAIN_SETTINGS_IF_SET = {
@@ -890,6 +904,10 @@ class CleanerConfig(Section):
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections: what a stage's manifest records as its config."""
         data = {s: getattr(self, s).model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS)) for s in sections}
+        for section, defaults in SECTION_SETTINGS_IF_SET.items():
+            for key, default in defaults.items():
+                if section in data and data[section].get(key) == default:
+                    del data[section][key]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

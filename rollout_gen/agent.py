@@ -50,9 +50,11 @@ def generation_seed(run_seed: int, lv: "_Live") -> int:
 
 
 def model_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> str:
-    """What the policy wrote in a lived sequence: its sampled tokens (mask 1), tool responses left out. Rewards and
-    answers are read from it, so a program's output (a printed `\\boxed{…}` or code block) never decides them."""
-    return chat.decode([i for i, m in zip(ids, mask) if m])
+    """What the policy wrote in a lived sequence: its sampled tokens (mask 1), tool responses left out, special tokens
+    skipped (as verl's reward managers decode a response: the `<|im_end|>` that ends a turn would take 10 of the
+    answer window's 100 characters). Rewards and answers are read from it, so a program's output (a printed
+    `\\boxed{…}` or code block) never decides them."""
+    return chat.decode([i for i, m in zip(ids, mask) if m], skip_special=True)
 
 
 # Draws(run seed, samples) -> one (sample index, seed) per sample of a task: what its SAAR gate coin and its
@@ -415,7 +417,7 @@ class AgentLoop:
         text = model_text(self.chat, lv.ids, lv.mask)
         why = ""
         try:
-            outcome = reward_outcome(lv.task, text, self.sandbox)
+            outcome = reward_outcome(lv.task, text, self.sandbox, self.cfg.answer_match)
             score, why = (
                 outcome.value + overlong_penalty(len(lv.ids), self.cfg.max_response_tokens, self.cfg.overlong_buffer),
                 outcome.reason[:300],

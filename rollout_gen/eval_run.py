@@ -172,6 +172,7 @@ def evaluate_tasks(
             "tool_failures_per_trajectory": bench["all"]["tool_failures_per_trajectory"],
             "benchmarks": bench,
             "latency_s": clock.latency(total, wall),
+            "answer_match": cfg.rollout.answer_match,  # equivalent scores above the paper's exact rule (docs/eval.md)
         }
     )
     metrics["settings"] = {  # the keys policies/*/metrics.json records (a test compares them)

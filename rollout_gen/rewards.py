@@ -1,12 +1,16 @@
 """Outcome rewards (docs/saar.md) and DAPO overlong shaping.
 
-Math (and GPQA letters): the last `\\boxed{...}` in the final 100 characters of the response is the
-answer, +1 when it is the ground truth, else −1. Braces nest (`\\boxed{\\frac{1}{2}}`). An answer that
-is the ground truth's string, or an integer equal to an integer ground truth, scores +1 at once; any
-other pair is decided by math-verify's equivalence check (`0.5` = `\\frac12` = `1/2`), run in a child
-process with a hard time limit (rollout_gen/math_verify_worker.py), so a pathological answer is a −1
-with a logged warning, never a hang or an exception. A one-letter ground truth (A–J, GPQA) is matched
-against the box's letter, with or without `(...)` or `\\text{...}` around it.
+Math (and GPQA letters): the last `\\boxed{` in the final 100 characters of the response, when it closes there, holds
+the answer (pipeline/answers.py, as the CLEANER paper's scorer finds it), +1 when it matches the ground truth, else
+−1. How it must match is `rollout.answer_match` (docs/eval.md, "Math answers"):
+
+- `equivalent` (default): an answer that is the ground truth's string, or an integer equal to an integer ground
+  truth, scores +1 at once; any other pair is decided by math-verify's equivalence check (`0.5` = `\\frac12` =
+  `1/2`), run in a child process with a hard time limit (rollout_gen/math_verify_worker.py), so a pathological
+  answer is a −1 with a logged warning, never a hang or an exception. A one-letter ground truth (A–J, GPQA) is
+  matched against the box's letter, with or without `(...)` or `\\text{...}` around it.
+- `exact`: the paper's own rule (verl's math_dapo with `strict_box_verify`): the box's text as written equals the
+  ground truth's string.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipeline.answers import last_boxed
+from pipeline.answers import last_box, last_boxed
 from rollout_gen import lcb
 from rollout_gen.math_verify_worker import MathVerifier
 from rollout_gen.tasks import Task
@@ -52,7 +56,9 @@ def answers_match(answer: str, ground_truth: str) -> bool:
     return VERIFIER.equal(gold, answer) is True
 
 
-def math_reward(response_text: str, ground_truth: str) -> float:
+def math_reward(response_text: str, ground_truth: str, answer_match: str = "equivalent") -> float:
+    if answer_match == "exact":
+        return 1.0 if last_box(response_text) == ground_truth else -1.0
     answer = last_boxed(response_text)
     return 1.0 if answer is not None and answers_match(answer, ground_truth) else -1.0
 
@@ -73,17 +79,18 @@ def code_reward(response_text: str, ground_truth: str, sandbox) -> float:
     return lcb.score(response_text, ground_truth, sandbox)
 
 
-def reward_outcome(task: Task, response_text: str, sandbox=None) -> RewardOutcome:
+def reward_outcome(task: Task, response_text: str, sandbox=None, answer_match: str = "equivalent") -> RewardOutcome:
     """The reward with its reason. The reward is decided from the response text and, for code, from what the
-    program printed or returned; the ground truth never reaches the sandbox (docs/sandbox.md)."""
+    program printed or returned; the ground truth never reaches the sandbox (docs/sandbox.md). `answer_match`:
+    rollout.answer_match, how a math or GPQA box must match."""
     if task.kind == "code":
         verdict = lcb.judge(response_text, task.ground_truth, sandbox)
         return RewardOutcome(verdict.score, verdict.reason)
-    return RewardOutcome(math_reward(response_text, task.ground_truth))
+    return RewardOutcome(math_reward(response_text, task.ground_truth, answer_match))
 
 
-def reward(task: Task, response_text: str, sandbox=None) -> float:
-    return reward_outcome(task, response_text, sandbox).value
+def reward(task: Task, response_text: str, sandbox=None, answer_match: str = "equivalent") -> float:
+    return reward_outcome(task, response_text, sandbox, answer_match).value
 
 
 def overlong_penalty(response_tokens: int, max_tokens: int, buffer: int) -> float:

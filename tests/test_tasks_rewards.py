@@ -118,7 +118,7 @@ def test_cli_evaluates_a_task_file(tmp_path, capsys):
         ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),  # nested braces (the old regex found no box here)
         ("\\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
         ("\\boxed{1} and \\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}"),  # the last box
-        ("\\boxed{7} then \\boxed{8", "7"),  # a box that never closes is skipped
+        ("\\boxed{7} then \\boxed{8", None),  # the last box never closes: no answer (the paper's scorer)
         ("a \\boxed{ 7 }", "7"),
         ("\\boxed{\\boxed{5}}", "5"),
         ("no box", None),
@@ -242,3 +242,68 @@ def test_rewards_work_from_a_worker_thread():
     t.start()
     t.join(60)
     assert out == [1.0, -1.0]
+
+
+# -- rollout.answer_match: math-verify's equivalence, or the CLEANER paper's exact box ------------------------
+
+
+@pytest.mark.parametrize(
+    "answer,truth,equivalent,exact",
+    [
+        ("204", "204", 1.0, 1.0),
+        (" 204 ", "204", 1.0, -1.0),  # the paper's scorer compares the box's text as written
+        ("\\frac12", "0.5", 1.0, -1.0),
+        ("x=3", "3", 1.0, -1.0),
+        ("007", "7", 1.0, -1.0),
+        ("(C)", "C", 1.0, -1.0),  # GPQA: no letter leniency
+        ("\\frac{1}{2}", "\\frac{1}{2}", 1.0, 1.0),
+        ("41", "42", -1.0, -1.0),
+    ],
+)
+def test_answer_match_exact_is_the_papers_string_equality(answer, truth, equivalent, exact):
+    text = f"So the answer is \\boxed{{{answer}}}"
+    assert math_reward(text, truth) == math_reward(text, truth, "equivalent") == equivalent
+    assert math_reward(text, truth, "exact") == exact
+    assert math_reward(f"\\boxed{{{truth}}} then \\boxed{{{truth}", truth, "exact") == -1.0  # the last box never closes
+
+
+def test_the_answer_window_is_counted_on_the_policys_text_without_its_end_of_turn_token(chat):
+    """verl decodes a response with special tokens skipped before it takes the last 100 characters; the `<|im_end|>`
+    that ended the turn took 10 of them here, so a box 90–100 characters from the end scored −1."""
+    from rollout_gen.agent import model_text
+
+    turn = "The answer is \\boxed{42}" + "." * 85  # the box starts 95 characters from the end of the text
+    ids = chat.encode(turn) + [chat.im_end_id]
+    text = model_text(chat, ids, [1] * len(ids))
+    assert text == turn
+    assert math_reward(text, "42") == math_reward(text, "42", "exact") == 1.0
+
+
+def test_an_answer_setting_at_its_default_keeps_the_identities_committed_before_it():
+    """rollout.answer_match is hashed only when it is set: a raw shard committed before it existed keeps its
+    identity, and `exact` is another rollout."""
+    import hashlib
+    import json
+
+    from pipeline.config import PLACEMENT_SETTINGS, CleanerConfig
+
+    cfg = CleanerConfig()
+    before = {s: getattr(cfg, s).model_dump(mode="json", exclude=set(PLACEMENT_SETTINGS)) for s in ("rollout", "world")}
+    del before["rollout"]["answer_match"]  # the sections as an earlier cleaner dumped them
+    digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    assert cfg.section_hash("rollout", "world") == digest
+    cfg.rollout.answer_match = "exact"
+    assert cfg.section_hash("rollout", "world") != digest
+
+
+@pytest.mark.parametrize("answer_match, reward", [("equivalent", 1.0), ("exact", -1.0)])
+def test_a_rollout_scores_its_answers_by_rollout_answer_match(answer_match, reward, chat, sandbox):
+    from pipeline.config import RolloutConfig
+    from rollout_gen.agent import AgentLoop, RolloutIdentity
+    from rollout_gen.tasks import Task
+    from tests.doubles import ScriptedEngineDouble
+
+    engine = ScriptedEngineDouble(chat, lambda text, n: "So the answer is \\boxed{\\frac12}.")
+    loop = AgentLoop(engine, sandbox, chat, RolloutConfig(samples_per_prompt=1, answer_match=answer_match))
+    (t,) = loop.run([Task("half", "world", "What is 1/2?", "0.5")], RolloutIdentity("r", 0, "v"))
+    assert t.reward == reward and t.final_answer == "\\frac12"
