@@ -115,6 +115,17 @@ def _parquet_export(sel, staging: Path, build, schema, batch_rows: int) -> Expor
     return done
 
 
+def token_exact(manifest) -> bool:
+    """Whether a raw shard holds the ids its policy sampled: not a re-tokenized import's (its manifest says so)."""
+    return manifest.extra.get("token_exact") is not False
+
+
+RETOKENIZED = (
+    "no: the run was imported from text and re-tokenized (its ids are a tokenizer's encoding, not what a policy "
+    "sampled; its log-probs are unknown, 0). Imported again, it stays `token_exact: false`."
+)
+
+
 def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
     import atif
 
@@ -148,7 +159,9 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
         raw_file = Path("raw") / f"iteration-{shard.iteration:04d}.jsonl"
         measure = _live_measure(root, sel.run_id, shard.manifest)
 
-        def raw_docs(shard=shard, decode=decode, agent=agent, measure=measure):
+        exact = token_exact(shard.manifest)
+
+        def raw_docs(shard=shard, decode=decode, agent=agent, measure=measure, exact=exact):
             for batch in shard.batches(batch_rows):
                 for row in batch.to_pylist():
                     splices = None
@@ -160,7 +173,7 @@ def _atif_export(root: Path, sel, staging: Path, batch_rows: int) -> Exported:
                             (s.position_idx, s.attempt_idx): {"splice_kind": s.kind, "similarity": s.similarity}
                             for s in lived.splices
                         }
-                    yield atif_format.raw_trajectory(row, decode, agent, splices)
+                    yield atif_format.raw_trajectory(row, decode, agent, splices, exact)
 
         write(staging / raw_file, raw_docs())
         if shard.iteration in purified:
@@ -218,6 +231,7 @@ def run_export(
         partition = default_partition(root, run_id, cfg)
     sel = select(root, run_id, iterations, parse_partition(partition) if partition else None)
     provenance = _provenance(root, sel, partition)
+    exact = all(token_exact(shard.manifest) for shard in sel.raw)
     with staged_output(out) as staging:
         if fmt == "atif":
             done = _atif_export(root, sel, staging, batch_rows)
@@ -231,6 +245,7 @@ def run_export(
                 data_files={},
                 columns={},
                 provenance=provenance,
+                token_exact=exact or RETOKENIZED,
                 notes=[
                     "`datasets` cannot load ATIF documents as a table (their steps differ in shape): read each "
                     "line with `atif.Trajectory.model_validate_json`."
@@ -247,6 +262,7 @@ def run_export(
                     "transformers' Trainer train exactly the tokens whose label is not -100 (completion_mask 1)."
                 ),
                 data_files={"default": "data/*.parquet"},
+                token_exact=exact or RETOKENIZED,
                 columns={c: trl.COLUMN_DOCS[c] for c in trl.SFT_SCHEMA.names},
                 provenance=provenance,
                 notes=[EVERY_REWARD],
@@ -283,6 +299,9 @@ def run_export(
                 notes=[
                     "A turn the partition masks (mask_failed) is an assistant message like any other: the "
                     "per-token loss mask is kept only by trl-sft.",
+                    "A trainer renders the messages with its own chat template: one that ignores `tool_calls` "
+                    "drops every call (`trl.chat_template_utils.supports_tool_calling(tokenizer)` says whether "
+                    "yours renders them; Qwen3's does).",
                     EVERY_REWARD,
                 ],
             )

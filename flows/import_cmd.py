@@ -113,6 +113,7 @@ def _rows(
 
     samples: dict[tuple[int, str], int] = {}
     trajectory_ids: dict[str, str] = {}  # another framework's ATIF trajectory_id -> where it was read
+    verl_steps: dict[int, tuple[object, str]] = {}  # iteration -> (the verl training step of its rows, first read at)
 
     def next_sample(it: int, prompt_id: str) -> int:
         n = samples.get((it, prompt_id), 0)
@@ -139,7 +140,13 @@ def _rows(
                     found = resolve_recorded(root, recorded) if isinstance(recorded, str) and recorded else None
                     if iteration is not None:
                         row["iteration"] = iteration
-                    yield row["iteration"], row, True, where, found if found is not None and found.is_dir() else None
+                    yield (
+                        row["iteration"],
+                        row,
+                        atif_format.raw_is_token_exact(doc),
+                        where,
+                        found if found is not None and found.is_dir() else None,
+                    )
                     continue
                 if (traj.extra or {}).get(atif_format.KEY, {}).get("format") == atif_format.PURIFIED_FORMAT:
                     raise InteropError(
@@ -175,7 +182,7 @@ def _rows(
                     source=source,
                     question=question,
                     ground_truth=str(extra.get("ground_truth") or ""),
-                    reward=float(extra.get("reward") or 0.0),
+                    reward=_reward(extra.get("reward"), where, "extra.reward"),
                     prompt_ids=list(prompt_ids),
                     turns=turns,
                     chat=chat,
@@ -198,7 +205,7 @@ def _rows(
                         f"{where}: field 'completion' is a {type(completion).__name__}, expected text or messages"
                     )
                 prompt_ids = importers.prompt_ids_of(chat_, prompt_messages)
-                reward, truth = doc.get("reward", 0.0), doc.get("ground_truth", doc.get("answer", ""))
+                reward, truth = doc.get("reward"), doc.get("ground_truth", doc.get("answer", ""))
                 source = str(doc.get("data_source") or "trl")
             else:
                 for name in ("input", "output"):
@@ -209,18 +216,28 @@ def _rows(
                             + " (verl's rollout "
                             "dump has input, output, gts, score, step)"
                         )
+                it = 0 if iteration is None else iteration
+                step = doc.get("step")
+                first = verl_steps.setdefault(it, (step, where))
+                if first[0] != step:  # one training step's rows were sampled by one policy
+                    raise InteropError(
+                        f"{where}: verl step {step!r}, but iteration {it}'s rows so far are step {first[0]!r} "
+                        f"({first[1]}): rows of two training steps were sampled by two policies; import each step's "
+                        "dump into its own --iteration"
+                    )
                 importers.check_markup(doc["output"], chat_, where)
                 question = importers.rendered_question(doc["input"])
                 completion = importers.split_rendered(doc["output"])
                 prompt_ids = (
-                    chat_.encode(doc["input"])
+                    chat_.encode(importers.without_left_padding(doc["input"], chat_))
                     if importers.renders_special_tokens(doc["input"])
                     else importers.prompt_ids_of(chat_, [{"role": "user", "content": question}])
                 )
-                reward, truth = doc.get("score", doc.get("reward", 0.0)), doc.get("gts", doc.get("ground_truth", ""))
+                reward, truth = doc.get("score", doc.get("reward")), doc.get("gts", doc.get("ground_truth", ""))
                 source = str(doc.get("data_source") or "verl")
-            if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                raise InteropError(f"{where}: field 'reward' / 'score' is a {type(reward).__name__}, expected a number")
+            reward = _reward(reward, where, "'reward'" if fmt == "trl-completions" else "'score' (or 'reward')")
+            if truth is None:  # verl's gts: null
+                truth = ""
             turns, last = importers.text_turns(completion, chat_, where)
             prompt_id = stable_id(source, question)
             it = 0 if iteration is None else iteration
@@ -233,13 +250,25 @@ def _rows(
                 source=source,
                 question=question,
                 ground_truth=truth if isinstance(truth, str) else json.dumps(truth),
-                reward=float(reward),
+                reward=reward,
                 prompt_ids=prompt_ids,
                 turns=turns,
                 chat=chat_,
                 final_text=last,
             )
             yield it, row, False, where, None
+
+
+def _reward(value: object, where: str, field: str) -> float:
+    """A row's reward as a number; a missing one is refused (stored as 0 it would be a reward the trajectory never
+    had: one a GRPO group would rank it by)."""
+    from flows.interop.source import InteropError
+
+    if value is None:
+        raise InteropError(f"{where}: no reward (field {field}): a trajectory is imported with the reward it had")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise InteropError(f"{where}: field {field} is a {type(value).__name__}, expected a number")
+    return float(value)
 
 
 def run_import(
@@ -271,9 +300,11 @@ def run_import(
     root = Path(cfg.storage.root)
     layout = RunLayout(root, run_id)
     files = [Path(f) for f in files]
-    for f in files:
+    for n, f in enumerate(files):
         if not f.is_file():
             raise InteropError(f"{f}: " + ("is a folder, not a file" if f.is_dir() else "does not exist"))
+        if any(f.resolve() == g.resolve() for g in files[:n]):  # its rows would be imported twice
+            raise InteropError(f"{f}: named twice")
     check_writable_root(root)
     if layout.run_json.is_file() or (layout.run_dir / "checkpoints").is_dir():
         raise InteropError(

@@ -423,8 +423,12 @@ def test_an_import_never_overwrites_another_one(chat, tmp_path, capsys):
             for t in synthetic_trajectories(3)
         )
     )
-    with pytest.raises(InteropError, match="already imported from .*ours.jsonl: line 1"):
+    with pytest.raises(InteropError, match="ours.jsonl: named twice"):  # before any row: a verl or TRL file too
         run_import(cfg, [ours, ours], "atif", "r2")
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(ours.read_text())
+    with pytest.raises(InteropError, match="already imported from .*ours.jsonl: line 1"):
+        run_import(cfg, [ours, copy], "atif", "r2")
     assert run_import(cfg, [ours], "atif", "r3").rows == 3
 
 

@@ -223,9 +223,12 @@ def raw_trajectory(
     decode: Decode | None,
     agent: dict[str, Any],
     splices: dict[tuple[int, int], dict[str, Any]] | None = None,
+    token_exact: bool = True,
 ) -> dict[str, Any]:
     """One raw row as an ATIF trajectory (a dict the `atif` models validate). `splices` maps (position, attempt)
-    to the splice SAAR decides there at γ_live ({kind, similarity}), when known."""
+    to the splice SAAR decides there at γ_live ({kind, similarity}), when known. `token_exact` False (a row of a
+    re-tokenized import): recorded as `extra.cleaner.token_exact`, so importing it back keeps its shard's
+    `token_exact: false`."""
     attempts = [(p["position_idx"], p["outcome"], a) for p in row["positions"] for a in p["attempts"]]
     final = row["final_turn"]
     turns = [a["turn_ids"][: a["call_start"]] if a["call_start"] >= 0 else a["turn_ids"] for _, _, a in attempts]
@@ -254,6 +257,8 @@ def raw_trajectory(
         ]
     fields = {k: row[k] for k in RAW_FIELDS}
     fields["final_answer"] = row["final_answer"]
+    if not token_exact:
+        fields["token_exact"] = False
     if len(steps) == 1:  # nothing sampled (a prompt too long): the prompt's ids have no agent step to sit on
         fields["prompt_token_ids"] = list(row["prompt_ids"])
     lived = encode_lived(row["lived_ids"], row["lived_mask"], row["lived_logprobs"], pieces)
@@ -274,6 +279,12 @@ def raw_trajectory(
 
 def is_cleaner_raw(doc: dict[str, Any]) -> bool:
     return ((doc.get("extra") or {}).get(KEY) or {}).get("format") == RAW_FORMAT
+
+
+def raw_is_token_exact(doc: dict[str, Any]) -> bool:
+    """Whether a trajectory `raw_trajectory` wrote holds the ids a policy sampled: not when it was exported from a
+    re-tokenized import (an export from before this record was a cleaner run's own, or said nothing of it)."""
+    return doc["extra"][KEY].get("token_exact") is not False
 
 
 def raw_row(doc: dict[str, Any], run_id: str, where: str) -> dict[str, Any]:

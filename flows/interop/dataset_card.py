@@ -18,7 +18,7 @@ class Card:
     data_files: dict[str, str]  # config name -> glob under the export folder ({} for a format `datasets` cannot read)
     columns: dict[str, str]  # column -> what it is
     provenance: dict[str, str] = field(default_factory=dict)  # e.g. run, iterations, partition, policy versions
-    token_exact: bool | None = True  # None: no tokens (a prompts file)
+    token_exact: bool | str | None = True  # None: no tokens (a prompts file); a text: not exact, and why
     notes: list[str] = field(default_factory=list)
     tags: list[str] = field(default_factory=lambda: ["cleaner", "agentic-rl", "tool-use"])
 
@@ -47,7 +47,9 @@ class Card:
                 "n/a (prompts: the trainer samples its own rollouts)."
                 if self.token_exact is None
                 else "yes (the token ids the policy sampled and trains on)."
-                if self.token_exact
+                if self.token_exact is True
+                else self.token_exact
+                if isinstance(self.token_exact, str)
                 else "no (text: a consumer re-tokenizes it)."
             ),
             "",

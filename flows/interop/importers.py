@@ -413,6 +413,15 @@ def rendered_question(text: str) -> str:
     return found[-1].strip("\n") if found else text
 
 
+def without_left_padding(text: str, chat: ChatFormat) -> str:
+    """A rendered prompt without the pad tokens verl's agent loop pads it with on the left (to the batch's prompt
+    length): they are not the prompt the policy saw; a dump decoded with skip_special_tokens=False keeps them."""
+    pad = getattr(chat.tokenizer, "pad_token", None)
+    while pad and text.startswith(pad):
+        text = text[len(pad) :]
+    return text
+
+
 def renders_special_tokens(text: str) -> bool:
     """Whether a rendered prompt kept its special tokens (then its ids are re-tokenized from it as it is; without
     them the prompt is rendered again from its question with the tokenizer's template)."""

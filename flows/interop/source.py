@@ -174,8 +174,15 @@ def check_out_dir(out: Path) -> Path:
 def staged_output(out: Path) -> Iterator[Path]:
     """A staging folder beside `out` for the block to write into, renamed to `out` when the block ends without
     error and removed otherwise: `out` is whole or absent, never half-written."""
+    from pipeline.processes import alive
+
     out = check_out_dir(out)
-    staging = out.parent / f".{out.name}.staging-{uuid.uuid4().hex[:8]}"
+    # an export killed (-9) before it could remove its staging folder left it: the pid in the name says it is dead
+    for left in out.parent.glob(f".{out.name}.staging-*-*"):
+        pid = left.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    staging = out.parent / f".{out.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         staging.mkdir()
     except OSError as e:
