@@ -107,6 +107,28 @@ def test_atif_round_trip_gives_the_same_raw_rows_and_partitions(purified_run, tm
     assert read_manifest(raw_dir).created_at == manifest.created_at
 
 
+def trl_row(**fields) -> dict:
+    """A TRL prompt-completion row: a call that fails, its retry (arguments as a JSON string, as OpenAI's API writes
+    them), the answer; `fields` added (e.g. its reward)."""
+    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7"}}}
+    fixed = {
+        "type": "function",
+        "function": {"name": "code_interpreter", "arguments": json.dumps({"code": "print(6*7)"})},
+    }
+    return {
+        "prompt": [{"role": "user", "content": QUESTION}],
+        "ground_truth": "42",
+        "completion": [
+            {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]},
+            {"role": "tool", "content": FAILED},
+            {"role": "assistant", "content": "", "tool_calls": [fixed]},
+            {"role": "tool", "content": OK},
+            {"role": "assistant", "content": "The answer is \\boxed{42}."},
+        ],
+        **fields,
+    }
+
+
 def _foreign_atif(chat, version: str = "ATIF-v1.4") -> tuple[dict, tuple[list[int], ...]]:
     """A trajectory another framework logged (ATIF v1.4: ids, log-probs and each step's prompt ids): a call that
     fails, its retry, the answer."""
@@ -196,29 +218,8 @@ def test_text_sources_are_retokenized_and_not_purified_unless_allowed(chat, tmp_
     from storage.layout import RunLayout
     from storage.shards import ShardError, read_manifest
 
-    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7"}}}
-    fixed = {
-        "type": "function",  # arguments as a JSON string, as OpenAI's API writes them
-        "function": {"name": "code_interpreter", "arguments": json.dumps({"code": "print(6*7)"})},
-    }
     trl = tmp_path / "trl.jsonl"
-    trl.write_text(
-        json.dumps(
-            {
-                "prompt": [{"role": "user", "content": QUESTION}],
-                "reward": 1.0,
-                "ground_truth": "42",
-                "completion": [
-                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]},
-                    {"role": "tool", "content": FAILED},
-                    {"role": "assistant", "content": "", "tool_calls": [fixed]},
-                    {"role": "tool", "content": OK},
-                    {"role": "assistant", "content": "The answer is \\boxed{42}."},
-                ],
-            }
-        )
-        + "\n"
-    )
+    trl.write_text(json.dumps(trl_row(reward=1.0)) + "\n")
     cfg = _store(tmp_path)
     done = run_import(cfg, [trl], "trl-completions", "from-trl", tokenizer=DEFAULT_POLICY)
     assert not done.token_exact

@@ -16,24 +16,7 @@ import pytest
 
 from pipeline.variants import plan_variants
 from tests.flow_helpers import refused
-from tests.test_import import FAILED, OK, QUESTION, _foreign_atif, _rows, _store
-
-
-def _trl_row(**extra) -> dict:
-    call = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6 * 7"}}}
-    fixed = {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(6*7)"}}}
-    return {
-        "prompt": [{"role": "user", "content": QUESTION}],
-        "ground_truth": "42",
-        "completion": [
-            {"role": "assistant", "content": "Let me compute.", "tool_calls": [call]},
-            {"role": "tool", "content": FAILED},
-            {"role": "assistant", "content": "", "tool_calls": [fixed]},
-            {"role": "tool", "content": OK},
-            {"role": "assistant", "content": "The answer is \\boxed{42}."},
-        ],
-        **extra,
-    }
+from tests.test_import import QUESTION, _foreign_atif, _rows, _store, trl_row
 
 
 def test_a_retokenized_import_is_not_made_token_exact_by_an_atif_round_trip(tmp_path):
@@ -47,7 +30,7 @@ def test_a_retokenized_import_is_not_made_token_exact_by_an_atif_round_trip(tmp_
     from storage.shards import ShardError, read_manifest
 
     source = tmp_path / "trl.jsonl"
-    source.write_text(json.dumps(_trl_row(reward=1.0)) + "\n")
+    source.write_text(json.dumps(trl_row(reward=1.0)) + "\n")
     cfg = _store(tmp_path)
     assert not run_import(cfg, [source], "trl-completions", "text", tokenizer=DEFAULT_POLICY).token_exact
 
@@ -70,7 +53,7 @@ def test_a_row_without_a_reward_is_refused_not_stored_as_zero(chat, tmp_path, ca
     root = tmp_path / "ws"
     base = ["import", "--run", "r", f"storage.root={root}", "--format"]
     trl = tmp_path / "trl.jsonl"
-    trl.write_text(json.dumps(_trl_row()) + "\n")
+    trl.write_text(json.dumps(trl_row()) + "\n")
     tok = ["--tokenizer", str(DEFAULT_POLICY)]
     refused([*base, "trl-completions", str(trl), *tok], capsys, 2, f"{trl}: line 1", "no reward", "'reward'")
     verl = tmp_path / "verl.jsonl"
