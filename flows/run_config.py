@@ -13,6 +13,7 @@ from pipeline.config import (
     MOVED_TO_ENGINE_TUNING,
     PLACEMENT_SETTINGS,
     PURIFY_REPLAY_SETTINGS,
+    SECTION_SETTINGS_IF_SET,
     CleanerConfig,
     upgrade_frozen,
 )
@@ -85,7 +86,9 @@ def freeze_run_config(cfg: CleanerConfig, run_id: str) -> None:
 def config_diffs(started: dict, now: dict) -> list[str]:
     """`section.key: A -> B` for each frozen setting that differs between a run's run.json and a config (dumped)."""
     a, b = _frozen(started), _frozen(now)
-    for sec in FROZEN_SECTIONS:  # settings added by a newer cleaner are not a change of the run
+    for sec, defaults in SECTION_SETTINGS_IF_SET.items():  # a run frozen before them ran at their defaults
+        a[sec] = {**defaults, **a[sec]}
+    for sec in FROZEN_SECTIONS:  # other settings added by a newer cleaner are not a change of the run
         b[sec] = {k: v for k, v in b[sec].items() if k in a[sec]}
     return [
         f"{s}.{k}: {a[s].get(k)!r} -> {b[s].get(k)!r}"

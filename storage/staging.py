@@ -22,11 +22,13 @@ def _remove_if_empty(folder: Path) -> None:
         folder.rmdir()
 
 
-def clean_stale(root: Path, prefix: str) -> None:
-    """Remove the folders (and locks) under `root` that writers no longer running left."""
+def clean_stale(root: Path, prefix: str, remove_root: bool = True) -> None:
+    """Remove the folders (and locks) under `root` named `PREFIX-…` that writers no longer running left; then `root`
+    itself when it is empty and `remove_root` (a staging root of cleaner's own, not a folder of the user's)."""
     if not root.is_dir():
         return
-    for entry in sorted(root.glob(f"{prefix}-*")):
+    # by name, not by glob: a prefix may hold glob characters ('[', '*') when it comes from a user's folder name
+    for entry in sorted(e for e in root.iterdir() if e.name.startswith(f"{prefix}-")):
         name = entry.name.removesuffix(".lock")
         lock = root / f"{name}.lock"
         try:
@@ -43,7 +45,21 @@ def clean_stale(root: Path, prefix: str) -> None:
             lock.unlink(missing_ok=True)
         finally:
             os.close(fd)
-    _remove_if_empty(root)
+    if remove_root:
+        _remove_if_empty(root)
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` (created) while the block runs, the file removed after: what tells
+    `clean_stale` that the folder beside it, `path` without `.lock`, is in use."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -116,26 +115,27 @@ def test_verls_left_padding_is_not_part_of_the_imported_prompt(chat, tmp_path):
 
 
 def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(purified_run, tmp_path):
-    """kill -9 left `.OUT.staging-…` with a partial file for good: the next export into that folder removes it,
-    and leaves one a running export holds."""
+    """kill -9 left `.OUT.staging-…` with a partial file for good: the next export into that folder removes it, and
+    leaves one whose lock a running export holds (a pid would name nothing on another machine sharing the disk)."""
+    from storage.staging import locked
+
     root = purified_run.storage.root
-    out = tmp_path / "atif"
+    out = tmp_path / "atif[1]"  # glob characters in the name: matched as text
     code = (
         "import sys\nfrom flows.cli import main\n"
         f"sys.exit(main(['export', '--run', 'w', '--format', 'atif', '--out', {str(out)!r}, "
         f"'storage.root={root}']))"
     )
-    # a stand-in for an export killed mid-write: a real process that made the folder, then died by SIGKILL
-    child = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(60)"])
-    dead = tmp_path / f".atif.staging-{child.pid}-deadbeef"
+    dead = tmp_path / ".atif[1].staging-deadbeef"  # what a killed export left: no process holds its lock
     (dead / "raw").mkdir(parents=True)
     (dead / "raw" / "iteration-0000.jsonl").write_text('{"partial": ')
-    child.send_signal(signal.SIGKILL)
-    child.wait()
-    held = tmp_path / f".atif.staging-{os.getpid()}-cafecafe"  # this process runs: its folder is in use
+    held = tmp_path / ".atif[1].staging-cafecafe"
     held.mkdir()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    with locked(held.with_name(held.name + ".lock")):  # a live export's
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert held.is_dir()
     assert (out / "raw" / "iteration-0000.jsonl").is_file()
-    assert not dead.exists() and held.is_dir()
+    assert not dead.exists() and not (tmp_path / ".atif[1].staging-deadbeef.lock").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".atif[1].staging-cafecafe", "atif[1]"]

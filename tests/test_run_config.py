@@ -96,6 +96,20 @@ def test_a_run_frozen_before_engine_tuning_goes_on_and_its_schedule_is_still_com
         freeze_run_config(_cfg(tmp_path, "rollout.engine_tuning.deterministic=false"), "r")
 
 
+def test_a_run_frozen_before_answer_match_ran_at_its_default_and_cannot_switch(tmp_path):
+    """run.json written before rollout.answer_match: its rewards were math-verify's, so a rerun at the default goes
+    on and one with exact is refused (other settings a newer cleaner added are not compared; this one changes every
+    later reward)."""
+    freeze_run_config(_cfg(tmp_path), "r")
+    run_json = RunLayout(tmp_path, "r").run_json
+    old = json.loads(run_json.read_text())
+    del old["rollout"]["answer_match"]
+    run_json.write_text(json.dumps(old))
+    freeze_run_config(_cfg(tmp_path), "r")
+    with pytest.raises(RunConfigMismatch, match="rollout.answer_match: 'equivalent' -> 'exact'"):
+        freeze_run_config(_cfg(tmp_path, "rollout.answer_match=exact"), "r")
+
+
 def test_train_refuses_another_config_before_its_prefect_server_starts(tmp_path):
     """The refusal came 12 s in, after a Prefect server had started and the flow had begun."""
     from tests.flow_helpers import run_cleaner

@@ -174,15 +174,19 @@ def check_out_dir(out: Path) -> Path:
 def staged_output(out: Path) -> Iterator[Path]:
     """A staging folder beside `out` for the block to write into, renamed to `out` when the block ends without
     error and removed otherwise: `out` is whole or absent, never half-written."""
-    from pipeline.processes import alive
+    from storage.staging import clean_stale, locked
 
     out = check_out_dir(out)
-    # an export killed (-9) before it could remove its staging folder left it: the pid in the name says it is dead
-    for left in out.parent.glob(f".{out.name}.staging-*-*"):
-        pid = left.name.rsplit("-", 2)[-2]
-        if pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
-    staging = out.parent / f".{out.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    prefix = f".{out.name}.staging"
+    # an export killed (-9) left its staging folder; a live one holds the flock of the folder's .lock (on a shared
+    # filesystem too, where a pid names nothing)
+    clean_stale(out.parent, prefix, remove_root=False)
+    staging = out.parent / f"{prefix}-{uuid.uuid4().hex[:8]}"
+    with locked(staging.with_name(staging.name + ".lock")):
+        yield from _stage(out, staging)
+
+
+def _stage(out: Path, staging: Path) -> Iterator[Path]:
     try:
         staging.mkdir()
     except OSError as e:
