@@ -470,9 +470,38 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
     The published file is never opened here, so whoever holds it open keeps working (on the views it opened)
     and blocks nothing; the shards left out are returned. A file built from the same scan is kept: beside it,
     `.<name>.published` holds the identity of the file this function last renamed into place and what it was
-    built from; any other file (written to since, renamed over it by another, copied) is rebuilt."""
+    built from; any other file (written to since, renamed over it by another, copied) is rebuilt.
+
+    Publishes of one file take turns (a flock on `.<name>.lock`), and each scans the root once it has its turn:
+    two that ran at once renamed in the order they finished, so one scanned before the other's commit could
+    replace its file and leave committed shards out, or name files a gc had removed. `scanned` (a scan the caller
+    made) is used only when no other publish ran meanwhile."""
     database = Path(database).resolve()
-    scanned = scanned or scan(root)
+    with _publishing(database) as waited:
+        if scanned is None or waited:
+            scanned = scan(root)
+        return _publish(root, database, scanned)
+
+
+@contextlib.contextmanager
+def _publishing(database: Path):
+    """This process's turn to publish `database`: True when another publish held it first."""
+    import fcntl
+
+    fd = os.open(database.with_name(f".{database.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+        yield waited
+    finally:
+        os.close(fd)
+
+
+def _publish(root: Path, database: Path, scanned: Scan) -> list[Problem]:
     stamp, fingerprint = database.with_name(f".{database.name}.published"), _fingerprint(Path(root).resolve(), scanned)
     with contextlib.suppress(OSError, ValueError):
         if json.loads(stamp.read_bytes()) == {"identity": identity(database), "fingerprint": fingerprint}:
@@ -487,6 +516,9 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
             cat.con.execute("CHECKPOINT")
         built = identity(tmp)
         os.replace(tmp, database)
+        # a write-ahead log beside it is the replaced file's (a session that wrote into the catalog and did not
+        # close): DuckDB would replay it into the new file and refuse every open ("WAL does not match database file")
+        database.with_name(database.name + ".wal").unlink(missing_ok=True)
         published = identity(database)  # the rename changed its ctime; its inode says whether it is still ours
         if published[3] == built[3]:
             with contextlib.suppress(OSError):  # without it, the next publish rebuilds

@@ -128,7 +128,10 @@ def remove(root: Path, item: Removal) -> None:
     trash = Path(root) / TRASH
     trash.mkdir(exist_ok=True)
     target = trash / f"{uuid.uuid4().hex[:8]}-{item.path.name}"
-    os.rename(item.path, target)
+    try:
+        os.rename(item.path, target)
+    except FileNotFoundError:  # removed meanwhile (another gc of the run): what this one came to do
+        return
     if target.is_dir():
         shutil.rmtree(target, ignore_errors=True)
     else:

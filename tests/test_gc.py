@@ -188,3 +188,13 @@ def test_gc_and_the_next_publish_remove_what_killed_writers_left(run):
     assert out.returncode == 0, out.stderr
     assert not staged.exists()
     assert catalog.is_file() and not any(p.exists() for p in left) and alive.exists()
+
+
+def test_an_item_another_gc_removed_meanwhile_is_not_an_error(tmp_path):
+    """Two gc of one run at once: the one that came second to a partition stopped with 'No such file or directory',
+    its other items left and the catalog not republished."""
+    from storage.retention import Removal, remove
+
+    gone = tmp_path / "runs" / "r" / "iteration=0000" / "purified" / "mode=saar" / "gamma=0.40"
+    remove(tmp_path, Removal(gone, "partition", 0))  # never there, or renamed into the trash by the other gc
+    assert not gone.exists()

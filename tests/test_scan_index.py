@@ -375,3 +375,49 @@ def test_a_committed_shard_that_lost_its_manifest_is_bad_not_uncommitted(store_i
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"BAD {layout.raw_dir(3)}: committed, but its _MANIFEST.json is gone" in out.stderr, out.stderr
+
+
+def test_a_publish_that_waited_for_another_scans_the_root_again(store_indexed, settle):
+    """Two publishes at once renamed in the order they finished: one that scanned before a commit could replace the
+    other's newer file and leave the commit out of the catalog. A publish that waited its turn scans again."""
+    import fcntl
+    import threading
+
+    import duckdb
+
+    store = store_indexed
+    db = store / "catalog.duckdb"
+    publish(store, db)
+    before = shard_index.scan(store)
+    build(store, 1, rows=4, tokens=16, start=ITERATIONS, log=None)  # committed after `before` was scanned
+    settle()
+    fd = os.open(db.with_name(".catalog.duckdb.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another publish has its turn
+    late = threading.Thread(target=publish, args=(store, db, before))
+    late.start()
+    time.sleep(0.5)
+    assert late.is_alive()  # it waits
+    os.close(fd)
+    late.join(timeout=60)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.sql("SELECT max(iteration) FROM raw_trajectories").fetchall() == [(ITERATIONS,)]
+
+
+def test_a_write_ahead_log_a_killed_session_left_does_not_break_the_next_catalog(store_indexed, settle):
+    """A duckdb session that wrote into the published file and was killed left `catalog.duckdb.wal`; DuckDB replayed
+    it into the next published file and refused every open ("WAL does not match database file")."""
+    import duckdb
+
+    store = store_indexed
+    db = store / "catalog.duckdb"
+    publish(store, db)
+    notes = "CREATE TABLE my_notes AS SELECT 42 AS x"
+    write = f"import duckdb, os\ncon = duckdb.connect({str(db)!r})\ncon.execute({notes!r})\nos._exit(0)"
+    subprocess.run([sys.executable, "-c", write], check=True)  # killed: no checkpoint, no close
+    assert db.with_name("catalog.duckdb.wal").is_file()
+    build(store, 1, rows=4, tokens=16, start=ITERATIONS, log=None)
+    settle()
+    publish(store, db)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.sql("SELECT max(iteration) FROM raw_trajectories").fetchall() == [(ITERATIONS,)]
+        assert "my_notes" not in {t for (t,) in con.sql("SHOW TABLES").fetchall()}
