@@ -11,6 +11,7 @@ while it answers. Only that pid (and its process group) is ever signalled.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 from flows.console import working
 from flows.env import configure_prefect
@@ -158,11 +160,15 @@ def start_server(
     """Start (or reuse) the project's Prefect server once /health answers: (state, started by this call).
     bound: the server dies with this process, however it dies (kill -9 included): for a command that
     owns its server (`cleaner schedule`), not for `cleaner server start`."""
-    current = running_server(root)
-    if current is not None:
-        return current, False
     home = prefect_home(root)
-    home.mkdir(parents=True, exist_ok=True)
+    with _starting_turn(home):  # two at once would set up one database, or start two servers for one store
+        current = running_server(root)
+        if current is not None:
+            return current, False
+        return _start_project_server(root, home, port, ui, bound, timeout), True
+
+
+def _start_project_server(root: Path, home: Path, port: int | None, ui: bool, bound: bool, timeout: float):
     if port:  # taken: Prefect exits after seconds with a wrapped line ("flag."), or another store's server answered
         with socket.socket() as s:  # on it and was taken for ours
             try:
@@ -180,7 +186,7 @@ def start_server(
     tmp = _state_path(root).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(state)))
     os.replace(tmp, _state_path(root))
-    return state, True
+    return state
 
 
 def owning_command(root: Path) -> int | None:
@@ -218,6 +224,21 @@ def stop_server(root: Path) -> ServerState | None:
 # ---- the temporary server of one command --------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _starting_turn(home: Path) -> Iterator[None]:
+    """This command's turn to start a server on the Prefect database under `home` (a flock, released however the
+    command ends; the file stays, so every command locks the same one)."""
+    import fcntl
+
+    home.mkdir(parents=True, exist_ok=True)
+    fd = os.open(home / ".server-start.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def start_temporary_server(root: Path) -> str | None:
     """Start a temporary Prefect server for this command, bound to its life; returns its API URL (also
     exported as PREFECT_API_URL), or None when the user set one.
@@ -231,17 +252,22 @@ def start_temporary_server(root: Path) -> str | None:
         check_api(os.environ["PREFECT_API_URL"])
         return None
     configure_prefect(root)
-    port = free_port()
-    log_path = Path(os.environ["PREFECT_HOME"]) / "temporary-server.log"
-    proc, url = _launch(port, dict(os.environ), log_path, ["--no-ui", "--no-scheduler", "--no-late-runs"], bound=True)
-    atexit.register(lambda: proc.poll() is None and terminate(proc.pid))  # a normal exit; kill -9: PDEATHSIG
-    with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
-        _wait_started(
-            proc,
-            url,
-            float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
-            "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",
-            log_path,
-        )
+    home = Path(os.environ["PREFECT_HOME"])
+    # commands started together take turns to start their servers: two that set up a new root's database at once
+    # failed ("duplicate column name", "table … already exists": exit code 3)
+    with _starting_turn(home):
+        port = free_port()
+        log_path = home / "temporary-server.log"
+        flags = ["--no-ui", "--no-scheduler", "--no-late-runs"]
+        proc, url = _launch(port, dict(os.environ), log_path, flags, bound=True)
+        atexit.register(lambda: proc.poll() is None and terminate(proc.pid))  # a normal exit; kill -9: PDEATHSIG
+        with working(f"Starting temporary Prefect server on http://{HOST}:{port} (stops with this command)"):
+            _wait_started(
+                proc,
+                url,
+                float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]),
+                "the temporary Prefect server (start-up timeout: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)",
+                log_path,
+            )
     os.environ["PREFECT_API_URL"] = url
     return url
