@@ -260,6 +260,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     server_pid = server.pid if started else None
     Runner.handle_sigterm = lambda _runner, *_args, **_kw: _interrupt_firings(server_pid)
+    # Stopped (Ctrl-C, kill), the runner waits for every firing it started, without a bound. A submission already
+    # under way goes on while it pauses the deployment (seconds on a loaded server) and could start one more
+    # firing, which never got the Ctrl-C: the command waited for it to train a whole iteration. Bounded here.
+    runner_exit = Runner.__aexit__
+
+    async def bounded_exit(runner, *exc_info):
+        _bound_firings(server_pid)
+        return await runner_exit(runner, *exc_info)
+
+    Runner.__aexit__ = bounded_exit
     # SIGINT handled even when started in the background of a script (which starts it ignored): the SIGTERM
     # above goes through it, and the firings started from here inherit it (an ignored SIGINT is inherited)
     import signal
@@ -289,6 +299,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
             print_starting_message=False,  # its banner's trigger command lacks PREFECT_API_URL; ours above works
         )
     finally:
+        Runner.__aexit__ = runner_exit
         if started:
             from flows.server import stop_server
 
@@ -328,6 +339,45 @@ def _interrupt_firings(server_pid: int | None) -> None:
 
     _signal_firings(server_pid)
     signal.raise_signal(signal.SIGINT)
+
+
+FIRINGS_GRACE_S = 20.0  # how long a stopping schedule waits for its firings before it kills them
+
+
+def _firing_pids(server_pid: int | None) -> set[int]:
+    """This process's children that run a firing (Prefect's runner starts each by multiprocessing's spawn): not
+    its Prefect server, nor multiprocessing's resource tracker."""
+    import psutil
+
+    pids = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone meanwhile, or exited (a zombie)
+            if child.pid != server_pid and "--multiprocessing-fork" in child.cmdline():
+                pids.add(child.pid)
+    return pids
+
+
+def _bound_firings(server_pid: int | None, grace_s: float = FIRINGS_GRACE_S) -> None:
+    """The runner is stopping: the firings running now got the Ctrl-C (the terminal's, or _interrupt_firings');
+    one it starts from now on (a submission under way) is interrupted as it appears; any still running `grace_s`
+    later is killed (its run is marked crashed by the next schedule), so that the runner's wait for them ends."""
+    import signal
+
+    interrupted = _firing_pids(server_pid)
+
+    def watch() -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            for pid in _firing_pids(server_pid) - interrupted:
+                interrupted.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGINT)
+            time.sleep(0.1)
+        for pid in _firing_pids(server_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="schedule-stop", daemon=True).start()
 
 
 def _signal_firings(server_pid: int | None) -> None:

@@ -397,3 +397,35 @@ def test_a_schedule_on_the_projects_running_server_says_it_uses_it(tmp_path, mon
     monkeypatch.delenv("PREFECT_API_URL")  # the first command set it
     assert main(["schedule", "--interval", "60", f"storage.root={tmp_path}"]) == 0
     assert "it belongs to `cleaner schedule` pid 777, and ends with it" in capsys.readouterr().out
+
+
+def test_a_stopping_schedule_interrupts_a_firing_started_late_and_kills_what_still_runs(monkeypatch):
+    """Ctrl-C reached the firings running then, but a submission already under way could start one more while the
+    runner paused the deployment (seconds on a loaded server): it never got the Ctrl-C, and the runner waited for it
+    without a bound (a schedule still ran 60 s after Ctrl-C in a full suite's run). From the stop on, a new firing
+    is interrupted as it appears, and any firing left after the grace period is killed. Real processes stand in for
+    the firings (multiprocessing's `--multiprocessing-fork` children) and for the schedule's Prefect server."""
+    import sys
+
+    from flows import flow_commands
+
+    def child(code: str, *flags: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code, *flags])
+
+    deaf = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)"
+    running = child(deaf, "--multiprocessing-fork")  # got the Ctrl-C already, and is not ending
+    server = child("import time\ntime.sleep(60)")  # the schedule's Prefect server: not a firing
+    started = [running, server]
+    try:
+        time.sleep(0.5)
+        flow_commands._bound_firings(server.pid, grace_s=4.0)
+        late = child("import time\ntime.sleep(60)", "--multiprocessing-fork")  # submitted before the stop
+        started.append(late)
+        assert late.wait(timeout=3) != 0  # interrupted as it appeared (KeyboardInterrupt)
+        assert running.poll() is None  # not interrupted twice
+        assert running.wait(timeout=10) == -signal.SIGKILL  # killed at the end of the grace period
+        assert server.poll() is None
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
