@@ -389,9 +389,8 @@ def _inspect(
         return 0
     from storage.catalog import Catalog, publish, scan
 
-    scanned = scan(cfg.storage.root)  # once, for the published file and the in-memory catalog alike
     try:
-        publish(cfg.storage.root, db, scanned)
+        publish(cfg.storage.root, db)  # scanned in its turn: a scan made before it could be older than the file
     except Exception as e:  # noqa: BLE001 - the tables below are built in memory and do not need the file
         # e.g. a read-only root: the reason, and nobody sent to rerun inspect (what it prints does not need the file)
         reason = (e.strerror or str(e)).lower() if isinstance(e, OSError) else (str(e).strip().splitlines() or [""])[0]
@@ -400,6 +399,7 @@ def _inspect(
             "read from the shards directly",
             file=sys.stderr,
         )
+    scanned = scan(cfg.storage.root)
     with Catalog(cfg.storage.root, scanned=scanned) as cat:  # in memory: a process holding the file blocks nothing
         for problem in cat.problems:  # named, never silently dropped; the tables below leave them out
             print(f"cleaner inspect: skipped {problem}", file=sys.stderr)

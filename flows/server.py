@@ -233,7 +233,11 @@ def _starting_turn(home: Path) -> Iterator[None]:
     home.mkdir(parents=True, exist_ok=True)
     fd = os.open(home / ".server-start.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another command starting a Prefect server on {home} …", file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)

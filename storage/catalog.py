@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import duckdb
 import pyarrow as pa
@@ -464,7 +464,7 @@ def _dead_publishers_files(database: Path) -> list[Path]:
     return out
 
 
-def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Problem]:
+def publish(root: Path, database: Path) -> list[Problem]:
     """Rebuild the catalog file: built under a temporary name beside it, then renamed over it (atomic).
 
     The published file is never opened here, so whoever holds it open keeps working (on the views it opened)
@@ -472,31 +472,41 @@ def publish(root: Path, database: Path, scanned: Scan | None = None) -> list[Pro
     `.<name>.published` holds the identity of the file this function last renamed into place and what it was
     built from; any other file (written to since, renamed over it by another, copied) is rebuilt.
 
-    Publishes of one file take turns (a flock on `.<name>.lock`), and each scans the root once it has its turn:
-    two that ran at once renamed in the order they finished, so one scanned before the other's commit could
-    replace its file and leave committed shards out, or name files a gc had removed. `scanned` (a scan the caller
-    made) is used only when no other publish ran meanwhile."""
+    Publishes of one file take turns (a flock on `.<name>.lock`), and each scans the root in its turn: two that ran
+    at once renamed in the order they finished, and one that scanned before the other's commit (even one that had
+    scanned before the other began) replaced its newer file, leaving committed shards out or naming files a gc had
+    removed."""
     database = Path(database).resolve()
-    with _publishing(database) as waited:
-        if scanned is None or waited:
-            scanned = scan(root)
-        return _publish(root, database, scanned)
+    with _publishing(database):
+        return _publish(root, database, scan(root))
+
+
+PUBLISH_WAIT_S = 120.0  # a publisher stopped (Ctrl-Z) or hung (a dead mount) holds its turn: then go on without it
 
 
 @contextlib.contextmanager
-def _publishing(database: Path):
-    """This process's turn to publish `database`: True when another publish held it first."""
+def _publishing(database: Path) -> Iterator[None]:
+    """This process's turn to publish `database`. Without a lock file to open (a read-only root, as before the
+    turns: the stamp says the file is current), or after PUBLISH_WAIT_S, it goes on without its turn."""
     import fcntl
+    import time
 
-    fd = os.open(database.with_name(f".{database.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # read-only: flock needs no write access, so a store shared by several users takes turns too
+        fd = os.open(database.with_name(f".{database.name}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            waited = False
-        except BlockingIOError:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            waited = True
-        yield waited
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        yield
     finally:
         os.close(fd)
 
@@ -529,11 +539,11 @@ def _publish(root: Path, database: Path, scanned: Scan) -> list[Problem]:
     return problems
 
 
-def publish_quietly(root: Path, database: Path, warn: Callable[[str], None], scanned: Scan | None = None) -> None:
+def publish_quietly(root: Path, database: Path, warn: Callable[[str], None]) -> None:
     """`publish`, for callers that must not fail because of the catalog (a training flow): a failure is
     one warning, and the next commit or `cleaner inspect` publishes again."""
     try:
-        publish(root, database, scanned)
+        publish(root, database)
     except Exception as e:  # noqa: BLE001 - the shards are committed whatever happens to their catalog
         first = first_line(e)
         warn(f"catalog {database} not refreshed ({first}); `cleaner inspect` rebuilds it")
