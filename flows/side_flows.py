@@ -83,6 +83,7 @@ def eval_flow(
         }
     on, off = result["saar_on"], result["saar_off"]
     result["saar_latency_overhead"] = on["wall_s"] / off["wall_s"] - 1 if off["wall_s"] else None
+    result["answer_match"] = cfg.rollout.answer_match  # equivalent scores above the paper's exact rule (docs/eval.md)
     result["benchmarks"] = {  # each source's SAAR on beside its SAAR off, "all" first
         f"{source} · SAAR {setting}": benchmarks[setting][source]
         for source in benchmarks["on"]
@@ -106,6 +107,7 @@ def eval_flow(
             f"| {k} | {v['tasks']} | {v['pass@1']:.3f} | {v['pass@1_se']:.3f} | "
             f"{v['tool_failures_per_trajectory']:.3f} |"
             for k, v in result["benchmarks"].items()
-        ),
+        )
+        + f"\n\nMath and GPQA answers matched by rollout.answer_match={cfg.rollout.answer_match} (docs/eval.md).",
     )
     return result

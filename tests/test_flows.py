@@ -141,7 +141,8 @@ def test_eval_flow_compares_saar_on_and_off(tmp_path, capsys):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     result = json.loads(p.stdout)  # --json: stdout is one JSON document, logs and progress go to stderr
-    assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead", "benchmarks"}
+    assert set(result) == {"saar_on", "saar_off", "saar_latency_overhead", "benchmarks", "answer_match"}
+    assert result["answer_match"] == "equivalent"  # the rule the numbers were scored by (docs/eval.md)
     # SAAR off at test time is the plain evaluation of the same tasks (gate_p 0), computed here on its own
     cfg = load_config(None, [f"storage.root={tmp_path}", "world.eval_size=12", "rollout.saar.gate_p=0"])
     plain = evaluate_world(cfg, cfg.rollout.policy, limit=4, show_progress=False)
