@@ -191,6 +191,7 @@ def _rows(
                 yield it, row, exact, where, None
                 continue
             chat_ = need_chat(where)
+            it = 0 if iteration is None else iteration
             if fmt == "trl-completions":
                 if "prompt" not in doc or "completion" not in doc:
                     missing = "prompt" if "prompt" not in doc else "completion"
@@ -216,7 +217,6 @@ def _rows(
                             + " (verl's rollout "
                             "dump has input, output, gts, score, step)"
                         )
-                it = 0 if iteration is None else iteration
                 step = doc.get("step")
                 first = verl_steps.setdefault(it, (step, where))
                 if first[0] != step:  # one training step's rows were sampled by one policy
@@ -240,7 +240,6 @@ def _rows(
                 truth = ""
             turns, last = importers.text_turns(completion, chat_, where)
             prompt_id = stable_id(source, question)
-            it = 0 if iteration is None else iteration
             row = importers.raw_row(
                 run_id=run_id,
                 iteration=it,

@@ -11,7 +11,6 @@ while it answers. Only that pid (and its process group) is ever signalled.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import signal
@@ -23,12 +22,12 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from flows.console import working
 from flows.env import configure_prefect
 from pipeline.processes import alive, dies_with, terminate
 from storage.errors import CleanerError
+from storage.locks import turn
 
 HOST = "127.0.0.1"
 
@@ -224,23 +223,15 @@ def stop_server(root: Path) -> ServerState | None:
 # ---- the temporary server of one command --------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _starting_turn(home: Path) -> Iterator[None]:
-    """This command's turn to start a server on the Prefect database under `home` (a flock, released however the
-    command ends; the file stays, so every command locks the same one)."""
-    import fcntl
-
+def _starting_turn(home: Path):
+    """This command's turn to start a server on the Prefect database under `home`."""
     home.mkdir(parents=True, exist_ok=True)
-    fd = os.open(home / ".server-start.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another command starting a Prefect server on {home} …", file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    return turn(
+        home / ".server-start.lock",
+        waiting=lambda: print(
+            f"waiting for another command starting a Prefect server on {home} …", file=sys.stderr, flush=True
+        ),
+    )
 
 
 def start_temporary_server(root: Path) -> str | None:

@@ -21,13 +21,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import duckdb
 import pyarrow as pa
 
 from storage.errors import first_line
 from storage.layout import DEFAULT_MEASURE_KEY
+from storage.locks import turn
 from storage.modes import IS_MODES, SPLICING_MODES, sql_list
 from storage.packs import KINDS
 from storage.schemas import GAMMA_ALONE_SQL, schema_id
@@ -477,38 +478,12 @@ def publish(root: Path, database: Path) -> list[Problem]:
     scanned before the other began) replaced its newer file, leaving committed shards out or naming files a gc had
     removed."""
     database = Path(database).resolve()
-    with _publishing(database):
+    # a read-only root goes on without its turn, as before turns: its stamp says the file is current
+    with turn(database.with_name(f".{database.name}.lock"), at_most_s=PUBLISH_WAIT_S):
         return _publish(root, database, scan(root))
 
 
 PUBLISH_WAIT_S = 120.0  # a publisher stopped (Ctrl-Z) or hung (a dead mount) holds its turn: then go on without it
-
-
-@contextlib.contextmanager
-def _publishing(database: Path) -> Iterator[None]:
-    """This process's turn to publish `database`. Without a lock file to open (a read-only root, as before the
-    turns: the stamp says the file is current), or after PUBLISH_WAIT_S, it goes on without its turn."""
-    import fcntl
-    import time
-
-    try:  # read-only: flock needs no write access, so a store shared by several users takes turns too
-        fd = os.open(database.with_name(f".{database.name}.lock"), os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        deadline = time.monotonic() + PUBLISH_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _publish(root: Path, database: Path, scanned: Scan) -> list[Problem]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 import weakref
 from pathlib import Path
+from typing import Callable, Iterator
 
 from storage.errors import CleanerError
 
@@ -96,3 +98,41 @@ class WriterLock:
                 folder.rmdir()
             except OSError:
                 break
+
+
+@contextlib.contextmanager
+def turn(path: Path, *, waiting: Callable[[], None] | None = None, at_most_s: float | None = None) -> Iterator[bool]:
+    """Commands that must not overlap take turns: an exclusive flock on `path` (created, never removed, so every
+    taker locks the same file; opened read-only, which flock needs no more than) while the block runs. `waiting` is
+    called once when another holds the turn. Yields False when it goes on without its turn: no lock file to open (a
+    read-only folder), or `at_most_s` spent waiting (a holder stopped or hung)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            held = _wait_for(fd, at_most_s)
+        yield held
+    finally:
+        os.close(fd)
+
+
+def _wait_for(fd: int, at_most_s: float | None) -> bool:
+    if at_most_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    deadline = time.monotonic() + at_most_s
+    while time.monotonic() < deadline:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.05)
+    return False

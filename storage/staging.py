@@ -69,15 +69,13 @@ def staging_area(root: Path, prefix: str) -> Iterator[Path]:
     clean_stale(root, prefix)
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True, exist_ok=True)
-    lock_path = root / f"{name}.lock"
-    lock = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(lock, fcntl.LOCK_EX)
     folder = root / name
     try:
-        folder.mkdir()  # before the writer starts: an unfinished one leaves a trace
-        yield folder
+        with locked(root / f"{name}.lock"):
+            try:
+                folder.mkdir()  # before the writer starts: an unfinished one leaves a trace
+                yield folder
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        lock_path.unlink(missing_ok=True)
-        os.close(lock)
         _remove_if_empty(root)

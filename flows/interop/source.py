@@ -183,22 +183,18 @@ def staged_output(out: Path) -> Iterator[Path]:
     clean_stale(out.parent, prefix, remove_root=False)
     staging = out.parent / f"{prefix}-{uuid.uuid4().hex[:8]}"
     with locked(staging.with_name(staging.name + ".lock")):
-        yield from _stage(out, staging)
-
-
-def _stage(out: Path, staging: Path) -> Iterator[Path]:
-    try:
-        staging.mkdir()
-    except OSError as e:
-        raise os_error(e, f"creating {staging}") from None
-    try:
-        yield staging
-        if out.is_dir():
-            out.rmdir()  # empty (checked above); a file written into it meanwhile makes this fail, loudly
-        os.rename(staging, out)
-    except OSError as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise os_error(e, f"writing {out}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        try:
+            staging.mkdir()
+        except OSError as e:
+            raise os_error(e, f"creating {staging}") from None
+        try:
+            yield staging
+            if out.is_dir():
+                out.rmdir()  # empty (checked above); a file written into it meanwhile makes this fail, loudly
+            os.rename(staging, out)
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise os_error(e, f"writing {out}") from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
